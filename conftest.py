@@ -1,0 +1,5 @@
+# Makes the flat top-level modules (model.py, moe.py, ...) importable from tests/.
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
