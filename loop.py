@@ -1,0 +1,283 @@
+"""Which layers run when: loop schedules, the 1/r residual scale, per-loop adapters, PLT inputs.
+
+A looped transformer runs some of its stored layers more than once per token. This file
+holds everything that decides *how* a stack of physical layers is executed; model.py only
+calls the layers in the order this file gives and never hard-codes a schedule.
+
+  * `LoopConfig`   -- the span [start, start + length) that repeats, the number of passes r,
+                      the schedule, which sub-layer repeats, adapters and PLT options.
+  * `middle_span`  -- SMELT Appendix A placement: m = L * fraction layers, floor((L - m) / 2)
+                      layers before them (looped layers 3-7, 4-9, 6-15, 8-22, 1-based, for
+                      L = 10, 12, 20, 30). `middle_third` is How-to-Loop's M = B - 2 floor(B/3).
+  * `schedule` / `plan` -- the execution order. "block" runs prelude, span x r, coda (SMELT;
+                      full-stack looping when the span is the whole stack); "per_layer" runs
+                      each span layer r times in a row (How-to-Loop's Per-Layer looping). Both
+                      perform exactly the same layer evaluations in a different order.
+  * 1/r residual scale (SMELT Sec. 3.1, Eq. 8-9): inside the span every *repeated* sub-layer
+    update is multiplied by 1/r, so r weight-tied, correlated updates do not inflate the
+    residual stream. With `part="attn"` only attention repeats (the MLP runs once, on the
+    last visit, unscaled); with `part="mlp"` only the MLP repeats (attention runs once, on the
+    first visit, unscaled).
+  * `LoopAdapter`  -- How-to-Loop Definition 1: a per-loop low-rank correction of a shared
+    projection. "lora": Delta W_l = B_l A_l. "matrix" (Loop Matrix): Delta W_l = sum_j M[l, j]
+    B_j A_j with a learned M initialised to the identity. "softmax" (Loop Softmax): rows of M
+    pass through a softmax (logits initialised to zero: a uniform mix). B starts at zero, so
+    an adapter is an exact no-op at initialisation and training starts from the shared model.
+  * `PLTInject`    -- Parallel Loop Transformer re-injection (How-to-Loop Definition 2): loop
+    l >= 2 at token n takes combine(e_n, h^(l-1)_(n-1)). "add" is original PLT; "norm_half"
+    RMS-normalises embedding and state separately and mixes 1/2-1/2; "norm_gate" adds the
+    low-rank sigmoid gate (W_down 8 x 2d, W_up d x 8 and bias zero-initialised, so it starts
+    at exactly 50/50). The state is 10-600x larger than the embedding in the paper's runs;
+    normalising both is what keeps the current token visible.
+
+Design choices:
+  * The plan is a pure function of (n_layer, LoopConfig) and is recomputed, never mutated.
+  * Adapters on MoE blocks go on the four attention projections only. A per-expert adapter
+    would multiply the adapter count by n_experts (the expert pool is >90% of an MoE model's
+    weights at S >= 85%), and a shared low-rank adapter on the MoE path would act as an extra
+    always-on dense expert, changing the architecture rather than relaxing the weight tie.
+    Dense blocks get all seven projections (q, k, v, o, gate, up, down) as in the paper.
+  * PLT applies to the "block" schedule with both sub-layers repeating (the paper's setting);
+    other combinations raise at construction. `shift=False` gives the paper's unshifted
+    control (ordinary looping with the embedding re-injected; it decodes sequentially).
+  * PLT's shift never crosses a document boundary: a document's first token gets h = 0, as
+    at the start of a sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCHEDULES = ("block", "per_layer")
+PARTS = ("both", "attn", "mlp")
+ADAPTERS = ("none", "lora", "matrix", "softmax")
+INJECTS = ("add", "norm_half", "norm_gate")
+GATE_RANK = 8  # How-to-Loop's W_down is 8 x 2d
+
+
+@dataclass
+class LoopConfig:
+    start: int = 0            # first looped layer (0-based)
+    length: int = 0           # number of looped layers m; 0 -> no loop
+    n_loops: int = 1          # r: passes over the span
+    schedule: str = "block"   # "block": span, span, ...; "per_layer": each layer r times in a row
+    part: str = "both"        # "both" | "attn" | "mlp": which sub-layer is repeated
+    residual_scale: bool = True  # scale each repeated sub-layer update inside the span by 1/r
+    adapter: str = "none"     # "none" | "lora" | "matrix" | "softmax"
+    adapter_rank: int = 8
+    parallel: bool = False    # PLT: shifted cross-loop inputs, batched decoding
+    inject: str = "norm_gate"  # PLT re-injection: "add" | "norm_half" | "norm_gate"
+    shift: bool = True        # PLT: False is the paper's unshifted control (h^(l-1)_n)
+    kv_window: int = 0        # 0: one KV cache per loop; w>0: later loops share loop 1's cache + own window of w
+
+    @property
+    def active(self) -> bool:
+        """True when some layer really runs more than once."""
+        return self.n_loops > 1 and self.length > 0
+
+    def in_span(self, layer: int) -> bool:
+        return self.start <= layer < self.start + self.length
+
+    def validate(self, n_layer: int) -> None:
+        """Raise ValueError naming the field and the rule it breaks."""
+        def bad(msg):
+            raise ValueError(f"LoopConfig: {msg}")
+        if self.n_loops < 1:
+            bad(f"n_loops must be >= 1, got {self.n_loops}")
+        if self.length < 0 or self.start < 0:
+            bad(f"start and length must be >= 0, got start={self.start}, length={self.length}")
+        if self.start + self.length > n_layer:
+            bad(f"span [start, start+length) = [{self.start}, {self.start + self.length}) lies outside the "
+                f"stack of n_layer={n_layer} layers")
+        if self.n_loops > 1 and self.length == 0:
+            bad(f"n_loops={self.n_loops} needs a span: set length > 0 (e.g. loop.middle_span(n_layer))")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.part not in PARTS:
+            bad(f"part must be one of {PARTS}, got {self.part!r}")
+        if self.adapter not in ADAPTERS:
+            bad(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
+        if self.adapter != "none" and self.adapter_rank < 1:
+            bad(f"adapter_rank must be >= 1, got {self.adapter_rank}")
+        if self.inject not in INJECTS:
+            bad(f"inject must be one of {INJECTS}, got {self.inject!r}")
+        if self.kv_window < 0:
+            bad(f"kv_window must be >= 0, got {self.kv_window}")
+        if self.parallel:
+            if self.schedule != "block" or self.part != "both":
+                bad("parallel=True (PLT) needs schedule='block' and part='both'")
+            if not self.active:
+                bad("parallel=True needs n_loops > 1 and a span (length > 0)")
+        if self.kv_window and not (self.parallel and self.shift):
+            bad("kv_window > 0 is PLT's KV sharing: it needs parallel=True and shift=True")
+
+
+def middle_span(n_layer: int, fraction: float = 0.5) -> tuple[int, int]:
+    """SMELT placement: m = n_layer * fraction looped layers, floor((L - m) / 2) before them."""
+    if n_layer < 1 or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"middle_span: need n_layer >= 1 and 0 < fraction <= 1, got {n_layer}, {fraction}")
+    m = max(1, round(n_layer * fraction))
+    return (n_layer - m) // 2, m
+
+
+def middle_third(n_layer: int) -> tuple[int, int]:
+    """How-to-Loop's Middle looping: keep floor(B/3) unique blocks on each side, loop M = B - 2 floor(B/3)."""
+    k = n_layer // 3
+    return k, n_layer - 2 * k
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One execution of one physical layer."""
+    layer: int          # physical layer index
+    visit: int          # 0-based visit number of this layer (the loop index l - 1)
+    attn: bool          # run the attention sub-layer on this visit
+    mlp: bool           # run the feed-forward sub-layer on this visit
+    attn_scale: float   # residual scale of the attention update (1/r inside the span)
+    mlp_scale: float    # residual scale of the feed-forward update
+
+
+def schedule(n_layer: int, loop: LoopConfig) -> list[tuple[int, int]]:
+    """Execution order as (layer, visit) pairs."""
+    loop.validate(n_layer)
+    r = loop.n_loops if loop.active else 1
+    span = list(range(loop.start, loop.start + loop.length)) if r > 1 else []
+    pre = range(0, loop.start) if r > 1 else range(n_layer)
+    post = range(loop.start + loop.length, n_layer) if r > 1 else range(0)
+    order = [(i, 0) for i in pre]
+    if loop.schedule == "block":
+        order += [(i, v) for v in range(r) for i in span]
+    else:
+        order += [(i, v) for i in span for v in range(r)]
+    return order + [(i, 0) for i in post]
+
+
+def plan(n_layer: int, loop: LoopConfig) -> list[Visit]:
+    """The execution order with, per visit, which sub-layers run and their residual scales."""
+    r = loop.n_loops if loop.active else 1
+    s = 1.0 / r if loop.residual_scale else 1.0
+    out = []
+    for layer, v in schedule(n_layer, loop):
+        if r == 1 or not loop.in_span(layer):
+            out.append(Visit(layer, v, True, True, 1.0, 1.0))
+        elif loop.part == "both":
+            out.append(Visit(layer, v, True, True, s, s))
+        elif loop.part == "attn":   # attention every visit, the MLP once (after the last attention)
+            out.append(Visit(layer, v, True, v == r - 1, s, 1.0))
+        else:                       # "mlp": attention once (first visit), the MLP every visit
+            out.append(Visit(layer, v, v == 0, True, 1.0, s))
+    return out
+
+
+def executed_visits(n_layer: int, loop: LoopConfig) -> tuple[int, int]:
+    """(attention executions, feed-forward executions) per token: what FLOPs and KV grow with."""
+    p = plan(n_layer, loop)
+    return sum(v.attn for v in p), sum(v.mlp for v in p)
+
+
+# ----------------------------------------------------------------------------------------
+# Per-loop adapters (How-to-Loop Definition 1)
+
+class LoopAdapter(nn.Module):
+    """Per-loop low-rank correction Delta W_l of one shared projection d_in -> d_out.
+
+    Parameters: A (L, rank, d_in), B (L, d_out, rank) and, for "matrix"/"softmax", M (L, L).
+    Cost: L * rank * (d_in + d_out) (+ L^2), against L * d_in * d_out for separate loops.
+    """
+
+    def __init__(self, d_in: int, d_out: int, n_loops: int, rank: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.A = nn.Parameter(torch.randn(n_loops, rank, d_in) / math.sqrt(d_in))
+        self.B = nn.Parameter(torch.zeros(n_loops, d_out, rank))   # zero: exact no-op at init
+        if kind == "matrix":
+            self.M = nn.Parameter(torch.eye(n_loops))
+        elif kind == "softmax":
+            self.M = nn.Parameter(torch.zeros(n_loops, n_loops))  # softmax rows start uniform
+
+    def mixing(self) -> torch.Tensor | None:
+        """(L, L) coefficients M[l, j] of pair j in loop l; None for plain LoRA."""
+        if self.kind == "lora":
+            return None
+        return self.M.softmax(-1) if self.kind == "softmax" else self.M
+
+    def forward(self, x: torch.Tensor, loop: int | None) -> torch.Tensor:
+        """x (..., d_in) for one loop, or x (L, ..., d_in) with loop=None (all loops stacked)."""
+        M = self.mixing()
+        if loop is not None:
+            if M is None:
+                return (x @ self.A[loop].t()) @ self.B[loop].t()
+            u = torch.einsum("...i,jri->...jr", x, self.A) * M[loop][:, None]   # (..., L, rank)
+            return torch.einsum("...jr,jor->...o", u, self.B)
+        xs = x.reshape(x.shape[0], -1, x.shape[-1])                             # (L, N, d_in)
+        if M is None:
+            y = torch.bmm(torch.bmm(xs, self.A.transpose(1, 2)), self.B.transpose(1, 2))
+        else:
+            u = torch.einsum("lni,jri->lnjr", xs, self.A) * M[:, None, :, None]
+            y = torch.einsum("lnjr,jor->lno", u, self.B)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def make_adapters(shapes: dict[str, tuple[int, int]], loop: LoopConfig) -> nn.ModuleDict:
+    """One LoopAdapter per named projection {name: (d_in, d_out)}."""
+    return nn.ModuleDict({name: LoopAdapter(di, do, loop.n_loops, loop.adapter_rank, loop.adapter)
+                          for name, (di, do) in shapes.items()})
+
+
+# ----------------------------------------------------------------------------------------
+# Parallel Loop Transformer: the input of loop l >= 2 (How-to-Loop Definition 2)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class PLTInject(nn.Module):
+    """combine(e, h) for one loop l >= 2; e and h are (..., D)."""
+
+    def __init__(self, d_model: int, inject: str):
+        super().__init__()
+        self.inject = inject
+        if inject != "add":
+            self.norm_e = RMSNorm(d_model)
+            self.norm_h = RMSNorm(d_model)
+        if inject == "norm_gate":
+            self.down = nn.Linear(2 * d_model, GATE_RANK, bias=False)
+            self.up = nn.Linear(GATE_RANK, d_model, bias=True)
+            nn.init.zeros_(self.up.weight)   # with the zero bias: g = sigmoid(0) = 1/2 exactly
+            nn.init.zeros_(self.up.bias)
+
+    def forward(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self.inject == "add":
+            return e + h
+        ne, nh = self.norm_e(e), self.norm_h(h)
+        if self.inject == "norm_half":
+            return 0.5 * ne + 0.5 * nh
+        g = torch.sigmoid(self.up(self.down(torch.cat([ne, nh], dim=-1))))
+        return g * ne + (1.0 - g) * nh
+
+
+def shift_states(h_BTD: torch.Tensor, doc_ids: torch.Tensor | None, h_prev_BD: torch.Tensor | None = None):
+    """h^(l-1)_(n-1) for every n: shift right by one token; zero at document starts.
+
+    h_prev_BD is the state of the token before this chunk (decoding); None means position 0.
+    """
+    B, T, D = h_BTD.shape
+    first = h_BTD.new_zeros(B, 1, D) if h_prev_BD is None else h_prev_BD[:, None, :]
+    out = torch.cat([first, h_BTD[:, :-1]], dim=1)
+    if doc_ids is not None:
+        start = torch.ones_like(doc_ids, dtype=torch.bool)
+        start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        if h_prev_BD is not None:
+            start[:, 0] = False
+        out = out.masked_fill(start[..., None], 0.0)
+    return out

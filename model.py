@@ -1,0 +1,689 @@
+"""The decoder: a pre-norm GQA transformer with dense or MoE SwiGLU feed-forward, looped by plan.
+
+SMELT (Sec. 3.1) and How to Loop share one template: token embedding, a stack of pre-norm
+blocks (RMSNorm -> attention -> residual, RMSNorm -> feed-forward -> residual), a final
+RMSNorm and an untied output head. This file holds that template:
+
+  * `ModelConfig`: sizes, the feed-forward kind (n_experts = 0 -> dense SwiGLU) and a
+    `loop.LoopConfig` (default: no loop). Every rule is checked at construction, before any
+    allocation, with a ValueError naming the field.
+  * Attention: RoPE, grouped-query attention with `head_dim` independent of d_model / n_head
+    (budget matching changes head geometry), no biases, document masking for packed
+    contexts (SMELT 3.1: "segment-level attention masks"). CPU: `scaled_dot_product_attention`
+    with a boolean block-diagonal causal mask (flex attention has no CPU backward). CUDA:
+    flex attention with a block mask built from the document ids (skips masked tiles).
+  * Execution follows `loop.plan(n_layer, cfg.loop)`: each entry is one visit of one physical
+    layer with its residual scales (1/r inside a looped span, SMELT Eq. 8-9). The unlooped
+    model is the plan with one visit per layer. PLT (`loop.parallel`) runs the span's loops in
+    order over the whole sequence in training (How-to-Loop Algorithm 1) and, when decoding one
+    token, all loops of the span as one batched call over the shared weights (Algorithm 2).
+  * Decoding: `new_cache`, `forward_step` (prefill of many tokens or one-token steps) and
+    `generate`. Every attention visit keeps its own KV cache (KV grows with executed visits);
+    PLT with `kv_window = w` shares loop 1's cache and keeps a ring of w positions per later
+    loop. `forward_step` logits equal the full forward's (tested for every loop variant).
+  * One init function, `init_weights`: N(0, init_std) everywhere (embedding included: a small
+    embedding std keeps a tied head well scaled and avoids CPU denormals), output projections
+    scaled by 1/sqrt(2 * executed depth) (GPT-2's rule, counting visits, not stored layers).
+
+`forward` returns (logits, loss) with loss = cross-entropy + aux_loss_coef * load-balance loss
++ z_loss_coef * router z-loss (the training objective; exactly the cross-entropy for dense
+models). `run` returns the full `Output` with the separate terms and per-visit router
+statistics; it also takes an optional `capture` dict that probes.py fills with per-visit
+activations. Nothing is stored in module state during forward.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+import loop as looping
+from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
+from moe import MoE, RouterStats
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    block_size: int = 128           # max context length
+    n_layer: int = 4                # physical (stored) layers
+    d_model: int = 64
+    n_head: int = 4
+    n_kv_head: int = 4
+    head_dim: int | None = None     # None -> d_model // n_head
+    d_ff: int = 192                 # dense SwiGLU width, or per-expert width
+    n_experts: int = 0              # 0 -> dense feed-forward
+    top_k: int = 8
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    router_renormalize: bool = True  # renormalise the top-k router weights (Mixtral)
+    aux_loss_coef: float = 0.01     # Switch load-balancing loss weight
+    z_loss_coef: float = 0.001      # router z-loss weight
+    init_std: float = 0.02
+    moe_impl: str = "auto"          # grouped matmul: auto | loop | torch | reference
+    attn_backend: str = "auto"      # auto (flex on CUDA with masks, else sdpa) | sdpa | flex | math
+
+    def __post_init__(self):
+        if isinstance(self.loop, dict):
+            self.loop = LoopConfig(**self.loop)
+        self.validate()
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise ValueError(f"ModelConfig: {msg}")
+        for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.n_head % self.n_kv_head:
+            bad(f"n_head % n_kv_head must be 0 (grouped-query attention), got {self.n_head} % {self.n_kv_head}")
+        if self.head_dim is None and self.d_model % self.n_head:
+            bad(f"d_model % n_head must be 0 when head_dim is None, got {self.d_model} % {self.n_head}")
+        if self.hd <= 0 or self.hd % 2:
+            bad(f"head_dim must be a positive even number (RoPE rotates pairs), got {self.hd}")
+        if self.n_experts < 0:
+            bad(f"n_experts must be >= 0, got {self.n_experts}")
+        if self.n_experts > 0 and not 1 <= self.top_k <= self.n_experts:
+            bad(f"top_k must satisfy 1 <= top_k <= n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
+        if self.attn_backend not in ("auto", "sdpa", "flex", "math"):
+            bad(f"attn_backend must be auto|sdpa|flex|math, got {self.attn_backend!r}")
+        if self.moe_impl not in ("auto", "loop", "torch", "reference"):
+            bad(f"moe_impl must be auto|loop|torch|reference, got {self.moe_impl!r}")
+        self.loop.validate(self.n_layer)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+@dataclass
+class Output:
+    logits: Tensor                  # (B, T, V)
+    loss: Tensor | None             # ce + aux_loss_coef * aux_loss + z_loss_coef * z_loss
+    ce: Tensor | None               # mean next-token cross-entropy (nats)
+    aux_loss: Tensor                # mean load-balancing loss over MoE visits (0 for dense)
+    z_loss: Tensor                  # mean router z-loss over MoE visits
+    router: list[tuple[Visit, RouterStats]]  # per executed MoE visit
+
+
+# ----------------------------------------------------------------------------------------
+# Rotary embedding and attention kernels
+
+def rope_table(block_size: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.outer(torch.arange(block_size, dtype=torch.float32), inv)   # (T, hd/2)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, T, hd), cos/sin (T, hd/2): rotate (first half, second half) pairs (Llama layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[None, None], sin[None, None]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).type_as(x)
+
+
+def build_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor | None,
+               window: int = 0) -> Tensor:
+    """Boolean (B|1, 1, T, S) mask, True = may attend: causal, same document, within window.
+
+    Positions are absolute token positions; a key position < 0 marks an empty cache slot.
+    """
+    m = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
+    if window:
+        m = m & (q_pos[:, None] - k_pos[None, :] < window)
+    m = m[None, None]
+    if q_doc is not None:
+        m = m & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+    return m
+
+
+_flex_compiled = None
+
+
+def _flex(q, k, v, doc: Tensor | None, window: int) -> Tensor:
+    """Flex attention with a block mask from document ids (training: S == T)."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    B, H, T, _ = q.shape
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if doc is not None:
+            ok = ok & (doc[b, qi] == doc[b, ki])
+        if window:
+            ok = ok & (qi - ki < window)
+        return ok
+
+    bm = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device)
+    if q.is_cuda:
+        if _flex_compiled is None:   # compiled once per process: the eager version is a slow reference
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        return _flex_compiled(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != H)
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != H)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None,
+           k_doc: Tensor | None, window: int, backend: str, want_probs: bool = False):
+    """q (B, H, T, hd), k/v (B, Hkv, S, hd) -> (out (B, H, T, hd), probs (B, H, T, S) or None)."""
+    B, H, T, hd = q.shape
+    S = k.shape[2]
+    if want_probs or backend == "math":   # explicit softmax: probes read the probabilities
+        rep = H // k.shape[1]
+        kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        att = (q.float() @ kk.float().transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(~build_mask(q_pos, k_pos, q_doc, k_doc, window), float("-inf")).softmax(-1)
+        return (att @ vv.float()).type_as(q), (att if want_probs else None)
+    training_shape = S == T and k_doc is q_doc
+    if backend == "flex" or (backend == "auto" and q.is_cuda and training_shape
+                             and (q_doc is not None or window)):
+        if not training_shape:
+            raise ValueError("attn_backend='flex' supports full-sequence attention only (use sdpa for decoding)")
+        return _flex(q, k, v, q_doc, window), None
+    gqa = k.shape[1] != H
+    if q_doc is None and not window and training_shape:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), None
+    if q_doc is None and not window and T == 1:   # one new token: every cached key is visible
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), None
+    mask = build_mask(q_pos, k_pos, q_doc, k_doc, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa), None
+
+
+# ----------------------------------------------------------------------------------------
+# KV cache
+
+@dataclass
+class KV:
+    """One attention visit's cache. Full caches hold positions [0, max_len); rings hold the last w."""
+    k: Tensor                 # (B', Hkv, capacity, hd)
+    v: Tensor
+    ring: bool = False
+    pos: Tensor | None = None  # (capacity,) absolute position held in each ring slot, -1 = empty
+
+
+@dataclass
+class Cache:
+    kv: dict                   # slot name -> KV
+    batch_size: int
+    max_len: int
+    length: int = 0            # tokens held so far
+    plt_h: Tensor | None = None  # PLT: (r-1, B, D) span output of loops 1..r-1 at the previous token
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values allocated (what budget.kv_bytes_per_token accounts for)."""
+        return sum(c.k.nbytes + c.v.nbytes for c in self.kv.values())
+
+
+# ----------------------------------------------------------------------------------------
+# Blocks
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        D, H, Hkv, hd = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.hd
+        self.n_head, self.n_kv_head, self.hd, self.backend = H, Hkv, hd, cfg.attn_backend
+        self.wq = nn.Linear(D, H * hd, bias=False)
+        self.wk = nn.Linear(D, Hkv * hd, bias=False)
+        self.wv = nn.Linear(D, Hkv * hd, bias=False)
+        self.wo = nn.Linear(H * hd, D, bias=False)
+        lc = cfg.loop
+        looped = lc.active and lc.in_span(layer)
+        self.adapters = (make_adapters({"q": (D, H * hd), "k": (D, Hkv * hd), "v": (D, Hkv * hd),
+                                        "o": (H * hd, D)}, lc)
+                         if looped and lc.adapter != "none" else None)
+        # PLT KV sharing: later loops mix attention over loop 1's keys with a window of their own
+        self.window = lc.kv_window if looped else 0
+        if self.window:
+            self.kv_gate = nn.Linear(D, H, bias=False)   # zero-init: per-head gate starts at 1/2
+
+    def proj(self, name: str, lin: nn.Linear, x: Tensor, loop: int | None, n_loops: int) -> Tensor:
+        y = lin(x)
+        if self.adapters is not None:
+            if loop is None:   # stacked PLT batch: (r*B, T, d) -> loop dim first
+                xs = x.reshape(n_loops, -1, *x.shape[1:])
+                y = y + self.adapters[name](xs, None).reshape(y.shape)
+            else:
+                y = y + self.adapters[name](x, loop)
+        return y
+
+    def forward(self, x: Tensor, ctx: "Ctx", visit: Visit, loop: int | None) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, hd, r = self.n_head, self.n_kv_head, self.hd, ctx.n_loops
+        q = self.proj("q", self.wq, x, loop, r).view(B, T, H, hd).transpose(1, 2)
+        k = self.proj("k", self.wk, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
+        v = self.proj("v", self.wv, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
+        cos, sin = ctx.cos, ctx.sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cap = ctx.capture.setdefault((visit.layer, visit.visit), {}) if ctx.capture is not None else None
+        if self.window and loop is None:
+            y = self._shared_kv_step(q, k, v, x, ctx, visit)
+        elif self.window and loop > 0:
+            y = self._shared_kv(q, k, v, x, ctx, visit)
+        else:
+            if self.window:   # loop 1 of a KV-sharing span: later loops read its keys
+                ctx.shared[visit.layer] = (k, v)
+            y, probs = self._attend_cached(q, k, v, ctx, visit, loop, cap is not None)
+            if cap is not None:
+                cap.update(q=q, k=k, v=v, attn_probs=probs)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)                  # (B, T, H*hd): PV
+        out = self.proj("o", self.wo, y, loop, r)
+        if cap is not None:
+            cap.update(pv=y, o=out)
+        return out
+
+    def _attend_cached(self, q, k, v, ctx, visit, loop, want_probs):
+        if ctx.cache is None:
+            return attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, want_probs)
+        kv, rows = ctx.slot(visit, loop)
+        p0, T = ctx.start, q.shape[2]
+        kv.k[rows, :, p0:p0 + T] = k
+        kv.v[rows, :, p0:p0 + T] = v
+        K, V = kv.k[rows, :, :p0 + T], kv.v[rows, :, :p0 + T]
+        k_pos = torch.arange(p0 + T, device=q.device)
+        return attend(q, K, V, ctx.q_pos, k_pos, None, None, 0, self.backend, want_probs)
+
+    def _mix(self, x, y_global, y_local):
+        g = torch.sigmoid(self.kv_gate(x)).transpose(1, 2)[..., None]  # (B, H, T, 1)
+        return g * y_global + (1 - g) * y_local
+
+    def _shared_kv(self, q, k, v, x, ctx, visit):
+        """Training / chunked decoding for a loop >= 2 with KV sharing (original PLT)."""
+        if ctx.cache is None:
+            k1, v1 = ctx.shared[visit.layer]
+            yg, _ = attend(q, k1, v1, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend)
+            yl, _ = attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, self.window, "sdpa")
+            return self._mix(x, yg, yl)
+        p0, T = ctx.start, q.shape[2]
+        full, _ = ctx.slot(visit, 0)
+        K1, V1 = full.k[:, :, :p0 + T], full.v[:, :, :p0 + T]
+        yg, _ = attend(q, K1, V1, ctx.q_pos, torch.arange(p0 + T, device=q.device), None, None, 0, "sdpa")
+        ring, rows = ctx.slot(visit, visit.visit, ring=True)
+        yl = self._ring_attend(q, k, v, ring, rows, ctx)
+        return self._mix(x, yg, yl)
+
+    def _ring_attend(self, q, k, v, ring: KV, rows, ctx):
+        """Attend over (ring contents + new keys) within the window, then keep the last w in the ring."""
+        T = q.shape[2]
+        K = torch.cat([ring.k[rows], k], dim=2)
+        V = torch.cat([ring.v[rows], v], dim=2)
+        k_pos = torch.cat([ring.pos, ctx.q_pos])
+        y, _ = attend(q, K, V, ctx.q_pos, k_pos, None, None, self.window, "sdpa")
+        w = ring.k.shape[2]
+        keep = ctx.q_pos[-min(T, w):]
+        slots = keep % w
+        ring.k[rows, :, slots] = k[:, :, -len(keep):]
+        ring.v[rows, :, slots] = v[:, :, -len(keep):]
+        ctx.ring_pos_updates.append((ring, slots, keep))
+        return y
+
+    def _shared_kv_step(self, q, k, v, x, ctx, visit):
+        """Batched one-token PLT step with KV sharing: rows [0:B] are loop 1, the rest later loops."""
+        B = ctx.batch
+        full, _ = ctx.slot(visit, 0)
+        p0 = ctx.start
+        full.k[:, :, p0:p0 + 1] = k[:B]
+        full.v[:, :, p0:p0 + 1] = v[:B]
+        K1, V1 = full.k[:, :, :p0 + 1], full.v[:, :, :p0 + 1]
+        y1, _ = attend(q[:B], K1, V1, ctx.q_pos, torch.arange(p0 + 1, device=q.device), None, None, 0, "sdpa")
+        L1 = q.shape[0] // B - 1                                          # later loops
+        ql = q[B:].view(L1, B, *q.shape[1:]).permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, H, L1, hd)
+        yg = F.scaled_dot_product_attention(ql, K1, V1, enable_gqa=K1.shape[1] != ql.shape[1])
+        yg = yg.view(B, q.shape[1], L1, 1, -1).permute(2, 0, 1, 3, 4).flatten(0, 1)  # (L1*B, H, 1, hd)
+        ring, rows = ctx.slot(visit, None, ring=True)
+        yl = self._ring_attend(q[B:], k[B:], v[B:], ring, rows, ctx)
+        return torch.cat([y1, self._mix(x[B:], yg, yl)], dim=0)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        D, Fd = cfg.d_model, cfg.d_ff
+        self.gate = nn.Linear(D, Fd, bias=False)
+        self.up = nn.Linear(D, Fd, bias=False)
+        self.down = nn.Linear(Fd, D, bias=False)
+        lc = cfg.loop
+        self.adapters = (make_adapters({"gate": (D, Fd), "up": (D, Fd), "down": (Fd, D)}, lc)
+                         if lc.active and lc.in_span(layer) and lc.adapter != "none" else None)
+
+    def forward(self, x: Tensor, loop: int | None = None, n_loops: int = 1) -> Tensor:
+        if self.adapters is None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        xs = x.reshape(n_loops, -1, *x.shape[1:]) if loop is None else x
+
+        def proj(name, lin, inp, inp_s):
+            d = self.adapters[name](inp_s, loop)
+            return lin(inp) + d.reshape(*inp.shape[:-1], -1)
+
+        h = F.silu(proj("gate", self.gate, x, xs)) * proj("up", self.up, x, xs)
+        hs = h.reshape(n_loops, -1, *h.shape[1:]) if loop is None else h
+        return proj("down", self.down, h, hs)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if cfg.n_experts > 0:
+            self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.router_renormalize, cfg.moe_impl)
+        else:
+            self.mlp = SwiGLU(cfg, layer)
+
+    def forward(self, x: Tensor, visit: Visit, ctx: "Ctx", loop: int | None = None):
+        """One visit: x (B, T, D) -> (x', RouterStats or None). loop=None: stacked PLT batch."""
+        cap = ctx.capture.setdefault((visit.layer, visit.visit), {}) if ctx.capture is not None else None
+        if cap is not None:
+            cap["x"] = x
+        stats = None
+        if visit.attn:
+            h = self.attn_norm(x)
+            a = visit.attn_scale * self.attn(h, ctx, visit, loop)
+            x = x + a
+            if cap is not None:
+                cap.update(attn_norm=h, attn_write=a)
+        if visit.mlp:
+            h = self.mlp_norm(x)
+            if isinstance(self.mlp, MoE):
+                m, stats = self.mlp(h)
+            else:
+                m = self.mlp(h, loop, ctx.n_loops)
+            m = visit.mlp_scale * m
+            x = x + m
+            if cap is not None:
+                cap.update(mlp_norm=h, mlp_write=m)
+                if stats is not None:
+                    cap["topk_idx"] = stats.topk_idx
+        return x, stats
+
+
+@dataclass
+class Ctx:
+    """Per-call context handed to every block: positions, RoPE rows, masks, cache, capture."""
+    q_pos: Tensor                 # (T,) absolute positions of the new tokens
+    cos: Tensor
+    sin: Tensor
+    doc: Tensor | None            # (B, T) document ids (full forward only)
+    n_loops: int
+    batch: int
+    cache: Cache | None = None
+    start: int = 0                # cache length before this call
+    capture: dict | None = None
+    shared: dict = field(default_factory=dict)   # layer -> loop-1 (k, v) for PLT KV sharing
+    ring_pos_updates: list = field(default_factory=list)  # applied after the call: all loops read the old ring
+
+    def slot(self, visit: Visit, loop: int | None, ring: bool = False) -> tuple[KV, slice]:
+        """(KV, rows) of the cache this attention visit reads and writes.
+
+        Stacked PLT caches hold loop l in rows [l*B, (l+1)*B); loop=None means all rows.
+        With KV sharing, ("full", layer) is loop 1's cache and ("ring", layer) the later loops' windows.
+        """
+        c, L, B = self.cache, visit.layer, self.batch
+        if ("plt", L) in c.kv:
+            return c.kv[("plt", L)], slice(None) if loop is None else slice(loop * B, (loop + 1) * B)
+        if ("ring", L) in c.kv:
+            if not ring:
+                return c.kv[("full", L)], slice(None)
+            return c.kv[("ring", L)], slice(None) if loop is None else slice((loop - 1) * B, loop * B)
+        return c.kv[(L, visit.visit)], slice(None)
+
+
+# ----------------------------------------------------------------------------------------
+# The model
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.plan = looping.plan(cfg.n_layer, cfg.loop)   # static: a function of the config
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        lc = cfg.loop
+        self.plt = (nn.ModuleList(PLTInject(cfg.d_model, lc.inject) for _ in range(lc.n_loops - 1))
+                    if lc.parallel else None)
+        cos, sin = rope_table(cfg.block_size, cfg.hd, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    # -- init ------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """N(0, init_std) for every matrix; residual-output projections / sqrt(2 * executed depth)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * len(self.plan))
+        for name, p in self.named_parameters():
+            if "adapters" in name or ".plt." in name or name.startswith("plt.") or "kv_gate" in name:
+                continue   # adapters / PLT gates own their init (zero where it must be a no-op)
+            if p.dim() == 1:
+                nn.init.ones_(p)                                   # RMSNorm gains
+            elif name.endswith(("wo.weight", "down.weight", "w_out")):
+                nn.init.normal_(p, 0.0, out_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+        for blk in self.blocks:
+            if blk.attn.window:
+                nn.init.zeros_(blk.attn.kv_gate.weight)
+
+    # -- checks ----------------------------------------------------------------------------
+    def _check_idx(self, idx: Tensor, start: int = 0) -> None:
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be an integer tensor of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
+        T = idx.shape[1]
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.cfg.block_size}")
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must lie in [0, vocab_size={self.cfg.vocab_size}), got min {lo}, max {hi}")
+
+    # -- full forward ------------------------------------------------------------------------
+    def forward(self, idx: Tensor, targets: Tensor | None = None, doc_ids: Tensor | None = None):
+        out = self.run(idx, targets, doc_ids)
+        return out.logits, out.loss
+
+    def run(self, idx: Tensor, targets: Tensor | None = None, doc_ids: Tensor | None = None,
+            capture: dict | None = None) -> Output:
+        """Full forward. capture: a dict that receives {(layer, visit): {name: tensor}} for probes."""
+        self._check_idx(idx)
+        B, T = idx.shape
+        if doc_ids is not None and doc_ids.shape != idx.shape:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        pos = torch.arange(T, device=idx.device)
+        ctx = Ctx(pos, self.rope_cos[:T], self.rope_sin[:T], doc_ids, self.cfg.loop.n_loops, B, capture=capture)
+        x, router = self._body(self.tok_emb(idx), ctx, doc_ids)
+        return self._head(x, targets, router)
+
+    def _body(self, x: Tensor, ctx: Ctx, doc_ids: Tensor | None):
+        router = []
+        lc = self.cfg.loop
+        if self.plt is None:
+            for visit in self.plan:
+                x, st = self.blocks[visit.layer](x, visit, ctx, visit.visit)
+                if st is not None:
+                    router.append((visit, st))
+            return x, router
+        # PLT (Algorithm 1): prelude, loop 1 over the span, each later loop from shifted states, coda
+        span = range(lc.start, lc.start + lc.length)
+        for visit in self.plan:
+            if visit.layer < lc.start:
+                x, st = self.blocks[visit.layer](x, visit, ctx, 0)
+                if st is not None:
+                    router.append((visit, st))
+        e = x
+        h = None
+        for l in range(lc.n_loops):
+            if l == 0:
+                inp = e
+            else:
+                hs = shift_states(h, doc_ids) if lc.shift else h
+                inp = self.plt[l - 1](e, hs)
+            h = inp
+            for i in span:
+                visit = self._span_visit(i, l)
+                h, st = self.blocks[i](h, visit, ctx, l)
+                if st is not None:
+                    router.append((visit, st))
+        x = h
+        for visit in self.plan:
+            if visit.layer >= lc.start + lc.length:
+                x, st = self.blocks[visit.layer](x, visit, ctx, 0)
+                if st is not None:
+                    router.append((visit, st))
+        return x, router
+
+    def _span_visit(self, layer: int, l: int) -> Visit:
+        return next(v for v in self.plan if v.layer == layer and v.visit == l)
+
+    def _head(self, x: Tensor, targets: Tensor | None, router) -> Output:
+        x = self.norm_f(x)
+        logits = F.linear(x, self.tok_emb.weight) if self.lm_head is None else self.lm_head(x)
+        zero = logits.new_zeros(())
+        aux = torch.stack([s.aux_loss for _, s in router]).mean() if router else zero
+        z = torch.stack([s.z_loss for _, s in router]).mean() if router else zero
+        ce = loss = None
+        if targets is not None:
+            ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+            loss = ce + self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
+        return Output(logits, loss, ce, aux, z, router)
+
+    # -- decoding ----------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> Cache:
+        """Allocate every attention visit's KV cache for up to max_len tokens."""
+        cfg, lc = self.cfg, self.cfg.loop
+        if not 0 < max_len <= cfg.block_size:
+            raise ValueError(f"max_len must be in (0, block_size={cfg.block_size}], got {max_len}")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        device = device or self.tok_emb.weight.device
+        dtype = dtype or self.tok_emb.weight.dtype
+        Hkv, hd, B = cfg.n_kv_head, cfg.hd, batch_size
+
+        def alloc(rows, cap, ring=False):
+            z = lambda: torch.zeros(rows, Hkv, cap, hd, device=device, dtype=dtype)
+            return KV(z(), z(), ring, torch.full((cap,), -1, device=device, dtype=torch.long) if ring else None)
+
+        kv = {}
+        for visit in self.plan:
+            if not visit.attn:
+                continue
+            in_plt = self.plt is not None and lc.in_span(visit.layer)
+            if not in_plt:
+                kv[(visit.layer, visit.visit)] = alloc(B, max_len)
+            elif visit.visit == 0:
+                if lc.kv_window:
+                    kv[("full", visit.layer)] = alloc(B, max_len)
+                    kv[("ring", visit.layer)] = alloc((lc.n_loops - 1) * B, min(lc.kv_window, max_len), True)
+                else:
+                    kv[("plt", visit.layer)] = alloc(lc.n_loops * B, max_len)
+        plt_h = (torch.zeros(lc.n_loops - 1, B, cfg.d_model, device=device, dtype=dtype)
+                 if self.plt is not None else None)
+        return Cache(kv, B, max_len, 0, plt_h)
+
+    @torch.no_grad()
+    def forward_step(self, idx: Tensor, cache: Cache) -> Tensor:
+        """Append idx (B, T_new) to the cache and return logits (B, T_new, V)."""
+        self._check_idx(idx, cache.length)
+        B, T = idx.shape
+        if B != cache.batch_size:
+            raise ValueError(f"idx batch {B} does not match the cache's batch_size {cache.batch_size}")
+        if cache.length + T > cache.max_len:
+            raise ValueError(f"cache holds {cache.length} of max_len={cache.max_len} tokens; {T} more do not fit")
+        p0 = cache.length
+        pos = torch.arange(p0, p0 + T, device=idx.device)
+        ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None,
+                  self.cfg.loop.n_loops, B, cache=cache, start=p0)
+        x = self.tok_emb(idx)
+        if self.plt is None:
+            for visit in self.plan:
+                x, _ = self.blocks[visit.layer](x, visit, ctx, visit.visit)
+        else:
+            x = self._plt_step(x, ctx, cache)
+        for ring, slots, keep in ctx.ring_pos_updates:
+            ring.pos[slots] = keep
+        cache.length += T
+        return self._head(x, None, []).logits
+
+    def _plt_step(self, x: Tensor, ctx: Ctx, cache: Cache) -> Tensor:
+        lc = self.cfg.loop
+        r, B, T = lc.n_loops, x.shape[0], x.shape[1]
+        span = range(lc.start, lc.start + lc.length)
+        for visit in self.plan:
+            if visit.layer < lc.start:
+                x, _ = self.blocks[visit.layer](x, visit, ctx, 0)
+        e = x
+        if T == 1 and lc.shift:
+            # Algorithm 2: every loop's input exists already -> one batched call per span layer
+            inputs = [e] + [self.plt[l - 1](e, cache.plt_h[l - 1][:, None]) for l in range(1, r)]
+            h = torch.cat(inputs, dim=0)                                    # (r*B, 1, D)
+            for i in span:
+                h, _ = self.blocks[i](h, self._span_visit(i, 0), ctx, None)
+            hs = h.view(r, B, 1, -1)
+            cache.plt_h = hs[:-1, :, -1].clone()
+            x = hs[-1]
+        else:
+            # chunk (prefill) or unshifted control: loops in order over the chunk, as in training
+            h, new_states = None, []
+            for l in range(r):
+                if l == 0:
+                    inp = e
+                else:
+                    hs = shift_states(h, None, cache.plt_h[l - 1]) if lc.shift else h
+                    inp = self.plt[l - 1](e, hs)
+                h = inp
+                for i in span:
+                    h, _ = self.blocks[i](h, self._span_visit(i, l), ctx, l)
+                new_states.append(h[:, -1])
+            cache.plt_h = torch.stack(new_states[:-1])
+            x = h
+        for visit in self.plan:
+            if visit.layer >= lc.start + lc.length:
+                x, _ = self.blocks[visit.layer](x, visit, ctx, 0)
+        return x
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Sample max_new_tokens continuations of idx (B, T) with a KV cache; temperature 0 = greedy."""
+        B, T = idx.shape
+        cache = self.new_cache(B, min(T + max_new_tokens, self.cfg.block_size))
+        if T + max_new_tokens > cache.max_len:
+            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} exceeds block_size={self.cfg.block_size}")
+        logits = self.forward_step(idx, cache)[:, -1]
+        out = [idx]
+        for _ in range(max_new_tokens):
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                lg = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(lg, min(top_k, lg.shape[-1])).values[:, -1:]
+                    lg = lg.masked_fill(lg < kth, float("-inf"))
+                nxt = torch.multinomial(lg.softmax(-1), 1, generator=generator)
+            out.append(nxt)
+            if len(out) - 1 < max_new_tokens:
+                logits = self.forward_step(nxt, cache)[:, -1]
+        return torch.cat(out, dim=1)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
