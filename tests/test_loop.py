@@ -1,0 +1,155 @@
+"""loop.py: placement, schedules, 1/r scale, adapters, PLT (decode == forward, one batched call per token)."""
+import pytest
+import torch
+
+import loop as L
+from loop import LoopConfig
+from model import GPT, Block, ModelConfig
+from test_model import decode_in_pieces, live, tiny
+
+
+def test_smelt_placement_table():
+    # SMELT Appendix A, 1-based looped layers 3-7, 4-9, 6-15, 8-22
+    for n, (first, last) in {10: (3, 7), 12: (4, 9), 20: (6, 15), 30: (8, 22)}.items():
+        s, m = L.middle_span(n)
+        assert (s + 1, s + m) == (first, last)
+    assert L.middle_third(12) == (4, 4) and L.middle_third(10) == (3, 4)   # M = B - 2 floor(B/3)
+
+
+def test_schedule_orders():
+    blk = LoopConfig(start=1, length=2, n_loops=2)
+    assert L.schedule(4, blk) == [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (3, 0)]
+    per = LoopConfig(start=1, length=2, n_loops=2, schedule="per_layer")
+    assert L.schedule(4, per) == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0)]
+    assert sorted(L.schedule(4, blk)) == sorted(L.schedule(4, per))   # same evaluations, other order
+    full = LoopConfig(start=0, length=3, n_loops=3)
+    assert [l for l, _ in L.schedule(3, full)] == [0, 1, 2] * 3
+    assert L.schedule(4, LoopConfig()) == [(i, 0) for i in range(4)]
+
+
+def test_plan_scales_and_parts():
+    p = L.plan(4, LoopConfig(start=1, length=2, n_loops=2))
+    assert [(v.attn_scale, v.mlp_scale) for v in p] == [(1, 1), (.5, .5), (.5, .5), (.5, .5), (.5, .5), (1, 1)]
+    attn = L.plan(4, LoopConfig(start=1, length=2, n_loops=2, part="attn"))
+    assert [(v.layer, v.attn, v.mlp, v.mlp_scale) for v in attn[1:5]] == [
+        (1, True, False, 1.0), (2, True, False, 1.0), (1, True, True, 1.0), (2, True, True, 1.0)]
+    mlp = L.plan(4, LoopConfig(start=1, length=2, n_loops=3, part="mlp"))
+    assert sum(v.attn for v in mlp) == 4 and sum(v.mlp for v in mlp) == 8
+    assert {v.mlp_scale for v in mlp if v.layer in (1, 2)} == {1 / 3}
+    off = L.plan(4, LoopConfig(start=1, length=2, n_loops=2, residual_scale=False))
+    assert {v.attn_scale for v in off} == {1.0}
+
+
+def test_one_loop_is_exactly_the_plain_model():
+    torch.manual_seed(0)
+    plain = GPT(tiny(n_experts=4, top_k=2)).eval()
+    one = GPT(tiny(n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=1))).eval()
+    one.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    assert torch.equal(plain(idx)[0], one(idx)[0])
+
+
+def test_residual_scale_applies_one_over_r_to_span_updates():
+    torch.manual_seed(0)
+    cfgs = [tiny(loop=LoopConfig(start=1, length=2, n_loops=2, residual_scale=s)) for s in (True, False)]
+    a, b = GPT(cfgs[0]), GPT(cfgs[1])
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 64, (1, 8))
+    ca, cb = {}, {}
+    a.run(idx, capture=ca)
+    b.run(idx, capture=cb)
+    # layer 0 is outside the span: same input, same write; layer 1 visit 0: same input, half the write
+    torch.testing.assert_close(ca[(0, 0)]["attn_write"], cb[(0, 0)]["attn_write"])
+    torch.testing.assert_close(ca[(1, 0)]["attn_write"], 0.5 * cb[(1, 0)]["attn_write"])
+
+
+def test_state_dict_of_plain_model_loads_into_adapter_and_plt_models():
+    plain = GPT(tiny()).state_dict()
+    for lk in (dict(adapter="matrix"), dict(parallel=True, inject="norm_gate"), dict(parallel=True, kv_window=4)):
+        m = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=2, **lk)))
+        missing, unexpected = m.load_state_dict(plain, strict=False)
+        assert not unexpected and missing
+        assert all(("adapters" in k) or k.startswith("plt.") or "kv_gate" in k for k in missing)
+
+
+@pytest.mark.parametrize("kind", ["lora", "matrix", "softmax"])
+def test_adapters_are_noops_at_init_and_train(kind):
+    torch.manual_seed(0)
+    base = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=3)))
+    ad = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=3, adapter=kind, adapter_rank=4)))
+    ad.load_state_dict(base.state_dict(), strict=False)
+    idx = torch.randint(0, 64, (2, 16))
+    assert torch.equal(base(idx)[0], ad(idx)[0])
+    opt = torch.optim.SGD([p for n, p in ad.named_parameters() if "adapters" in n], lr=0.5)
+    loss0 = ad(idx, idx)[1]
+    for _ in range(5):
+        opt.zero_grad()
+        ad(idx, idx)[1].backward()
+        opt.step()
+    assert ad(idx, idx)[1] < loss0
+    b = ad.blocks[1].mlp.adapters["down"].B
+    assert b[0].abs().sum() > 0 and not torch.allclose(b[0], b[1])   # loops specialise
+
+
+LOOP_VARIANTS = (
+    [dict(start=1, length=2, n_loops=r, schedule=s, part=p) for r in (2, 3)
+     for s in ("block", "per_layer") for p in ("both", "attn", "mlp")]
+    + [dict(start=1, length=2, n_loops=r, adapter=a) for r in (2, 3) for a in ("lora", "matrix", "softmax")]
+    + [dict(start=1, length=2, n_loops=r, parallel=True, inject=i) for r in (2, 3)
+       for i in ("add", "norm_half", "norm_gate")]
+    + [dict(start=0, length=4, n_loops=2, parallel=True),                      # full-stack PLT
+       dict(start=1, length=2, n_loops=2, parallel=True, shift=False),         # unshifted control
+       dict(start=1, length=2, n_loops=3, parallel=True, kv_window=3),
+       dict(start=1, length=2, n_loops=2, parallel=True, kv_window=2, adapter="matrix")])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("lk", LOOP_VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_equals_full_forward_for_every_loop_variant(lk, moe):
+    torch.manual_seed(0)
+    cfg = tiny(loop=LoopConfig(**lk), **(dict(n_experts=4, top_k=2) if moe else {}))
+    m = live(GPT(cfg))
+    idx = torch.randint(0, 64, (2, 18))
+    torch.testing.assert_close(decode_in_pieces(m, idx), m(idx)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_plt_shift_zeroes_state_at_document_starts():
+    h = torch.arange(1, 7, dtype=torch.float).view(1, 6, 1)
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    assert L.shift_states(h, doc).flatten().tolist() == [0, 1, 2, 0, 4, 5]
+    assert L.shift_states(h, None, torch.tensor([[9.0]])).flatten().tolist() == [9, 1, 2, 3, 4, 5]
+
+
+def test_plt_gate_starts_at_half():
+    torch.manual_seed(0)
+    inj = L.PLTInject(4096, "norm_gate")
+    e, h = torch.randn(3, 4096), 100 * torch.randn(3, 4096)   # state 100x the embedding, as in the paper
+    half = L.PLTInject(4096, "norm_half")
+    torch.testing.assert_close(inj(e, h), half(e, h))
+    raw = L.PLTInject(16, "add")(e, h)
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(raw, e).abs().max() < 0.05             # ~ 1 / sqrt(1 + 100^2): the raw sum drowns the token
+    assert cos(inj(e, h), e).min() > 0.65             # ~ 0.707 after normalising both halves
+
+
+@pytest.mark.parametrize("lk", [dict(), dict(kv_window=3)])
+def test_plt_decodes_with_unlooped_number_of_sequential_block_calls(monkeypatch, lk):
+    torch.manual_seed(0)
+    m = GPT(tiny(n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True, **lk))).eval()
+    calls = []
+    orig = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, x, *a, **k: (calls.append(x.shape[0]), orig(self, x, *a, **k))[1])
+    cache = m.new_cache(2, 8)
+    m.forward_step(torch.randint(0, 64, (2, 4)), cache)   # prefill: loops run in order
+    calls.clear()
+    m.forward_step(torch.randint(0, 64, (2, 1)), cache)
+    assert len(calls) == m.cfg.n_layer                     # 4 sequential calls, not 4 + 2 * 2
+    assert calls == [2, 6, 6, 2]                            # the span runs as one batch of r * B rows
+
+
+def test_kv_window_cache_is_smaller():
+    full = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True))).new_cache(1, 32)
+    win = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True, kv_window=4))).new_cache(1, 32)
+    per_layer = 2 * 2 * 8 * 4                              # k+v, n_kv_head 2, head_dim 8, fp32 bytes
+    assert full.nbytes() == per_layer * 32 * (2 + 2 * 3)   # 2 unlooped layers + 2 span layers x 3 loops
+    assert win.nbytes() == per_layer * (32 * 4 + 2 * 2 * 4)  # loop 1 full, 2 later loops x window 4

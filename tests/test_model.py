@@ -1,0 +1,177 @@
+"""model.py: decoding equals the full forward, document masking isolates documents, Llama peer, bad input."""
+import pytest
+import torch
+
+from loop import LoopConfig
+from model import GPT, ModelConfig
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=48)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def live(model: GPT) -> GPT:
+    """Give zero-initialised parameters (adapter B, PLT gates) random values so they matter."""
+    torch.manual_seed(1)
+    for p in model.parameters():
+        if p.abs().sum() == 0:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+def decode_in_pieces(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """Prefill 7 tokens, five single-token steps, then a chunk of the rest."""
+    cache = model.new_cache(idx.shape[0], idx.shape[1] + 2)
+    outs = [model.forward_step(idx[:, :7], cache)]
+    outs += [model.forward_step(idx[:, t:t + 1], cache) for t in range(7, 12)]
+    outs.append(model.forward_step(idx[:, 12:], cache))
+    assert cache.length == idx.shape[1]
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=4), dict(n_kv_head=1, head_dim=16),
+                                dict(n_experts=6, top_k=2), dict(tie_embeddings=True)])
+def test_decode_equals_full_forward(kw):
+    torch.manual_seed(0)
+    m = GPT(tiny(**kw)).eval()
+    idx = torch.randint(0, 64, (2, 20))
+    torch.testing.assert_close(decode_in_pieces(m, idx), m(idx)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_greedy_matches_argmax_of_full_forward():
+    torch.manual_seed(0)
+    m = GPT(tiny(n_experts=4, top_k=2)).eval()
+    prompt = torch.randint(0, 64, (2, 5))
+    out = m.generate(prompt, 6, temperature=0)
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], prompt)
+    logits = m(out[:, :-1])[0]
+    assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True))])
+def test_document_masking_isolates_documents(kw):
+    torch.manual_seed(0)
+    m = live(GPT(tiny(**kw)))
+    idx = torch.randint(0, 64, (1, 24))
+    doc = torch.tensor([[0] * 10 + [1] * 8 + [2] * 6])
+    base = m(idx, doc_ids=doc)[0]
+    changed = idx.clone()
+    changed[0, 10:18] = torch.randint(0, 64, (8,))     # rewrite document 1 only
+    out = m(changed, doc_ids=doc)[0]
+    torch.testing.assert_close(out[:, :10], base[:, :10])
+    torch.testing.assert_close(out[:, 18:], base[:, 18:], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out[:, 10:18], base[:, 10:18])
+    # a packed document equals the same document run alone (RoPE is relative)
+    alone = m(idx[:, 18:])[0]
+    torch.testing.assert_close(base[:, 18:], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_flex_attention_forward_matches_sdpa_on_cpu():
+    torch.manual_seed(0)
+    sd = GPT(tiny()).state_dict()
+    a, b = GPT(tiny(attn_backend="sdpa")), GPT(tiny(attn_backend="flex"))
+    a.load_state_dict(sd)
+    b.load_state_dict(sd)
+    idx = torch.randint(0, 64, (2, 32))
+    doc = torch.cat([torch.zeros(2, 13, dtype=torch.long), torch.ones(2, 19, dtype=torch.long)], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(a(idx, doc_ids=doc)[0], b(idx, doc_ids=doc)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_paths_match_cpu_reference():
+    torch.manual_seed(0)
+    cfg = tiny(n_experts=8, top_k=2, d_model=64, d_ff=64, n_head=4, head_dim=16)
+    m = GPT(cfg).eval()
+    idx = torch.randint(0, 64, (2, 32))
+    doc = torch.cat([torch.zeros(2, 13, dtype=torch.long), torch.ones(2, 19, dtype=torch.long)], 1)
+    ref = m(idx, doc_ids=doc)[0]
+    mc = m.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = mc(idx.cuda(), doc_ids=doc.cuda())[0].float().cpu()
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_matches_transformers_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tiny(n_kv_head=2, head_dim=16)
+    m = GPT(cfg).eval()
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.hd, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    sd = {"model.embed_tokens.weight": m.tok_emb.weight, "model.norm.weight": m.norm_f.weight,
+          "lm_head.weight": m.lm_head.weight}
+    for i, b in enumerate(m.blocks):
+        p = f"model.layers.{i}."
+        sd.update({p + "self_attn.q_proj.weight": b.attn.wq.weight, p + "self_attn.k_proj.weight": b.attn.wk.weight,
+                   p + "self_attn.v_proj.weight": b.attn.wv.weight, p + "self_attn.o_proj.weight": b.attn.wo.weight,
+                   p + "mlp.gate_proj.weight": b.mlp.gate.weight, p + "mlp.up_proj.weight": b.mlp.up.weight,
+                   p + "mlp.down_proj.weight": b.mlp.down.weight, p + "input_layernorm.weight": b.attn_norm.weight,
+                   p + "post_attention_layernorm.weight": b.mlp_norm.weight})
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    idx = torch.randint(0, 64, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(m(idx)[0], hf(idx).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_loss_is_cross_entropy_plus_weighted_router_losses():
+    torch.manual_seed(0)
+    m = GPT(tiny(n_experts=4, top_k=2, aux_loss_coef=0.1, z_loss_coef=0.01))
+    idx = torch.randint(0, 64, (2, 16))
+    out = m.run(idx, idx)
+    assert len(out.router) == 4
+    torch.testing.assert_close(out.loss, out.ce + 0.1 * out.aux_loss + 0.01 * out.z_loss)
+    dense = GPT(tiny()).run(idx, idx)
+    assert torch.equal(dense.loss, dense.ce)
+
+
+def test_init_is_small_and_depth_scaled():
+    m = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=2)))
+    assert abs(m.tok_emb.weight.std().item() - 0.02) < 0.003
+    executed = len(m.plan)   # 6 visits
+    assert abs(m.blocks[0].attn.wo.weight.std().item() - 0.02 / (2 * executed) ** 0.5) < 0.002
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(n_head=4, n_kv_head=3), "n_head % n_kv_head"),
+    (dict(n_experts=2, top_k=3), "top_k"),
+    (dict(d_model=0), "d_model must be > 0"),
+    (dict(head_dim=7), "head_dim"),
+    (dict(loop=LoopConfig(start=3, length=2, n_loops=2)), "outside the stack"),
+    (dict(loop=LoopConfig(n_loops=2)), "needs a span"),
+    (dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True, schedule="per_layer")), "parallel"),
+    (dict(loop=LoopConfig(start=1, length=2, n_loops=2, adapter="lorax")), "adapter"),
+])
+def test_bad_configs_raise_naming_the_rule(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        tiny(**kw)
+
+
+def test_bad_inputs_raise_clear_errors():
+    m = GPT(tiny())
+    with pytest.raises(ValueError, match="vocab_size"):
+        m(torch.tensor([[1, 2, 64]]))
+    with pytest.raises(ValueError, match="vocab_size"):
+        m(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="block_size"):
+        m(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match="doc_ids shape"):
+        m(torch.zeros(1, 4, dtype=torch.long), doc_ids=torch.zeros(1, 3, dtype=torch.long))
+    cache = m.new_cache(1, 4)
+    m.forward_step(torch.zeros(1, 3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="max_len"):
+        m.forward_step(torch.zeros(1, 2, dtype=torch.long), cache)
+
+
+def test_config_round_trips_through_json():
+    cfg = tiny(n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2, adapter="lora"))
+    import json
+    assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
