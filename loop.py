@@ -120,7 +120,7 @@ def middle_span(n_layer: int, fraction: float = 0.5) -> tuple[int, int]:
     """SMELT placement: m = n_layer * fraction looped layers, floor((L - m) / 2) before them."""
     if n_layer < 1 or not 0.0 < fraction <= 1.0:
         raise ValueError(f"middle_span: need n_layer >= 1 and 0 < fraction <= 1, got {n_layer}, {fraction}")
-    m = max(1, round(n_layer * fraction))
+    m = max(1, int(n_layer * fraction + 0.5))   # round half up: 5 layers -> a 3-layer span
     return (n_layer - m) // 2, m
 
 

@@ -18,10 +18,11 @@ adds them to the training loss with coefficients from its config. Nothing is kep
 state. Routing is dropless: every (token, slot) pair is computed; there is no capacity.
 
 Grouped matmul. The (token, slot) rows are sorted by expert so expert g owns a contiguous
-block of rows; `grouped_mm(x, w, group_sizes)` multiplies block g by w[g]. It is a
-`torch.library` custom op with its own backward, so `torch.compile` treats it as one opaque
-call (no graph break, no data-dependent shapes in the graph: the output has x's row count).
-Inside, it is a loop of `torch.mm(..., out=slice)` over the groups in forward and backward.
+block of rows; `grouped_mm(x, w, group_sizes)` multiplies block g by w[g]: a loop of
+`torch.mm(..., out=slice)` over the groups in forward, and the same for dx and dW in a
+hand-written backward. Under `torch.compile` the same loops run as `torch.library` custom ops,
+so the compiler sees one opaque call (no graph break, no data-dependent shapes in the graph:
+the output has x's row count); eager code uses a plain autograd.Function over the same loops.
 Why: autograd over a Python loop of slices allocates a full-size gradient for every slice in
 backward (~20x a dense layer on CPU); gather + padded bmm pays for the padding (~3-4x).
 Writing each block into a preallocated output, and computing the weight gradient per block
@@ -56,48 +57,75 @@ def _group_bounds(group_sizes: Tensor) -> list[tuple[int, int, int]]:
     return [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
 
 
-@torch.library.custom_op("looped_moe::grouped_mm", mutates_args=())
-def _grouped_mm_loop(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
-    # x (N, d_in) sorted by group, w (G, d_in, d_out) -> (N, d_out)
+def _mm_loop(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+    """x (N, d_in) sorted by group, w (G, d_in, d_out) -> (N, d_out), one mm per non-empty group."""
     out = x.new_empty(x.shape[0], w.shape[2])
     for g, s, e in _group_bounds(group_sizes):
         torch.mm(x[s:e], w[g], out=out[s:e])
     return out
 
 
-@_grouped_mm_loop.register_fake
-def _(x, w, group_sizes):
-    return x.new_empty(x.shape[0], w.shape[2])
-
-
-@torch.library.custom_op("looped_moe::grouped_mm_wgrad", mutates_args=())
-def _grouped_mm_wgrad(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:
-    # dW[g] = x_g^T dy_g: (G, d_in, d_out); empty groups get zeros
+def _wgrad_loop(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:
+    """dW[g] = x_g^T dy_g: (G, d_in, d_out); empty groups get zeros."""
     dw = x.new_zeros(group_sizes.shape[0], x.shape[1], dy.shape[1])
     for g, s, e in _group_bounds(group_sizes):
         torch.mm(x[s:e].t(), dy[s:e], out=dw[g])
     return dw
 
 
-@_grouped_mm_wgrad.register_fake
+class _GroupedMM(torch.autograd.Function):
+    """Eager path: the two loops above with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, group_sizes):
+        ctx.save_for_backward(x, w, group_sizes)
+        return _mm_loop(x, w, group_sizes)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, group_sizes = ctx.saved_tensors
+        dy = dy.contiguous()   # a stride-0 (expanded) gradient cannot be sliced into mm's out=
+        dx = _mm_loop(dy, w.transpose(1, 2), group_sizes) if ctx.needs_input_grad[0] else None
+        dw = _wgrad_loop(x, dy, group_sizes) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+# Compiled path: the same loops as opaque custom ops, so torch.compile sees one call with a
+# static output shape instead of a data-dependent Python loop (which would break the graph).
+# Eager code does not use them: their first call imports torch._dynamo (seconds per process).
+@torch.library.custom_op("looped_moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+    return _mm_loop(x, w, group_sizes)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, group_sizes):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("looped_moe::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:
+    return _wgrad_loop(x, dy, group_sizes)
+
+
+@_grouped_mm_wgrad_op.register_fake
 def _(x, dy, group_sizes):
     return x.new_empty(group_sizes.shape[0], x.shape[1], dy.shape[1])
 
 
-def _gmm_setup(ctx, inputs, output):
-    x, w, group_sizes = inputs
-    ctx.save_for_backward(x, w, group_sizes)
+def _op_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
 
 
-def _gmm_backward(ctx, dy):
+def _op_backward(ctx, dy):
     x, w, group_sizes = ctx.saved_tensors
-    dy = dy.contiguous()   # a stride-0 (expanded) gradient cannot be sliced into mm's out=
-    dx = _grouped_mm_loop(dy, w.transpose(1, 2), group_sizes) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_wgrad(x, dy, group_sizes) if ctx.needs_input_grad[1] else None
+    dy = dy.contiguous()
+    dx = _grouped_mm_op(dy, w.transpose(1, 2), group_sizes) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_wgrad_op(x, dy, group_sizes) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
 
-_grouped_mm_loop.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+_grouped_mm_op.register_autograd(_op_backward, setup_context=_op_setup)
 
 
 def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") -> Tensor:
@@ -112,7 +140,9 @@ def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") ->
     if impl == "auto":
         impl = "torch" if (x.is_cuda and x.dtype == torch.bfloat16) else "loop"
     if impl == "loop":
-        return _grouped_mm_loop(x, w, group_sizes)
+        if torch.compiler.is_compiling():
+            return _grouped_mm_op(x, w, group_sizes)
+        return _GroupedMM.apply(x, w, group_sizes)
     if impl == "torch":
         offs = torch.cumsum(group_sizes, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)

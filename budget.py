@@ -1,0 +1,561 @@
+"""Parameter / FLOP / KV-cache accounting, compute-equivalent sparsity, budget matching, ladders.
+
+SMELT (Sec. 3.2) compares a looped MoE transformer with an unlooped Baseline while holding three
+budgets fixed: per-token training FLOPs, total non-embedding parameters and KV cache. This file
+counts all three for any `ModelConfig` and searches the looped configuration that matches them.
+
+Counting (exactly what model.py / loop.py / moe.py allocate; tests compare with the modules):
+  * blocks    = per layer: attn_norm + mlp_norm gains (2D), wq/wo (D x q each, q = n_head*head_dim),
+                wk/wv (D x kv each, kv = n_kv_head*head_dim), feed-forward (dense SwiGLU 3*D*d_ff, or
+                MoE router E*D + experts 3*E*D*d_ff); loop adapters on span layers (A: L*rank*d_in,
+                B: L*d_out*rank, M: L*L for matrix/softmax; q,k,v,o and, for dense blocks, gate,up,down);
+                PLT kv_gate (n_head*D) per span layer when kv_window > 0; one PLTInject per loop >= 2
+                ("add" 0, "norm_half" 2D, "norm_gate" 27D); the final norm (D). Stored once: a loop
+                stores no new weights except its adapters and gates.
+  * active    = blocks with top_k experts instead of the pool (router kept: it scores every expert;
+                SMELT Appendix A's "Active params" counts it the same way).
+  * embedding = V*D; head = V*D (0 when tied).
+FLOPs per token (training, forward + backward), `convention="smelt"` (default):
+  * 6 FLOPs per weight per token (2 forward, 4 backward) for every weight a token passes through on
+    each *executed* visit (loop.plan): attention projections, norm gains, the router, the top_k experts,
+    adapters (LoRA: its own pair; Loop Matrix / Softmax: all L pairs and one row of M), kv gates, PLT
+    re-injection; plus the output head once (6*V*D, also when tied: the matmul still runs).
+  * attention scores: QK^T and PV are two matmuls of q * keys multiply-adds, 4*q*keys FLOPs forward,
+    x3 with backward = 12*q*keys per attention visit, where keys = ctx/2, the mean number of visible
+    keys under a causal mask at document length ctx. So 6*q*ctx per attention visit. ctx is the
+    *document* length: with segment masks a token attends only inside its document (SMELT 3.2).
+    A PLT window visit adds 12*q*keys_w with keys_w = mean over positions of min(t, w).
+  * `include_head=False` gives non-embedding FLOPs. SMELT's F evidently excludes the head: its 200M
+    example (1.33e9 FLOPs, 0.209B active) leaves ~6% for attention and no room for a 1280 x V head.
+  * `convention="howtoloop"`: How-to-Loop's accounting (its Fig. 1 / Table 1): norm gains not counted,
+    attention 7*q*ctx per visit (i.e. 14*q*keys), head 6*V*D. Reproduces 967,311,360 weights, 1.07e21
+    FLOPs and the 1.1/2.1/4.3 % adapter overheads (tests).
+KV cache: 2 * n_kv_head * head_dim * bytes per executed attention visit and token; with PLT KV sharing
+(kv_window = w) a span layer holds loop 1's cache plus (r-1) rings of min(w, ctx) slots, amortised over
+the stated ctx_len (required then). Equals GPT.new_cache(B, T).nbytes() / (B*T) (tested).
+
+Sparsity (SMELT Eq. 1): S = 1 - (F/F0) * N0/N against the fully-active control (`dense_control`:
+the unlooped Baseline at the same scale with n_experts = top_k). N counts blocks (non-embedding).
+
+Matching (`match`, SMELT 3.2): keep physical depth, top_k, vocab, and the loop; search hardware-aligned
+d_model, per-expert width d_ff, head_dim, n_kv_head and n_head (numpy over the whole grid); for each
+candidate the expert count that best restores total parameters is solved in closed form (parameters
+are linear in E). Objective: the worst mismatch measured in tolerances, max(|F-1|/4%, |N-1|/1%,
+|KV-1|/4%) (SMELT Table 3.2), compared in steps of `resolution` (0.1 tolerance); within the best
+step, the candidate whose shape (d_ff/D, q/D, head_dim, n_kv_head) stays closest to the Baseline's
+wins, which narrows D and adds experts as the paper does. ~0.05 s per match. Nothing within
+tolerance -> warnings.warn, and the report says so.
+
+Ladders (`python budget.py --ladder tiny|small|paper`): Baseline and matched SMELT (middle half x2)
+for every cell of a preset grid. The paper grid rebuilds Appendix A: expert width and head geometry
+solved from its parameter columns (they reproduce every published count), vocab 128,256 (unstated;
+irrelevant once the head is excluded), FLOPs without the head at a document length of 833 tokens
+(read off the 200M example; the paper's own 600M and 1.6B SMELT configs then reproduce their
+published F ratios to 0.001, see the tests). The table prints the published SMELT D, E, F and KV
+ratios next to ours.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+import time
+import warnings
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+import loop as looping
+from loop import LoopConfig, middle_span
+from model import ModelConfig
+
+CONVENTIONS = ("smelt", "howtoloop")
+TOLERANCES = {"flops": 0.04, "params": 0.01, "kv": 0.04}   # SMELT Table 3.2
+
+
+# ----------------------------------------------------------------------------------------
+# Width-independent facts of a config: what is stored and what runs
+
+@dataclass(frozen=True)
+class Plan:
+    n_layer: int
+    moe: bool
+    top_k: int
+    vocab: int
+    tied: bool
+    attn_visits: int            # executed attention sub-layers per token
+    mlp_visits: int             # executed feed-forward sub-layers per token
+    n_loops: int                # adapter L (rows of A, B, M)
+    adapter: str
+    rank: int
+    adapter_layers: int         # layers holding adapters
+    adapter_attn_visits: int    # attention visits through adapted projections
+    adapter_mlp_visits: int     # dense MLP visits through adapted projections
+    window: int                 # PLT kv_window (0: none)
+    window_layers: int
+    window_visits: int          # attention visits of loops >= 2 on KV-sharing layers (gate + window)
+    n_inject: int               # PLT re-injections (r - 1)
+    inject: str
+
+
+def plan_of(cfg: ModelConfig, loop: LoopConfig | None = None) -> Plan:
+    """The Plan of cfg, or of cfg's depth and expert type under another loop."""
+    lc = cfg.loop if loop is None else loop
+    visits = looping.plan(cfg.n_layer, lc)
+    moe = cfg.n_experts > 0
+    looped = [lc.active and lc.in_span(i) for i in range(cfg.n_layer)]
+    ad = lc.adapter != "none"
+    win = lc.kv_window if lc.active else 0
+    attn_v, mlp_v = looping.executed_visits(cfg.n_layer, lc)
+    return Plan(
+        n_layer=cfg.n_layer, moe=moe, top_k=cfg.top_k, vocab=cfg.vocab_size, tied=cfg.tie_embeddings,
+        attn_visits=attn_v, mlp_visits=mlp_v, n_loops=lc.n_loops, adapter=lc.adapter, rank=lc.adapter_rank,
+        adapter_layers=sum(looped) if ad else 0,
+        adapter_attn_visits=sum(v.attn for v in visits if ad and looped[v.layer]),
+        adapter_mlp_visits=sum(v.mlp for v in visits if ad and looped[v.layer] and not moe),
+        window=win, window_layers=sum(looped) if win else 0,
+        window_visits=sum(v.attn and v.visit >= 1 for v in visits if win and looped[v.layer]),
+        n_inject=lc.n_loops - 1 if lc.parallel else 0, inject=lc.inject)
+
+
+def _widths(cfg: ModelConfig) -> dict:
+    return dict(d=cfg.d_model, nh=cfg.n_head, nkv=cfg.n_kv_head, hd=cfg.hd, ff=cfg.d_ff, E=cfg.n_experts)
+
+
+# The three formulas below take python ints (exact counts) or numpy arrays (the match grid).
+
+def _params(p: Plan, d, nh, nkv, hd, ff, E) -> dict:
+    q, kv = nh * hd, nkv * hd
+    attn = 2 * d * q + 2 * d * kv
+    ffn = E * d + 3 * E * d * ff if p.moe else 3 * d * ff
+    ffn_active = E * d + 3 * p.top_k * d * ff if p.moe else ffn
+    mix = p.n_loops ** 2 if p.adapter in ("matrix", "softmax") else 0
+    ad_attn = p.n_loops * p.rank * (4 * d + 2 * q + 2 * kv) + 4 * mix
+    ad_mlp = 0 if p.moe else p.n_loops * p.rank * 3 * (d + ff) + 3 * mix
+    out = dict(attention=p.n_layer * attn, ffn=p.n_layer * ffn, norms=(2 * p.n_layer + 1) * d,
+               adapters=p.adapter_layers * (ad_attn + ad_mlp), kv_gates=p.window_layers * nh * d,
+               plt=p.n_inject * {"add": 0, "norm_half": 2, "norm_gate": 27}[p.inject] * d)
+    out["blocks"] = sum(out.values())
+    out["active"] = out["blocks"] - p.n_layer * (ffn - ffn_active)
+    out["embedding"] = p.vocab * d
+    out["head"] = 0 if p.tied else p.vocab * d
+    return out
+
+
+def _window_keys(w: int, ctx: float) -> float:
+    """Mean over positions t in (0, ctx] of min(t, w): keys a windowed causal query sees."""
+    return ctx / 2 if w >= ctx else w - w * w / (2 * ctx)
+
+
+def _flops(p: Plan, ctx: float, convention: str, include_head: bool, d, nh, nkv, hd, ff, E):
+    q, kv = nh * hd, nkv * hd
+    norm = 1 if convention == "smelt" else 0                  # How-to-Loop counts no norm gains
+    per = 1 if p.adapter == "lora" else p.n_loops              # pairs a visit passes through
+    row = p.n_loops if p.adapter in ("matrix", "softmax") else 0
+    ffn_active = E * d + 3 * p.top_k * d * ff if p.moe else 3 * d * ff
+    inject = {"add": 0, "norm_half": 2 * norm, "norm_gate": 25 + 2 * norm}[p.inject] * d
+    w = (p.attn_visits * (2 * d * q + 2 * d * kv + norm * d) + p.mlp_visits * (ffn_active + norm * d)
+         + p.adapter_attn_visits * (per * p.rank * (4 * d + 2 * q + 2 * kv) + 4 * row)
+         + p.adapter_mlp_visits * (per * p.rank * 3 * (d + ff) + 3 * row)
+         + p.window_visits * nh * d + p.n_inject * inject + norm * d)
+    keys = p.attn_visits * ctx / 2 + (p.window_visits * _window_keys(p.window, ctx) if p.window else 0)
+    coef = 12 if convention == "smelt" else 14
+    return 6 * w + coef * q * keys + (6 * p.vocab * d if include_head else 0)
+
+
+def _kv_slots(p: Plan, ctx: float | None) -> float:
+    """Cached (key, value) positions per token, summed over attention visits."""
+    if not p.window:
+        return p.attn_visits
+    return p.attn_visits - p.window_layers * (p.n_loops - 1) * (1 - min(p.window, ctx) / ctx)
+
+
+# ----------------------------------------------------------------------------------------
+# Public accounting
+
+def _check_cfg(cfg) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"expected a model.ModelConfig, got {type(cfg).__name__}")
+    cfg.validate()
+
+
+def _check_ctx(cfg: ModelConfig, ctx_len, name: str = "ctx_len") -> None:
+    if isinstance(ctx_len, bool) or not isinstance(ctx_len, numbers.Real) or not ctx_len > 0:
+        raise ValueError(f"{name} must be a number > 0 (tokens of document length), got {ctx_len!r}")
+    if ctx_len > cfg.block_size:
+        raise ValueError(f"{name}={ctx_len} exceeds block_size={cfg.block_size}: no token attends that far")
+
+
+def param_breakdown(cfg: ModelConfig) -> dict:
+    """Every parameter group: attention, ffn, norms, adapters, kv_gates, plt, blocks, active, embedding, head."""
+    _check_cfg(cfg)
+    return _params(plan_of(cfg), **_widths(cfg))
+
+
+def count_params(cfg: ModelConfig) -> dict:
+    """{"blocks", "active", "embedding", "head"}; blocks + embedding + head == GPT(cfg) parameters."""
+    b = param_breakdown(cfg)
+    return {k: b[k] for k in ("blocks", "active", "embedding", "head")}
+
+
+def flops_per_token(cfg: ModelConfig, ctx_len: float, convention: str = "smelt",
+                    include_head: bool = True) -> float:
+    """Training FLOPs per token at document length ctx_len (see the module docstring)."""
+    _check_cfg(cfg)
+    _check_ctx(cfg, ctx_len)
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    return float(_flops(plan_of(cfg), ctx_len, convention, include_head, **_widths(cfg)))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, ctx_len: float | None = None):
+    """KV-cache bytes per token: 2 * n_kv_head * head_dim * bytes per executed attention visit.
+
+    With PLT KV sharing (kv_window > 0) later loops keep rings of w slots whose cost per token
+    depends on the context: pass ctx_len (the cache length), and a float is returned.
+    """
+    _check_cfg(cfg)
+    if isinstance(bytes_per_elem, bool) or not isinstance(bytes_per_elem, int) or bytes_per_elem <= 0:
+        raise ValueError(f"bytes_per_elem must be a positive int, got {bytes_per_elem!r}")
+    p = plan_of(cfg)
+    if p.window:
+        if ctx_len is None:
+            raise ValueError("kv_bytes_per_token: loop.kv_window > 0 amortises each later loop's window "
+                             "over the context; pass ctx_len (the cache length in tokens)")
+        _check_ctx(cfg, ctx_len)
+        return 2 * cfg.n_kv_head * cfg.hd * bytes_per_elem * _kv_slots(p, ctx_len)
+    return 2 * cfg.n_kv_head * cfg.hd * bytes_per_elem * p.attn_visits
+
+
+def sparsity(F: float, N: float, F0: float, N0: float) -> float:
+    """SMELT Eq. 1: N_act^eq = (F/F0) N0, S = 1 - N_act^eq / N."""
+    for name, v in (("F", F), ("N", N), ("F0", F0), ("N0", N0)):
+        if not v > 0:
+            raise ValueError(f"sparsity: {name} must be > 0, got {v!r}")
+    return 1.0 - (F / F0) * N0 / N
+
+
+def dense_control(cfg: ModelConfig) -> ModelConfig:
+    """The fully-active control: the unlooped Baseline at cfg's scale with every expert active
+    (n_experts = top_k, e.g. 8 experts top-8); a dense config's control is itself, unlooped."""
+    _check_cfg(cfg)
+    return replace(cfg, n_experts=cfg.top_k if cfg.n_experts else 0, loop=LoopConfig())
+
+
+def config_sparsity(cfg: ModelConfig, ctx_len: float, control: ModelConfig | None = None,
+                    include_head: bool = True) -> float:
+    """S of cfg (Eq. 1) against `control` (default dense_control(cfg); pass the Baseline's control
+    for a matched looped model: S is measured at the Baseline's scale)."""
+    control = dense_control(cfg) if control is None else control
+    return sparsity(flops_per_token(cfg, ctx_len, include_head=include_head), count_params(cfg)["blocks"],
+                    flops_per_token(control, ctx_len, include_head=include_head), count_params(control)["blocks"])
+
+
+# ----------------------------------------------------------------------------------------
+# Budget matching (SMELT 3.2)
+
+SEARCH_DEFAULTS = dict(
+    d_range=(0.5, 1.0),      # d_model as a fraction of the Baseline's
+    d_multiple=None,         # alignment of d_model (None: 8 from d_model 256 up, else 4)
+    ff_band=0.25,            # per-expert width within +-25% of Baseline d_ff * D/D0
+    ff_multiple=None,        # alignment of d_ff (None: 8 from d_ff 256 up, else 4)
+    q_band=0.25,             # query width n_head*head_dim within +-25% of the Baseline's q/D * D
+    hd_range=(0.5, 1.5),     # head_dim as a fraction of the Baseline's
+    head_dim_multiple=None,  # alignment of head_dim (None: 8 from head_dim 64 up, else 2)
+    head_dims=None,          # explicit head_dim candidates (overrides hd_range)
+    n_kv_heads=None,         # explicit n_kv_head candidates (default 1 .. 2 * Baseline's)
+    expert_multiple=1,       # expert count alignment
+    tolerances=None,         # {"flops", "params", "kv"} (default SMELT's 4 %, 1 %, 4 %)
+    resolution=0.1,          # worst mismatches this close (in tolerances) count as ties
+    include_head=True,       # count the output head in FLOPs
+    convention="smelt",
+)
+
+
+def _search_options(base: ModelConfig, search: dict) -> dict:
+    unknown = set(search) - set(SEARCH_DEFAULTS)
+    if unknown:
+        raise ValueError(f"match: unknown search option(s) {sorted(unknown)}; known: {sorted(SEARCH_DEFAULTS)}")
+    o = {**SEARCH_DEFAULTS, **search}
+    o["d_multiple"] = o["d_multiple"] or (8 if base.d_model >= 256 else 4)
+    o["ff_multiple"] = o["ff_multiple"] or (8 if base.d_ff >= 256 else 4)
+    o["head_dim_multiple"] = o["head_dim_multiple"] or (8 if base.hd >= 64 else 2)
+    o["tolerances"] = {**TOLERANCES, **(o["tolerances"] or {})}
+    lo, hi = o["d_range"]
+    if not 0 < lo <= hi:
+        raise ValueError(f"match: d_range must satisfy 0 < lo <= hi, got {o['d_range']}")
+    if o["convention"] not in CONVENTIONS:
+        raise ValueError(f"match: convention must be one of {CONVENTIONS}, got {o['convention']!r}")
+    for name in ("d_multiple", "ff_multiple", "head_dim_multiple", "expert_multiple"):
+        if not isinstance(o[name], int) or o[name] < 1:
+            raise ValueError(f"match: {name} must be a positive int, got {o[name]!r}")
+    if o["head_dim_multiple"] % 2:
+        raise ValueError("match: head_dim_multiple must be even (RoPE rotates pairs)")
+    for k, v in o["tolerances"].items():
+        if k not in TOLERANCES or not v > 0:
+            raise ValueError(f"match: tolerances must map flops/params/kv to values > 0, got {k}={v!r}")
+    if not o["resolution"] > 0 or o["ff_band"] < 0 or o["q_band"] < 0:
+        raise ValueError("match: resolution must be > 0 and ff_band, q_band >= 0")
+    return o
+
+
+def _near(center, step: int, band: float, span: int):
+    """Multiples of `step` around each center (array, shape (n,)), as (n, 2*span+1) with a mask:
+    within +-band of the center, or the nearest multiple (always kept)."""
+    c = np.maximum(np.rint(center / step), 1) * step
+    off = np.arange(-span, span + 1) * step
+    vals = c[:, None] + off[None, :]
+    ok = (vals >= step) & ((np.abs(vals / center[:, None] - 1) <= band + 1e-9) | (off[None, :] == 0))
+    return vals, ok
+
+
+def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> tuple[ModelConfig, dict]:
+    """The looped config matching base_cfg's FLOPs per token, blocks (total non-embedding parameters)
+    and KV cache, and a report {"flops_ratio", "params_ratio", "kv_ratio", "within_tolerance", ...}.
+
+    search: options of SEARCH_DEFAULTS (alignments, bands, tolerances, include_head, convention).
+    The report also holds the worst mismatch in tolerances, the base and matched FLOPs / blocks /
+    KV bytes per token, the number of candidates scored and the seconds taken, and a message.
+    """
+    t0 = time.perf_counter()
+    _check_cfg(base_cfg)
+    if not isinstance(loop, LoopConfig):
+        raise ValueError(f"match: loop must be a loop.LoopConfig, got {type(loop).__name__}")
+    loop.validate(base_cfg.n_layer)
+    _check_ctx(base_cfg, ctx_len)
+    o = _search_options(base_cfg, search)
+    tol, conv, head = o["tolerances"], o["convention"], o["include_head"]
+    b = base_cfg
+    pb, ps = plan_of(b), plan_of(b, loop)
+    F_b = float(_flops(pb, ctx_len, conv, head, **_widths(b)))
+    N_b = float(_params(pb, **_widths(b))["blocks"])
+    kv_b = b.n_kv_head * b.hd * _kv_slots(pb, ctx_len)
+
+    # head geometry: KV depends only on (n_kv_head, head_dim); keep the pairs that can match it
+    m_hd = o["head_dim_multiple"]
+    hds = (np.array(sorted(set(o["head_dims"])), dtype=float) if o["head_dims"] else
+           np.union1d(np.arange(math.ceil(o["hd_range"][0] * b.hd / m_hd), math.floor(o["hd_range"][1] * b.hd / m_hd) + 1)
+                      * m_hd, [b.hd]).astype(float))
+    hds = hds[(hds > 0) & (hds % 2 == 0)]
+    kvh = np.array(o["n_kv_heads"] or range(1, 2 * b.n_kv_head + 1), dtype=float)
+    HD, KVH = (a.ravel() for a in np.meshgrid(hds, kvh))
+    if not HD.size:
+        raise ValueError("match: no valid head_dim candidates (head_dim must be even and > 0)")
+    kv_err = np.abs(KVH * HD * _kv_slots(ps, ctx_len) / kv_b - 1)
+    keep = kv_err <= tol["kv"] + 1e-12
+    if not keep.any():
+        keep = kv_err <= kv_err.min() * (1 + 1e-9) + 1e-12
+    HD, KVH = HD[keep], KVH[keep]
+
+    # d_model grid x head pairs; then n_head and d_ff offsets around the Baseline's proportions
+    m_d = o["d_multiple"]
+    ds = np.arange(math.ceil(o["d_range"][0] * b.d_model / m_d), math.floor(o["d_range"][1] * b.d_model / m_d) + 1) * m_d
+    if not ds.size:
+        raise ValueError(f"match: no d_model multiple of {m_d} in d_range {o['d_range']} x {b.d_model}")
+    D, I = (a.ravel() for a in np.meshgrid(ds.astype(float), np.arange(HD.size)))
+    hd, nkv = HD[I], KVH[I]
+    q_center = b.n_head * b.hd / b.d_model * D
+    groups = q_center / hd / nkv                          # n_head / n_kv_head
+    nh, ok_h = _near(groups, 1, o["q_band"], int(o["q_band"] * groups.max()) + 1)
+    nh = nh * nkv[:, None]
+    r, c = np.nonzero(ok_h)
+    D, hd, nkv, nh = D[r], hd[r], nkv[r], nh[r, c]
+    m_ff = o["ff_multiple"]
+    ff_center = b.d_ff / b.d_model * D
+    ff, ok_f = _near(ff_center, m_ff, o["ff_band"], int(o["ff_band"] * ff_center.max() / m_ff) + 1)
+    r, c = np.nonzero(ok_f)
+    D, hd, nkv, nh, ff = D[r], hd[r], nkv[r], nh[r], ff[r, c]
+
+    # expert count: blocks are linear in E -> solve, try the two neighbouring multiples
+    if ps.moe:
+        rest = _params(ps, D, nh, nkv, hd, ff, 0)["blocks"]
+        per = _params(ps, D, nh, nkv, hd, ff, 1)["blocks"] - rest
+        m_e = o["expert_multiple"]
+        e_star = (N_b - rest) / per / m_e
+        E = np.concatenate([np.floor(e_star), np.ceil(e_star)]) * m_e
+        E = np.maximum(E, math.ceil(b.top_k / m_e) * m_e)
+        D, nh, nkv, hd, ff = (np.concatenate([a, a]) for a in (D, nh, nkv, hd, ff))
+    else:
+        E = np.zeros_like(D)
+    F = _flops(ps, ctx_len, conv, head, D, nh, nkv, hd, ff, E) / F_b
+    N = _params(ps, D, nh, nkv, hd, ff, E)["blocks"] / N_b
+    KV = nkv * hd * _kv_slots(ps, ctx_len) / kv_b
+    worst = np.maximum.reduce([np.abs(F - 1) / tol["flops"], np.abs(N - 1) / tol["params"], np.abs(KV - 1) / tol["kv"]])
+    shape = (np.abs(np.log(ff / (b.d_ff / b.d_model * D)))
+             + np.abs(np.log(nh * hd / D / (b.n_head * b.hd / b.d_model)))
+             + np.abs(np.log(hd / b.hd)) + np.abs(np.log(nkv / b.n_kv_head)))
+    best = np.lexsort((shape, np.floor(worst / o["resolution"] + 1e-9)))[0]
+
+    cfg = replace(b, d_model=int(D[best]), n_head=int(nh[best]), n_kv_head=int(nkv[best]), head_dim=int(hd[best]),
+                  d_ff=int(ff[best]), n_experts=int(E[best]), loop=loop)
+    # recount through the scalar path: the report never trusts the grid arithmetic alone
+    Fm = flops_per_token(cfg, ctx_len, conv, head)
+    Nm = count_params(cfg)["blocks"]
+    kvm = cfg.n_kv_head * cfg.hd * _kv_slots(plan_of(cfg), ctx_len)
+    rep = {"flops_ratio": Fm / F_b, "params_ratio": Nm / N_b, "kv_ratio": kvm / kv_b}
+    errs = {"flops": abs(rep["flops_ratio"] - 1), "params": abs(rep["params_ratio"] - 1), "kv": abs(rep["kv_ratio"] - 1)}
+    rep["within_tolerance"] = all(errs[k] <= tol[k] + 1e-12 for k in errs)
+    rep.update(worst=max(errs[k] / tol[k] for k in errs), tolerances=tol, ctx_len=ctx_len, convention=conv,
+               include_head=head, flops=(F_b, Fm), params=(N_b, Nm),
+               kv_bytes_bf16=(4 * kv_b, 4 * kvm), candidates=int(D.size),
+               seconds=time.perf_counter() - t0)
+    if rep["within_tolerance"]:
+        rep["message"] = "matched within tolerance"
+    else:
+        rep["message"] = (f"no candidate within tolerance (flops {tol['flops']:.0%}, params {tol['params']:.0%}, "
+                          f"kv {tol['kv']:.0%}); best: flops x{rep['flops_ratio']:.3f}, params "
+                          f"x{rep['params_ratio']:.3f}, kv x{rep['kv_ratio']:.3f}")
+        warnings.warn(f"match: {rep['message']}", RuntimeWarning, stacklevel=2)
+    return cfg, rep
+
+
+# ----------------------------------------------------------------------------------------
+# Presets and ladders (SMELT Appendix A)
+
+# Appendix A's Baselines, rebuilt. The paper gives H, L, pool sizes, active/total parameters and S;
+# expert width and head geometry are solved from those columns (they reproduce every published
+# active/total count to the printed digits): (scale, H, L, expert d_ff, head_dim, n_head; n_kv_head = 2).
+PAPER_SCALES = [("100M", 672, 10, 544, 112, 6), ("200M", 1280, 12, 432, 128, 10),
+                ("600M", 1792, 20, 600, 128, 14), ("1.6B", 2304, 30, 768, 128, 18)]
+PAPER_POOLS = [("S=0%", 8), ("S~85%", 64), ("S~95%", 192), ("S~97%", 336)]
+PAPER_VOCAB = 128_256   # not stated by the paper; irrelevant to the ratios (head excluded, see below)
+# Document length at which our FLOPs reproduce the paper's 200M example (Baseline 1.33e9 FLOPs/token,
+# SMELT +2.9 %): packed 4096-token contexts with segment masks, attention at the document length.
+PAPER_DOC_LEN = 833
+# Published (SMELT Appendix A) for comparison only: Baseline S, SMELT H, experts, F ratio, KV ratio.
+PAPER_PUBLISHED = {
+    "100M": [(0.0, 576, 16, 1.081, 1.018), (86.0, 576, 96, 1.024, 0.964), (95.2, 576, 288, 1.031, 0.964), (97.2, 576, 504, 1.039, 0.964)],
+    "200M": [(0.0, 1056, 16, 1.039, 1.031), (84.3, 1056, 96, 1.021, 1.031), (94.6, 1056, 288, 1.029, 1.031), (96.9, 1056, 504, 1.037, 1.031)],
+    "600M": [(0.0, 1408, 16, 1.046, 1.031), (84.5, 1408, 96, 1.007, 1.031), (94.7, 1512, 288, 1.024, 0.984), (96.9, 1512, 504, 1.031, 0.984)],
+    "1.6B": [(0.0, 1848, 16, 1.022, 0.984), (84.5, 1848, 96, 1.000, 0.984), (94.7, 1848, 288, 1.004, 0.984), (96.9, 1848, 504, 1.008, 0.984)],
+}
+
+# Our presets. tiny: a 2-core CPU (vocab 4096 = the data module's tiny tokenizer, 256-token contexts,
+# top-2 of 5 or 16 experts of width 2D -> S ~ 55 % / ~ 85 %); small: one GPU (top-4 of 32 / 96 experts
+# of width D -> S ~ 85 % / ~ 95 %). Every depth gives a middle-half span of >= 2 layers.
+#               (scale, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff)
+TINY_SCALES = [("t64", 64, 4, 4, 2, 16, 128), ("t96", 96, 4, 6, 2, 16, 192), ("t128", 128, 6, 8, 2, 16, 256)]
+SMALL_SCALES = [("s256", 256, 6, 4, 2, 64, 256), ("s384", 384, 8, 6, 2, 64, 384), ("s512", 512, 8, 8, 2, 64, 512)]
+PRESETS = {  # pools, top_k, vocab, block_size, ctx_len for FLOPs, FLOPs include the head
+    "tiny": dict(scales=TINY_SCALES, pools=[("S~55%", 5), ("S~85%", 16)], top_k=2, vocab=4096, block=256,
+                 ctx=256, head=True),
+    "small": dict(scales=SMALL_SCALES, pools=[("S~85%", 32), ("S~95%", 96)], top_k=4, vocab=4096, block=1024,
+                  ctx=1024, head=True),
+    "paper": dict(scales=[(s, H, L, nh, 2, hd, F) for s, H, L, F, hd, nh in PAPER_SCALES], pools=PAPER_POOLS,
+                  top_k=8, vocab=PAPER_VOCAB, block=4096, ctx=PAPER_DOC_LEN, head=False),
+}
+
+
+def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
+    """[(scale, sparsity label, Baseline ModelConfig)] for "tiny", "small" or "paper"."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    p = PRESETS[preset]
+    return [(scale, label, ModelConfig(vocab_size=p["vocab"], block_size=p["block"], n_layer=L, d_model=d, n_head=nh,
+                                       n_kv_head=nkv, head_dim=hd, d_ff=ff, n_experts=E, top_k=p["top_k"]))
+            for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
+
+
+def smelt_loop(n_layer: int, n_loops: int = 2) -> LoopConfig:
+    """SMELT's loop: the middle half of the stack, twice."""
+    start, length = middle_span(n_layer)
+    return LoopConfig(start=start, length=length, n_loops=n_loops)
+
+
+def _row(scale, label, arch, cfg, ctx, head, control) -> dict:
+    c = count_params(cfg)
+    lc = cfg.loop
+    return dict(scale=scale, sparsity=label, arch=arch, d_model=cfg.d_model, n_layer=cfg.n_layer,
+                n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.hd, d_ff=cfg.d_ff,
+                n_experts=cfg.n_experts, top_k=cfg.top_k,
+                loop=f"{lc.start + 1}-{lc.start + lc.length} x{lc.n_loops}" if lc.active else "-",
+                active=c["active"], blocks=c["blocks"], S=config_sparsity(cfg, ctx, control, head),
+                flops=flops_per_token(cfg, ctx, include_head=head), kv_bytes=kv_bytes_per_token(cfg, 2, ctx))
+
+
+def ladder(preset: str, ctx_len: float | None = None, **search) -> list[dict]:
+    """Baseline and matched SMELT rows for every cell of a preset's grid (scales x sparsities).
+
+    ctx_len: document length for FLOPs (default: the preset's block size; the paper grid uses
+    PAPER_DOC_LEN and excludes the head from FLOPs, as the paper's numbers imply).
+    """
+    p = PRESETS.get(preset)
+    if p is None:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    ctx = p["ctx"] if ctx_len is None else ctx_len
+    search = {"include_head": p["head"], **search}
+    head = search["include_head"]
+    rows = []
+    for i, (scale, label, base) in enumerate(preset_baselines(preset)):
+        control = dense_control(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # the report row says it instead
+            cfg, rep = match(base, smelt_loop(base.n_layer), ctx, **search)
+        rows.append(_row(scale, label, "Baseline", base, ctx, head, control))
+        row = _row(scale, label, "SMELT", cfg, ctx, head, control)
+        row.update(flops_ratio=rep["flops_ratio"], params_ratio=rep["params_ratio"], kv_ratio=rep["kv_ratio"],
+                   within_tolerance=rep["within_tolerance"], seconds=rep["seconds"])
+        if preset == "paper":
+            pub = PAPER_PUBLISHED[scale][i % len(PAPER_POOLS)]
+            rows[-1]["paper_S"] = pub[0]
+            row.update(paper_d_model=pub[1], paper_n_experts=pub[2], paper_flops_ratio=pub[3], paper_kv_ratio=pub[4])
+        rows.append(row)
+    return rows
+
+
+def format_ladder(rows: list[dict]) -> str:
+    """A fixed-width table of ladder rows."""
+    paper = "paper_flops_ratio" in rows[-1]
+    head = (f"{'scale':>6} {'S label':>7} {'arch':>8} {'D':>5} {'L':>3} {'H/Hkv x hd':>12} {'d_ff':>5} {'E':>4} "
+            f"{'k':>2} {'loop':>8} {'active':>9} {'total':>9} {'S':>6} {'F':>6} {'N':>6} {'KV':>6} {'ok':>3}")
+    if paper:
+        head += f" | {'paper: S':>8} {'D':>5} {'E':>4} {'F':>6} {'KV':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        smelt = r["arch"] == "SMELT"
+        heads = f"{r['n_head']}/{r['n_kv_head']} x{r['head_dim']}"
+        s = (f"{r['scale']:>6} {r['sparsity']:>7} {r['arch']:>8} {r['d_model']:>5} {r['n_layer']:>3} "
+             f"{heads:>12} {r['d_ff']:>5} {r['n_experts']:>4} "
+             f"{r['top_k']:>2} {r['loop']:>8} {r['active'] / 1e6:>8.2f}M {r['blocks'] / 1e6:>8.2f}M {r['S']:>6.1%} ")
+        s += (f"{r['flops_ratio']:>6.3f} {r['params_ratio']:>6.3f} {r['kv_ratio']:>6.3f} "
+              f"{'yes' if r['within_tolerance'] else 'NO':>3}" if smelt else f"{'':>6} {'':>6} {'':>6} {'':>3}")
+        if paper:
+            s += (f" | {'':>8} {r['paper_d_model']:>5} {r['paper_n_experts']:>4} {r['paper_flops_ratio']:>6.3f} "
+                  f"{r['paper_kv_ratio']:>6.3f}" if smelt else f" | {r['paper_S']:>7.1f}%")
+        lines.append(s)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Budget accounting and SMELT budget matching (see the module docstring).")
+    ap.add_argument("--ladder", choices=sorted(PRESETS), help="print the matched Baseline/SMELT grid of a preset")
+    ap.add_argument("--config", help="print the accounting of a ModelConfig JSON file (e.g. a run's config.json)")
+    ap.add_argument("--ctx-len", type=float, default=None, help="document length for attention FLOPs "
+                    "(default: the preset's; with --config, the config's block_size)")
+    ap.add_argument("--json", help="also write the ladder rows to this JSON file")
+    args = ap.parse_args(argv)
+    if not args.ladder and not args.config:
+        ap.error("give --ladder PRESET or --config FILE")
+    if args.config:
+        with open(args.config) as f:
+            d = json.load(f)
+        cfg = ModelConfig.from_dict(d.get("model", d))
+        ctx = args.ctx_len or cfg.block_size
+        print(json.dumps({**count_params(cfg), "flops_per_token": flops_per_token(cfg, ctx), "ctx_len": ctx,
+                          "kv_bytes_per_token_bf16": kv_bytes_per_token(cfg, 2, ctx)}, indent=2))
+    if args.ladder:
+        t0 = time.perf_counter()
+        rows = ladder(args.ladder, args.ctx_len)
+        print(format_ladder(rows))
+        n = sum(r["arch"] == "SMELT" for r in rows)
+        ok = sum(r.get("within_tolerance", False) for r in rows)
+        print(f"\n{ok}/{n} cells within tolerance (F 4 %, N 1 %, KV 4 %); "
+              f"{time.perf_counter() - t0:.1f} s total. Ratios are SMELT / Baseline.")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
