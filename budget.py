@@ -437,10 +437,13 @@ PAPER_PUBLISHED = {
 #               (scale, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff)
 TINY_SCALES = [("t64", 64, 4, 4, 2, 16, 128), ("t96", 96, 4, 6, 2, 16, 192), ("t128", 128, 6, 8, 2, 16, 256)]
 SMALL_SCALES = [("s256", 256, 6, 4, 2, 64, 256), ("s384", 384, 8, 6, 2, 64, 384), ("s512", 512, 8, 8, 2, 64, 512)]
+SMOKE_SCALES = [("m48", 48, 4, 4, 2, 12, 48), ("m64", 64, 4, 4, 2, 16, 64)]
 PRESETS = {  # pools, top_k, vocab, block_size, ctx_len for FLOPs, FLOPs include the head
+    "smoke": dict(scales=SMOKE_SCALES, pools=[("S~70%", 6), ("S~85%", 16)], top_k=2, vocab=512, block=64,
+                  ctx=64, head=True),
     "tiny": dict(scales=TINY_SCALES, pools=[("S~55%", 5), ("S~85%", 16)], top_k=2, vocab=4096, block=256,
                  ctx=256, head=True),
-    "small": dict(scales=SMALL_SCALES, pools=[("S~85%", 32), ("S~95%", 96)], top_k=4, vocab=4096, block=1024,
+    "small": dict(scales=SMALL_SCALES, pools=[("S~85%", 32), ("S~95%", 96)], top_k=4, vocab=16384, block=1024,
                   ctx=1024, head=True),
     "paper": dict(scales=[(s, H, L, nh, 2, hd, F) for s, H, L, F, hd, nh in PAPER_SCALES], pools=PAPER_POOLS,
                   top_k=8, vocab=PAPER_VOCAB, block=4096, ctx=PAPER_DOC_LEN, head=False),
