@@ -1,0 +1,190 @@
+"""data.py: tokenizer, packing, deterministic/resumable batches, DDP slices, caching, validation.
+
+Everything runs on the smoke preset (on-disk stdlib + generated text, 512-token vocabulary):
+no network, about a second to prepare.
+"""
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smoke") / "data"
+    data.prepare("smoke", str(out), cache_dir=str(out.parent / "cache"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def td(smoke_dir) -> data.TokenData:
+    return data.TokenData(smoke_dir)
+
+
+def test_truncated_vocab_ids_and_round_trip():
+    enc = data.get_tokenizer(512)
+    assert enc.n_vocab == 512 and enc.eot_token == 511
+    text = "def f(x):\n    return x ** 2  # the square, naïve ünïcode ✓\n\nThe quick brown fox."
+    ids = enc.encode_ordinary(text)
+    assert max(ids) < 511 and enc.decode(ids) == text
+    assert enc.encode(data.EOT, allowed_special="all") == [511]
+    assert len(enc.encode_ordinary("the the the the")) < len("the the the the")  # merges are in use
+    byte_level = data.get_tokenizer(257)  # bytes only
+    assert byte_level.encode_ordinary("ab") == [byte_level.encode_single_token(b"a"), byte_level.encode_single_token(b"b")]
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.get_tokenizer(100)
+
+
+def test_embedded_merges_match_gpt2_when_cached():
+    """The 255 merges written in data.py equal GPT-2's own, and truncation keeps GPT-2 ids."""
+    tk = data.cache_root() / "tiktoken"
+    if not tk.exists() or len(list(tk.iterdir())) < 2:
+        pytest.skip("GPT-2 BPE files not cached (run `python data.py --preset tiny` once)")
+    full = data.get_tokenizer(None)
+    assert full.n_vocab == 50257
+    small, mid = data.get_tokenizer(512), data.get_tokenizer(4096)
+    for i in range(511):
+        assert small.decode_single_token_bytes(i) == full.decode_single_token_bytes(i)
+    text = Path(data.__file__).read_text()[:20_000]
+    for enc in (small, mid, full):
+        ids = enc.encode_ordinary(text)
+        assert max(ids) < enc.n_vocab - 1 and enc.decode(ids) == text
+    assert len(mid.encode_ordinary(text)) < len(small.encode_ordinary(text))
+
+
+def test_packing_targets_and_doc_ids(td):
+    batches = [td.train_batch(k, batch_size=8, block_size=64) for k in range(8)]
+    idx, targets, doc_ids = (torch.cat(t) for t in zip(*batches))
+    assert batches[0][0].shape == batches[0][1].shape == batches[0][2].shape == (8, 64)
+    assert idx.dtype == targets.dtype == doc_ids.dtype == torch.int64
+    assert torch.equal(idx[:, 1:], targets[:, :-1])  # targets are idx shifted by one
+    assert int(idx.max()) < td.vocab_size
+    # doc ids: start at 0, step by exactly one at each EOT (BOS) position and nowhere else
+    assert (doc_ids[:, 0] == 0).all()
+    steps = doc_ids[:, 1:] - doc_ids[:, :-1]
+    assert torch.equal(steps, (idx[:, 1:] == td.eot).long())
+    assert (idx == td.eot).any(), "some row holds a document boundary"
+
+
+def test_train_batch_deterministic_and_varied(smoke_dir, td):
+    a = td.train_batch(3, 4, 32, seed=1)
+    b = data.TokenData(smoke_dir).train_batch(3, 4, 32, seed=1)  # a fresh reader (a resumed run)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], td.train_batch(4, 4, 32, seed=1)[0])
+    assert not torch.equal(a[0], td.train_batch(3, 4, 32, seed=2)[0])
+    # past the end of an epoch the iteration continues with a new permutation
+    n = td.contexts_per_epoch(32)
+    later = td.train_batch(n // 4 + 1, 4, 32, seed=1)
+    assert later[0].shape == (4, 32)
+
+
+def test_rank_slices_concatenate_to_global_batch(td):
+    for step in (0, 5):
+        full = td.train_batch(step, 8, 16, seed=7)
+        parts = [td.train_batch(step, 2, 16, seed=7, rank=r, world_size=4) for r in range(4)]
+        for i in range(3):
+            assert torch.equal(torch.cat([p[i] for p in parts]), full[i])
+    with pytest.raises(ValueError, match="rank"):
+        td.train_batch(0, 2, 16, rank=4, world_size=4)
+
+
+def test_epoch_covers_every_context_once(td):
+    T, B = 16, 8
+    n = td.contexts_per_epoch(T)
+    starts = np.concatenate([td.train_offsets(k, B, T, seed=0) for k in range(n // B)])
+    assert len(set(starts.tolist())) == len(starts)  # no context twice within an epoch
+    assert len(set((starts % T).tolist())) == 1  # one phase per epoch ...
+    assert starts.max() + T + 1 <= len(td.train)  # ... and every context fits
+    nxt = td.train_offsets(n // B + 1, B, T, seed=0)  # the next epoch: a new order and phase
+    assert nxt.max() + T + 1 <= len(td.train)
+
+
+def test_prepare_is_a_noop_when_cached(smoke_dir, capsys):
+    files = sorted(p for p in smoke_dir.rglob("*") if p.is_file())
+    before = {p: p.stat().st_mtime_ns for p in files}
+    manifest = data.prepare("smoke", str(smoke_dir), cache_dir=str(smoke_dir.parent / "cache"))
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in files} == before
+    assert manifest["preset"] == "smoke" and manifest["vocab_size"] == 512
+
+
+def test_manifest_contents(td):
+    m = td.manifest
+    assert set(m["domains_present"]) == {"code", "math"}
+    assert m["domains_missing"] == []
+    for name in td.sources:
+        s = m["sources"][name]
+        assert s["licence"] and s["origin"] and s["val_tokens"] > 0 and s["train_tokens"] > 0
+    assert all(len(f["sha256"]) == 64 for f in m["files"].values())
+    assert "train.bin" in m["files"]
+
+
+def test_corrupt_shard_is_named(smoke_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(smoke_dir, copy)
+    shard = copy / "val" / f"{data.TokenData(copy).sources[0]}.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(data.CorruptDataError, match=shard.name):
+        data.TokenData(copy)
+    data.prepare("smoke", str(copy), cache_dir=str(tmp_path / "cache"))  # prepare notices and rebuilds
+    data.TokenData(copy)
+
+
+def test_missing_tool_skips_source_and_run_goes_on(tmp_path, monkeypatch, capsys):
+    """A source whose package cannot be fetched is skipped with one line; its domain is recorded missing."""
+    bogus = data.Source("finance", "bogus_ledger", ("deb:no-such-package",), ("usr/share/doc/x/*",))
+    monkeypatch.setitem(data.PRESETS, "smoke", dataclasses.replace(data.PRESETS["smoke"], offline=False))
+    monkeypatch.setattr(data, "SOURCES", [s for s in data.SOURCES if s.packages[0] in ("stdlib", "generated")] + [bogus])
+    monkeypatch.setattr(data.shutil, "which", lambda name: None)  # as on a system without apt: nothing is downloaded
+    manifest = data.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
+    lines = [l for l in capsys.readouterr().out.splitlines() if "bogus_ledger" in l]
+    assert len(lines) == 1 and "apt-get" in lines[0] and "no-such-package" in lines[0]
+    assert manifest["sources"]["bogus_ledger"]["status"] == "skipped"
+    assert manifest["domains_missing"] == ["finance"] and set(manifest["domains_present"]) == {"code", "math"}
+    assert "bogus_ledger" not in data.TokenData(tmp_path / "d").sources
+
+
+def test_validation_per_source(td):
+    assert len(td.sources) >= 6 and set(td.domains.values()) == {"code", "math"}
+    for source in td.sources:
+        batches = list(td.val_batches(source, batch_size=4, block_size=32))
+        assert batches, source
+        n_ctx = (td.manifest["sources"][source]["val_tokens"] - 1) // 32
+        assert sum(b[0].shape[0] for b in batches) == n_ctx
+        again = list(td.val_batches(source, batch_size=4, block_size=32))
+        assert all(torch.equal(x[0], y[0]) for x, y in zip(batches, again))  # a fixed list of contexts
+        idx, targets, doc_ids = batches[0]
+        assert torch.equal(idx[:, 1:], targets[:, :-1])
+        assert torch.equal(doc_ids[:, 1:] - doc_ids[:, :-1], (idx[:, 1:] == td.eot).long())
+    capped = list(td.val_batches(td.sources[0], 2, 32, max_tokens=64))
+    assert sum(b[0].shape[0] for b in capped) == 2
+
+
+def test_val_doc_lengths(td):
+    source = "arithmetic_synthetic"
+    lengths = td.val_doc_lengths(source)
+    assert lengths.sum() == td.manifest["sources"][source]["val_tokens"]
+    assert len(lengths) == td.manifest["sources"][source]["val_docs"]
+    for idx, _, doc_ids, doc_len in td.val_batches(source, 4, 32, doc_lengths=True):
+        assert doc_len.shape == idx.shape
+        # positions of one segment share one length; the first document's length is the first entry
+        same = doc_ids[:, 1:] == doc_ids[:, :-1]
+        assert torch.equal(doc_len[:, 1:][same], doc_len[:, :-1][same])
+    first = next(td.val_batches(source, 1, 32, doc_lengths=True))
+    assert int(first[3][0, 0]) == lengths[0]
+
+
+def test_html_and_clean_helpers():
+    html = ('<html><head><title>x</title></head><body><div class="navheader">Prev Next</div>'
+            "<h1>Title</h1><p>Some   text &amp; more</p><pre>  code\n    indented</pre></body></html>")
+    text = data.html_to_text(html)
+    assert "Prev" not in text and "Some text & more" in text and "    indented" in text
+    parts = data._clean("para one.\n\n" * 10_000)
+    assert len(parts) > 1 and all(len(p) <= data.MAX_DOC_CHARS for p in parts)
