@@ -666,9 +666,10 @@ class GPT(nn.Module):
                  generator: torch.Generator | None = None) -> Tensor:
         """Sample max_new_tokens continuations of idx (B, T) with a KV cache; temperature 0 = greedy."""
         B, T = idx.shape
-        cache = self.new_cache(B, min(T + max_new_tokens, self.cfg.block_size))
-        if T + max_new_tokens > cache.max_len:
-            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} exceeds block_size={self.cfg.block_size}")
+        need = T + max(max_new_tokens - 1, 0)   # the last sampled token is returned, never fed back
+        if need > self.cfg.block_size:
+            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} - 1 exceeds block_size={self.cfg.block_size}")
+        cache = self.new_cache(B, need)
         logits = self.forward_step(idx, cache)[:, -1]
         out = [idx]
         for _ in range(max_new_tokens):

@@ -596,17 +596,6 @@ def plot_dyck(dyck: dict, path: str) -> str:
 # ----------------------------------------------------------------------------------------
 # CLI
 
-def _load(run_dir: str, device: str = "cpu"):
-    """(model, config.json dict) from RUN_DIR/config.json and RUN_DIR/ckpt.pt (weights only)."""
-    from model import GPT, ModelConfig
-    with open(os.path.join(run_dir, "config.json")) as fh:
-        meta = json.load(fh)
-    model = GPT(ModelConfig.from_dict(meta["model"]))
-    state = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=True)["model"]
-    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
-    return model.to(device).eval(), meta
-
-
 def _data_dir(meta: dict, run_dir: str) -> str:
     d = meta["data_dir"]
     return d if os.path.isabs(d) or os.path.exists(d) else os.path.join(run_dir, d)
@@ -614,7 +603,8 @@ def _data_dir(meta: dict, run_dir: str) -> str:
 
 def _probe_run(run_dir: str, args) -> tuple[dict, dict]:
     import data
-    model, meta = _load(run_dir, args.device)
+    from eval import load_model   # one loader for every run directory (clear errors on bad files)
+    model, meta = load_model(run_dir, args.device)
     block = args.block_size or model.cfg.block_size
     batches = data.TokenData(_data_dir(meta, run_dir)).val_batches(args.source, args.batch_size, block, args.max_tokens)
     print(f"probing {run_dir} ({len(model.plan)} visits, up to {args.max_tokens} tokens)", flush=True)

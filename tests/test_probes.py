@@ -265,8 +265,6 @@ def test_plots_and_cli(tmp_path, monkeypatch):
         (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data")}))
         torch.save({"model": m.state_dict()}, d / "ckpt.pt")
         runs[name] = str(d)
-    loaded, _ = probes._load(runs["looped"])
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), loop_m.state_dict().values()))
 
     class FakeTokenData:                                   # stands in for data.TokenData
         def __init__(self, data_dir):
