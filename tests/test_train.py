@@ -1,0 +1,333 @@
+"""train.py: WSD schedule, weight-decay groups, stable run + decay branches end to end, exact
+resume after a crash, checkpoint safety (atomic, corrupt, mismatched), divergence, and DDP /
+FSDP2 under torchrun on CPU (gloo) against a single process with the same global batch.
+
+Data is train.SyntheticData (random Zipf documents, TokenData's interface) or a subclass of it
+that crashes / records, so these tests need no corpus.
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import budget
+import train as T
+from loop import LoopConfig
+from model import GPT, ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING = ("tokens_per_s", "eta_s", "mfu")
+
+
+def tiny_model(**kw) -> ModelConfig:
+    """A SMELT-shaped toy: 4 layers, middle two looped twice, 4 experts top-2."""
+    base = dict(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32,
+                n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
+    return ModelConfig(**{**base, **kw})
+
+
+def tiny_train(**kw) -> T.TrainConfig:
+    base = dict(lr=1e-2, warmup_steps=2, stable_steps=6, branch_steps=[3, 6], decay_steps=2, batch_size=4,
+                block_size=32, log_interval=1, eval_tokens=128, ckpt_interval=3, flops_ctx=16.0, device="cpu")
+    return T.TrainConfig(**{**base, **kw})
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+class RecordingData(T.SyntheticData):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.steps = []
+
+    def train_batch(self, step, *a, **kw):
+        self.steps.append(step)
+        return super().train_batch(step, *a, **kw)
+
+
+class CrashingData(T.SyntheticData):
+    """Dies when asked for training batch `crash_at` (a machine failure mid-run)."""
+
+    def __init__(self, crash_at, *a, **kw):
+        super().__init__(*a, **kw)
+        self.crash_at = crash_at
+
+    def train_batch(self, step, *a, **kw):
+        if step == self.crash_at:
+            raise RuntimeError("simulated crash")
+        return super().train_batch(step, *a, **kw)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread is faster, and far faster on a shared, busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted run: stable 6 steps, branches at 3 and 6, each decaying 2 steps."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    data = RecordingData(64)
+    rows = T.train(tiny_model(), tiny_train(), data, str(run_dir), {"scale": "toy", "sparsity_label": "test"})
+    return rows, run_dir, data.steps
+
+
+# ----------------------------------------------------------------------------------------
+# Schedule and optimizer
+
+def test_wsd_schedule_warmup_stable_and_cosine_branches():
+    tc = T.TrainConfig(lr=1.0, min_lr_frac=0.1, warmup_steps=4, stable_steps=20, branch_steps=[10], decay_steps=8)
+    assert [T.lr_at(tc, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert all(T.lr_at(tc, s) == 1.0 for s in range(4, 20))
+    assert T.lr_at(tc, 9, branch=10) == 1.0                       # before the fork: the stable run
+    decay = [T.lr_at(tc, 10 + j, branch=10) for j in range(8)]
+    assert all(a > b for a, b in zip(decay, decay[1:])) and decay[0] < 1.0
+    assert decay[3] == pytest.approx(0.55)                        # cosine midpoint between 1.0 and 0.1
+    assert decay[-1] == pytest.approx(0.1)                        # ends at min_lr_frac * lr
+    # a branch forked inside warmup decays from the lr it forked at (0.75 at step 2)
+    assert T.lr_at(tc, 2 + 3, branch=2) == pytest.approx(0.1 + 0.65 * 0.5)
+
+
+def test_weight_decay_on_matrices_not_on_norms_embeddings_or_loop_mixing():
+    cfg = tiny_model(loop=LoopConfig(start=1, length=2, n_loops=2, adapter="matrix", adapter_rank=2))
+    gpt = GPT(cfg)
+    decay, keep = T.decay_split(gpt)
+    names = [n for n, _ in gpt.named_parameters()]
+    assert sorted(decay + keep) == sorted(names)
+    for n in ("tok_emb.weight", "norm_f.weight", "blocks.0.attn_norm.weight", "blocks.1.mlp_norm.weight"):
+        assert n in keep, n
+    for n in ("lm_head.weight", "blocks.0.attn.wq.weight", "blocks.0.mlp.w_in", "blocks.0.mlp.w_out",
+              "blocks.0.mlp.router.weight"):
+        assert n in decay, n
+    adapters = [n for n in names if ".adapters." in n]
+    assert adapters and all((n in keep) == n.endswith(".M") for n in adapters)
+    # the groups are wired: with zero gradients AdamW only decays, p <- p * (1 - lr * wd)
+    opt = T.make_optimizer(gpt, T.TrainConfig(lr=1.0, weight_decay=0.5))
+    before = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+    for p in gpt.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in gpt.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n] * (0.5 if n in decay else 1.0))
+
+
+def test_effective_doc_length_matches_budget_convention():
+    docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [0] * 8])   # documents of length 4, 4 and 8
+    assert T.effective_doc_length(docs[:1]) == pytest.approx(4.0)
+    assert T.effective_doc_length(docs[1:]) == pytest.approx(8.0)
+
+
+def test_train_config_rejects_bad_fields():
+    with pytest.raises(ValueError, match="branch_steps"):
+        T.TrainConfig(stable_steps=5, branch_steps=[6]).validate()
+    with pytest.raises(ValueError, match="batch_size=6 must be divisible"):
+        T.TrainConfig(batch_size=6, grad_accum=4).validate()
+
+
+# ----------------------------------------------------------------------------------------
+# End to end
+
+def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight):
+    rows, run_dir, steps = straight
+    cfg, tc = tiny_model(), tiny_train()
+    assert [r["branch_step"] for r in rows] == [3, 6]
+    assert read_jsonl(run_dir / "results.jsonl") == json.loads(json.dumps(rows))
+    F = budget.flops_per_token(cfg, 16.0)
+    N = budget.count_params(cfg)["blocks"]
+    ctl = budget.dense_control(cfg)
+    for r in rows:
+        assert r["arch"] == "smelt" and r["scale"] == "toy" and r["sparsity_label"] == "test"
+        assert r["tokens"] == (r["branch_step"] + 2) * 4 * 32
+        assert r["F"] == F and r["F_ctx"] == 16.0 and r["C"] == F * r["tokens"] and r["N"] == N
+        assert r["S"] == pytest.approx(budget.sparsity(F, N, budget.flops_per_token(ctl, 16.0),
+                                                       budget.count_params(ctl)["blocks"]))
+        assert set(r["val_loss_by_source"]) == {"synthetic0", "synthetic1"}
+        assert set(r["val_loss_by_domain"]) == {"code", "prose"}
+        lo, hi = sorted(r["val_loss_by_source"].values())
+        assert lo < r["val_loss"] < hi < math.log(64) + 1.0        # token-weighted mean of the sources
+        assert r["config"] == cfg.to_dict() and r["wall_s"] > 0
+    # decay data is fresh: batches after the whole stable run, the same for every branch
+    assert steps == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7]
+    m = read_jsonl(run_dir / "metrics.jsonl")
+    stable = [r for r in m if r["branch"] is None]
+    assert [r["step"] for r in stable] == [1, 2, 3, 4, 5, 6]
+    need = {"step", "tokens", "lr", "loss", "ce", "aux", "z", "grad_norm", "tokens_per_s", "eta_s", "load_max"}
+    assert all(need <= set(r) and math.isfinite(r["loss"]) for r in m)
+    assert stable[-1]["loss"] < stable[0]["loss"]                  # it learns
+    for b in (3, 6):
+        dec = [r for r in m if r["branch"] == b]
+        assert [r["step"] for r in dec] == [b + 1, b + 2] and dec[-1]["lr"] == 0.0
+    assert [r["lr"] for r in stable] == [T.lr_at(tc, s) for s in range(6)]
+    ck = sorted(p.name for p in (run_dir / "ckpt").iterdir())
+    assert ck == ["branch0000003_0000005.pt", "branch0000006_0000008.pt", "stable_0000003.pt", "stable_0000006.pt"]
+    cj = json.loads((run_dir / "config.json").read_text())
+    assert cj["model"] == cfg.to_dict() and cj["train"]["branch_steps"] == [3, 6]
+
+
+def test_rerun_of_finished_run_skips_training(straight):
+    rows, run_dir, _ = straight
+    before = (run_dir / "metrics.jsonl").read_text()
+    data = RecordingData(64)
+    again = T.train(tiny_model(), tiny_train(), data, str(run_dir), {"scale": "toy", "sparsity_label": "test"})
+    assert again == json.loads(json.dumps(rows)) and data.steps == []
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert len(read_jsonl(run_dir / "results.jsonl")) == 2
+
+
+def test_resume_after_crash_is_bit_for_bit(straight, tmp_path):
+    rows, run_dir, _ = straight
+    meta = {"scale": "toy", "sparsity_label": "test"}
+    with pytest.raises(RuntimeError, match="simulated crash"):   # dies after the step-3 checkpoint
+        T.train(tiny_model(), tiny_train(), CrashingData(4, 64), str(tmp_path), meta)
+    assert (tmp_path / "ckpt" / "stable_0000003.pt").exists() and not (tmp_path / "results.jsonl").exists()
+    resumed = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path), meta)
+    drop = lambda rs: [{k: v for k, v in r.items() if k != "wall_s"} for r in rs]
+    assert drop(resumed) == drop(rows)                             # val losses equal exactly
+    assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == strip_timing(read_jsonl(run_dir / "metrics.jsonl"))
+    for name in ("branch0000003_0000005.pt", "branch0000006_0000008.pt"):
+        a = torch.load(run_dir / "ckpt" / name, weights_only=True)
+        b = torch.load(tmp_path / "ckpt" / name, weights_only=True)
+        assert a["model"].keys() == b["model"].keys()
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoint safety and divergence
+
+def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
+    _, run_dir, _ = straight
+    src = run_dir / "ckpt" / "stable_0000003.pt"
+    with pytest.raises(T.CheckpointError, match=r"model\.d_model: stored 32, this run 48") as e:
+        T.load_checkpoint(src, tiny_model(d_model=48), tiny_train())
+    assert str(src) in str(e.value)
+    with pytest.raises(T.CheckpointError, match=r"train\.lr: stored 0\.01, this run 0\.02"):
+        T.load_checkpoint(src, tiny_model(), tiny_train(lr=0.02))
+    # a copy of the run with its first fork checkpoint truncated: resuming names that file
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    os.remove(run / "results.jsonl")
+    for p in (run / "ckpt").glob("branch*.pt"):
+        os.remove(p)
+    bad = run / "ckpt" / "stable_0000003.pt"
+    bad.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(T.CheckpointError, match="truncated or corrupt") as e:
+        T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(run))
+    assert str(bad) in str(e.value)
+    with pytest.raises(T.CheckpointError, match=r"config\.json.*model\.n_layer: stored 4, this run 3"):
+        T.train(tiny_model(n_layer=3, loop=LoopConfig(start=1, length=1, n_loops=2)), tiny_train(),
+                T.SyntheticData(64), str(run))
+
+
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    T.atomic_save({"x": torch.ones(3)}, path)
+
+    def dying_save(obj, f):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        T.atomic_save({"x": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    forward = T.Objective.forward
+
+    def poisoned(self, idx, targets, doc_ids):   # the 3rd training forward returns NaN
+        out = forward(self, idx, targets, doc_ids)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                return (out[0] * float("nan"),) + out[1:]
+        return out
+
+    monkeypatch.setattr(T.Objective, "forward", poisoned)
+    tc = tiny_train(stable_steps=4, branch_steps=[4], ckpt_interval=1)
+    with pytest.raises(T.DivergenceError, match=r"non-finite loss nan .* optimizer step 3 .*stable_0000002\.pt"):
+        T.train(tiny_model(), tc, T.SyntheticData(64), str(tmp_path))
+    ck = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert ck == ["stable_0000002.pt"]                              # superseded step 1 removed, no step 3
+    good = T.load_checkpoint(tmp_path / "ckpt" / "stable_0000002.pt", tiny_model(), tc)
+    assert all(torch.isfinite(v).all() for v in good["model"].values())
+    monkeypatch.undo()                                              # the same run dir then resumes and finishes
+    rows = T.train(tiny_model(), tc, T.SyntheticData(64), str(tmp_path))
+    assert [r["branch_step"] for r in rows] == [4] and math.isfinite(rows[0]["val_loss"])
+
+
+# ----------------------------------------------------------------------------------------
+# Multi-process on CPU: torchrun with gloo
+
+CLI = ["--data", "synthetic", "--vocab-size", "64", "--stable-steps", "3", "--branch-steps", "3",
+       "--decay-steps", "1", "--warmup-steps", "1", "--batch-size", "4", "--block-size", "32",
+       "--log-interval", "1", "--eval-tokens", "128", "--lr", "1e-2", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """torchrun with 2 ranks, launched side by side: DDP with 2 micro-batches of 1 row per rank (no_sync
+    path) and FSDP2 with 1 micro-batch of 2 rows; and the single-process reference (1 x 4 rows, through
+    the CLI entry point, run meanwhile in this process)."""
+    d = tmp_path_factory.mktemp("cli")
+    # aux_loss_coef = 0: the load-balancing loss is a per-batch statistic, so it alone would differ
+    # between 1 x 4 rows and 2 x 2 rows; everything else must agree
+    (d / "model.json").write_text(tiny_model(aux_loss_coef=0.0).to_json())
+    args = ["--model-json", str(d / "model.json"), *CLI]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {mode: subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args,
+         "--out-dir", str(d / mode), *(["--fsdp"] if mode == "fsdp" else ["--grad-accum", "2"])],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for mode in ("ddp", "fsdp")}
+    try:
+        ref_rows = T.main([*args, "--out-dir", str(d / "one")])
+        logs = {mode: p.communicate(timeout=300)[0] for mode, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill() if p.poll() is None else None
+    return d, ref_rows, {mode: (p.returncode, logs[mode]) for mode, p in procs.items()}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_two_ranks_match_one_process(runs, mode):
+    d, ref_rows, status = runs
+    rc, log = status[mode]
+    assert rc == 0, log[-5000:]
+    out = d / mode
+    ref, got = read_jsonl(d / "one" / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4]
+    for a, b in zip(ref, got):
+        for k in ("loss", "ce", "z", "grad_norm", "lr"):
+            assert abs(a[k] - b[k]) < 1e-5, (k, a, b)
+    rows = read_jsonl(out / "results.jsonl")
+    assert len(rows) == 1 and abs(rows[0]["val_loss"] - ref_rows[0]["val_loss"]) < 1e-5
+    assert 1.0 < rows[0]["F_ctx"] <= 32                              # measured document length
+    # the 2-rank checkpoint is a full state dict with the same weights, and resumes in one process
+    name = "branch0000003_0000004.pt"
+    ref_ck = torch.load(d / "one" / "ckpt" / name, weights_only=True)
+    ck = torch.load(out / "ckpt" / name, weights_only=True)
+    assert ck["model"].keys() == ref_ck["model"].keys() == GPT(tiny_model()).state_dict().keys()
+    for k, v in ck["model"].items():
+        torch.testing.assert_close(v, ref_ck["model"][k], rtol=0, atol=1e-5)
+    tc = T.TrainConfig(**{**rows[0]["train"], "fsdp": False})
+    trainer = T.Trainer(tiny_model(aux_loss_coef=0.0), tc, T.SyntheticData(64), d / f"{mode}-resume")
+    assert trainer.load(out / "ckpt" / name) == 4
+    assert trainer.opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
