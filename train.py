@@ -13,7 +13,8 @@ all of its *decay branches*, and writes one results row per branch endpoint:
              decay included), F (budget.flops_per_token), C = F*D, S (sparsity, SMELT Eq. 1),
              N (non-embedding parameters): the points scaling.py fits L(F, S, D) to.
              wall_s is the training time to reach the endpoint (stable part included, eval excluded).
-RUN_DIR also holds config.json, metrics.jsonl (one JSON object per logged step) and ckpt/.
+RUN_DIR also holds config.json, metrics.jsonl (one JSON object per logged step), ckpt/ (resume points)
+and ckpt.pt (a copy of the longest branch's endpoint: the final model that eval.py and probes.py load).
 
 Design choices, and why:
   * Decay data. SMELT decays on "fresh data not seen during the stable phase". Decay step j of
@@ -52,6 +53,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -659,6 +661,7 @@ class Trainer:
         done = {r["branch_step"] for r in rows}
         pending = [b for b in tc.branches if b not in done]
         if not pending:
+            self._export_final()
             return sorted(rows, key=lambda r: r["branch_step"])
         forks = self._ckpts(None)
         need = [b for b in pending if b not in forks and not self._ckpts(b)]
@@ -685,7 +688,18 @@ class Trainer:
             if self.d.rank == 0:
                 print(f"branch {b}: D={row['tokens']:.3g} tokens, C={row['C']:.3g} FLOPs, "
                       f"val_loss {row['val_loss']:.4f}", flush=True)
+        self._export_final()
         return sorted(rows, key=lambda r: r["branch_step"])
+
+    def _export_final(self) -> None:
+        """RUN_DIR/ckpt.pt: the endpoint of the longest branch, the model eval.py and probes.py read."""
+        last = max(self.tc.branches)
+        src = self._ckpts(last).get(last + self.tc.decay_steps)
+        dst = self.run_dir / "ckpt.pt"
+        if self.d.rank == 0 and src is not None and not dst.exists():
+            tmp = dst.with_suffix(".pt.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
 
 
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, run_dir: str | Path | None = None,

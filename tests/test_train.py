@@ -177,6 +177,11 @@ def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight)
     assert ck == ["branch0000003_0000005.pt", "branch0000006_0000008.pt", "stable_0000003.pt", "stable_0000006.pt"]
     cj = json.loads((run_dir / "config.json").read_text())
     assert cj["model"] == cfg.to_dict() and cj["train"]["branch_steps"] == [3, 6]
+    # RUN_DIR/ckpt.pt is the longest branch's endpoint, loadable by eval.load_model
+    import eval as ev
+    final, _ = ev.load_model(run_dir)
+    end = torch.load(run_dir / "ckpt" / "branch0000006_0000008.pt", weights_only=True)["model"]
+    assert all(torch.equal(final.state_dict()[k], v) for k, v in end.items())
 
 
 def test_rerun_of_finished_run_skips_training(straight):
