@@ -9,7 +9,7 @@ all of its *decay branches*, and writes one results row per branch endpoint:
              `decay_steps` more steps, i.e. the same number of extra tokens for every branch
              (SMELT: six branches, each decaying over 10B tokens).
   results    each endpoint is evaluated (token-weighted validation cross-entropy overall, per
-             source and per domain) and appended to RUN_DIR/results.jsonl with D (tokens seen,
+             source and per domain) and appended to RUN_DIR/results.jsonl with "D" (tokens seen,
              decay included), F (budget.flops_per_token), C = F*D, S (sparsity, SMELT Eq. 1),
              N (non-embedding parameters): the points scaling.py fits L(F, S, D) to.
              wall_s is the training time to reach the endpoint (stable part included, eval excluded).
@@ -636,7 +636,7 @@ class Trainer:
         D = (branch + tc.decay_steps) * self.tokens_per_step
         return {"arch": meta.pop("arch", "smelt" if cfg.loop.active else "baseline"),
                 "scale": meta.pop("scale", None), "sparsity_label": meta.pop("sparsity_label", None), **meta,
-                "branch_step": branch, "tokens": D, "F": self.F, "F_ctx": ctx, "C": self.F * D,
+                "branch_step": branch, "D": D, "F": self.F, "F_ctx": ctx, "C": self.F * D,
                 "S": budget.sparsity(self.F, N, budget.flops_per_token(control, ctx), N0), "N": N,
                 "val_loss": ev["val_loss"], "val_loss_by_source": ev["val_loss_by_source"],
                 "val_loss_by_domain": ev["val_loss_by_domain"], "val_tokens": ev["val_tokens"],
@@ -686,7 +686,7 @@ class Trainer:
             self._append("results.jsonl", row)
             rows.append(row)
             if self.d.rank == 0:
-                print(f"branch {b}: D={row['tokens']:.3g} tokens, C={row['C']:.3g} FLOPs, "
+                print(f"branch {b}: D={row['D']:.3g} tokens, C={row['C']:.3g} FLOPs, "
                       f"val_loss {row['val_loss']:.4f}", flush=True)
         self._export_final()
         return sorted(rows, key=lambda r: r["branch_step"])

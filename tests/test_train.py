@@ -152,8 +152,8 @@ def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight)
     ctl = budget.dense_control(cfg)
     for r in rows:
         assert r["arch"] == "smelt" and r["scale"] == "toy" and r["sparsity_label"] == "test"
-        assert r["tokens"] == (r["branch_step"] + 2) * 4 * 32
-        assert r["F"] == F and r["F_ctx"] == 16.0 and r["C"] == F * r["tokens"] and r["N"] == N
+        assert r["D"] == (r["branch_step"] + 2) * 4 * 32
+        assert r["F"] == F and r["F_ctx"] == 16.0 and r["C"] == F * r["D"] and r["N"] == N
         assert r["S"] == pytest.approx(budget.sparsity(F, N, budget.flops_per_token(ctl, 16.0),
                                                        budget.count_params(ctl)["blocks"]))
         assert set(r["val_loss_by_source"]) == {"synthetic0", "synthetic1"}

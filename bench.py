@@ -1,0 +1,210 @@
+"""Performance benchmarks (not tests): MoE kernels, decode latency, training throughput / MFU.
+
+Each benchmark measures the things it compares side by side in one process and prints the
+ratios, so a figure never depends on another machine's or another run's timing. Targets
+(from the issues) are printed beside the measurement; nothing here asserts.
+
+  moe     MoE layer forward+backward at d_model 256, d_ff 128, 64 experts, top-8, 4096 tokens,
+          against a dense SwiGLU with the same active FLOPs (width top_k * d_ff = 1024), the
+          slow split/cat reference, and (CUDA bf16) torch._grouped_mm. Target: MoE <= 1.5x dense.
+  decode  batch-1 time per generated token: unlooped model, sequential 2-loop middle span,
+          PLT 2-loop middle span of the same width. Target: PLT <= 1.15x unlooped; sequential
+          near the executed-depth ratio (executed / physical layers).
+  train   training tokens/s of the tiny preset's matched Baseline / SMELT pair; time per token
+          ratio vs FLOP ratio (target: within 15 %). On CUDA also MFU at the small preset
+          (targets dense >= 45 %, SMELT MoE >= 40 %).
+
+Timing: warm-up iterations first, then the median of repeated timed iterations
+(torch.cuda.synchronize on GPU). Results also go to --json for the README.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loop import LoopConfig, middle_span
+from model import GPT, ModelConfig
+from moe import MoE
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds per call of fn()."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+class DenseSwiGLU(nn.Module):
+    def __init__(self, d_model: int, width: int):
+        super().__init__()
+        self.w_in = nn.Linear(d_model, 2 * width, bias=False)
+        self.w_out = nn.Linear(width, d_model, bias=False)
+
+    def forward(self, x):
+        g, u = self.w_in(x).chunk(2, -1)
+        return self.w_out(F.silu(g) * u)
+
+
+def bench_moe(device, dtype, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(1, tokens, d_model, device=device, dtype=dtype, requires_grad=True)
+    dense = DenseSwiGLU(d_model, top_k * d_ff).to(device, dtype)
+
+    def moe_layer(impl):
+        m = MoE(d_model, d_ff, n_experts, top_k, impl=impl).to(device, dtype)
+        for p in m.parameters():
+            nn.init.normal_(p, std=0.02)
+        return m
+
+    def step(mod, is_moe):
+        def f():
+            y = mod(x)[0] if is_moe else mod(x)
+            y.float().square().mean().backward()
+        return f
+
+    res = {"dense": timeit(step(dense, False), device)}
+    impls = ["loop", "reference"] + (["torch"] if device.type == "cuda" and dtype == torch.bfloat16 else [])
+    for impl in impls:
+        res[f"moe_{impl}"] = timeit(step(moe_layer(impl), True), device, iters=5 if impl == "reference" else 10)
+    print(f"\nMoE fwd+bwd, {tokens} tokens, d_model {d_model}, d_ff {d_ff}, {n_experts} experts, top-{top_k} "
+          f"({device.type}, {dtype}):")
+    for k, v in res.items():
+        print(f"  {k:15s} {v * 1e3:8.2f} ms   {v / res['dense']:5.2f}x dense")
+    print(f"  target: moe_loop <= 1.5x dense -> {'met' if res['moe_loop'] <= 1.5 * res['dense'] else 'NOT met'}")
+    return {k: v for k, v in res.items()} | {"ratio_loop_vs_dense": res["moe_loop"] / res["dense"]}
+
+
+def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
+    s, m = middle_span(n_layer)
+    base = dict(vocab_size=vocab, block_size=512, n_layer=n_layer, d_model=d_model, n_head=n_head,
+                n_kv_head=n_head // 4, d_ff=d_ff)
+    return {
+        "unlooped": ModelConfig(**base),
+        "sequential_2loop": ModelConfig(**base, loop=LoopConfig(start=s, length=m, n_loops=2)),
+        "plt_2loop": ModelConfig(**base, loop=LoopConfig(start=s, length=m, n_loops=2, parallel=True)),
+    }
+
+
+def bench_decode(device, dtype, prompt=64, new_tokens=64) -> dict:
+    res = {}
+    for name, cfg in decode_models().items():
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device, dtype).eval()
+        idx = torch.randint(0, cfg.vocab_size, (1, prompt), device=device)
+
+        def run():
+            cache = model.new_cache(1, prompt + new_tokens)
+            logits = model.forward_step(idx, cache)[:, -1]
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(new_tokens):
+                logits = model.forward_step(logits.argmax(-1, keepdim=True), cache)[:, -1]
+            _sync(device)
+            return (time.perf_counter() - t0) / new_tokens
+
+        run()
+        res[name] = statistics.median(run() for _ in range(5))
+    depth = len(GPT(decode_models()["sequential_2loop"]).plan) / decode_models()["unlooped"].n_layer
+    print(f"\nBatch-1 decode, per token ({device.type}, {dtype}):")
+    for k, v in res.items():
+        print(f"  {k:18s} {v * 1e3:8.3f} ms   {v / res['unlooped']:5.2f}x unlooped")
+    print(f"  executed-depth ratio of the sequential model: {depth:.2f}")
+    print(f"  target: PLT <= 1.15x unlooped -> {'met' if res['plt_2loop'] <= 1.15 * res['unlooped'] else 'NOT met'}")
+    return res | {"plt_ratio": res["plt_2loop"] / res["unlooped"],
+                  "sequential_ratio": res["sequential_2loop"] / res["unlooped"], "executed_depth_ratio": depth}
+
+
+def bench_train(device, preset="tiny", steps=6, batch_size=8) -> dict:
+    """Training tokens/s of a matched Baseline / SMELT pair (the preset's middle scale, highest sparsity)."""
+    import budget
+    cells = budget.preset_baselines(preset)
+    scale, label, base_cfg = cells[len(cells) // 2]
+    s, m = middle_span(base_cfg.n_layer)
+    ctx = base_cfg.block_size
+    smelt_cfg, report = budget.match(base_cfg, LoopConfig(start=s, length=m, n_loops=2), ctx)
+    res = {"cell": f"{scale}/{label}", "match": report}
+    for name, cfg in (("baseline", base_cfg), ("smelt", smelt_cfg)):
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        idx = torch.randint(0, cfg.vocab_size, (batch_size, ctx), device=device)
+        use_bf16 = device.type == "cuda"
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                loss = model(idx, idx)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t = timeit(step, device, warmup=2, iters=steps)
+        flops = budget.flops_per_token(cfg, ctx)
+        res[name] = {"s_per_step": t, "tokens_per_s": batch_size * ctx / t, "flops_per_token": flops}
+        if device.type == "cuda":
+            from train import peak_flops
+            peak = peak_flops(device)
+            if peak:
+                res[name]["mfu"] = flops * batch_size * ctx / t / peak
+    time_ratio = res["smelt"]["s_per_step"] / res["baseline"]["s_per_step"]
+    flop_ratio = res["smelt"]["flops_per_token"] / res["baseline"]["flops_per_token"]
+    res |= {"time_ratio": time_ratio, "flop_ratio": flop_ratio}
+    print(f"\nTraining throughput, {preset} preset cell {res['cell']} ({device.type}):")
+    for name in ("baseline", "smelt"):
+        r = res[name]
+        extra = f"  MFU {r['mfu']:.1%}" if "mfu" in r else ""
+        print(f"  {name:9s} {r['tokens_per_s']:10.0f} tok/s  {r['flops_per_token']:.3e} FLOPs/token{extra}")
+    ok = abs(time_ratio / flop_ratio - 1) <= 0.15
+    print(f"  time ratio {time_ratio:.3f} vs FLOP ratio {flop_ratio:.3f} -> within 15 %: {'yes' if ok else 'NO'}")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", nargs="*", default=["moe", "decode", "train"], choices=["moe", "decode", "train"],
+                    help="benchmarks to run (default: all)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    ap.add_argument("--train-preset", default=None, help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
+    ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {"machine": machine(), "torch": torch.__version__}
+    print(f"machine: {out['machine']}, torch {out['torch']}")
+    if "moe" in args.which:
+        out["moe"] = bench_moe(device, dtype)
+    if "decode" in args.which:
+        out["decode"] = bench_decode(device, dtype)
+    if "train" in args.which:
+        out["train"] = bench_train(device, args.train_preset or ("small" if device.type == "cuda" else "tiny"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
