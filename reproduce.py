@@ -65,8 +65,8 @@ PLANS = {
                   stable_steps=30, branch_steps=[10, 20, 30], decay_steps=6, eval_tokens=2048,
                   tasks=("gen_copy", "gen_kv"), shots=(0, 2), seeds=2, max_items=8, bootstrap=20, probe_tokens=1024),
     "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=8, lr=3e-3, warmup_steps=10,
-                 stable_steps=120, branch_steps=[40, 80, 120], decay_steps=20, eval_tokens=8192,
-                 tasks=("generated", "real"), shots=(0, 1, 4, 8), seeds=3, max_items=24, bootstrap=200,
+                 stable_steps=100, branch_steps=[25, 50, 100], decay_steps=15, eval_tokens=8192,
+                 tasks=("generated", "real"), shots=(0, 1, 4, 8), seeds=2, max_items=16, bootstrap=200,
                  probe_tokens=4096),
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
                   stable_steps=600, branch_steps=[150, 300, 600], decay_steps=100, eval_tokens=32768,
@@ -121,21 +121,42 @@ def stage_ladder(plan: Plan, vocab_size: int, out: Path) -> list[dict]:
     return rows
 
 
-def stage_train(plan: Plan, ladder: list[dict], data, out: Path) -> list[dict]:
+def _train_one(job: tuple) -> list[dict]:
+    """One run in a worker process (its own intra-op thread budget): (cfg, train cfg, data dir, run dir, meta)."""
+    import data as data_mod
+    import train
+    cfg, tc, data_dir, run, meta, threads = job
+    if threads:
+        torch.set_num_threads(threads)
+    return train.train(ModelConfig.from_dict(cfg), train.TrainConfig(**tc), data_mod.TokenData(data_dir), run, meta)
+
+
+def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
+    """Train every run; with jobs > 1, that many runs at once, one thread each (small models on a CPU
+    use one core far better than two cores share one small matmul)."""
     import train
     tc = train.TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
                            branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
                            batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
                            log_interval=max(1, plan.stable_steps // 4), seed=0)
-    rows, n = [], 2 * len(ladder)
-    for i, cell in enumerate(ladder):
-        for j, arch in enumerate(("baseline", "smelt")):
-            cfg = ModelConfig.from_dict(cell[arch])
-            run = out / "runs" / f"{cell['scale']}_{cell['sparsity_label'].replace('~', '').replace('%', '')}_{arch}"
-            log(f"train {2 * i + j + 1}/{n}: {run.name}")
-            rows += train.train(cfg, tc, data, run,
-                                meta={"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"],
-                                      "control": budget.dense_control(ModelConfig.from_dict(cell["baseline"]))})
+    todo = []
+    for cell, arch, run in run_dirs(out, ladder):
+        meta = {"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"],
+                "control": budget.dense_control(ModelConfig.from_dict(cell["baseline"]))}
+        todo.append((cell[arch], asdict(tc), str(data.dir), run, meta, 1 if jobs > 1 else 0))
+    log(f"train: {len(todo)} runs, {jobs} at a time")
+    if jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        # largest runs first so the two workers finish together
+        order = sorted(range(len(todo)), key=lambda i: -budget.flops_per_token(ModelConfig.from_dict(todo[i][0]),
+                                                                                 plan.block_size))
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+            done = dict(zip(order, pool.map(_train_one, [todo[i] for i in order])))
+        per_run = [done[i] for i in range(len(todo))]
+    else:
+        per_run = [_train_one(job) for job in todo]
+    rows = [r for run_rows in per_run for r in run_rows]
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r, default=float) + "\n")
@@ -398,6 +419,8 @@ def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(PLANS), help="size of the reproduction (default tiny)")
     ap.add_argument("--out", default=None, help="output directory (default runs/reproduce_PRESET)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; 1 on CUDA)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
     args = ap.parse_args(argv)
@@ -410,7 +433,8 @@ def main(argv=None) -> Path:
     write_json(out / "plan.json", {"preset": args.preset, **asdict(plan)})
     data, _ = stage_data(plan)
     ladder = stage_ladder(plan, data.vocab_size, out)
-    rows = stage_train(plan, ladder, data, out)
+    jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
+    rows = stage_train(plan, ladder, data, out, jobs)
     plot_curves(out, ladder)
     ev_sum = stage_eval(plan, ladder, data, out) if "eval" not in args.skip else {}
     scal = stage_scaling(plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
