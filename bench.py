@@ -76,10 +76,7 @@ def bench_moe(device, dtype, tokens=4096, d_model=256, d_ff=128, n_experts=64, t
     dense = DenseSwiGLU(d_model, top_k * d_ff).to(device, dtype)
 
     def moe_layer(impl):
-        m = MoE(d_model, d_ff, n_experts, top_k, impl=impl).to(device, dtype)
-        for p in m.parameters():
-            nn.init.normal_(p, std=0.02)
-        return m
+        return MoE(d_model, d_ff, n_experts, top_k, impl=impl).to(device, dtype)
 
     def step(mod, is_moe):
         def f():

@@ -676,8 +676,6 @@ def compare(a: dict, b: dict, n: int = 10000, seed: int = 0) -> dict:
 
 def plot_shot_sweep(result: dict, path: str | Path, other: dict | None = None) -> None:
     """Accuracy vs k per task (mean +- s.e. over seeds), real and generated tasks in separate panels."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, origin in zip(axes, ("bigbench", "generated")):
@@ -701,8 +699,6 @@ def plot_shot_sweep(result: dict, path: str | Path, other: dict | None = None) -
 
 def plot_calibration(base: Sequence[dict], others: Sequence[dict], report: dict, path: str | Path) -> None:
     """Metric vs validation loss: Baseline endpoints, the fitted Eq. 6 curve, the other models."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     metrics = [m for m in ("core", "completion") if m in report["metrics"]]
     fig, axes = plt.subplots(1, max(1, len(metrics)), figsize=(5 * max(1, len(metrics)), 4), squeeze=False)

@@ -195,6 +195,12 @@ class MoE(nn.Module):
         self.router = Router(d_model, n_experts, top_k, renormalize)
         self.w_in = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_ff))   # [gate | up] fused
         self.w_out = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """N(0, std) for a standalone layer; GPT.init_weights re-initialises it with depth scaling."""
+        for p in (self.router.weight, self.w_in, self.w_out):
+            nn.init.normal_(p, 0.0, std)
 
     def experts(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
         """SwiGLU of rows already sorted by expert: (N*k, D) -> (N*k, D)."""

@@ -440,8 +440,6 @@ def dyck_case_study(model, pairs: Sequence[tuple[int, int]] | None = None, n_seq
 # Figures (matplotlib Agg)
 
 def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
 

@@ -65,7 +65,7 @@ PLANS = {
                   stable_steps=30, branch_steps=[10, 20, 30], decay_steps=6, eval_tokens=2048,
                   tasks=("gen_copy", "gen_kv"), shots=(0, 2), seeds=2, max_items=8, bootstrap=20, probe_tokens=1024),
     "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=8, lr=3e-3, warmup_steps=10,
-                 stable_steps=100, branch_steps=[25, 50, 100], decay_steps=15, eval_tokens=8192,
+                 stable_steps=100, branch_steps=[25, 50, 100], decay_steps=15, eval_tokens=1536,
                  tasks=("generated", "real"), shots=(0, 1, 4, 8), seeds=2, max_items=16, bootstrap=200,
                  probe_tokens=4096),
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
@@ -388,8 +388,6 @@ def budget_machine() -> str:
 
 
 def plot_curves(out: Path, ladder: list[dict]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     n = len(ladder)
     fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)

@@ -480,8 +480,6 @@ def paper_tables() -> str:
 def _plot(out: str, data: dict[str, Points], fits: dict[str, Coeffs], cols: dict[str, float],
           Cgrid: np.ndarray, gain: np.ndarray | None, band: tuple | None) -> None:
     """loss_vs_compute.png, reducible_loss.png (SMELT Fig. 9) and, with two surfaces, ce_gain.png."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colours = dict(zip(cols, plt.cm.viridis(np.linspace(0, 0.85, len(cols)))))
     label_of = lambda p: np.array([c.split("/", 1)[1] for c in p.cell])        # sparsity label per point

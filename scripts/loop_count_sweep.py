@@ -1,0 +1,44 @@
+"""SMELT Table 3.5: how many passes over the looped span. 1 (the Baseline), 2, 3, 4 visits.
+
+  python scripts/loop_count_sweep.py --preset smoke|tiny|small [--loops 1 2 3 4] [--scale S] [--sparsity LABEL]
+
+Middle half of the Baseline's depth (SMELT's span), physical depth fixed; each loop count is
+re-matched to the Baseline's FLOPs, parameters and KV cache with budget.match, so more visits
+mean a thinner model with more experts. Same batches for every run. Writes results.json, a
+table and loop_count_sweep.png.
+"""
+from __future__ import annotations
+
+import common  # noqa: I001  (puts the repo root on sys.path)
+
+import budget
+
+
+def main(argv=None) -> dict:
+    ap = common.parser(__doc__)
+    ap.add_argument("--loops", type=int, nargs="+", default=[1, 2, 3, 4], help="visits of the span (1 = Baseline)")
+    ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
+    ap.add_argument("--sparsity", default=None, help="sparsity label (default: the ~85 %% column)")
+    args = ap.parse_args(argv)
+    exp = common.Experiment("loop_count_sweep", args)
+    scale, label, base = exp.base(args.scale, args.sparsity)
+    control = budget.dense_control(base)
+    specs, info = [], []
+    for r in args.loops:
+        cfg, rep = (base, {"within_tolerance": True}) if r == 1 else exp.match(base, budget.smelt_loop(base.n_layer, r))
+        specs.append((f"loops{r}", cfg, {"control": control, "scale": scale, "sparsity_label": label,
+                                         "arch": "baseline" if r == 1 else "looped"}))
+        info.append({"loops": r, **exp.budgets(cfg, base), "within_tolerance": rep["within_tolerance"]})
+    rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
+    fig = common.plot_lines(exp.out / "loop_count_sweep.png", {label: ([r["loops"] for r in rows],
+                                                                       [r["val_loss"] for r in rows])},
+                            "visits of the middle half", "validation loss", f"Loop-count sweep ({scale}, matched)")
+    best = min(rows, key=lambda r: r["val_loss"])["loops"]
+    return exp.finish({"base": base.to_dict(), "rows": rows, "best_loops": best, "figures": [fig]}, [
+        ("visits", "loops", "d"), ("effective", "effective_layers", "d"), ("D", "d_model", "d"),
+        ("E", "n_experts", "d"), ("F ratio", "flops_ratio", ".3f"), ("N ratio", "params_ratio", ".3f"),
+        ("KV ratio", "kv_ratio", ".3f"), ("val loss", "val_loss", ".4f")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""SMELT Section 4: the preset's Baseline / SMELT ladder, trained with decay branches, and the scaling fits.
+
+  python scripts/scaling_ladder.py --preset smoke|tiny|small [--steps N] [--scales K] [--bootstrap B]
+
+The same stages as reproduce.py (reproduce.stage_data, stage_ladder, stage_train, plot_curves,
+stage_scaling), with the training length of a script: --steps stable steps per run (default
+smoke 30, tiny 40, small 600) and decay branches forked at the plan's fractions of it.
+scaling.analyse fits separate loss surfaces L(F, S, D) per architecture and reports the
+compute-efficiency gain and TPP. Writes ladder.json, results.jsonl, runs/, figures/curves.png,
+scaling/ (coefficients, tables, plots) and results.json; downstream.py and probe_runs.py take
+this directory with --ladder.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import common  # noqa: I001  (puts the repo root on sys.path)
+
+import reproduce
+
+
+def main(argv=None) -> dict:
+    ap = common.parser(__doc__)
+    ap.add_argument("--scales", type=int, default=None, help="keep only the first K scales of the ladder")
+    ap.add_argument("--bootstrap", type=int, default=None, help="cell-bootstrap draws (default: the plan's)")
+    args = ap.parse_args(argv)
+    exp = common.Experiment("scaling_ladder", args)
+    p, frac = exp.plan, exp.steps / exp.plan.stable_steps
+    plan = replace(p, stable_steps=exp.steps, warmup_steps=exp.tc.warmup_steps, decay_steps=exp.tc.decay_steps,
+                   branch_steps=sorted({min(exp.steps, max(1, round(b * frac))) for b in p.branch_steps}),
+                   eval_tokens=exp.tc.eval_tokens, scales=args.scales or p.scales,
+                   bootstrap=p.bootstrap if args.bootstrap is None else args.bootstrap)
+    data = exp.load_data()
+    ladder = reproduce.stage_ladder(plan, data.vocab_size, exp.out)
+    results = reproduce.stage_train(plan, ladder, data, exp.out, exp.jobs)
+    reproduce.plot_curves(exp.out, ladder)
+    scal = reproduce.stage_scaling(plan, results, exp.out)
+    rows = []
+    for cell in ladder:
+        final = {}
+        for arch in ("baseline", "smelt"):
+            mine = [r for r in results if (r["scale"], r["sparsity_label"], r["arch"])
+                    == (cell["scale"], cell["sparsity_label"], arch)]
+            final[arch] = max(mine, key=lambda r: r["D"])
+        b, s, m = final["baseline"], final["smelt"], cell["match"]
+        rows.append({"scale": cell["scale"], "sparsity_label": cell["sparsity_label"], "S": b["S"],
+                     "baseline_val_loss": b["val_loss"], "smelt_val_loss": s["val_loss"],
+                     "delta": s["val_loss"] - b["val_loss"], "flops_ratio": m["flops_ratio"],
+                     "params_ratio": m["params_ratio"], "kv_ratio": m["kv_ratio"]})
+    wins = sum(r["delta"] < 0 for r in rows)
+    print(f"SMELT below its Baseline in {wins}/{len(rows)} cells")
+    if "error" not in scal:
+        print((exp.out / "scaling" / "tables.md").read_text())
+    return exp.finish({"plan": {"stable_steps": plan.stable_steps, "branch_steps": plan.branch_steps,
+                                "decay_steps": plan.decay_steps, "scales": plan.scales, "bootstrap": plan.bootstrap},
+                       "rows": rows, "smelt_wins": wins, "points": len(results), "scaling": scal,
+                       "figures": [str(exp.out / "figures" / "curves.png")]}, [
+        ("scale", "scale", ""), ("S label", "sparsity_label", ""), ("S", "S", ".3f"),
+        ("F ratio", "flops_ratio", ".3f"), ("N ratio", "params_ratio", ".3f"), ("KV ratio", "kv_ratio", ".3f"),
+        ("Baseline", "baseline_val_loss", ".4f"), ("SMELT", "smelt_val_loss", ".4f"),
+        ("SMELT - Base", "delta", "+.4f")])
+
+
+if __name__ == "__main__":
+    main()
