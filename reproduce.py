@@ -64,9 +64,11 @@ PLANS = {
     "smoke": Plan(data="smoke", ladder="smoke", block_size=64, batch_size=8, lr=3e-3, warmup_steps=5,
                   stable_steps=30, branch_steps=[10, 20, 30], decay_steps=6, eval_tokens=2048,
                   tasks=("gen_copy", "gen_kv"), shots=(0, 2), seeds=2, max_items=8, bootstrap=20, probe_tokens=1024),
-    "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=8, lr=3e-3, warmup_steps=10,
-                 stable_steps=100, branch_steps=[25, 50, 100], decay_steps=15, eval_tokens=1536,
-                 tasks=("generated", "real"), shots=(0, 1, 4, 8), seeds=2, max_items=16, bootstrap=200,
+    # tiny leaves out language_identification: 11 options per item made it 60 % of the eval time on CPU
+    "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=8, lr=3e-3, warmup_steps=8,
+                 stable_steps=64, branch_steps=[16, 32, 64], decay_steps=12, eval_tokens=1024,
+                 tasks=("generated", "qa_wikidata", "dyck_languages", "cs_algorithms", "operators",
+                        "repeat_copy_logic"), shots=(0, 2, 8), seeds=2, max_items=12, bootstrap=40,
                  probe_tokens=4096),
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
                   stable_steps=600, branch_steps=[150, 300, 600], decay_steps=100, eval_tokens=32768,
@@ -121,19 +123,30 @@ def stage_ladder(plan: Plan, vocab_size: int, out: Path) -> list[dict]:
     return rows
 
 
+def pool_map(fn, jobs_list: list, jobs: int, cost=None) -> list:
+    """[fn(j) for j in jobs_list], `jobs` at a time in spawned worker processes (largest `cost` first,
+    so the workers finish together). Small models on a CPU use one core each far better than two
+    cores share one small matmul, so each worker runs with one intra-op thread."""
+    if jobs <= 1:
+        return [fn(j) for j in jobs_list]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
+                             initargs=(1,)) as pool:
+        done = dict(zip(order, pool.map(fn, [jobs_list[i] for i in order])))
+    return [done[i] for i in range(len(jobs_list))]
+
+
 def _train_one(job: tuple) -> list[dict]:
-    """One run in a worker process (its own intra-op thread budget): (cfg, train cfg, data dir, run dir, meta)."""
+    """One run: (model config dict, train config dict, data dir, run dir, meta)."""
     import data as data_mod
     import train
-    cfg, tc, data_dir, run, meta, threads = job
-    if threads:
-        torch.set_num_threads(threads)
+    cfg, tc, data_dir, run, meta = job
     return train.train(ModelConfig.from_dict(cfg), train.TrainConfig(**tc), data_mod.TokenData(data_dir), run, meta)
 
 
 def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
-    """Train every run; with jobs > 1, that many runs at once, one thread each (small models on a CPU
-    use one core far better than two cores share one small matmul)."""
     import train
     tc = train.TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
                            branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
@@ -143,20 +156,10 @@ def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> l
     for cell, arch, run in run_dirs(out, ladder):
         meta = {"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"],
                 "control": budget.dense_control(ModelConfig.from_dict(cell["baseline"]))}
-        todo.append((cell[arch], asdict(tc), str(data.dir), run, meta, 1 if jobs > 1 else 0))
+        todo.append((cell[arch], asdict(tc), str(data.dir), run, meta))
     log(f"train: {len(todo)} runs, {jobs} at a time")
-    if jobs > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-        # largest runs first so the two workers finish together
-        order = sorted(range(len(todo)), key=lambda i: -budget.flops_per_token(ModelConfig.from_dict(todo[i][0]),
-                                                                                 plan.block_size))
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-            done = dict(zip(order, pool.map(_train_one, [todo[i] for i in order])))
-        per_run = [done[i] for i in range(len(todo))]
-    else:
-        per_run = [_train_one(job) for job in todo]
-    rows = [r for run_rows in per_run for r in run_rows]
+    cost = lambda job: budget.flops_per_token(ModelConfig.from_dict(job[0]), plan.block_size)
+    rows = [r for run_rows in pool_map(_train_one, todo, jobs, cost) for r in run_rows]
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r, default=float) + "\n")
@@ -168,20 +171,30 @@ def run_dirs(out: Path, ladder: list[dict]) -> list[tuple[dict, str, Path]]:
             for cell in ladder for arch in ("baseline", "smelt")]
 
 
-def stage_eval(plan: Plan, ladder: list[dict], data, out: Path) -> dict:
+def _eval_one(job: tuple) -> dict:
+    """Evaluate one run and write RUN_DIR/eval.json: (run dir, cell, arch, data dir, plan)."""
+    import data as data_mod
     import eval as ev
-    results = {}
+    run, cell, arch, data_dir, plan = job
+    r = ev.evaluate_run(run, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
+                        val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir), log=lambda m: None)
+    r |= {"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"]}
+    write_json(run / "eval.json", r)
+    return r
+
+
+def stage_eval(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> dict:
+    import eval as ev
+    results, todo = {}, []
     for cell, arch, run in run_dirs(out, ladder):
-        path = run / "eval.json"
-        if path.exists():
-            results[run.name] = json.loads(path.read_text())
-            continue
-        log(f"eval {run.name}")
-        r = ev.evaluate_run(run, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
-                            val_tokens_per_source=plan.eval_tokens, data=data, log=lambda m: None)
-        r |= {"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"]}
-        write_json(path, r)
-        results[run.name] = r
+        if (run / "eval.json").exists():
+            results[run.name] = json.loads((run / "eval.json").read_text())
+        else:
+            todo.append((run, cell, arch, str(data.dir), plan))
+    log(f"eval: {len(todo)} runs, {jobs} at a time")
+    for job, r in zip(todo, pool_map(_eval_one, todo, jobs, lambda j: j[1]["baseline"]["d_model"])):
+        results[job[0].name] = r
+    results = {run.name: results[run.name] for _, _, run in run_dirs(out, ladder)}
     base = [r for r in results.values() if r["arch"] == "baseline"]
     other = [r for r in results.values() if r["arch"] != "baseline"]
     summary = {"runs": {k: {"arch": v["arch"], "scale": v["scale"], "sparsity_label": v["sparsity_label"],
@@ -434,7 +447,7 @@ def main(argv=None) -> Path:
     jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
     rows = stage_train(plan, ladder, data, out, jobs)
     plot_curves(out, ladder)
-    ev_sum = stage_eval(plan, ladder, data, out) if "eval" not in args.skip else {}
+    ev_sum = stage_eval(plan, ladder, data, out, jobs) if "eval" not in args.skip else {}
     scal = stage_scaling(plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
     prb = stage_probes(plan, ladder, data, out) if "probes" not in args.skip else {}
     report = write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, time.time() - t0)

@@ -262,6 +262,8 @@ def _check_budget(C, S, co: Coeffs | None = None) -> tuple[np.ndarray, np.ndarra
 def optimal_flops_per_token(co: Coeffs, C, S) -> float | np.ndarray:
     """Eq. 3: F* = (a A (1-S)^b C^c / (c K))^(1/(a+c)) minimises Eq. 2 subject to F * D = C."""
     C, S = _check_budget(C, S, co)
+    if min(co.A, co.K, co.a, co.c) <= 0:
+        raise ValueError(f"degenerate surface (A, K, a and c must be > 0 for a frontier): {co}")
     logF = (math.log(co.a * co.A / (co.c * co.K)) + co.b * np.log1p(-S) + co.c * np.log(C)) / (co.a + co.c)
     return np.exp(logF)[()]
 
@@ -395,8 +397,16 @@ def fit_subsets(subsets: Mapping[str, Points], shared: Coeffs, **opts) -> dict[s
 
 def subset_ce_gains(target: Mapping[str, Coeffs], ref: Mapping[str, Coeffs], C: float,
                     S: float) -> dict[str, float]:
-    """CE gain (Eq. 5) per subset present in both fits (SMELT uses C = 1e21, S ~ 95 %)."""
-    return {k: float(ce_gain(target[k], ref[k], C, S)) for k in target if k in ref}
+    """CE gain (Eq. 5) per subset present in both fits (SMELT uses C = 1e21, S ~ 95 %); a subset whose
+    intercept fit is degenerate (A or K at 0: no frontier) is left out with a warning."""
+    out = {}
+    for k in target:
+        if k in ref:
+            try:
+                out[k] = float(ce_gain(target[k], ref[k], C, S))
+            except ValueError as e:
+                warnings.warn(f"CE gain for subset {k!r} left out: {e}")
+    return out
 
 
 def quartile_gains(gain: Mapping[str, float], baseline_losses: Sequence[Mapping[str, float]],
@@ -532,7 +542,7 @@ def _subset_report(rows, fits, cols, col_names, C, target, ref) -> tuple[dict, l
             warnings.warn(f"per-subset fits on {key} skipped: {e}")
             continue
         g = {lab: subset_ce_gains(sf[target], sf[ref], C, s) for lab, s in cols.items()}   # label -> name -> gain
-        names = list(g[next(iter(cols))])
+        names = [k for k in g[next(iter(cols))] if all(k in g[lab] for lab in cols)]
         report[key] = {"fits": {a: {k: asdict(co) for k, co in f.items()} for a, f in sf.items()}, "ce_gain": g}
         md.append(format_table(f"CE gain (%) by {key.removeprefix('val_loss_by_')} at C = {C:.0e}", names,
                                col_names, [[f"{100 * g[lab][k]:.1f}" for lab in cols] for k in names]))
