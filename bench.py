@@ -107,25 +107,31 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
     }
 
 
-def bench_decode(device, dtype, prompt=64, new_tokens=64) -> dict:
-    res = {}
+def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
+    """Median per-token time of greedy decoding; the models take turns (ABCABC...) so drift hits all alike."""
+    models = {}
     for name, cfg in decode_models().items():
         torch.manual_seed(0)
-        model = GPT(cfg).to(device, dtype).eval()
-        idx = torch.randint(0, cfg.vocab_size, (1, prompt), device=device)
+        models[name] = GPT(cfg).to(device, dtype).eval()
+    idx = torch.randint(0, models["unlooped"].cfg.vocab_size, (1, prompt), device=device)
 
-        def run():
-            cache = model.new_cache(1, prompt + new_tokens)
-            logits = model.forward_step(idx, cache)[:, -1]
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(new_tokens):
-                logits = model.forward_step(logits.argmax(-1, keepdim=True), cache)[:, -1]
-            _sync(device)
-            return (time.perf_counter() - t0) / new_tokens
+    def run(model):
+        cache = model.new_cache(1, prompt + new_tokens)
+        logits = model.forward_step(idx, cache)[:, -1]
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            logits = model.forward_step(logits.argmax(-1, keepdim=True), cache)[:, -1]
+        _sync(device)
+        return (time.perf_counter() - t0) / new_tokens
 
-        run()
-        res[name] = statistics.median(run() for _ in range(5))
+    for m in models.values():
+        run(m)                                                     # warm-up
+    times = {name: [] for name in models}
+    for _ in range(reps):
+        for name, m in models.items():
+            times[name].append(run(m))
+    res = {name: statistics.median(t) for name, t in times.items()}
     depth = len(GPT(decode_models()["sequential_2loop"]).plan) / decode_models()["unlooped"].n_layer
     print(f"\nBatch-1 decode, per token ({device.type}, {dtype}):")
     for k, v in res.items():

@@ -67,7 +67,8 @@ def _mm_loop(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
 
 def _wgrad_loop(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:
     """dW[g] = x_g^T dy_g: (G, d_in, d_out); empty groups get zeros."""
-    dw = x.new_zeros(group_sizes.shape[0], x.shape[1], dy.shape[1])
+    dw = x.new_empty(group_sizes.shape[0], x.shape[1], dy.shape[1])
+    dw[group_sizes == 0] = 0
     for g, s, e in _group_bounds(group_sizes):
         torch.mm(x[s:e].t(), dy[s:e], out=dw[g])
     return dw
@@ -151,6 +152,35 @@ def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") ->
     raise ValueError(f"grouped_mm: impl must be auto|loop|torch|reference, got {impl!r}")
 
 
+class _WeightedSwiGLU(torch.autograd.Function):
+    """h = silu(g) * u * w for gu = [g | u] (N, 2F) and per-row routing weights w (N,).
+
+    Applying the routing weight here, on the F-wide activation, instead of on the D-wide expert
+    output, and writing both halves of the gradient into one (N, 2F) buffer (no chunk/cat in
+    backward) cut the MoE layer's elementwise time roughly in half on CPU (bench.py moe).
+    """
+
+    @staticmethod
+    def forward(ctx, gu, w):
+        g, u = gu.chunk(2, dim=-1)
+        ctx.save_for_backward(gu, w)
+        return F.silu(g) * u * w[:, None]
+
+    @staticmethod
+    def backward(ctx, dh):
+        gu, w = ctx.saved_tensors
+        g, u = gu.chunk(2, dim=-1)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        dgu = torch.empty_like(gu)
+        dg, du = dgu.chunk(2, dim=-1)
+        dhw = dh * w[:, None]
+        torch.mul(dhw, silu, out=du)
+        torch.mul(dhw * u, sig * (1 + g * (1 - sig)), out=dg)     # d silu / dg = s (1 + g (1 - s))
+        dw = (dh * silu * u).sum(-1) if ctx.needs_input_grad[1] else None
+        return dgu, dw
+
+
 # ----------------------------------------------------------------------------------------
 # Router and MoE layer
 
@@ -202,10 +232,10 @@ class MoE(nn.Module):
         for p in (self.router.weight, self.w_in, self.w_out):
             nn.init.normal_(p, 0.0, std)
 
-    def experts(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
-        """SwiGLU of rows already sorted by expert: (N*k, D) -> (N*k, D)."""
-        gate, up = grouped_mm(x_sorted, self.w_in, counts, self.impl).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w_out, counts, self.impl)
+    def experts(self, x_sorted: Tensor, counts: Tensor, w_sorted: Tensor) -> Tensor:
+        """Routing-weighted SwiGLU of rows already sorted by expert: (N*k, D), (N*k,) -> (N*k, D)."""
+        gu = grouped_mm(x_sorted, self.w_in, counts, self.impl)            # (N*k, 2F)
+        return grouped_mm(_WeightedSwiGLU.apply(gu, w_sorted.to(gu.dtype)), self.w_out, counts, self.impl)
 
     def forward(self, x_BTD: Tensor) -> tuple[Tensor, RouterStats]:
         B, T, D = x_BTD.shape
@@ -214,8 +244,7 @@ class MoE(nn.Module):
         flat = idx.flatten()                                           # (N*k,) expert of each pair
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k                                    # source row of each sorted pair
-        y_sorted = self.experts(x[token], counts)                      # (N*k, D)
-        y_sorted = y_sorted * w.flatten()[order, None].to(y_sorted.dtype)
+        y_sorted = self.experts(x[token], counts, w.flatten()[order])  # (N*k, D), already weighted
         y = torch.zeros_like(x).index_add_(0, token, y_sorted)
         stats = RouterStats(aux, z, counts, idx.view(B, T, -1), w.view(B, T, -1))
         return y.view(B, T, D), stats
