@@ -284,7 +284,8 @@ def _fmt(x, nd=4):
 
 def write_report(plan_name: str, plan: Plan, out: Path, ladder, rows, ev_sum, scal, prb, wall: float) -> Path:
     L = [f"# looped-moe reproduction report: preset `{plan_name}`", "",
-         f"Wall time {wall / 60:.1f} min on {budget_machine()}. Every number below was measured in this run; "
+         f"This invocation took {wall / 60:.1f} min on {budget_machine()} (stages finished by an earlier "
+         f"invocation are read back, not redone). Every number below was measured by this pipeline; "
          f"see `results.jsonl`, `ladder.json`, `eval_summary.json`, `scaling/`, `probes.json`.", ""]
     L += ["## Budget-matched ladder (SMELT 3.2)", "",
           "| scale | S label | SMELT d_model | experts (Base -> SMELT) | F ratio | N ratio | KV ratio | within tol. |",
@@ -311,7 +312,15 @@ def write_report(plan_name: str, plan: Plan, out: Path, ladder, rows, ev_sum, sc
             L.append(f"| {s} | {l} | {b['S']:.3f} | {b['val_loss']:.4f} | {m['val_loss']:.4f} | {d:+.4f} |")
     L += ["", "![training curves](figures/curves.png)", ""]
     if "error" not in scal:
+        cs = [r["C"] for r in rows]
+        at_bound = [f"{arch}.{k}" for arch, co in scal.get("fits", {}).items() for k in ("a", "c")
+                    if isinstance(co, dict) and (co.get(k, 1) <= 1e-6 or co.get(k, 0) >= 4 - 1e-6)]
         L += ["## Scaling fits and compute-efficiency gain (SMELT 4)", "",
+              f"The runs span C = {min(cs):.2e} to {max(cs):.2e} FLOPs ({max(cs) / min(cs):.0f}x; the paper's grid "
+              f"spans about 1000x)." + (f" Exponents at a bound of the fit: {', '.join(at_bound)}." if at_bound else "")
+              + (" With so narrow a range the six-coefficient surfaces are poorly identified: the CE gains below "
+                 "are what the fits give, not evidence either way." if max(cs) / min(cs) < 100 or at_bound else ""),
+              "",
               (out / "scaling" / "tables.md").read_text() if (out / "scaling" / "tables.md").exists() else "", "",
               "![loss vs compute](scaling/loss_vs_compute.png)", "", "![CE gain](scaling/ce_gain.png)", ""]
     else:
