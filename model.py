@@ -514,43 +514,49 @@ class GPT(nn.Module):
         x, router = self._body(self.tok_emb(idx), ctx, doc_ids)
         return self._head(x, targets, router)
 
-    def _body(self, x: Tensor, ctx: Ctx, doc_ids: Tensor | None):
-        router = []
+    def _visits(self, x: Tensor, ctx: Ctx, visits, router: list) -> Tensor:
+        """Run visits in order; each visit's loop index is its visit number."""
+        for visit in visits:
+            x, st = self.blocks[visit.layer](x, visit, ctx, visit.visit)
+            if st is not None:
+                router.append((visit, st))
+        return x
+
+    def _parts(self):
+        """(prelude, coda) visits around the PLT span."""
         lc = self.cfg.loop
-        if self.plt is None:
-            for visit in self.plan:
-                x, st = self.blocks[visit.layer](x, visit, ctx, visit.visit)
-                if st is not None:
-                    router.append((visit, st))
-            return x, router
-        # PLT (Algorithm 1): prelude, loop 1 over the span, each later loop from shifted states, coda
-        span = range(lc.start, lc.start + lc.length)
-        for visit in self.plan:
-            if visit.layer < lc.start:
-                x, st = self.blocks[visit.layer](x, visit, ctx, 0)
-                if st is not None:
-                    router.append((visit, st))
-        e = x
-        h = None
+        return ([v for v in self.plan if v.layer < lc.start],
+                [v for v in self.plan if v.layer >= lc.start + lc.length])
+
+    def _plt_loops(self, e: Tensor, ctx: Ctx, doc_ids: Tensor | None, h_prev: Tensor | None,
+                   router: list) -> list[Tensor]:
+        """PLT Algorithm 1: loop 1 runs the span on e; loop l >= 2 on combine(e, h^(l-1) shifted one
+        token right). h_prev (r-1, B, D) holds each loop's state at the token before this chunk
+        (decoding); None means the chunk starts the sequence. Returns every loop's output."""
+        lc = self.cfg.loop
+        outs = []
         for l in range(lc.n_loops):
             if l == 0:
-                inp = e
+                h = e
             else:
-                hs = shift_states(h, doc_ids) if lc.shift else h
-                inp = self.plt[l - 1](e, hs)
-            h = inp
-            for i in span:
+                prev = None if h_prev is None else h_prev[l - 1]
+                h = self.plt[l - 1](e, shift_states(outs[-1], doc_ids, prev) if lc.shift else outs[-1])
+            for i in range(lc.start, lc.start + lc.length):
                 visit = self._span_visit(i, l)
                 h, st = self.blocks[i](h, visit, ctx, l)
                 if st is not None:
                     router.append((visit, st))
-        x = h
-        for visit in self.plan:
-            if visit.layer >= lc.start + lc.length:
-                x, st = self.blocks[visit.layer](x, visit, ctx, 0)
-                if st is not None:
-                    router.append((visit, st))
-        return x, router
+            outs.append(h)
+        return outs
+
+    def _body(self, x: Tensor, ctx: Ctx, doc_ids: Tensor | None):
+        router = []
+        if self.plt is None:
+            return self._visits(x, ctx, self.plan, router), router
+        prelude, coda = self._parts()
+        e = self._visits(x, ctx, prelude, router)
+        h = self._plt_loops(e, ctx, doc_ids, None, router)[-1]
+        return self._visits(h, ctx, coda, router), router
 
     def _span_visit(self, layer: int, l: int) -> Visit:
         return next(v for v in self.plan if v.layer == layer and v.visit == l)
@@ -614,11 +620,7 @@ class GPT(nn.Module):
         ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None,
                   self.cfg.loop.n_loops, B, cache=cache, start=p0)
         x = self.tok_emb(idx)
-        if self.plt is None:
-            for visit in self.plan:
-                x, _ = self.blocks[visit.layer](x, visit, ctx, visit.visit)
-        else:
-            x = self._plt_step(x, ctx, cache)
+        x = self._visits(x, ctx, self.plan, []) if self.plt is None else self._plt_step(x, ctx, cache)
         for ring, slots, keep in ctx.ring_pos_updates:
             ring.pos[slots] = keep
         cache.length += T
@@ -626,40 +628,20 @@ class GPT(nn.Module):
 
     def _plt_step(self, x: Tensor, ctx: Ctx, cache: Cache) -> Tensor:
         lc = self.cfg.loop
-        r, B, T = lc.n_loops, x.shape[0], x.shape[1]
-        span = range(lc.start, lc.start + lc.length)
-        for visit in self.plan:
-            if visit.layer < lc.start:
-                x, _ = self.blocks[visit.layer](x, visit, ctx, 0)
-        e = x
-        if T == 1 and lc.shift:
+        r, B = lc.n_loops, x.shape[0]
+        prelude, coda = self._parts()
+        e = self._visits(x, ctx, prelude, [])
+        if x.shape[1] == 1 and lc.shift:
             # Algorithm 2: every loop's input exists already -> one batched call per span layer
             inputs = [e] + [self.plt[l - 1](e, cache.plt_h[l - 1][:, None]) for l in range(1, r)]
             h = torch.cat(inputs, dim=0)                                    # (r*B, 1, D)
-            for i in span:
+            for i in range(lc.start, lc.start + lc.length):
                 h, _ = self.blocks[i](h, self._span_visit(i, 0), ctx, None)
-            hs = h.view(r, B, 1, -1)
-            cache.plt_h = hs[:-1, :, -1].clone()
-            x = hs[-1]
-        else:
-            # chunk (prefill) or unshifted control: loops in order over the chunk, as in training
-            h, new_states = None, []
-            for l in range(r):
-                if l == 0:
-                    inp = e
-                else:
-                    hs = shift_states(h, None, cache.plt_h[l - 1]) if lc.shift else h
-                    inp = self.plt[l - 1](e, hs)
-                h = inp
-                for i in span:
-                    h, _ = self.blocks[i](h, self._span_visit(i, l), ctx, l)
-                new_states.append(h[:, -1])
-            cache.plt_h = torch.stack(new_states[:-1])
-            x = h
-        for visit in self.plan:
-            if visit.layer >= lc.start + lc.length:
-                x, _ = self.blocks[visit.layer](x, visit, ctx, 0)
-        return x
+            outs = list(h.view(r, B, 1, -1))
+        else:   # a chunk (prefill) or the unshifted control: loops in order, as in training
+            outs = self._plt_loops(e, ctx, None, cache.plt_h, [])
+        cache.plt_h = torch.stack([o[:, -1] for o in outs[:-1]])
+        return self._visits(outs[-1], ctx, coda, [])
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
