@@ -270,6 +270,8 @@ class Attention(nn.Module):
         cos, sin = ctx.cos, ctx.sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cap = ctx.capture.setdefault((visit.layer, visit.visit), {}) if ctx.capture is not None else None
+        if cap is not None:
+            cap.update(q=q, k=k, v=v)
         if self.window and loop is None:
             y = self._shared_kv_step(q, k, v, x, ctx, visit)
         elif self.window and loop > 0:
@@ -278,8 +280,8 @@ class Attention(nn.Module):
             if self.window:   # loop 1 of a KV-sharing span: later loops read its keys
                 ctx.shared[visit.layer] = (k, v)
             y, probs = self._attend_cached(q, k, v, ctx, visit, loop, cap is not None)
-            if cap is not None:
-                cap.update(q=q, k=k, v=v, attn_probs=probs)
+            if cap is not None:   # (the KV-sharing paths mix two attentions: no single probability map)
+                cap["attn_probs"] = probs
         y = y.transpose(1, 2).reshape(B, T, H * hd)                  # (B, T, H*hd): PV
         out = self.proj("o", self.wo, y, loop, r)
         if cap is not None:
