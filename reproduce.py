@@ -166,8 +166,13 @@ def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> l
     return rows
 
 
+def cell_key(scale: str, label: str) -> str:
+    """A file-name-safe id of one grid cell: ("t64", "S~85%") -> "t64_S85"."""
+    return f"{scale}_{label.replace('~', '').replace('%', '')}"
+
+
 def run_dirs(out: Path, ladder: list[dict]) -> list[tuple[dict, str, Path]]:
-    return [(cell, arch, out / "runs" / f"{cell['scale']}_{cell['sparsity_label'].replace('~', '').replace('%', '')}_{arch}")
+    return [(cell, arch, out / "runs" / f"{cell_key(cell['scale'], cell['sparsity_label'])}_{arch}")
             for cell in ladder for arch in ("baseline", "smelt")]
 
 
@@ -208,7 +213,7 @@ def stage_eval(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> di
         log(f"calibration skipped: {e}")
     pairs = {}
     for cell in ladder:
-        key = f"{cell['scale']}_{cell['sparsity_label'].replace('~', '').replace('%', '')}"
+        key = cell_key(cell["scale"], cell["sparsity_label"])
         a, b = results.get(f"{key}_baseline"), results.get(f"{key}_smelt")
         if a and b:
             pairs[key] = ev.compare(a, b)
@@ -216,7 +221,7 @@ def stage_eval(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> di
     figs = out / "figures"
     figs.mkdir(exist_ok=True)
     last = ladder[-1]
-    key = f"{last['scale']}_{last['sparsity_label'].replace('~', '').replace('%', '')}"
+    key = cell_key(last["scale"], last["sparsity_label"])
     if f"{key}_smelt" in results:
         ev.plot_shot_sweep(results[f"{key}_smelt"], figs / "shot_sweep.png", other=results[f"{key}_baseline"])
     if "error" not in summary["calibration"]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
+import reproduce
 from loop import LoopConfig, middle_span
 
 
@@ -43,7 +44,7 @@ def main(argv=None) -> dict:
             else:
                 start, length = middle_span(L, m / L)
                 cfg, rep = exp.match(base, LoopConfig(start=start, length=length, n_loops=args.loops))
-            specs.append((f"{scale}_{lab.replace('~', '').replace('%', '')}_span{m}", cfg,
+            specs.append((f"{reproduce.cell_key(scale, lab)}_span{m}", cfg,
                           {"control": control, "scale": scale, "sparsity_label": lab,
                            "arch": "baseline" if m == 0 else "looped"}))
             info.append({"scale": scale, "sparsity_label": lab, "span": m, "span_pct": 100 * m / L,
