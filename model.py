@@ -455,6 +455,7 @@ class GPT(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.plan = looping.plan(cfg.n_layer, cfg.loop)   # static: a function of the config
+        self._visit_of = {(v.layer, v.visit): v for v in self.plan}
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -561,7 +562,7 @@ class GPT(nn.Module):
         return self._visits(h, ctx, coda, router), router
 
     def _span_visit(self, layer: int, l: int) -> Visit:
-        return next(v for v in self.plan if v.layer == layer and v.visit == l)
+        return self._visit_of[(layer, l)]
 
     def _head(self, x: Tensor, targets: Tensor | None, router) -> Output:
         x = self.norm_f(x)
