@@ -3,7 +3,8 @@
   python scripts/decode_latency.py --preset smoke|tiny|small [--steps NEW_TOKENS] [--prompt P] [--device D]
 
 Timing is bench.bench_decode (its fixed models, bench.decode_models: d_model 512, 8 layers, a
-2-loop middle span; median of 5 timed decodes after a warm-up, fp32 on CPU, bf16 on CUDA).
+2-loop middle span; median of 7 timed decodes after a warm-up, fp32 on CPU, bf16 on CUDA; the
+table uses the default projection layout, and on CPU the ratios with plain F.linear are kept too).
 The preset sets the prompt and the number of decoded tokens (smoke 8 + 8: seconds; tiny 64 + 64;
 small 128 + 256); --steps overrides the decoded tokens (this script trains nothing). KV bytes per
 token (bf16) are budget.kv_bytes_per_token of the same configs at the decode length, plus PLT
@@ -38,7 +39,8 @@ def main(argv=None) -> dict:
     ctx = prompt + new
     if ctx > cfgs["unlooped"].block_size:
         raise SystemExit(f"prompt + tokens = {ctx} exceeds the bench models' block_size {cfgs['unlooped'].block_size}")
-    timing = bench.bench_decode(device, dtype, prompt=prompt, new_tokens=new)
+    timed = bench.bench_decode(device, dtype, prompt=prompt, new_tokens=new)
+    timing = timed["skinny"]
     plt = cfgs["plt_2loop"]
     cfgs["plt_2loop_kv_shared"] = replace(plt, loop=replace(plt.loop, kv_window=max(1, ctx // 4)))
     base_kv = budget.kv_bytes_per_token(cfgs["unlooped"], 2, ctx)
@@ -52,7 +54,8 @@ def main(argv=None) -> dict:
                      "flops_per_token": budget.flops_per_token(cfg, ctx), "params": budget.count_params(cfg)["blocks"]})
     return exp.finish({"device": bench.machine(), "dtype": str(dtype), "prompt": prompt, "new_tokens": new,
                        "plt_ratio": timing["plt_ratio"], "sequential_ratio": timing["sequential_ratio"],
-                       "executed_depth_ratio": timing["executed_depth_ratio"], "rows": rows}, [
+                       "executed_depth_ratio": timed["executed_depth_ratio"], "rows": rows,
+                       "f_linear": timed.get("F.linear")}, [
         ("model", "model", ""), ("ms / token", "ms_per_token", ".3f"), ("x unlooped", "vs_unlooped", ".2f"),
         ("KV B/token", "kv_bytes_per_token", ",.0f"), ("KV ratio", "kv_ratio", ".2f"),
         ("KV MiB @ctx", "kv_mib_at_ctx", ".3f"), ("train FLOPs/token", "flops_per_token", ".3g")], trained=False)

@@ -40,6 +40,24 @@ def test_decode_equals_full_forward(kw):
     torch.testing.assert_close(decode_in_pieces(m, idx), m(idx)[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (4, 4, 48), (17, 48), (3, 7, 48)])
+def test_few_row_projection_layout_matches_f_linear(shape):
+    """model.linear (W x^T for <= SKINNY_ROWS rows in CPU inference) equals the plain F.linear."""
+    import model as model_lib
+    torch.manual_seed(0)
+    x, w = torch.randn(*shape), torch.randn(80, 48)
+    ref = torch.nn.functional.linear(x, w)
+    with torch.no_grad():
+        y = model_lib.linear(x, w)
+    assert y.shape == ref.shape
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    lin = model_lib.Linear(48, 80)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    out = lin(x)                                   # grad enabled: exactly F.linear, and it trains
+    assert torch.equal(out, ref) and out.requires_grad
+
+
 def test_generate_greedy_matches_argmax_of_full_forward():
     torch.manual_seed(0)
     m = GPT(tiny(n_experts=4, top_k=2)).eval()
