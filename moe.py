@@ -26,7 +26,9 @@ the output has x's row count); eager code uses a plain autograd.Function over th
 Why: autograd over a Python loop of slices allocates a full-size gradient for every slice in
 backward (~20x a dense layer on CPU); gather + padded bmm pays for the padding (~3-4x).
 Writing each block into a preallocated output, and computing the weight gradient per block
-directly, costs only the useful FLOPs plus one small call per expert. `grouped_mm_reference`
+directly, costs only the useful FLOPs plus one small call per expert. The per-expert views come
+from one `split` / `unbind` each rather than a slice per expert (8-36 % faster per grouped_mm on
+CPU at 16-64 experts, the gain growing with the expert count). `grouped_mm_reference`
 is the slow, obvious version (torch.split + cat) the tests compare it against. On CUDA with
 bf16, `impl="auto"` uses `torch._grouped_mm` (one fused kernel on Hopper); bench.py measures
 both. The measured CPU ratio against a dense SwiGLU of equal active FLOPs is in the README.
@@ -50,27 +52,25 @@ def grouped_mm_reference(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     return torch.cat([c @ w[g] for g, c in enumerate(chunks)], dim=0)
 
 
-def _group_bounds(group_sizes: Tensor) -> list[tuple[int, int, int]]:
-    """[(group, row_start, row_end)] for the non-empty groups."""
-    ends = torch.cumsum(group_sizes, 0).tolist()
-    starts = [0] + ends[:-1]
-    return [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
-
-
 def _mm_loop(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     """x (N, d_in) sorted by group, w (G, d_in, d_out) -> (N, d_out), one mm per non-empty group."""
+    sizes = group_sizes.tolist()
     out = x.new_empty(x.shape[0], w.shape[2])
-    for g, s, e in _group_bounds(group_sizes):
-        torch.mm(x[s:e], w[g], out=out[s:e])
+    for x_g, w_g, out_g, n in zip(x.split(sizes), w.unbind(0), out.split(sizes), sizes):
+        if n:
+            torch.mm(x_g, w_g, out=out_g)
     return out
 
 
 def _wgrad_loop(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:
     """dW[g] = x_g^T dy_g: (G, d_in, d_out); empty groups get zeros."""
+    sizes = group_sizes.tolist()
     dw = x.new_empty(group_sizes.shape[0], x.shape[1], dy.shape[1])
-    dw[group_sizes == 0] = 0
-    for g, s, e in _group_bounds(group_sizes):
-        torch.mm(x[s:e].t(), dy[s:e], out=dw[g])
+    for x_g, dy_g, dw_g, n in zip(x.split(sizes), dy.split(sizes), dw.unbind(0), sizes):
+        if n:
+            torch.mm(x_g.t(), dy_g, out=dw_g)
+        else:
+            dw_g.zero_()
     return dw
 
 
@@ -244,7 +244,9 @@ class MoE(nn.Module):
         flat = idx.flatten()                                           # (N*k,) expert of each pair
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k                                    # source row of each sorted pair
-        y_sorted = self.experts(x[token], counts, w.flatten()[order])  # (N*k, D), already weighted
+        # index_select, not x[token]: its backward is an index_add (measured 45 -> 25 ms fwd+bwd on CPU
+        # for 32k rows of 256), where indexing's backward is a slower accumulating index_put
+        y_sorted = self.experts(x.index_select(0, token), counts, w.flatten()[order])  # (N*k, D), weighted
         y = torch.zeros_like(x).index_add_(0, token, y_sorted)
         stats = RouterStats(aux, z, counts, idx.view(B, T, -1), w.view(B, T, -1))
         return y.view(B, T, D), stats
