@@ -12,11 +12,14 @@ ratios, so a figure never depends on another machine's or another run's timing. 
           near the executed-depth ratio (executed / physical layers). On CPU each model is
           also timed with model.Linear's few-row layout turned off (plain F.linear).
   train   training tokens/s of the tiny preset's matched Baseline / SMELT pair; time per token
-          ratio vs FLOP ratio (target: within 15 %). On CUDA also MFU at the small preset
+          ratio vs FLOP ratio (target: within 15 %); the two models alternate steps. On CUDA also MFU at the small preset
           (targets dense >= 45 %, SMELT MoE >= 40 %).
 
-Timing: warm-up iterations first, then the median of repeated timed iterations
-(torch.cuda.synchronize on GPU). Results also go to --json for the README.
+Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the
+median of the timed rounds (torch.cuda.synchronize on GPU). Taking turns matters on a shared
+CPU: timing A's ten steps and then B's let the machine's drift decide the ratio (the train pair
+read 1.02-1.06 one after the other and 1.17-1.21 taking turns, in the same hour). Results also
+go to --json for the README.
 """
 from __future__ import annotations
 
@@ -40,20 +43,6 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def timeit(fn, device, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds per call of fn()."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -71,6 +60,23 @@ class DenseSwiGLU(nn.Module):
         return self.w_out(F.silu(g) * u)
 
 
+def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8) -> dict:
+    """Median seconds per call of each fn, the fns taking turns (ABCABC...) so drift hits all alike.
+
+    A fn that returns a float reports its own seconds (e.g. decoding time without the prefill).
+    """
+    times = {name: [] for name in fns}
+    for i in range(warmup + iters):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            own = fn()
+            _sync(device)
+            if i >= warmup:
+                times[name].append(own if isinstance(own, float) else time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench_moe(device, dtype, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8) -> dict:
     torch.manual_seed(0)
     x = torch.randn(1, tokens, d_model, device=device, dtype=dtype, requires_grad=True)
@@ -85,10 +91,11 @@ def bench_moe(device, dtype, tokens=4096, d_model=256, d_ff=128, n_experts=64, t
             y.float().square().mean().backward()
         return f
 
-    res = {"dense": timeit(step(dense, False), device)}
+    fns = {"dense": step(dense, False)}
     impls = ["loop", "reference"] + (["torch"] if device.type == "cuda" and dtype == torch.bfloat16 else [])
     for impl in impls:
-        res[f"moe_{impl}"] = timeit(step(moe_layer(impl), True), device, iters=5 if impl == "reference" else 10)
+        fns[f"moe_{impl}"] = step(moe_layer(impl), True)
+    res = interleaved(fns, device)
     print(f"\nMoE fwd+bwd, {tokens} tokens, d_model {d_model}, d_ff {d_ff}, {n_experts} experts, top-{top_k} "
           f"({device.type}, {dtype}):")
     for k, v in res.items():
@@ -133,19 +140,18 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
         _sync(device)
         return (time.perf_counter() - t0) / new_tokens
 
-    times = {(lay, name): [] for lay in layouts for name in models}
+    def timed(lay, m):
+        def f():
+            model_lib.SKINNY_ROWS = layouts[lay]
+            return run(m)
+        return f
+
     default = model_lib.SKINNY_ROWS
     try:
-        for rep in range(reps + 1):                                # rep 0 is the warm-up
-            for lay, rows in layouts.items():
-                model_lib.SKINNY_ROWS = rows
-                for name, m in models.items():
-                    t = run(m)
-                    if rep:
-                        times[(lay, name)].append(t)
+        med = interleaved({(lay, name): timed(lay, m) for lay in layouts for name, m in models.items()},
+                          device, warmup=1, iters=reps)
     finally:
         model_lib.SKINNY_ROWS = default
-    med = {k: statistics.median(v) for k, v in times.items()}
     depth = len(models["sequential_2loop"].plan) / models["unlooped"].cfg.n_layer
     res = {}
     print(f"\nBatch-1 decode, per token ({device.type}, {dtype}):")
@@ -163,8 +169,12 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     return res | {"executed_depth_ratio": depth}
 
 
-def bench_train(device, preset="tiny", steps=6, batch_size=8) -> dict:
-    """Training tokens/s of a matched Baseline / SMELT pair (the preset's middle scale, highest sparsity)."""
+def bench_train(device, preset="tiny", steps=10, batch_size=8) -> dict:
+    """Training tokens/s of a matched Baseline / SMELT pair (the preset's middle scale, highest sparsity).
+
+    The two models take alternate steps (ABAB...) after two warm-up steps each, so drift in the
+    machine's speed hits both alike; the figure is the median step time of each.
+    """
     import budget
     cells = budget.preset_baselines(preset)
     scale, label, base_cfg = cells[len(cells) // 2]
@@ -172,21 +182,25 @@ def bench_train(device, preset="tiny", steps=6, batch_size=8) -> dict:
     ctx = base_cfg.block_size
     smelt_cfg, report = budget.match(base_cfg, LoopConfig(start=s, length=m, n_loops=2), ctx)
     res = {"cell": f"{scale}/{label}", "match": report}
-    for name, cfg in (("baseline", base_cfg), ("smelt", smelt_cfg)):
+    use_bf16 = device.type == "cuda"
+    cfgs = {"baseline": base_cfg, "smelt": smelt_cfg}
+    steps_of = {}
+    for name, cfg in cfgs.items():
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         idx = torch.randint(0, cfg.vocab_size, (batch_size, ctx), device=device)
-        use_bf16 = device.type == "cuda"
 
-        def step():
+        def step(model=model, opt=opt, idx=idx):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 loss = model(idx, idx)[1]
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-
-        t = timeit(step, device, warmup=2, iters=steps)
+        steps_of[name] = step
+    med = interleaved(steps_of, device, iters=steps)
+    for name, cfg in cfgs.items():
+        t = med[name]
         flops = budget.flops_per_token(cfg, ctx)
         res[name] = {"s_per_step": t, "tokens_per_s": batch_size * ctx / t, "flops_per_token": flops}
         if device.type == "cuda":
@@ -209,21 +223,24 @@ def bench_train(device, preset="tiny", steps=6, batch_size=8) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["moe", "decode", "train"], choices=["moe", "decode", "train"],
+    ap.add_argument("which", nargs="*", metavar="{moe,decode,train}",
                     help="benchmarks to run (default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     ap.add_argument("--train-preset", default=None, help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
     ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
     args = ap.parse_args()
+    which = args.which or ["moe", "decode", "train"]
+    if set(which) - {"moe", "decode", "train"}:
+        ap.error(f"unknown benchmark(s) {sorted(set(which) - {'moe', 'decode', 'train'})}: choose from moe, decode, train")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = {"machine": machine(), "torch": torch.__version__}
     print(f"machine: {out['machine']}, torch {out['torch']}")
-    if "moe" in args.which:
+    if "moe" in which:
         out["moe"] = bench_moe(device, dtype)
-    if "decode" in args.which:
+    if "decode" in which:
         out["decode"] = bench_decode(device, dtype)
-    if "train" in args.which:
+    if "train" in which:
         out["train"] = bench_train(device, args.train_preset or ("small" if device.type == "cuda" else "tiny"))
     if args.json:
         with open(args.json, "w") as f:
