@@ -118,9 +118,10 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     """Median per-token time of greedy decoding, under both CPU projection layouts (model.Linear).
 
-    Models and layouts take turns (ABCABC...) so drift hits all alike. "skinny" is the default
-    (few-row products as W x^T on CPU); "F.linear" turns that rule off. On CUDA only the default
-    is timed (the rule never applies there).
+    Models and layouts take turns token by token (each decodes one token, then the next model
+    does), so the machine's drift hits all alike; the figure is the median over reps of each
+    model's mean time per token. "skinny" is the default (few-row products as W x^T on CPU);
+    "F.linear" turns that rule off. On CUDA only the default is timed (the rule never applies).
     """
     import model as model_lib
     models = {}
@@ -130,28 +131,31 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     idx = torch.randint(0, models["unlooped"].cfg.vocab_size, (1, prompt), device=device)
     layouts = {"skinny": model_lib.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
 
-    def run(model):
-        cache = model.new_cache(1, prompt + new_tokens)
-        logits = model.forward_step(idx, cache)[:, -1]
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(new_tokens):
-            logits = model.forward_step(logits.argmax(-1, keepdim=True), cache)[:, -1]
-        _sync(device)
-        return (time.perf_counter() - t0) / new_tokens
-
-    def timed(lay, m):
-        def f():
-            model_lib.SKINNY_ROWS = layouts[lay]
-            return run(m)
-        return f
-
+    keys = [(lay, name) for lay in layouts for name in models]
+    times = {k: [] for k in keys}
     default = model_lib.SKINNY_ROWS
     try:
-        med = interleaved({(lay, name): timed(lay, m) for lay in layouts for name, m in models.items()},
-                          device, warmup=1, iters=reps)
+        for rep in range(reps + 1):                                # rep 0 is the warm-up
+            caches, last, spent = {}, {}, dict.fromkeys(keys, 0.0)
+            for lay, name in keys:
+                model_lib.SKINNY_ROWS = layouts[lay]
+                caches[(lay, name)] = models[name].new_cache(1, prompt + new_tokens)
+                last[(lay, name)] = models[name].forward_step(idx, caches[(lay, name)])[:, -1]
+            for _ in range(new_tokens):                            # one token each, in turn
+                for lay, name in keys:
+                    model_lib.SKINNY_ROWS = layouts[lay]
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    last[(lay, name)] = models[name].forward_step(
+                        last[(lay, name)].argmax(-1, keepdim=True), caches[(lay, name)])[:, -1]
+                    _sync(device)
+                    spent[(lay, name)] += time.perf_counter() - t0
+            if rep:
+                for k in keys:
+                    times[k].append(spent[k] / new_tokens)
     finally:
         model_lib.SKINNY_ROWS = default
+    med = {k: statistics.median(v) for k, v in times.items()}
     depth = len(models["sequential_2loop"].plan) / models["unlooped"].cfg.n_layer
     res = {}
     print(f"\nBatch-1 decode, per token ({device.type}, {dtype}):")

@@ -247,7 +247,9 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
             or torch.compiler.is_compiling()):
         return F.linear(x, weight)
     x_RD = x.reshape(rows, -1)
-    if rows == 1:   # a one-column product goes to GEMV, the slow kernel here: use two columns
+    if rows == 1:   # MKL's GEMV runs on one thread here; a two-column GEMM uses them all
+        if torch.get_num_threads() == 1:
+            return F.linear(x, weight)
         x_RD = torch.cat([x_RD, x_RD])
     return torch.mm(weight, x_RD.t())[:, :rows].t().reshape(*x.shape[:-1], weight.shape[0])
 
@@ -256,14 +258,23 @@ class Linear(nn.Linear):
     """nn.Linear (no bias) whose inference products of a few rows use the faster BLAS layout on CPU.
 
     Batch-1 decoding multiplies 1 row (the unlooped model) or r rows (PLT's stacked loops) by
-    weights that do not stay in cache. Measured with fp32 weights cycling through 48 matrices,
-    torch 2.13 (MKL) on a 2-core AMD EPYC: `F.linear(x, W)` (x W^T) costs 1.6-2.2x for 2 rows
-    what it costs for 1 (3072 x 512: 1.02 ms -> 1.87 ms), so batching PLT's loops bought nothing;
-    `torch.mm(W, x^T)` costs 0.49 ms for 2 rows and stays below F.linear up to 64 rows, while
-    1 row always goes to MKL's GEMV (1.0 ms). So a few rows run as W x^T, and a single row is
-    padded to two (0.62 ms: the unlooped model gains as much as PLT). With gradients, under
-    torch.compile, off CPU or above SKINNY_ROWS rows, this is plain F.linear (large products
-    are no faster in the other layout). The results agree to float rounding (tested).
+    weights that do not stay in cache. Measured per product with fp32 weights cycling through
+    48 matrices, torch 2.13 (MKL) on a 2-core AMD EPYC, 3072 x 512 weight:
+
+                               1 thread    2 threads
+      F.linear, 1 row            0.93 ms     0.97 ms   (GEMV: one thread either way)
+      F.linear, 2 rows           1.77 ms     1.97 ms
+      W @ x^T,  2 rows           0.84 ms     0.61 ms
+      W @ [x; x]^T (1 row)       1.09 ms     0.61 ms
+
+    So F.linear gave PLT's batched loops nothing (2 rows cost 2 rows), while W x^T does 2 rows
+    in about one row's time on either thread count (and beats F.linear up to 64 rows on 2
+    threads): a few rows run as W x^T. A single row is
+    padded to two only with more than one thread, where the GEMM's threads beat the one-thread
+    GEMV; that speeds the unlooped model as much as PLT, so the comparison stays like for like.
+    With gradients, under torch.compile, off CPU or above SKINNY_ROWS rows this is plain
+    F.linear (large products are no faster in the other layout). Results agree with F.linear
+    to float rounding (tested).
     """
 
     def __init__(self, d_in: int, d_out: int):
