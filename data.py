@@ -742,6 +742,28 @@ class TokenData:
             yield batch
 
 
+def token_weighted(sums: dict[str, tuple[float, int]], domains: dict[str, str]) -> dict:
+    """Validation loss from per-source (summed loss, target tokens), weighted by tokens.
+
+    The one aggregation train.evaluate and eval.val_loss_report share. Returns {"loss",
+    "tokens", "by_source", "by_domain"}; a source with no tokens is left out of every mean
+    (no NaN entries in results), and "loss" is NaN only when no source had a token.
+    """
+    missing = sorted(set(sums) - set(domains))
+    if missing:
+        raise ValueError(f"token_weighted: sources {missing} have no domain in the dataset's manifest")
+    counted = {s: (float(l), int(n)) for s, (l, n) in sums.items() if n}
+    by_domain: dict[str, list] = {}
+    for s, (l, n) in counted.items():
+        acc = by_domain.setdefault(domains[s], [0.0, 0])
+        acc[0] += l
+        acc[1] += n
+    total_l, total_n = sum(l for l, _ in counted.values()), sum(n for _, n in counted.values())
+    return {"loss": total_l / total_n if total_n else float("nan"), "tokens": total_n,
+            "by_source": {s: l / n for s, (l, n) in counted.items()},
+            "by_domain": {d: l / n for d, (l, n) in by_domain.items()}}
+
+
 def measure_bytes_per_token(data_dir: str, vocab_sizes: list[int]) -> dict[str, dict[int, float]]:
     """Bytes per token of each domain's validation text under several truncated GPT-2 vocabularies."""
     data = TokenData(data_dir)

@@ -69,6 +69,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data as data_mod
+
 TASK_DIR = Path(__file__).resolve().parent / "tasks" / "bigbench"
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
 # name -> (kind, DCLM category, DCLM shots, DCLM v2 random baseline as a fraction)
@@ -148,18 +150,14 @@ def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
             which = torch.bucketize(lengths, torch.tensor(bounds, device=dev)).clamp(max=len(bounds) - 1)
             len_sum += torch.bincount(which[valid], nll[valid].double(), len(bounds)).cpu().numpy()
             len_n += torch.bincount(which[valid], minlength=len(bounds)).cpu().numpy()
-    if not sum(src_n.values()):
+    agg = data_mod.token_weighted({s: (src_sum[s], src_n[s]) for s in src_n}, data.domains)
+    if not agg["tokens"]:
         raise ValueError("no validation tokens: every source is empty or shorter than one context")
-    dom_sum, dom_n = defaultdict(float), defaultdict(int)
-    for s in src_n:
-        dom_sum[data.domains[s]] += src_sum[s]
-        dom_n[data.domains[s]] += src_n[s]
-    by_source = {s: src_sum[s] / src_n[s] for s in src_n if src_n[s]}
-    return {"loss": sum(src_sum.values()) / sum(src_n.values()),
-            "loss_macro": float(np.mean(list(by_source.values()))),
-            "tokens": int(sum(src_n.values())),
-            "by_source": by_source,
-            "by_domain": {d: dom_sum[d] / dom_n[d] for d in dom_n if dom_n[d]},
+    return {"loss": agg["loss"],
+            "loss_macro": float(np.mean(list(agg["by_source"].values()))),
+            "tokens": agg["tokens"],
+            "by_source": agg["by_source"],
+            "by_domain": agg["by_domain"],
             "by_length": {b: float(len_sum[i] / len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
             "tokens_by_length": {b: int(len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
             "length_from": length_from}
@@ -623,7 +621,6 @@ def evaluate_run(run_dir: str | Path, tasks: Sequence[str] = ("all",), shots: Se
                     "settings": {"tasks": list(tasks), "shots": list(shots), "seeds": seeds, "max_items": max_items}}
     if data is None and val and meta.get("data_dir"):
         try:
-            import data as data_mod
             data = data_mod.TokenData(meta["data_dir"])
         except Exception as e:  # a moved or unbuilt dataset should not stop the task evaluation
             log(f"validation skipped: cannot open data_dir {meta['data_dir']!r}: {e}")
@@ -631,7 +628,6 @@ def evaluate_run(run_dir: str | Path, tasks: Sequence[str] = ("all",), shots: Se
     if result["val"]:
         log(f"val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens")
     if enc is None:
-        import data as data_mod
         enc = data_mod.get_tokenizer(model.cfg.vocab_size)
     result["tasks"] = {}
     for name in resolve_tasks(tasks):

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import budget
+import data as data_lib
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig
 
@@ -283,16 +284,9 @@ def evaluate(objective: nn.Module, data, batch_size: int, block_size: int, max_t
             s, n = s + float(ce_sum), n + int(cnt)
         sums[src] = (s, n)
 
-    def mean(srcs) -> float:
-        s, n = sum(sums[k][0] for k in srcs), sum(sums[k][1] for k in srcs)
-        return s / n if n else float("nan")
-
-    domains: dict[str, list[str]] = {}
-    for src in sums:
-        domains.setdefault(data.domains.get(src, "unknown"), []).append(src)
-    return {"val_loss": mean(sums), "val_tokens": sum(n for _, n in sums.values()),
-            "val_loss_by_source": {k: mean([k]) for k in sums},
-            "val_loss_by_domain": {k: mean(v) for k, v in domains.items()}}
+    agg = data_lib.token_weighted(sums, data.domains)
+    return {"val_loss": agg["loss"], "val_tokens": agg["tokens"],
+            "val_loss_by_source": agg["by_source"], "val_loss_by_domain": agg["by_domain"]}
 
 
 def effective_doc_length(doc_ids: Tensor) -> float:

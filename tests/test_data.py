@@ -4,6 +4,7 @@ Everything runs on the smoke preset (on-disk stdlib + generated text, 512-token 
 no network, about a second to prepare.
 """
 import dataclasses
+import math
 import shutil
 from pathlib import Path
 
@@ -188,3 +189,15 @@ def test_html_and_clean_helpers():
     assert "Prev" not in text and "Some text & more" in text and "    indented" in text
     parts = data._clean("para one.\n\n" * 10_000)
     assert len(parts) > 1 and all(len(p) <= data.MAX_DOC_CHARS for p in parts)
+
+
+def test_token_weighted_means_by_source_and_domain():
+    from data import token_weighted
+    sums = {"a": (6.0, 3), "b": (2.0, 1), "c": (9.0, 3), "empty": (0.0, 0)}
+    out = token_weighted(sums, {"a": "code", "b": "code", "c": "math", "empty": "math"})
+    assert out["tokens"] == 7 and out["loss"] == 17.0 / 7
+    assert out["by_source"] == {"a": 2.0, "b": 2.0, "c": 3.0}          # the empty source is left out
+    assert out["by_domain"] == {"code": 2.0, "math": 3.0}
+    assert math.isnan(token_weighted({"a": (0.0, 0)}, {"a": "code"})["loss"])
+    with pytest.raises(ValueError, match="no domain"):
+        token_weighted({"x": (1.0, 1)}, {})
