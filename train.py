@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import budget
-import data as data_lib
+import data as data_mod
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig
 
@@ -284,7 +284,7 @@ def evaluate(objective: nn.Module, data, batch_size: int, block_size: int, max_t
             s, n = s + float(ce_sum), n + int(cnt)
         sums[src] = (s, n)
 
-    agg = data_lib.token_weighted(sums, data.domains)
+    agg = data_mod.token_weighted(sums, data.domains)
     return {"val_loss": agg["loss"], "val_tokens": agg["tokens"],
             "val_loss_by_source": agg["by_source"], "val_loss_by_domain": agg["by_domain"]}
 
