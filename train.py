@@ -758,7 +758,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.data == "synthetic" and not a.data_dir:
         data = SyntheticData(a.vocab_size)
     else:
-        import data as data_mod
         data_dir = a.data_dir or data_mod.default_data_dir(a.data)
         if not a.data_dir:
             d = init_distributed(tc)
