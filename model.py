@@ -22,8 +22,9 @@ RMSNorm and an untied output head. This file holds that template:
     PLT with `kv_window = w` shares loop 1's cache and keeps a ring of w positions per later
     loop. `forward_step` logits equal the full forward's (tested for every loop variant).
   * Projections are `Linear` (nn.Linear without bias): in CPU inference, products of at most
-    SKINNY_ROWS rows run as W x^T, the layout MKL runs fastest here; it is what lets PLT's
-    batched loops decode at the unlooped model's speed on CPU (measurements in `Linear`).
+    SKINNY_ROWS rows run as W x^T, the layout MKL runs fastest here; with it PLT's batched
+    loops decode at 1.03-1.05x the unlooped model's time on 2 CPU threads (measurements in
+    `Linear` and the README).
   * One init function, `init_weights`: N(0, init_std) everywhere (embedding included: a small
     embedding std keeps a tied head well scaled and avoids CPU denormals), output projections
     scaled by 1/sqrt(2 * executed depth) (GPT-2's rule, counting visits, not stored layers).
@@ -269,9 +270,9 @@ class Linear(nn.Linear):
 
     So F.linear gave PLT's batched loops nothing (2 rows cost 2 rows), while W x^T does 2 rows
     in about one row's time on either thread count (and beats F.linear up to 64 rows on 2
-    threads): a few rows run as W x^T. A single row is
-    padded to two only with more than one thread, where the GEMM's threads beat the one-thread
-    GEMV; that speeds the unlooped model as much as PLT, so the comparison stays like for like.
+    threads): a few rows run as W x^T. A single row is padded to two only with more than one
+    thread, where the GEMM's threads beat the one-thread GEMV; that speeds the unlooped model
+    as much as PLT, so the comparison stays like for like.
     With gradients, under torch.compile, off CPU or above SKINNY_ROWS rows this is plain
     F.linear (large products are no faster in the other layout). Results agree with F.linear
     to float rounding (tested).

@@ -58,6 +58,19 @@ def test_few_row_projection_layout_matches_f_linear(shape):
     assert torch.equal(out, ref) and out.requires_grad
 
 
+def test_one_row_projection_is_plain_f_linear_on_one_thread():
+    """On one thread the 1-row product is not padded (the GEMV is the faster kernel there)."""
+    import model as model_lib
+    x, w = torch.randn(1, 48), torch.randn(80, 48)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            assert torch.equal(model_lib.linear(x, w), torch.nn.functional.linear(x, w))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_generate_greedy_matches_argmax_of_full_forward():
     torch.manual_seed(0)
     m = GPT(tiny(n_experts=4, top_k=2)).eval()
