@@ -232,6 +232,24 @@ class Cache:
         """Bytes of keys and values allocated (what budget.kv_bytes_per_token accounts for)."""
         return sum(c.k.nbytes + c.v.nbytes for c in self.kv.values())
 
+    def repeat(self, n: int) -> "Cache":
+        """A new cache with every batch row repeated n times in a row (row b -> rows b*n .. b*n+n-1).
+
+        For scoring several continuations of one prefilled context (eval.score_options). Stacked
+        PLT caches (rows l*B + b) and ring caches are repeated per loop; ring positions are shared.
+        """
+        if n < 1:
+            raise ValueError(f"Cache.repeat: n must be >= 1, got {n}")
+        B = self.batch_size
+
+        def rep(t: Tensor) -> Tensor:   # (r*B, ...) -> (r*B*n, ...), loop-major as before
+            return t.view(-1, B, *t.shape[1:]).repeat_interleave(n, dim=1).reshape(-1, *t.shape[1:])
+
+        kv = {name: KV(rep(c.k), rep(c.v), c.ring, None if c.pos is None else c.pos.clone())
+              for name, c in self.kv.items()}
+        plt_h = None if self.plt_h is None else self.plt_h.repeat_interleave(n, dim=1)
+        return Cache(kv, B * n, self.max_len, self.length, plt_h)
+
 
 # ----------------------------------------------------------------------------------------
 # Projections

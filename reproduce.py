@@ -64,7 +64,8 @@ PLANS = {
     "smoke": Plan(data="smoke", ladder="smoke", block_size=64, batch_size=8, lr=3e-3, warmup_steps=5,
                   stable_steps=30, branch_steps=[10, 20, 30], decay_steps=6, eval_tokens=2048,
                   tasks=("gen_copy", "gen_kv"), shots=(0, 2), seeds=2, max_items=8, bootstrap=20, probe_tokens=1024),
-    # tiny leaves out language_identification: 11 options per item made it 60 % of the eval time on CPU
+    # tiny leaves out language_identification: 11 options per item made it 60 % of the eval time on CPU;
+    # with shared-context scoring it still costs ~15x a generation task per run (3.2 s vs 0.22 s)
     "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=8, lr=3e-3, warmup_steps=8,
                  stable_steps=64, branch_steps=[16, 32, 64], decay_steps=12, eval_tokens=1024,
                  tasks=("generated", "qa_wikidata", "dyck_languages", "cs_algorithms", "operators",

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import eval as ev
+from loop import LoopConfig
 from model import GPT, ModelConfig
 
 
@@ -118,6 +119,56 @@ def test_exact_match_equals_greedy_generation():
     r = ev.evaluate_task(model, tok, t, 0, block_size=48)
     got = {i: c for i, c in zip(r["items"], r["per_item"])}
     assert [bool(got[i]) for i in range(len(items))] == [want for _, want in items]
+
+
+def _live_gpt(block_size: int = 32, **kw) -> GPT:
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=V, block_size=block_size, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=48, **kw))
+    for p in m.parameters():          # zero-initialised adapters / PLT gates get values so they matter
+        if p.abs().sum() == 0:
+            nn.init.normal_(p, std=0.05)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2)),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True)),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True, kv_window=3))])
+def test_shared_context_scoring_equals_scoring_each_sequence(kw):
+    """score_options (prefill once, Cache.repeat, one batch of options) == score_continuations."""
+    m = _live_gpt(**kw)
+    torch.manual_seed(1)
+    head = [0] + torch.randint(1, V, (12,)).tolist()
+    tails = [torch.randint(1, V, (n,)).tolist() for n in (1, 3, 2, 5)]
+    shared = ev.score_options(m, head, tails, block_size=32)
+    each = ev.score_continuations(m, [(head + t, len(t)) for t in tails], block_size=32)
+    for (a, na, ga), (b, nb, gb) in zip(shared, each):
+        assert na == nb and ga == gb and a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    long_head = head * 4                                   # 52 tokens: cut once, to fit the longest option
+    cut = ev.score_options(m, long_head, tails, block_size=32)
+    ref = ev.score_continuations(m, [(ev.truncate_left(long_head, 27) + t, len(t)) for t in tails], block_size=32)
+    assert [c[0] for c in cut] == pytest.approx([r[0] for r in ref], rel=1e-5, abs=1e-5)
+    with pytest.raises(ValueError, match="no room"):
+        ev.score_options(m, head, [[1] * 31], block_size=32)
+
+
+def test_mc_task_on_a_gpt_uses_shared_context_with_the_same_result():
+    options = [" 0", " 11", " 222"]                     # options of different lengths: a padded batch
+    items = [ev.Item(f"q{i} =", options[i % 3], options=options, group="g") for i in range(9)]
+    task = mc_task(items)
+    m = _live_gpt(block_size=64)                       # every prompt fits: no truncation on either path
+
+    class NoCache(nn.Module):          # the same model without new_cache: the per-sequence path
+        def __init__(self):
+            super().__init__()
+            self.m, self.cfg = m, m.cfg
+
+        def forward(self, idx):
+            return self.m(idx)
+
+    a = ev.evaluate_task(m, CharTok(), task, k=2, seeds=3)
+    b = ev.evaluate_task(NoCache(), CharTok(), task, k=2, seeds=3)
+    assert a["per_item_by_seed"] == b["per_item_by_seed"] and a["n_items"] == b["n_items"] == 9
 
 
 def test_truncation_keeps_bos():
