@@ -12,7 +12,8 @@ ratios, so a figure never depends on another machine's or another run's timing. 
           near the executed-depth ratio (executed / physical layers). On CPU each model is
           also timed with model.Linear's few-row layout turned off (plain F.linear).
   train   training tokens/s of the tiny preset's matched Baseline / SMELT pair; time per token
-          ratio vs FLOP ratio (target: within 15 %); the two models alternate steps. On CUDA also MFU at the small preset
+          ratio vs FLOP ratio (target: within 15 %); the two models alternate steps. On CUDA also MFU
+          at the small preset, compiled as train.py runs it, 32 sequences per step
           (targets dense >= 45 %, SMELT MoE >= 40 %).
 
 Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the
@@ -194,6 +195,8 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8) -> dict:
         model = GPT(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         idx = torch.randint(0, cfg.vocab_size, (batch_size, ctx), device=device)
+        if device.type == "cuda":            # as train.py runs it (the warm-up steps absorb compiling)
+            model = torch.compile(model)
 
         def step(model=model, opt=opt, idx=idx):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -231,6 +234,8 @@ def main():
                     help="benchmarks to run (default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     ap.add_argument("--train-preset", default=None, help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
+    ap.add_argument("--train-batch", type=int, default=None,
+                    help="sequences per step in the train benchmark (default: 8 on CPU, 32 on CUDA)")
     ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
     args = ap.parse_args()
     which = args.which or ["moe", "decode", "train"]
@@ -245,7 +250,9 @@ def main():
     if "decode" in which:
         out["decode"] = bench_decode(device, dtype)
     if "train" in which:
-        out["train"] = bench_train(device, args.train_preset or ("small" if device.type == "cuda" else "tiny"))
+        cuda = device.type == "cuda"
+        out["train"] = bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
+                                   batch_size=args.train_batch or (32 if cuda else 8))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=str)
