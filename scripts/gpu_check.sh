@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one prepared run, sized for a 15-minute device session whose commands may
-# run 10 minutes (the step limits add up to 9; not yet run on a GPU): the CUDA tests, every benchmark (MoE vs dense and torch._grouped_mm in bf16,
-# PLT decode, training tokens/s and MFU of the small preset's matched pair, compiled), and the
-# smoke reproduction end to end on the GPU (flex attention, bf16 autocast, torch.compile).
+# run 10 minutes (the step limits add up to 9; not yet run on a GPU): the CUDA tests, every
+# benchmark (MoE vs dense and torch._grouped_mm in bf16, PLT decode, training tokens/s and MFU
+# of the small preset's matched pair, compiled), and the smoke reproduction end to end on the
+# GPU (flex attention, bf16 autocast, torch.compile).
 #
 #   OUT=some/dir bash scripts/gpu_check.sh      # the device tool provides $OUT
 #
