@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,12 @@ def test_decode_latency(tmp_path):
     assert rows["sequential_2loop"]["kv_bytes_per_token"] > rows["unlooped"]["kv_bytes_per_token"]
     assert rows["plt_2loop_kv_shared"]["kv_bytes_per_token"] < rows["plt_2loop"]["kv_bytes_per_token"]
     assert finite(r["plt_ratio"], r["sequential_ratio"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit; on a GPU the script runs for minutes")
+def test_gpu_check_script_refuses_clearly_without_a_gpu(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path),
+                            "PATH": str(Path(sys.executable).parent) + ":" + os.environ.get("PATH", "")},
+                       timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr
