@@ -62,19 +62,16 @@ class DenseSwiGLU(nn.Module):
 
 
 def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8) -> dict:
-    """Median seconds per call of each fn, the fns taking turns (ABCABC...) so drift hits all alike.
-
-    A fn that returns a float reports its own seconds (e.g. decoding time without the prefill).
-    """
+    """Median seconds per call of each fn, the fns taking turns (ABCABC...) so drift hits all alike."""
     times = {name: [] for name in fns}
     for i in range(warmup + iters):
         for name, fn in fns.items():
             _sync(device)
             t0 = time.perf_counter()
-            own = fn()
+            fn()
             _sync(device)
             if i >= warmup:
-                times[name].append(own if isinstance(own, float) else time.perf_counter() - t0)
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -120,8 +117,8 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     """Median per-token time of greedy decoding, under both CPU projection layouts (model.Linear).
 
     Models and layouts take turns token by token (each decodes one token, then the next model
-    does), so the machine's drift hits all alike; the figure is the median over reps of each
-    model's mean time per token. "skinny" is the default (few-row products as W x^T on CPU);
+    does), so the machine's drift hits all alike; the figure is, per model, the median over reps
+    of the median time per token. "skinny" is the default (few-row products as W x^T on CPU);
     "F.linear" turns that rule off. On CUDA only the default is timed (the rule never applies).
     """
     import model as model_lib
@@ -132,31 +129,30 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     idx = torch.randint(0, models["unlooped"].cfg.vocab_size, (1, prompt), device=device)
     layouts = {"skinny": model_lib.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
 
-    keys = [(lay, name) for lay in layouts for name in models]
-    times = {k: [] for k in keys}
+    def one_token(lay, name, state):
+        def f():
+            model_lib.SKINNY_ROWS = layouts[lay]
+            nxt = state["logits"].argmax(-1, keepdim=True)
+            state["logits"] = models[name].forward_step(nxt, state["cache"])[:, -1]
+        return f
+
+    per_rep = []
     default = model_lib.SKINNY_ROWS
     try:
         for rep in range(reps + 1):                                # rep 0 is the warm-up
-            caches, last, spent = {}, {}, dict.fromkeys(keys, 0.0)
-            for lay, name in keys:
-                model_lib.SKINNY_ROWS = layouts[lay]
-                caches[(lay, name)] = models[name].new_cache(1, prompt + new_tokens)
-                last[(lay, name)] = models[name].forward_step(idx, caches[(lay, name)])[:, -1]
-            for _ in range(new_tokens):                            # one token each, in turn
-                for lay, name in keys:
+            steps = {}
+            for lay in layouts:
+                for name, m in models.items():
                     model_lib.SKINNY_ROWS = layouts[lay]
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    last[(lay, name)] = models[name].forward_step(
-                        last[(lay, name)].argmax(-1, keepdim=True), caches[(lay, name)])[:, -1]
-                    _sync(device)
-                    spent[(lay, name)] += time.perf_counter() - t0
+                    state = {"cache": m.new_cache(1, prompt + new_tokens)}
+                    state["logits"] = m.forward_step(idx, state["cache"])[:, -1]     # prefill: not timed
+                    steps[(lay, name)] = one_token(lay, name, state)
+            med = interleaved(steps, device, warmup=0, iters=new_tokens)          # token by token, in turn
             if rep:
-                for k in keys:
-                    times[k].append(spent[k] / new_tokens)
+                per_rep.append(med)
     finally:
         model_lib.SKINNY_ROWS = default
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(r[k] for r in per_rep) for k in per_rep[0]}
     depth = len(models["sequential_2loop"].plan) / models["unlooped"].cfg.n_layer
     res = {}
     print(f"\nBatch-1 decode, per token ({device.type}, {dtype}):")

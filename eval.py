@@ -7,12 +7,14 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.1, 5.3 and Appendi
   the context length: 32..4096 at 4096, SMELT 5.3's eight buckets). `normalised_shape` divides a
   pair's per-bucket improvement by its mean so shapes compare across pairs (SMELT vs Baseline,
   more experts, more parameters); `shape_families` averages them and gives the long/short ratio.
-* Few-shot scoring as DCLM (llm-foundry) and lm-eval do it: generation prompts in batched
-  forwards, multiple-choice options of one prompt after a single prefill of the shared context
-  (`score_options`: the cache is repeated per option; 3.3x faster than scoring each full
-  sequence for language_identification at 256 tokens and 2 shots, 1.4x at 128 tokens on the
-  tiny preset's CPU model; `score_continuations` is the per-sequence reference the tests compare
-  it to). Multiple choice is judged by the log-likelihood of each option after k demonstrations
+* Few-shot scoring as DCLM (llm-foundry) and lm-eval do it: sequences in batched forwards
+  (`score_continuations`); on CPU, the options of one multiple-choice prompt after a single
+  prefill of their shared context (`score_options`: the cache is repeated per option; 3.3x
+  faster for language_identification's 11 options at 256 tokens and 2 shots, 1.4x at 128
+  tokens on the tiny preset's model, even for gen_kv's 4 options; tested equal to
+  `score_continuations`). A context too long for the block is cut on the left once, to fit
+  its longest option, so all options follow the same context. Multiple choice is judged by the
+  log-likelihood of each option after k demonstrations
   (DCLM's per-token mean, lm-eval's per-character acc_norm or the raw sum); exact-match
   generation (greedy); gold-completion loss (cross-entropy on the gold answer tokens, a
   token-weighted micro average); centred accuracy (a - rho) / (1 - rho) with DCLM's v2 random
@@ -442,15 +444,21 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
             demos = [task.items[j] for j in random.Random(f"{task.name}/{s}/{i}").sample(pool, k)]
             ctx, conts = build_prompt(item, demos)
             seqs.append(([bos] + encode(ctx), [encode(c) for c in conts]))
-        if max(len(t) for _, tails in seqs for t in tails) > block_size - 2:
+        longest = max(len(t) for _, tails in seqs for t in tails)
+        if longest > block_size - 2:
             skipped += 1
             continue
+        # cut each context once, to fit its longest option: every option is scored after the same
+        # context, and both scoring paths below see identical sequences
+        seqs = [(truncate_left(head, block_size - max(len(t) for t in tails)), tails) for head, tails in seqs]
         used.append(i)
         for s, (head, tails) in enumerate(seqs):
             plan.append((len(used) - 1, s, n_scored, len(tails)))   # its scores: [n_scored, n_scored + len)
             requests.append((head, tails))
             n_scored += len(tails)
-    if task.kind == "mc" and hasattr(model, "new_cache"):   # prefill each context once, fork it per option
+    if task.kind == "mc" and hasattr(model, "new_cache") and _device(model).type == "cpu":
+        # prefill each context once and fork it per option (measured on CPU only; on CUDA the few
+        # large batched forwards of the per-sequence path are kept)
         scores = [sc for head, tails in requests for sc in score_options(model, head, tails, block_size, bos)]
     else:
         scores = score_continuations(model, [(head + t, len(t)) for head, tails in requests for t in tails],

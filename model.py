@@ -262,15 +262,16 @@ SKINNY_ROWS = 16
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x @ weight^T, (..., d_in) -> (..., d_out), with the few-row CPU layout described in `Linear`."""
     rows = x.numel() // x.shape[-1]
-    if (rows > SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
+    if (not 0 < rows <= SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
             or torch.compiler.is_compiling()):
         return F.linear(x, weight)
-    x_RD = x.reshape(rows, -1)
+    x_RD = x.reshape(rows, x.shape[-1])
     if rows == 1:   # MKL's GEMV runs on one thread here; a two-column GEMM uses them all
         if torch.get_num_threads() == 1:
             return F.linear(x, weight)
         x_RD = torch.cat([x_RD, x_RD])
-    return torch.mm(weight, x_RD.t())[:, :rows].t().reshape(*x.shape[:-1], weight.shape[0])
+    y_RO = torch.mm(weight, x_RD.t())[:, :rows].t().contiguous()   # (rows, d_out), F.linear's layout
+    return y_RO.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):

@@ -159,7 +159,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
     output, and writing both halves of the gradient into one (N, 2F) buffer (no chunk/cat in
     backward) cut the MoE layer's elementwise time roughly in half on CPU (bench.py moe). The
     backward makes ten passes over (N, F) with four temporaries, written in place where it can
-    (d silu / dg = s (1 + g - silu)): 25-40 % faster than the plain thirteen-pass version
+    (d silu / dg = s (1 + g - silu)): 15-41 % faster than the plain thirteen-pass version
     (32k rows of F = 128 on CPU: 103-112 -> 75-95 ms on 1 thread, 71-77 -> 45-48 ms on 2).
     """
 

@@ -156,7 +156,7 @@ def test_mc_task_on_a_gpt_uses_shared_context_with_the_same_result():
     options = [" 0", " 11", " 222"]                     # options of different lengths: a padded batch
     items = [ev.Item(f"q{i} =", options[i % 3], options=options, group="g") for i in range(9)]
     task = mc_task(items)
-    m = _live_gpt(block_size=64)                       # every prompt fits: no truncation on either path
+    m = _live_gpt(block_size=64)
 
     class NoCache(nn.Module):          # the same model without new_cache: the per-sequence path
         def __init__(self):
@@ -166,9 +166,10 @@ def test_mc_task_on_a_gpt_uses_shared_context_with_the_same_result():
         def forward(self, idx):
             return self.m(idx)
 
-    a = ev.evaluate_task(m, CharTok(), task, k=2, seeds=3)
-    b = ev.evaluate_task(NoCache(), CharTok(), task, k=2, seeds=3)
-    assert a["per_item_by_seed"] == b["per_item_by_seed"] and a["n_items"] == b["n_items"] == 9
+    for block in (64, 20):             # 64: every prompt fits; 20: contexts are cut (once, to fit the longest option)
+        a = ev.evaluate_task(m, CharTok(), task, k=2, seeds=3, block_size=block)
+        b = ev.evaluate_task(NoCache(), CharTok(), task, k=2, seeds=3, block_size=block)
+        assert a["per_item_by_seed"] == b["per_item_by_seed"] and a["n_items"] == b["n_items"] == 9
 
 
 def test_truncation_keeps_bos():

@@ -40,16 +40,19 @@ def test_decode_equals_full_forward(kw):
     torch.testing.assert_close(decode_in_pieces(m, idx), m(idx)[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (4, 4, 48), (17, 48), (3, 7, 48)])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (4, 4, 48), (2, 8, 48), (0, 48),
+                                   "transposed"])
 def test_few_row_projection_layout_matches_f_linear(shape):
-    """model.linear (W x^T for <= SKINNY_ROWS rows in CPU inference) equals the plain F.linear."""
+    """model.linear (W x^T for 1..SKINNY_ROWS rows in CPU inference) equals the plain F.linear,
+    with F.linear's contiguous output, for empty and non-contiguous inputs too."""
     import model as model_lib
     torch.manual_seed(0)
-    x, w = torch.randn(*shape), torch.randn(80, 48)
+    x = torch.randn(48, 3).t() if shape == "transposed" else torch.randn(*shape)   # (3, 48), not contiguous
+    w = torch.randn(80, 48)
     ref = torch.nn.functional.linear(x, w)
     with torch.no_grad():
         y = model_lib.linear(x, w)
-    assert y.shape == ref.shape
+    assert y.shape == ref.shape and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     lin = model_lib.Linear(48, 80)
     with torch.no_grad():
@@ -69,6 +72,22 @@ def test_one_row_projection_is_plain_f_linear_on_one_thread():
             assert torch.equal(model_lib.linear(x, w), torch.nn.functional.linear(x, w))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True)),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True, kv_window=3))])
+def test_cache_repeat_forks_every_row(kw):
+    """Prefill 2 rows, repeat the cache 3x, decode on: equals the full forward of the 6 sequences."""
+    torch.manual_seed(0)
+    m = live(GPT(tiny(**kw)))
+    ctx, cont = torch.randint(0, 64, (2, 9)), torch.randint(0, 64, (6, 5))
+    cache = m.new_cache(2, 14)
+    m.forward_step(ctx, cache)
+    forked = cache.repeat(3)
+    assert forked.batch_size == 6 and forked.length == 9
+    got = torch.cat([m.forward_step(cont[:, :2], forked), m.forward_step(cont[:, 2:], forked)], 1)
+    full = m(torch.cat([ctx.repeat_interleave(3, 0), cont], 1))[0][:, 9:]
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
 
 
 def test_generate_greedy_matches_argmax_of_full_forward():
