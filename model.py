@@ -23,7 +23,7 @@ RMSNorm and an untied output head. This file holds that template:
     loop. `forward_step` logits equal the full forward's (tested for every loop variant).
   * Projections are `Linear` (nn.Linear without bias): in CPU inference, products of at most
     SKINNY_ROWS rows run as W x^T, the layout MKL runs fastest here; with it PLT's batched
-    loops decode at 1.03-1.05x the unlooped model's time on 2 CPU threads (measurements in
+    loops decode at 1.01-1.05x the unlooped model's time on 2 CPU threads (measurements in
     `Linear` and the README).
   * One init function, `init_weights`: N(0, init_std) everywhere (embedding included: a small
     embedding std keeps a tied head well scaled and avoids CPU denormals), output projections
