@@ -1,0 +1,179 @@
+"""Numbers a reader can trust: intervals, paired differences, permutation tests, three-state verdicts.
+
+Every comparison this project reports (SMELT - Baseline validation loss over seeds, a probe
+quantity over tokens, a downstream gain over few-shot seeds) goes through this file, so the
+rules are written once:
+
+  * `Interval`: a point estimate with a two-sided interval, the number of units it rests on and
+    how the interval was made. `mean_interval` is the Student-t interval of a mean (the default
+    for a handful of seeds: with 3 seeds a normal interval would be 2.2x too narrow);
+    `bootstrap_interval` resamples units (tokens, documents, cells) with replacement and reports
+    percentiles; `paired_difference` is the t-interval of the per-unit differences b - a (units
+    paired: the same seed / batch / item on both sides), which removes the shared noise.
+  * `verdict`: a claim "quantity > value" (or "<") is **reproduced** when the whole interval lies
+    on the claimed side, **contradicted** when the whole interval lies on the other side, and
+    **not resolved** otherwise, including when there is no interval at all (one seed). A point
+    estimate's sign never decides a verdict.
+  * `permutation_test`: the paired sign-flip test (SMELT Appendix C: "paired permutation test over
+    the 10 random seeds"), one- or two-sided. With n pairs there are 2^n sign patterns; for n <= 16
+    they are enumerated exactly, beyond that sampled.
+
+Pure functions on numpy arrays; no torch. Tested against hand-computed cases (tests/test_stats.py).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+VERDICTS = ("reproduced", "contradicted", "not resolved")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate `mean` with a `level` two-sided interval [lo, hi] over `n` units."""
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    level: float = 0.95
+    method: str = "t"
+
+    @property
+    def resolved(self) -> bool:
+        """True when both bounds are finite numbers (an interval exists)."""
+        return math.isfinite(self.lo) and math.isfinite(self.hi)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def fmt(self, nd: int = 3, scale: float = 1.0, unit: str = "") -> str:
+        """'+0.012 [-0.004, +0.028]' (or '+0.012 (no interval: n = 1)')."""
+        m = f"{self.mean * scale:+.{nd}f}{unit}"
+        if not self.resolved:
+            return f"{m} (no interval: n = {self.n})"
+        return f"{m} [{self.lo * scale:+.{nd}f}, {self.hi * scale:+.{nd}f}]{unit}"
+
+
+def _vector(x, name: str) -> np.ndarray:
+    a = np.asarray(x, dtype=float)
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of numbers, got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} holds non-finite values: {a[~np.isfinite(a)][:4].tolist()}")
+    return a
+
+
+def _check_level(level: float) -> None:
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level!r}")
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """Quantile of Student's t with `dof` degrees of freedom (scipy)."""
+    from scipy.stats import t
+    return float(t.ppf(p, dof))
+
+
+def mean_interval(x: Sequence[float], level: float = 0.95) -> Interval:
+    """Student-t interval of the mean of x; with one value there is no interval (bounds nan)."""
+    _check_level(level)
+    a = _vector(x, "x")
+    n, m = a.size, float(a.mean())
+    if n < 2:
+        return Interval(m, math.nan, math.nan, n, level, "t")
+    half = t_quantile(0.5 + level / 2, n - 1) * float(a.std(ddof=1)) / math.sqrt(n)
+    return Interval(m, m - half, m + half, n, level, "t")
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
+    """Interval of mean(b - a) over paired units (a[i] and b[i] share seed / batch / item)."""
+    va, vb = _vector(a, "a"), _vector(b, "b")
+    if va.shape != vb.shape:
+        raise ValueError(f"paired_difference: a and b must pair up, got {va.size} and {vb.size} values")
+    return mean_interval(vb - va, level)
+
+
+def bootstrap_interval(x: Sequence[float], stat: Callable[[np.ndarray], float] = np.mean, n_draws: int = 2000,
+                       level: float = 0.95, seed: int = 0) -> Interval:
+    """Percentile bootstrap of stat(x) over units resampled with replacement (x: one value per unit)."""
+    _check_level(level)
+    a = _vector(x, "x")
+    if n_draws < 1:
+        raise ValueError(f"n_draws must be >= 1, got {n_draws}")
+    point = float(stat(a))
+    if a.size < 2:
+        return Interval(point, math.nan, math.nan, a.size, level, "bootstrap")
+    rng = np.random.default_rng(seed)
+    draws = np.array([stat(a[rng.integers(0, a.size, a.size)]) for _ in range(n_draws)], dtype=float)
+    lo, hi = np.percentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return Interval(point, float(lo), float(hi), a.size, level, "bootstrap")
+
+
+def ratio_interval(num: Sequence[float], den: Sequence[float], n_draws: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> Interval:
+    """sum(num) / sum(den) with a bootstrap interval over paired units (e.g. per-token norms)."""
+    vn, vd = _vector(num, "num"), _vector(den, "den")
+    if vn.shape != vd.shape:
+        raise ValueError(f"ratio_interval: num and den must pair up, got {vn.size} and {vd.size} values")
+    both = np.stack([vn, vd], 1)
+    rng = np.random.default_rng(seed)
+    _check_level(level)
+    point = float(vn.sum() / vd.sum())
+    if vn.size < 2:
+        return Interval(point, math.nan, math.nan, vn.size, level, "bootstrap")
+    draws = []
+    for _ in range(n_draws):
+        s = both[rng.integers(0, vn.size, vn.size)].sum(0)
+        draws.append(s[0] / s[1])
+    lo, hi = np.percentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return Interval(point, float(lo), float(hi), vn.size, level, "bootstrap")
+
+
+def verdict(iv: Interval | None, claim: str, value: float = 0.0) -> str:
+    """Three-state verdict of the paper's claim "quantity `claim` value" (claim '>' or '<').
+
+    reproduced: the whole interval is on the claimed side; contradicted: the whole interval is on
+    the other side; not resolved: it straddles `value`, or there is no interval.
+    """
+    if claim not in (">", "<"):
+        raise ValueError(f"claim must be '>' or '<', got {claim!r}")
+    if iv is None or not iv.resolved:
+        return "not resolved"
+    above, below = iv.lo > value, iv.hi < value
+    if claim == ">":
+        return "reproduced" if above else "contradicted" if below else "not resolved"
+    return "reproduced" if below else "contradicted" if above else "not resolved"
+
+
+def permutation_test(a: Sequence[float], b: Sequence[float], n: int = 10000, seed: int = 0,
+                     alternative: str = "two-sided") -> float:
+    """Paired sign-flip permutation test of mean(a - b) = 0.
+
+    alternative: "two-sided", "greater" (a > b) or "less" (a < b). Exact over all 2^m sign patterns
+    for m <= 16 pairs (p counts the observed pattern itself), else `n` random patterns with
+    p = (1 + hits) / (n + 1). Identical inputs give p = 1.
+    """
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    if d.ndim != 1 or len(d) == 0:
+        raise ValueError(f"a and b must be equal-length non-empty 1-D sequences, got shape {d.shape}")
+    if not np.isfinite(d).all():
+        raise ValueError("permutation_test: a and b must be finite")
+    if alternative not in ("two-sided", "greater", "less"):
+        raise ValueError(f"alternative must be 'two-sided', 'greater' or 'less', got {alternative!r}")
+    stat = {"two-sided": lambda m: np.abs(m), "greater": lambda m: m, "less": lambda m: -m}[alternative]
+    obs = stat(d.mean())
+    if len(d) <= 16:
+        signs = np.array(list(itertools.product((1, -1), repeat=len(d))), dtype=float)
+        return float((stat((signs * d).mean(1)) >= obs - 1e-12).mean())
+    rng = np.random.default_rng(seed)
+    hits, done = 0, 0
+    while done < n:
+        m = min(n - done, max(1, (1 << 22) // len(d)))
+        signs = rng.integers(0, 2, size=(m, len(d))) * 2 - 1
+        hits += int((stat((signs * d).mean(1)) >= obs - 1e-12).sum())
+        done += m
+    return (1 + hits) / (n + 1)

@@ -1,0 +1,83 @@
+"""stats.py against hand-computed cases."""
+import math
+
+import numpy as np
+import pytest
+
+import stats
+
+
+def test_mean_interval_hand_computed():
+    # x = 1, 2, 3: mean 2, sd 1, se 1/sqrt(3); t_{0.975, 2} = 4.302653
+    iv = stats.mean_interval([1.0, 2.0, 3.0])
+    half = 4.302653 / math.sqrt(3)
+    assert iv.mean == 2.0 and iv.n == 3
+    assert iv.lo == pytest.approx(2 - half, abs=1e-5) and iv.hi == pytest.approx(2 + half, abs=1e-5)
+
+
+def test_one_value_has_no_interval_and_no_verdict():
+    iv = stats.mean_interval([0.5])
+    assert not iv.resolved and math.isnan(iv.lo)
+    assert stats.verdict(iv, ">") == "not resolved"
+    assert "no interval" in iv.fmt()
+
+
+def test_paired_difference_removes_shared_noise():
+    rng = np.random.default_rng(0)
+    shared = rng.normal(0, 1.0, 8)              # seed-to-seed noise common to both models
+    a, b = 4.0 + shared, 3.9 + shared + rng.normal(0, 0.001, 8)
+    iv = stats.paired_difference(a, b)
+    assert iv.hi < 0 and iv.mean == pytest.approx(-0.1, abs=0.01)
+    with pytest.raises(ValueError, match="pair up"):
+        stats.paired_difference([1, 2], [1, 2, 3])
+
+
+@pytest.mark.parametrize("lo, hi, claim, expected", [
+    (0.1, 0.3, ">", "reproduced"), (-0.3, -0.1, ">", "contradicted"), (-0.1, 0.2, ">", "not resolved"),
+    (-0.3, -0.1, "<", "reproduced"), (0.1, 0.3, "<", "contradicted"), (-0.1, 0.2, "<", "not resolved"),
+    (1.1, 1.4, ">", "reproduced"),
+])
+def test_verdict_three_states(lo, hi, claim, expected):
+    value = 1.0 if lo > 1 else 0.0
+    assert stats.verdict(stats.Interval((lo + hi) / 2, lo, hi, 3), claim, value) == expected
+
+
+def test_verdict_never_from_a_point_estimate():
+    # a large point estimate with an interval that straddles 0 is not resolved
+    assert stats.verdict(stats.Interval(5.0, -1.0, 11.0, 3), ">") == "not resolved"
+    assert stats.verdict(None, ">") == "not resolved"
+    with pytest.raises(ValueError):
+        stats.verdict(stats.Interval(0, -1, 1, 3), ">=")
+
+
+def test_permutation_exact_hand_computed():
+    # d = (1, 2, 3): of the 8 sign patterns only (+,+,+) has mean >= 2 -> one-sided p = 1/8;
+    # |mean| >= 2 also for (-,-,-) -> two-sided p = 2/8
+    a, b = [1.0, 2.0, 3.0], [0.0, 0.0, 0.0]
+    assert stats.permutation_test(a, b, alternative="greater") == pytest.approx(1 / 8)
+    assert stats.permutation_test(a, b) == pytest.approx(2 / 8)
+    assert stats.permutation_test(a, b, alternative="less") == pytest.approx(1.0)
+    assert stats.permutation_test(a, a) == 1.0
+
+
+def test_permutation_sampled_for_many_pairs():
+    rng = np.random.default_rng(1)
+    a = rng.normal(0, 1, 40)
+    assert stats.permutation_test(a + 1.0, a, n=2000, alternative="greater") < 0.01
+    assert stats.permutation_test(a + rng.normal(0, 1, 40), a, n=2000) > 0.01
+
+
+def test_bootstrap_and_ratio_intervals_cover_the_truth():
+    rng = np.random.default_rng(2)
+    x = rng.normal(1.0, 0.5, 400)
+    iv = stats.bootstrap_interval(x, n_draws=500)
+    assert iv.lo < 1.0 < iv.hi
+    num, den = 2.0 * np.abs(x) + 0.01 * rng.normal(size=400), np.abs(x)
+    r = stats.ratio_interval(num, den, n_draws=500)
+    assert r.lo < 2.0 < r.hi and r.hi - r.lo < 0.01
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, math.nan], [[1.0, 2.0]]])
+def test_bad_input_is_named(bad):
+    with pytest.raises(ValueError, match="x "):
+        stats.mean_interval(bad)
