@@ -742,6 +742,43 @@ class TokenData:
             yield batch
 
 
+def effective_doc_length(doc_ids: torch.Tensor) -> float:
+    """2 x (mean keys a token sees under a causal document mask) - 1: the document length L that
+    budget.flops_per_token charges the same attention FLOPs for (exactly L for documents of length L)."""
+    B, T = doc_ids.shape
+    pos = torch.arange(T).expand(B, T)
+    new = torch.ones(B, T, dtype=torch.bool)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(new, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return 2.0 * float((pos - start + 1).double().mean()) - 1.0
+
+
+def unigram_entropy(data) -> float:
+    """Entropy in nats of the unigram (token frequency) distribution of a TokenData's training stream.
+
+    The floor a model reaches by learning token frequencies alone: a model whose validation loss is
+    not well below it has learned nothing of context (the tiny corpus: 5.88 nats at 4,096 ids).
+    """
+    counts = np.bincount(np.asarray(data.train), minlength=data.vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+DOC_LENGTH_CONTEXTS = 256   # training contexts the document length is measured on (batch 0, seed 0)
+
+
+def measured_doc_length(data, block_size: int, n_contexts: int = DOC_LENGTH_CONTEXTS) -> float:
+    """The effective document length of `data`'s packed training contexts of `block_size` tokens.
+
+    SMELT 3.2 measures FLOPs "at the document length": with segment masks a token attends only
+    inside its document, so attention costs what documents of this length cost. Measured on one
+    fixed sample (batch 0 of seed 0, `n_contexts` rows), so the ladder (budget.py), the main job and
+    every run's results rows (train.py) use the same number for the same data and block size,
+    whatever a run's own seed or batch size.
+    """
+    return effective_doc_length(data.train_batch(0, n_contexts, block_size, seed=0)[2])
+
+
 def token_weighted(sums: dict[str, tuple[float, int]], domains: dict[str, str]) -> dict:
     """Validation loss from per-source (summed loss, target tokens), weighted by tokens.
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import budget
@@ -42,8 +43,8 @@ from model import ModelConfig
 class Plan:
     """Everything a preset decides besides the model ladder (which budget.py owns)."""
     data: str                       # data.prepare preset
-    ladder: str                     # budget.preset_baselines preset
-    block_size: int
+    ladder: str                     # budget.PRESETS preset (its block size is the training context)
+    block_size: int                 # training context; must equal budget.PRESETS[ladder]["block"]
     batch_size: int
     lr: float
     warmup_steps: int
@@ -53,30 +54,35 @@ class Plan:
     eval_tokens: int                # validation tokens per source at each branch end
     tasks: tuple = ("generated", "real")
     shots: tuple = (0, 1, 2, 4, 8)
-    seeds: int = 3
+    seeds: int = 3                  # few-shot demonstration seeds per task and k
     max_items: int = 40
     bootstrap: int = 200
     probe_tokens: int = 8192
     scales: int | None = None       # keep only the first N scales of the ladder (None: all)
+    repeat: tuple | None = None     # (scale, sparsity label) of the cell trained over `train_seeds` seeds
+    train_seeds: int = 1            # training seeds of the repeated cell (every other cell: seed 0)
+    eval_interval: int = 0          # validation during training every N steps (0: only at branch ends)
 
 
 PLANS = {
     "smoke": Plan(data="smoke", ladder="smoke", block_size=64, batch_size=8, lr=3e-3, warmup_steps=5,
                   stable_steps=30, branch_steps=[10, 20, 30], decay_steps=6, eval_tokens=2048,
-                  tasks=("gen_copy", "gen_kv"), shots=(0, 2), seeds=2, max_items=8, bootstrap=20, probe_tokens=1024),
-    # tiny leaves out language_identification: 11 options per item made it 60 % of the eval time on CPU;
-    # with shared-context scoring it still costs ~15x a generation task per run (3.2 s vs 0.22 s)
-    "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=8, lr=3e-3, warmup_steps=8,
-                 stable_steps=64, branch_steps=[16, 32, 64], decay_steps=12, eval_tokens=1024,
+                  tasks=("gen_copy", "gen_kv"), shots=(0, 2), seeds=2, max_items=8, bootstrap=20, probe_tokens=1024,
+                  repeat=("m64", "S~85%"), train_seeds=2),
+    # tiny: see the README's "The tiny plan" for the measurements behind each number
+    "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=4, lr=3e-3, warmup_steps=50,
+                 stable_steps=1200, branch_steps=[600, 900, 1200], decay_steps=120, eval_tokens=1024,
                  tasks=("generated", "qa_wikidata", "dyck_languages", "cs_algorithms", "operators",
                         "repeat_copy_logic"), shots=(0, 2, 8), seeds=2, max_items=12, bootstrap=40,
-                 probe_tokens=4096),
+                 probe_tokens=4096, repeat=("t64", "S~85%"), train_seeds=3, eval_interval=300),
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
                   stable_steps=600, branch_steps=[150, 300, 600], decay_steps=100, eval_tokens=32768,
-                  seeds=5, max_items=100, bootstrap=1000, probe_tokens=32768),
+                  seeds=5, max_items=100, bootstrap=1000, probe_tokens=32768, repeat=("s256", "S~85%"),
+                  train_seeds=3, eval_interval=150),
     "medium": Plan(data="small", ladder="small", block_size=1024, batch_size=64, lr=2e-3, warmup_steps=100,
                    stable_steps=4000, branch_steps=[500, 1000, 2000, 4000], decay_steps=400, eval_tokens=65536,
-                   shots=(0, 1, 2, 4, 8, 16, 32), seeds=10, max_items=200, bootstrap=2000, probe_tokens=65536),
+                   shots=(0, 1, 2, 4, 8, 16, 32), seeds=10, max_items=200, bootstrap=2000, probe_tokens=65536,
+                   repeat=("s384", "S~95%"), train_seeds=3, eval_interval=500),
     "paper": Plan(data="small", ladder="paper", block_size=4096, batch_size=256, lr=1e-3, warmup_steps=2000,
                   stable_steps=196_075, branch_steps=[10_000, 20_000, 50_000, 100_000, 150_000, 196_075],
                   decay_steps=9537, eval_tokens=1 << 20, shots=(0, 1, 2, 4, 8, 16, 32), seeds=10,
@@ -94,49 +100,121 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def fmt_time(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
 # ----------------------------------------------------------------------------------------
 # Stages
 
-def stage_data(plan: Plan):
+def stage_data(plan: Plan, data_dir: str | None = None):
     import data
-    manifest = data.prepare(plan.data)
-    d = data.TokenData(data.default_data_dir(plan.data))
-    log(f"data: {plan.data} preset, vocab {d.vocab_size}, {len(d.sources)} sources, "
+    if data_dir is None:
+        manifest = data.prepare(plan.data)
+        data_dir = data.default_data_dir(plan.data)
+    d = data.TokenData(data_dir)
+    log(f"data: {plan.data} preset ({d.dir}), vocab {d.vocab_size}, {len(d.sources)} sources, "
         f"domains {sorted(set(d.domains.values()))}")
-    return d, manifest
+    return d, d.manifest
 
 
-def stage_ladder(plan: Plan, vocab_size: int, out: Path) -> list[dict]:
-    """Baseline and matched SMELT configs per cell, at the data's vocabulary and the plan's context."""
-    cells, rows = budget.preset_baselines(plan.ladder), []
-    scales = list(dict.fromkeys(s for s, _, _ in cells))[:plan.scales]
-    for scale, label, base in cells:
-        if scale not in scales:
-            continue
-        base = replace(base, vocab_size=vocab_size, block_size=plan.block_size)
-        smelt, report = budget.match(base, budget.smelt_loop(base.n_layer), plan.block_size)
-        rows.append({"scale": scale, "sparsity_label": label, "baseline": base.to_dict(),
-                     "smelt": smelt.to_dict(), "match": report})
-        log(f"ladder {scale} {label}: SMELT d_model {smelt.d_model}, {smelt.n_experts} experts; "
-            f"F {report['flops_ratio']:.3f}  N {report['params_ratio']:.3f}  KV {report['kv_ratio']:.3f}"
-            + ("" if report["within_tolerance"] else "  (outside SMELT's tolerances)"))
-    write_json(out / "ladder.json", rows)
-    return rows
+def stage_ladder(plan: Plan, data, out: Path) -> list[dict]:
+    """Baseline and matched SMELT configs per cell (budget.ladder_cells, the function `python budget.py
+    --ladder` prints), at the data's vocabulary and measured document length. Writes ladder.json."""
+    block = budget.PRESETS[plan.ladder]["block"]
+    if plan.block_size != block:
+        raise ValueError(f"Plan: block_size={plan.block_size} differs from budget.PRESETS[{plan.ladder!r}]'s "
+                         f"{block}: the ladder is matched at that context")
+    ctx = budget.preset_doc_length(plan.ladder, data)
+    cells = budget.ladder_cells(plan.ladder, ctx, vocab_size=data.vocab_size)
+    scales = list(dict.fromkeys(c["scale"] for c in cells))[:plan.scales]
+    cells = [c for c in cells if c["scale"] in scales]
+    log(f"ladder: {plan.ladder}, FLOPs without the head at the measured document length {ctx:.1f} "
+        f"(block {block})")
+    for c in cells:
+        m = c["match"]
+        log(f"ladder {c['scale']} {c['sparsity_label']}: SMELT d_model {c['smelt']['d_model']}, "
+            f"{c['smelt']['n_experts']} experts; F {m['flops_ratio']:.3f}  N {m['params_ratio']:.3f}  "
+            f"KV {m['kv_ratio']:.3f}" + ("" if m["within_tolerance"] else "  (outside SMELT's tolerances)"))
+    write_json(out / "ladder.json", cells)
+    return cells
+
+
+def cell_key(scale: str, label: str) -> str:
+    """A file-name-safe id of one grid cell: ("t64", "S~85%") -> "t64_S85", ("t64", "S=0%") -> "t64_S0"."""
+    return f"{scale}_{label.replace('~', '').replace('=', '').replace('%', '')}"
+
+
+@dataclass(frozen=True)
+class Run:
+    cell: dict
+    arch: str        # "baseline" | "smelt"
+    seed: int
+    dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.cell["scale"], self.cell["sparsity_label"])
+
+
+def run_name(scale: str, label: str, arch: str, seed: int = 0) -> str:
+    return f"{cell_key(scale, label)}_{arch}" + (f"_seed{seed}" if seed else "")
+
+
+def plan_runs(out: Path, ladder: list[dict], plan: Plan | None = None) -> list[Run]:
+    """Every run of the plan: each cell's Baseline and SMELT at seed 0, and the repeated cell's at seeds
+    1 .. train_seeds-1. Both models of a cell and seed see identical batches (the batch order is a pure
+    function of the seed)."""
+    runs = []
+    for cell in ladder:
+        repeat = plan is not None and plan.repeat is not None and \
+            (cell["scale"], cell["sparsity_label"]) == tuple(plan.repeat)
+        for seed in range(plan.train_seeds if repeat else 1):
+            for arch in ("baseline", "smelt"):
+                runs.append(Run(cell, arch, seed, out / "runs" / run_name(cell["scale"], cell["sparsity_label"],
+                                                                          arch, seed)))
+    return runs
+
+
+def run_dirs(out: Path, ladder: list[dict]) -> list[tuple[dict, str, Path]]:
+    """(cell, arch, run dir) of every cell's seed-0 Baseline and SMELT (the matched pairs)."""
+    return [(r.cell, r.arch, r.dir) for r in plan_runs(out, ladder)]
+
+
+def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None) -> list:
+    """[fn(j) for j in jobs_list], `jobs` at a time in spawned worker processes (largest `cost` first, so
+    the workers finish together), calling on_done(k, job, result) as each finishes. Small models on a
+    CPU use one core each far better than two cores share one small matmul, so each worker runs with
+    one intra-op thread."""
+    order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
+    done: dict[int, object] = {}
+    if jobs <= 1:
+        for k, i in enumerate(order, 1):
+            done[i] = fn(jobs_list[i])
+            if on_done:
+                on_done(k, jobs_list[i], done[i])
+        return [done[i] for i in range(len(jobs_list))]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
+                             initargs=(1,)) as pool:
+        futures = {pool.submit(fn, jobs_list[i]): i for i in order}
+        for k, f in enumerate(as_completed(futures), 1):
+            i = futures[f]
+            done[i] = f.result()
+            if on_done:
+                on_done(k, jobs_list[i], done[i])
+    return [done[i] for i in range(len(jobs_list))]
 
 
 def pool_map(fn, jobs_list: list, jobs: int, cost=None) -> list:
-    """[fn(j) for j in jobs_list], `jobs` at a time in spawned worker processes (largest `cost` first,
-    so the workers finish together). Small models on a CPU use one core each far better than two
-    cores share one small matmul, so each worker runs with one intra-op thread."""
-    if jobs <= 1:
-        return [fn(j) for j in jobs_list]
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-    order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(1,)) as pool:
-        done = dict(zip(order, pool.map(fn, [jobs_list[i] for i in order])))
-    return [done[i] for i in range(len(jobs_list))]
+    """pool_run without progress callbacks (kept for scripts)."""
+    return pool_run(fn, jobs_list, jobs, cost)
 
 
 def _train_one(job: tuple) -> list[dict]:
@@ -147,34 +225,73 @@ def _train_one(job: tuple) -> list[dict]:
     return train.train(ModelConfig.from_dict(cfg), train.TrainConfig(**tc), data_mod.TokenData(data_dir), run, meta)
 
 
-def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
+def train_config(plan: Plan, seed: int = 0):
     import train
-    tc = train.TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
-                           branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
-                           batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
-                           log_interval=max(1, plan.stable_steps // 4), seed=0)
+    return train.TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
+                             branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
+                             batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
+                             eval_interval=plan.eval_interval, log_interval=max(1, plan.stable_steps // 8),
+                             seed=seed)
+
+
+def run_tokens(plan: Plan) -> int:
+    """Tokens one run trains on: the stable phase and every decay branch."""
+    return (plan.stable_steps + len(set(plan.branch_steps)) * plan.decay_steps) * plan.batch_size * plan.block_size
+
+
+def plan_cost(plan: Plan, ladder: list[dict]) -> dict:
+    """What the plan's training costs, from budget.run_cost: per run and in total (GPU minutes at budget's
+    stated MFU on one H200; the CPU figures are measured, see the README)."""
+    rows = []
+    tokens = run_tokens(plan)
+    for r in plan_runs(Path("."), ladder, plan):
+        cfg = ModelConfig.from_dict(r.cell[r.arch])
+        c = budget.run_cost(cfg, r.cell["ctx_len"], tokens)
+        final = (max(plan.branch_steps) + plan.decay_steps) * plan.batch_size * plan.block_size
+        rows.append({"run": r.name, **c, "tpp_final": final / (c["F"] / 6),
+                     "tokens_per_param_final": final / budget.count_params(cfg)["blocks"]})
+    return {"runs": rows, "tokens_per_run": tokens, "total_flops": sum(r["flops_with_head"] for r in rows),
+            "gpu_minutes": sum(r["gpu_minutes"] for r in rows), "mfu": budget.ASSUMED_MFU,
+            "peak_flops": budget.H200_PEAK_FLOPS}
+
+
+def log_plan_cost(cost: dict) -> None:
+    tpp = [r["tpp_final"] for r in cost["runs"]]
+    tpn = [r["tokens_per_param_final"] for r in cost["runs"]]
+    log(f"plan: {len(cost['runs'])} runs x {cost['tokens_per_run'] / 1e6:.2f}M tokens; longest endpoint "
+        f"{min(tpp):.3g}-{max(tpp):.3g} tokens per dense-equivalent parameter (TPP), {min(tpn):.3g}-{max(tpn):.3g} "
+        f"tokens per total parameter; {cost['total_flops']:.3g} FLOPs in all = {cost['gpu_minutes']:.1f} min on "
+        f"one H200 at an assumed {100 * cost['mfu']:.0f} % MFU")
+
+
+def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
+    runs = plan_runs(out, ladder, plan)
     todo = []
-    for cell, arch, run in run_dirs(out, ladder):
-        meta = {"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"],
-                "control": budget.dense_control(ModelConfig.from_dict(cell["baseline"]))}
-        todo.append((cell[arch], asdict(tc), str(data.dir), run, meta))
+    for r in runs:
+        meta = {"arch": r.arch, "scale": r.cell["scale"], "sparsity_label": r.cell["sparsity_label"],
+                "seed": r.seed, "run": r.name,
+                "control": budget.dense_control(ModelConfig.from_dict(r.cell["baseline"])).to_dict()}
+        tc = train_config(plan, r.seed)
+        tc.flops_ctx = r.cell["ctx_len"]     # F at the document length the ladder was matched at
+        todo.append((r.cell[r.arch], asdict(tc), str(data.dir), r.dir, meta))
+    cost = lambda job: budget.flops_per_token(ModelConfig.from_dict(job[0]), plan.block_size, include_head=True)
+    total = sum(cost(j) for j in todo)
+    t0, state = time.time(), {"cost": 0.0}
     log(f"train: {len(todo)} runs, {jobs} at a time")
-    cost = lambda job: budget.flops_per_token(ModelConfig.from_dict(job[0]), plan.block_size)
-    rows = [r for run_rows in pool_map(_train_one, todo, jobs, cost) for r in run_rows]
+
+    def on_done(k, job, rows):
+        state["cost"] += cost(job)
+        el = time.time() - t0
+        final = max(rows, key=lambda r: r["D"])
+        eta = el * (total - state["cost"]) / max(state["cost"], 1e-9)
+        log(f"train: run {k}/{len(todo)} done: {job[3].name} val {final['val_loss']:.3f} | elapsed "
+            f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
+
+    rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done) for r in run_rows]
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r, default=float) + "\n")
     return rows
-
-
-def cell_key(scale: str, label: str) -> str:
-    """A file-name-safe id of one grid cell: ("t64", "S~85%") -> "t64_S85"."""
-    return f"{scale}_{label.replace('~', '').replace('%', '')}"
-
-
-def run_dirs(out: Path, ladder: list[dict]) -> list[tuple[dict, str, Path]]:
-    return [(cell, arch, out / "runs" / f"{cell_key(cell['scale'], cell['sparsity_label'])}_{arch}")
-            for cell in ladder for arch in ("baseline", "smelt")]
 
 
 def _eval_one(job: tuple) -> dict:
@@ -288,122 +405,182 @@ def _fmt(x, nd=4):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
-def write_report(plan_name: str, plan: Plan, out: Path, ladder, rows, ev_sum, scal, prb, wall: float) -> Path:
-    L = [f"# looped-moe reproduction report: preset `{plan_name}`", "",
-         f"This invocation took {wall / 60:.1f} min on {budget_machine()} (stages finished by an earlier "
-         f"invocation are read back, not redone). Every number below was measured by this pipeline; "
-         f"see `results.jsonl`, `ladder.json`, `eval_summary.json`, `scaling/`, `probes.json`.", ""]
-    L += ["## Budget-matched ladder (SMELT 3.2)", "",
-          "| scale | S label | SMELT d_model | experts (Base -> SMELT) | F ratio | N ratio | KV ratio | within tol. |",
-          "|---|---|---|---|---|---|---|---|"]
+def _md_table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+           ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def _sci(x: float) -> str:
+    """1.2e+06 -> '1.2e6' (compact powers for prose)."""
+    m, e = f"{x:.1e}".split("e")
+    return f"{m}e{int(e)}"
+
+
+def _iv(d: dict | None, nd: int = 3) -> str:
+    """An Interval dict as 'mean [lo, hi]' (or 'mean (no interval)')."""
+    if not d:
+        return "n/a"
+    import stats
+    return stats.Interval(**d).fmt(nd)
+
+
+def _section_summary(plan_name: str, summary: dict) -> list[str]:
+    st = ", ".join(f"{k} {v:.1f}" for k, v in summary["stage_minutes"].items())
+    return [f"# looped-moe reproduction report: preset `{plan_name}`", "",
+            "<!-- summary: the block the README quotes -->",
+            f"> **Run summary.** Preset `{plan_name}`, commit `{summary['commit']}`"
+            + (" (with uncommitted changes)" if summary["dirty"] else "") + f", {summary['date']}, "
+            f"{summary['machine']} ({summary['cpu']}), Python {summary['python']}, torch {summary['torch']}: "
+            f"**{summary['minutes']:.1f} minutes** for this invocation (stages, minutes: {st}; stages an earlier "
+            f"invocation finished are read back, not redone).", "",
+            "Every number below was measured by this pipeline and is read from its JSON files (`ladder.json`, "
+            "`results.jsonl`, `training_summary.json`, `eval_summary.json`, `scaling/`, `probes.json`). "
+            "A comparison is stated as a paired difference with a 95 % interval; a claim is **reproduced** only "
+            "when its whole interval lies on the paper's side, **contradicted** when it lies wholly on the other "
+            "side, and **not resolved** otherwise.", ""]
+
+
+def _section_plan(plan: Plan, ladder: list[dict], rows: list[dict], cost: dict) -> list[str]:
+    n_runs = len(cost["runs"])
+    params = [budget.count_params(ModelConfig.from_dict(c[a]))["blocks"] for c in ladder for a in ("baseline", "smelt")]
+    active = [budget.count_params(ModelConfig.from_dict(c[a]))["active"] for c in ladder for a in ("baseline", "smelt")]
+    D = sorted({r["D"] for r in rows})
+    L = ["## Plan and scale", "",
+         f"{len(ladder)} cells x {{Baseline, SMELT}}, the cell {plan.repeat[0]} {plan.repeat[1]} over "
+         f"{plan.train_seeds} training seeds: {n_runs} runs, each {plan.stable_steps} stable steps of "
+         f"{plan.batch_size} x {plan.block_size} tokens with decay branches at steps "
+         f"{', '.join(map(str, plan.branch_steps))} ({plan.decay_steps} steps each): "
+         f"{cost['tokens_per_run'] / 1e6:.2f}M training tokens per run." if plan.repeat else
+         f"{len(ladder)} cells x {{Baseline, SMELT}}: {n_runs} runs.",
+         "",
+         f"Models here hold {_sci(min(params))}-{_sci(max(params))} non-embedding parameters "
+         f"({_sci(min(active))}-{_sci(max(active))} active) and their endpoints saw "
+         + (f"{_sci(D[0])}-{_sci(D[-1])} tokens" if D else "no tokens")
+         + "; the paper's hold 1e8-5e10 parameters and saw 1e10-2e11 tokens. A claim not reproduced here "
+         "is not evidence against the paper, and one reproduced here is weak evidence for it.", ""]
+    return L
+
+
+def _section_ladder(ladder: list[dict]) -> list[str]:
+    ctx = ladder[0]["ctx_len"] if ladder else float("nan")
+    L = ["## Budget-matched ladder (SMELT 3.2)", "",
+         f"FLOPs per token without the output head (SMELT's convention) at the measured document length "
+         f"{ctx:.1f} tokens; the head-inclusive ratio is reported beside it, not matched on. Tolerances: F 4 %, "
+         f"N 1 %, KV 4 % (SMELT Table 3.2).", ""]
+    rows = []
     for c in ladder:
-        m = c["match"]
-        L.append(f"| {c['scale']} | {c['sparsity_label']} | {c['smelt']['d_model']} | {c['baseline']['n_experts']} -> "
-                 f"{c['smelt']['n_experts']} | {m['flops_ratio']:.3f} | {m['params_ratio']:.3f} | {m['kv_ratio']:.3f} | "
-                 f"{'yes' if m['within_tolerance'] else 'no'} |")
-    L += ["", "## Final validation loss per cell (longest decay branch)", "",
-          "| scale | S label | S (measured) | Baseline | SMELT | SMELT - Baseline |", "|---|---|---|---|---|---|"]
-    wins = 0
-    finals = {}
-    for r in rows:
-        key = (r["scale"], r["sparsity_label"], r["arch"])
-        if key not in finals or r["D"] > finals[key]["D"]:
-            finals[key] = r
-    cells = sorted({(s, l) for s, l, _ in finals})
-    for s, l in cells:
-        b, m = finals.get((s, l, "baseline")), finals.get((s, l, "smelt"))
-        if b and m:
-            d = m["val_loss"] - b["val_loss"]
-            wins += d < 0
-            L.append(f"| {s} | {l} | {b['S']:.3f} | {b['val_loss']:.4f} | {m['val_loss']:.4f} | {d:+.4f} |")
-    L += ["", "![training curves](figures/curves.png)", ""]
-    if "error" not in scal:
-        cs = [r["C"] for r in rows]
-        at_bound = [f"{arch}.{k}" for arch, co in scal.get("fits", {}).items() for k in ("a", "c")
-                    if isinstance(co, dict) and (co.get(k, 1) <= 1e-6 or co.get(k, 0) >= 4 - 1e-6)]
-        L += ["## Scaling fits and compute-efficiency gain (SMELT 4)", "",
-              f"The runs span C = {min(cs):.2e} to {max(cs):.2e} FLOPs ({max(cs) / min(cs):.0f}x; the paper's grid "
-              f"spans about 1000x)." + (f" Exponents at a bound of the fit: {', '.join(at_bound)}." if at_bound else "")
-              + (" With so narrow a range the six-coefficient surfaces are poorly identified: the CE gains below "
-                 "are what the fits give, not evidence either way." if max(cs) / min(cs) < 100 or at_bound else ""),
-              "",
-              (out / "scaling" / "tables.md").read_text() if (out / "scaling" / "tables.md").exists() else "", "",
-              "![loss vs compute](scaling/loss_vs_compute.png)", "", "![CE gain](scaling/ce_gain.png)", ""]
-    else:
-        L += ["## Scaling fits", "", f"Not available: {scal['error']}", ""]
-    L += ["## Downstream (SMELT 5)", ""]
-    if ev_sum.get("runs"):
-        groups = sorted({g for v in ev_sum["runs"].values() for g in v["summary"]})
-        L += ["Centred accuracy (%, mean over tasks at each task's standard k; DCLM v2 random baselines) and "
-              "gold-completion loss (nats/token), real BIG-bench tasks and generated tasks reported separately.", "",
-              "| run | val loss | " + " | ".join(f"{g} core | {g} completion" for g in groups) + " |",
-              "|---|---|" + "---|---|" * len(groups)]
-        for k, v in ev_sum["runs"].items():
-            cols = []
-            for g in groups:
-                s_ = v["summary"].get(g, {})
-                cols += [_fmt(None if s_.get("core") is None else 100 * s_["core"], 2), _fmt(s_.get("completion"), 3)]
-            L.append(f"| {k} | {_fmt(v['val_loss'])} | " + " | ".join(cols) + " |")
-        L += ["", "![shot sweep](figures/shot_sweep.png)", ""]
-        cal = ev_sum.get("calibration", {})
-        if "error" in cal:
-            L += [f"Calibration (SMELT Eq. 6-7): not available ({cal['error']}).", ""]
-        else:
-            L += ["Calibration (SMELT Eq. 6-7): residual of each SMELT run against the sigmoid fitted on Baseline "
-                  "endpoints (positive = better than its validation loss predicts); full table in "
-                  "`eval_summary.json`.", "", "![calibration](figures/calibration.png)", ""]
-    L += ["## Probes of the second visit (SMELT 6)", ""]
+        m, b, s = c["match"], c["baseline"], c["smelt"]
+        rows.append([c["scale"], c["sparsity_label"], f"{b['d_model']} -> {s['d_model']}",
+                     f"{b['n_experts']} -> {s['n_experts']}", f"{m['flops_ratio']:.3f}",
+                     f"{m['flops_ratio_other_head']:.3f}", f"{m['params_ratio']:.3f}", f"{m['kv_ratio']:.3f}",
+                     "yes" if m["within_tolerance"] else "**no**"])
+    return L + _md_table(["scale", "S label", "d_model (Base -> SMELT)", "experts", "F ratio", "F ratio with head",
+                          "N ratio", "KV ratio", "within tol."], rows) + [""]
+
+
+def _section_training(ts: dict, rows: list[dict], ladder: list[dict]) -> list[str]:
+    lr = ts["learned"]
+    fin = finals(rows)
+    order = {cell_key(c["scale"], c["sparsity_label"]): i for i, c in enumerate(ladder)}
+    L = ["## Did the models learn?", "",
+         f"The training stream's unigram entropy is **{lr['entropy']:.3f} nats**: a model that learned only token "
+         f"frequencies sits there. The target is every model at least 1.5 nats below it "
+         f"(<= {lr['entropy'] - 1.5:.3f}). Final models (longest branch): the smallest margin is "
+         f"**{lr['min_margin_final']:.3f} nats** ({'met' if lr['all_final'] else '**not met**'}); over all "
+         f"{lr['endpoints']} branch endpoints, {lr['below']} are 1.5 nats below (smallest margin "
+         f"{lr['min_margin']:.3f}).", ""]
+    trows = []
+    for name, r in sorted(fin.items(), key=lambda kv: (order.get(cell_key(kv[1]["scale"], kv[1]["sparsity_label"]),
+                                                                 99), kv[1].get("seed", 0), kv[1]["arch"])):
+        trows.append([name, f"{r['D'] / 1e6:.2f}M", f"{r['val_loss']:.3f}", f"{lr['entropy'] - r['val_loss']:.2f}"])
+    L += _md_table(["run", "tokens", "final val loss", "below entropy by"], trows) + [""]
+    L += ["![learning curves](figures/curves.png)", ""]
+    L += ["## SMELT vs its matched Baseline: validation loss (SMELT 4.1)", ""]
+    rep = ts.get("repeat")
+    if rep:
+        L += [f"**Noise first.** The cell {rep['cell']} was trained over {rep['seeds']} seeds (both models of a seed "
+              f"see identical batches). SMELT - Baseline final validation loss, paired over seeds: "
+              f"**{_iv(rep['diff'], 4)}** nats ({rep['verdict']}); the Baseline's own seed-to-seed sd is "
+              + (f"{rep['baseline_seed_sd']:.4f}." if rep.get("baseline_seed_sd") is not None else "n/a."), ""]
+    crow = [[c["scale"], c["sparsity_label"], f"{100 * c['S']:.1f} %", f"{c['baseline']:.4f}", f"{c['smelt']:.4f}",
+             _iv(c["diff"], 4), c["verdict"]] for c in ts["cells"]]
+    L += _md_table(["scale", "S label", "S (Baseline, measured)", "Baseline", "SMELT",
+                    "SMELT - Baseline [95 %]", "SMELT lower?"], crow)
+    L += ["", "Seed-0 runs per cell; a cell's interval uses the seed-to-seed sd of the paired difference measured "
+          "in the repeated cell (one seed per other cell: the interval assumes the same seed noise there).", ""]
+    return L
+
+
+def _claim_rows(ts: dict, scal: dict, prb: dict) -> list[list[str]]:
+    rows = []
+    c = ts["cells"]
+    rows.append(["SMELT has lower validation loss than its matched Baseline in every cell (Sec. 4.1)", "16 / 16",
+                 f"{ts['cells_reproduced']} of {len(c)} cells lower, {ts['cells_contradicted']} higher "
+                 f"(95 % intervals)", ts["all_cells_verdict"]])
+    if ts.get("repeat"):
+        r = ts["repeat"]
+        rows.append([f"SMELT - Baseline < 0, paired over {r['seeds']} seeds in {r['cell']}",
+                     "-0.019 / -0.022 nats at 200M, S~85 / 95 % (Table 3.3, one seed each)", _iv(r["diff"], 4),
+                     r["verdict"]])
+    return rows
+
+
+def _section_scaling(scal: dict, out: Path) -> list[str]:
+    L = ["## Scaling fits and compute-efficiency gain (SMELT 4)", ""]
+    if "error" in scal:
+        return L + [f"Not available: {scal['error']}", ""]
+    tables = out / "scaling" / "tables.md"
+    if tables.exists():
+        L += [tables.read_text(), ""]
+    for png in ("loss_vs_compute.png", "ce_gain.png"):
+        if (out / "scaling" / png).exists():
+            L += [f"![{png[:-4]}](scaling/{png})", ""]
+    return L
+
+
+def _section_downstream(ev_sum: dict) -> list[str]:
+    L = ["## Downstream (SMELT 5)", ""]
+    if not ev_sum.get("runs"):
+        return L + ["Not evaluated (stage skipped).", ""]
+    groups = sorted({g for v in ev_sum["runs"].values() for g in v["summary"]})
+    L += ["Centred accuracy (%, mean over tasks at each task's standard k; DCLM v2 random baselines) and "
+          "gold-completion loss (nats/token), real BIG-bench tasks and generated tasks reported separately.", ""]
+    rows = []
+    for k, v in ev_sum["runs"].items():
+        cols = []
+        for g in groups:
+            s_ = v["summary"].get(g, {})
+            cols += [_fmt(None if s_.get("core") is None else 100 * s_["core"], 2), _fmt(s_.get("completion"), 3)]
+        rows.append([k, _fmt(v["val_loss"])] + cols)
+    L += _md_table(["run", "val loss"] + [x for g in groups for x in (f"{g} core", f"{g} completion")], rows) + [""]
+    return L
+
+
+def _section_probes(prb: dict, out: Path) -> list[str]:
+    L = ["## Probes of the second visit (SMELT 6)", ""]
     sp = prb.get("smelt", {})
     summ = sp.get("summary", {})
-    sink = {}
-    for v in sp.get("per_visit", {}).values():
-        if v["layer"] in sp.get("looped_layers", []) and v.get("sink_mass") is not None:
-            sink.setdefault(v["visit"], []).append(v["sink_mass"])
-    sink = {k: sum(x) / len(x) for k, x in sink.items()}
-    overlaps = [c["expert_overlap"] for c in sp.get("cross_visit", {}).values() if c.get("expert_overlap")]
-    ov = sum(o["mean"] for o in overlaps) / len(overlaps) if overlaps else None
-    rnd = sum(o["random_mean"] for o in overlaps) / len(overlaps) if overlaps else None
-    if summ:
-        L += [f"Measured on {sp.get('tokens')} held-out tokens of the largest SMELT run.", "",
-              "| quantity | this run | paper (1.6B-54B models) |", "|---|---|---|"]
-        L += [f"| {what} | {_fmt(summ.get(key), 3)} | {paper} |" for key, what, paper in PAPER_PROBES]
-        if ov is not None:
-            L.append(f"| expert overlap (count of top-k shared) | {ov:.2f} of {overlaps[0]['k']} "
-                     f"(random {rnd:.2f}) | far above random (Fig. 21) |")
-        if len(sink) >= 2:
-            L.append(f"| attention-sink mass in the span, visit 1 -> visit 2 | {sink[0]:.3f} -> {sink[1]:.3f} | "
-                     f"visit 2 below visit 1 (Fig. 30) |")
-        L += ["", *[f"![{Path(p).stem}]({Path(p).relative_to(out)})" for p in prb.get("figures", [])], ""]
-    L += ["## Claims: reproduced or not", "", "| paper claim | paper | this run | reproduced? |", "|---|---|---|---|"]
-    yes = lambda ok: "n/a" if ok is None else ("yes" if ok else "no")
-    n_cells = len(cells)
-    L.append(f"| SMELT has lower validation loss than its matched Baseline in every cell | 16 / 16 (Sec. 4.1) | "
-             f"{wins} / {n_cells} | {yes(wins == n_cells if n_cells else None)} |")
-    gain = scal.get("ce_gain") if isinstance(scal, dict) else None
-    if gain:
-        c_max = max(r["C"] for r in rows)
-        inside = [g for b, row in zip(scal["budgets"], gain) if b <= c_max for g in row]
-        L.append(f"| CE gain of SMELT over Baseline is positive (at budgets inside the data) | +7.8 % to +23.5 % "
-                 f"(Table 4.3) | {100 * min(inside):+.1f} % to {100 * max(inside):+.1f} % | {yes(min(inside) > 0)} |")
-    else:
-        L.append("| CE gain of SMELT over Baseline is positive | +7.8 % to +23.5 % (Table 4.3) | fit unavailable | n/a |")
-    r = summ.get("ratio_update")
-    L.append(f"| visit 2 writes a larger update than visit 1 | 1.2-3.5x (Sec. 6.2) | {_fmt(r, 2)}x | "
-             f"{yes(None if r is None else r > 1)} |")
-    L.append(f"| the visits share experts far above random routing | yes (Sec. 6.1) | {_fmt(ov, 2)} vs {_fmt(rnd, 2)} | "
-             f"{yes(None if ov is None else ov > 2 * rnd)} |")
-    t8, t8c = summ.get("attn_top8"), summ.get("attn_top8_control")
-    L.append(f"| the visits attend to the same tokens (top-8 overlap above the other-head control) | 0.56-0.66 vs "
-             f"0.28-0.34 (Sec. 6.3) | {_fmt(t8, 2)} vs {_fmt(t8c, 2)} | {yes(None if t8 is None else t8 > t8c)} |")
-    qk, v_ = summ.get("cos_Q"), summ.get("cos_V")
-    L.append(f"| Q stays closer across visits than V | 0.89-0.93 vs 0.65-0.74 (Sec. 6.3) | {_fmt(qk, 2)} vs "
-             f"{_fmt(v_, 2)} | {yes(None if qk is None else qk > v_)} |")
-    if len(sink) >= 2:
-        L.append(f"| the attention sink shrinks on visit 2 | yes (Sec. 6.4) | {sink[0]:.3f} -> {sink[1]:.3f} | "
-                 f"{yes(sink[1] < sink[0])} |")
-    L += ["", "Scale caveat: these are models of 10^5-10^7 parameters trained on 10^5-10^7 tokens; the paper's "
-          "are 10^8-10^10 parameters on 10^11 tokens. A claim not reproduced here is not evidence against the "
-          "paper, and one reproduced here is weak evidence for it.", ""]
+    if not summ:
+        return L + ["Not run (stage skipped).", ""]
+    L += [f"Measured on {sp.get('tokens')} held-out tokens.", ""]
+    L += _md_table(["quantity", "this run", "paper (1.6B-54B models)"],
+                   [[what, _fmt(summ.get(key), 3), paper] for key, what, paper in PAPER_PROBES])
+    L += ["", *[f"![{Path(p).stem}]({Path(p).relative_to(out)})" for p in prb.get("figures", [])], ""]
+    return L
+
+
+def write_report(plan_name: str, plan: Plan, out: Path, ladder, rows, ev_sum, scal, prb, summary: dict,
+                 ts: dict, cost: dict) -> Path:
+    L = _section_summary(plan_name, summary)
+    L += _section_plan(plan, ladder, rows, cost)
+    L += _section_ladder(ladder)
+    L += _section_training(ts, rows, ladder)
+    L += _section_scaling(scal, out)
+    L += _section_downstream(ev_sum)
+    L += _section_probes(prb, out)
+    L += ["## Claims: reproduced, contradicted or not resolved", ""]
+    L += _md_table(["paper claim", "paper", "this run (95 % interval)", "verdict"], _claim_rows(ts, scal, prb))
+    L += [""]
     path = out / "REPORT.md"
     path.write_text("\n".join(L))
     return path
@@ -415,57 +592,209 @@ def budget_machine() -> str:
     return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
-def plot_curves(out: Path, ladder: list[dict]) -> None:
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, plan: Plan | None = None) -> Path:
+    """Learning curves from each seed-0 run's metrics.jsonl and results rows: the stable run's train CE
+    (mean over each logging window) solid, every decay branch thinner from its fork point, validation loss
+    during training dashed, each branch endpoint's validation loss a marker; one panel per cell, one legend."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     n = len(ladder)
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
-    for ax, (cell) in zip(axes[0], ladder):
-        for arch, color in (("baseline", "tab:blue"), ("smelt", "tab:red")):
-            run = [d for c, a, d in run_dirs(out, [cell]) if a == arch][0]
-            f = run / "metrics.jsonl"
-            if not f.exists():
-                continue
-            ms = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    cols = min(n, 4)
+    rows_ = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.0 * rows_ + 0.6), squeeze=False, sharey=True)
+    colors = {"baseline": "tab:blue", "smelt": "tab:red"}
+    lo, hi = math.inf, -math.inf
+    for ax, cell in zip(axes.flat, ladder):
+        for r in plan_runs(out, [cell]):
+            ms = read_jsonl(r.dir / "metrics.jsonl")
+            c = colors[r.arch]
             for branch in sorted({m["branch"] for m in ms}, key=lambda b: -1 if b is None else b):
-                pts = [(m["tokens"], m["ce"]) for m in ms if m["branch"] == branch]
-                if pts:   # the stable run solid, its decay branches thinner
-                    ax.plot(*zip(*pts), color=color, alpha=1.0 if branch is None else 0.6,
-                            lw=1.2 if branch is None else 0.8, label=arch if branch is None else None)
-        ax.set_title(f"{cell['scale']} {cell['sparsity_label']}", fontsize=9)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("train CE")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+                pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms if m["branch"] == branch]
+                if branch is not None:   # start the branch at its fork point on the stable curve
+                    fork = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms
+                            if m["branch"] is None and m["step"] == branch]
+                    pts = fork + pts
+                if pts:
+                    ax.plot(*zip(*pts), color=c, lw=1.4 if branch is None else 0.9, alpha=1.0 if branch is None
+                            else 0.75)
+                    lo, hi = min(lo, *(p[1] for p in pts)), max(hi, *(p[1] for p in pts))
+            val = [(m["tokens"], m["val_loss"]) for m in ms if m["branch"] is None and "val_loss" in m]
+            if val:
+                ax.plot(*zip(*val), color=c, ls="--", lw=1.0, marker=".", ms=4)
+            ends = [(x["D"], x["val_loss"]) for x in read_jsonl(r.dir / "results.jsonl")]
+            if ends:
+                ax.plot(*zip(*ends), ls="none", marker="o", ms=5, mfc="white", mec=c, mew=1.3)
+                lo = min(lo, *(e[1] for e in ends))
+        if entropy is not None:
+            ax.axhline(entropy, color="0.45", ls=":", lw=1)
+            ax.axhline(entropy - 1.5, color="0.7", ls=":", lw=1)
+        ax.set_title(f"{cell['scale']}  {cell['sparsity_label']}", fontsize=9)
+        ax.set_xlabel("training tokens", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.25)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("loss (nats/token)", fontsize=8)
+    if math.isfinite(lo):
+        top = hi if entropy is None else max(min(hi, entropy + 1.0), entropy + 0.2)
+        axes[0, 0].set_ylim(lo - 0.1, top)
+    handles = [Line2D([], [], color="tab:blue", lw=1.4, label="Baseline"),
+               Line2D([], [], color="tab:red", lw=1.4, label="SMELT"),
+               Line2D([], [], color="k", lw=1.4, label="train CE, stable (window mean)"),
+               Line2D([], [], color="k", lw=0.9, alpha=0.75, label="train CE, decay branches"),
+               Line2D([], [], color="k", ls="--", marker=".", label="validation, stable"),
+               Line2D([], [], color="k", ls="none", marker="o", mfc="white", label="validation, branch endpoints")]
+    if entropy is not None:
+        handles += [Line2D([], [], color="0.45", ls=":", label=f"unigram entropy {entropy:.2f}"),
+                    Line2D([], [], color="0.7", ls=":", label="entropy - 1.5 nats")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.09 if rows_ == 1 else 0.05, 1, 1))
     (out / "figures").mkdir(exist_ok=True)
-    fig.savefig(out / "figures" / "curves.png", dpi=110)
+    path = out / "figures" / "curves.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
+
+
+def finals(rows: list[dict]) -> dict[str, dict]:
+    """{run name: its longest branch's results row}."""
+    out = {}
+    for r in rows:
+        name = r.get("run") or run_name(r["scale"], r["sparsity_label"], r["arch"], r.get("seed", 0))
+        if name not in out or r["D"] > out[name]["D"]:
+            out[name] = r
+    return out
+
+
+def training_summary(plan: Plan, ladder: list[dict], rows: list[dict], entropy: float) -> dict:
+    """The training claims, with their noise: did every model learn (each endpoint's validation loss vs the
+    corpus's unigram entropy); SMELT - Baseline final validation loss, paired over seeds in the repeated
+    cell (t-interval) and per cell at seed 0 with the seed noise measured in the repeated cell."""
+    import stats
+    fin = finals(rows)
+    learned = {"entropy": entropy, "required_margin": 1.5, "endpoints": len(rows),
+               "min_margin": min((entropy - r["val_loss"] for r in rows), default=None),
+               "min_margin_final": min((entropy - r["val_loss"] for r in fin.values()), default=None),
+               "below": sum(entropy - r["val_loss"] >= 1.5 for r in rows)}
+    learned["all_final"] = learned["min_margin_final"] is not None and learned["min_margin_final"] >= 1.5
+    learned["all_endpoints"] = learned["min_margin"] is not None and learned["min_margin"] >= 1.5
+    out = {"learned": learned, "cells": [], "repeat": None}
+    noise_sd, noise_n = None, 0
+    if plan.repeat:
+        key = cell_key(*plan.repeat)
+        seeds = sorted({r.get("seed", 0) for r in fin.values() if r["scale"] == plan.repeat[0]
+                        and r["sparsity_label"] == plan.repeat[1]})
+        pairs = [(fin.get(run_name(*plan.repeat, "baseline", s)), fin.get(run_name(*plan.repeat, "smelt", s)))
+                 for s in seeds]
+        pairs = [(b, m) for b, m in pairs if b and m]
+        if pairs:
+            base, smelt = [b["val_loss"] for b, _ in pairs], [m["val_loss"] for _, m in pairs]
+            iv = stats.paired_difference(base, smelt)
+            d = np.array(smelt) - np.array(base)
+            noise_sd, noise_n = (float(d.std(ddof=1)), len(d)) if len(d) > 1 else (None, len(d))
+            out["repeat"] = {"cell": key, "seeds": len(pairs), "baseline": base, "smelt": smelt,
+                             "diff": iv.to_dict(), "verdict": stats.verdict(iv, "<"),
+                             "baseline_seed_sd": float(np.std(base, ddof=1)) if len(base) > 1 else None}
+    for cell in ladder:
+        b = fin.get(run_name(cell["scale"], cell["sparsity_label"], "baseline"))
+        m = fin.get(run_name(cell["scale"], cell["sparsity_label"], "smelt"))
+        if not (b and m):
+            continue
+        d = m["val_loss"] - b["val_loss"]
+        if noise_sd is not None:   # one seed: the seed-to-seed sd of the paired difference from the repeated cell
+            half = stats.t_quantile(0.975, noise_n - 1) * noise_sd
+            iv = stats.Interval(d, d - half, d + half, 1, 0.95, f"seed sd of {noise_n} seeds in the repeated cell")
+        else:
+            iv = stats.Interval(d, math.nan, math.nan, 1)
+        out["cells"].append({"scale": cell["scale"], "sparsity_label": cell["sparsity_label"], "S": b["S"],
+                             "S_smelt": m["S"], "baseline": b["val_loss"], "smelt": m["val_loss"],
+                             "diff": iv.to_dict(), "verdict": stats.verdict(iv, "<")})
+    v = [c["verdict"] for c in out["cells"]]
+    out["cells_reproduced"], out["cells_contradicted"] = v.count("reproduced"), v.count("contradicted")
+    out["all_cells_verdict"] = ("reproduced" if v and all(x == "reproduced" for x in v) else
+                                "contradicted" if "contradicted" in v else "not resolved")
+    return out
+
+
+def run_summary(preset: str, stage_s: dict, wall: float) -> dict:
+    """Where and when this report was made: the block the README quotes."""
+    import platform
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    cpu = ""
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   "")
+    except OSError:
+        pass
+    return {"preset": preset, "commit": git("rev-parse", "--short=12", "HEAD") or "unknown",
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": budget_machine(),
+            "cpu": cpu or platform.processor(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "minutes": round(wall / 60, 2), "stage_minutes": {k: round(v / 60, 2) for k, v in stage_s.items()}}
 
 
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(PLANS), help="size of the reproduction (default tiny)")
-    ap.add_argument("--out", default=None, help="output directory (default runs/reproduce_PRESET)")
+    ap.add_argument("--out-dir", "--out", dest="out_dir", default=None,
+                    help="output directory (default runs/reproduce_PRESET)")
+    ap.add_argument("--data-dir", default=None,
+                    help="an already prepared (or packed) data directory to use instead of preparing the preset's")
     ap.add_argument("--jobs", type=int, default=None,
                     help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; 1 on CUDA)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print the ladder and what training it costs (tokens, TPP, FLOPs, GPU minutes), then stop")
     args = ap.parse_args(argv)
     plan = PLANS[args.preset]
-    out = Path(args.out or f"runs/reproduce_{args.preset}")
+    out = Path(args.out_dir or f"runs/reproduce_{args.preset}")
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, stage_s = time.time(), {}
     torch.manual_seed(0)
     log(f"reproduce: preset {args.preset} -> {out}")
-    write_json(out / "plan.json", {"preset": args.preset, **asdict(plan)})
-    data, _ = stage_data(plan)
-    ladder = stage_ladder(plan, data.vocab_size, out)
+
+    def timed(name, fn, *a):
+        t = time.time()
+        r = fn(*a)
+        stage_s[name] = stage_s.get(name, 0.0) + time.time() - t
+        return r
+
+    data, _ = timed("data", stage_data, plan, args.data_dir)
+    ladder = timed("ladder", stage_ladder, plan, data, out)
+    cost = plan_cost(plan, ladder)
+    log_plan_cost(cost)
+    write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
+    if args.plan_only:
+        return out / "plan.json"
+    import data as data_mod
+    entropy = data_mod.unigram_entropy(data)
+    log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
+        f"<= {entropy - 1.5:.3f})")
     jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
-    rows = stage_train(plan, ladder, data, out, jobs)
-    plot_curves(out, ladder)
-    ev_sum = stage_eval(plan, ladder, data, out, jobs) if "eval" not in args.skip else {}
-    scal = stage_scaling(plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
-    prb = stage_probes(plan, ladder, data, out) if "probes" not in args.skip else {}
-    report = write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, time.time() - t0)
+    rows = timed("train", stage_train, plan, ladder, data, out, jobs)
+    train_sum = training_summary(plan, ladder, rows, entropy)
+    write_json(out / "training_summary.json", train_sum)
+    plot_curves(out, ladder, entropy, plan)
+    ev_sum = timed("eval", stage_eval, plan, ladder, data, out, jobs) if "eval" not in args.skip else {}
+    scal = timed("scaling", stage_scaling, plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
+    prb = timed("probes", stage_probes, plan, ladder, data, out) if "probes" not in args.skip else {}
+    summary = run_summary(args.preset, stage_s, time.time() - t0)
+    write_json(out / "summary.json", summary)
+    report = write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, summary, train_sum, cost)
     log(f"done in {(time.time() - t0) / 60:.1f} min: {report}")
     return report
 

@@ -37,9 +37,11 @@ Design choices, and why:
     torch.load(weights_only=True). On CPU a resumed run is bit-for-bit the uninterrupted one.
   * Divergence: loss and gradient norm are checked every step (one host sync), before the
     update; a non-finite value raises DivergenceError, so the last checkpoint stays good.
-  * F in results rows is taken at the effective *document* length (SMELT 3.2: attention stays
-    inside each document): 2 x (mean keys a token sees under the document mask) - 1, measured
-    on the first training batches (L for documents of length L); `flops_ctx` > 0 overrides it.
+  * F in results rows follows SMELT's convention: no output head (budget.flops_per_token's default;
+    "F_with_head" is reported beside it and MFU uses it), at the effective *document* length
+    (SMELT 3.2: attention stays inside each document) that data.measured_doc_length measures on one
+    fixed sample of the training contexts, the same number the ladder was matched at; `flops_ctx`
+    > 0 overrides it.
   * Multi-process: the same script under torchrun uses DDP (NCCL on CUDA, gloo on CPU), or
     FSDP2 (`fully_shard` per block + root) with --fsdp; each rank takes its rows of the global
     batch. Validation runs the same batches on every rank (FSDP needs all ranks in each forward).
@@ -289,17 +291,6 @@ def evaluate(objective: nn.Module, data, batch_size: int, block_size: int, max_t
             "val_loss_by_source": agg["by_source"], "val_loss_by_domain": agg["by_domain"]}
 
 
-def effective_doc_length(doc_ids: Tensor) -> float:
-    """2 x (mean keys a token sees under a causal document mask) - 1: the document length L that
-    budget.flops_per_token charges the same attention FLOPs for (exactly L for documents of length L)."""
-    B, T = doc_ids.shape
-    pos = torch.arange(T).expand(B, T)
-    new = torch.ones(B, T, dtype=torch.bool)
-    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start = torch.where(new, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return 2.0 * float((pos - start + 1).double().mean()) - 1.0
-
-
 # ----------------------------------------------------------------------------------------
 # A corpus-free data source with TokenData's interface (tests, throughput runs)
 
@@ -409,15 +400,15 @@ class Trainer:
         self.micro = tc.batch_size // (self.d.world * tc.grad_accum)
         name = torch.cuda.get_device_name(self.device) if cuda else ""
         self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        self.flops_ctx = tc.flops_ctx or self._measure_doc_length()
-        self.F = budget.flops_per_token(model_cfg, min(self.flops_ctx, tc.block_size))
+        self.flops_ctx = tc.flops_ctx or data_mod.measured_doc_length(data, tc.block_size)
+        ctx = min(self.flops_ctx, tc.block_size)
+        self.F = budget.flops_per_token(model_cfg, ctx)                          # SMELT's F: no output head
+        self.F_with_head = budget.flops_per_token(model_cfg, ctx, include_head=True)   # what the GPU runs (MFU)
         self.wall = 0.0
+        self.ce_window: list[float] = []    # per-step train CE since the last metrics row
+        self.prefix = f"[{self.meta['run']}] " if self.meta.get("run") else ""   # names the run in every line
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _measure_doc_length(self, n_batches: int = 4) -> float:
-        docs = [self.data.train_batch(s, self.tc.batch_size, self.tc.block_size, seed=self.tc.seed)[2]
-                for s in range(min(n_batches, self.tc.stable_steps))]
-        return effective_doc_length(torch.cat(docs))
 
     @staticmethod
     def _phase(branch: int | None) -> str:
@@ -563,6 +554,7 @@ class Trainer:
     def _log(self, done: int, end: int, branch: int | None, row: dict) -> None:
         tc = self.tc
         self.steps_left -= 1
+        self.ce_window.append(row["ce"])
         log = done % tc.log_interval == 0 or done == end
         ev = tc.eval_interval and done % tc.eval_interval == 0
         if not (log or ev):
@@ -571,11 +563,13 @@ class Trainer:
         dt, n = now - self.win_t, done - self.win_step
         self.win_t, self.win_step = now, done
         tps = n * self.tokens_per_step / max(dt, 1e-9)
+        # ce: this step's batch; ce_mean: the mean over the steps since the last row (what curves plot)
         row = {"phase": "stable" if branch is None else "decay", "branch": branch, "step": done,
-               "tokens": done * self.tokens_per_step, **row, "tokens_per_s": tps,
-               "eta_s": self.steps_left * dt / max(n, 1)}
+               "tokens": done * self.tokens_per_step, **row, "ce_mean": sum(self.ce_window) / len(self.ce_window),
+               "ce_steps": len(self.ce_window), "tokens_per_s": tps, "eta_s": self.steps_left * dt / max(n, 1)}
+        self.ce_window = []
         if self.peak:
-            row["mfu"] = self.F * tps / (self.peak * self.d.world)
+            row["mfu"] = self.F_with_head * tps / (self.peak * self.d.world)
         if ev:
             row["val_loss"] = self.evaluate()["val_loss"]
             self.win_t = time.perf_counter()   # evaluation time is not training throughput
@@ -585,7 +579,8 @@ class Trainer:
             mfu = f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else ""
             val = f" | val {row['val_loss']:.4f}" if "val_loss" in row else ""
             eta = row["eta_s"]
-            print(f"{name} {done}/{end} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | gnorm {row['grad_norm']:.2f}"
+            print(f"{self.prefix}{name} {done}/{end} | train ce {row['ce_mean']:.4f} | lr {row['lr']:.2e} | "
+                  f"gnorm {row['grad_norm']:.2f}"
                   f" | {tps / 1e3:.1f}k tok/s{mfu}{val} | eta {int(eta // 60)}m{int(eta % 60):02d}s", flush=True)
 
     def _train(self, start: int, end: int, branch: int | None, save_at: set[int]) -> None:
@@ -630,7 +625,8 @@ class Trainer:
         D = (branch + tc.decay_steps) * self.tokens_per_step
         return {"arch": meta.pop("arch", "smelt" if cfg.loop.active else "baseline"),
                 "scale": meta.pop("scale", None), "sparsity_label": meta.pop("sparsity_label", None), **meta,
-                "branch_step": branch, "D": D, "F": self.F, "F_ctx": ctx, "C": self.F * D,
+                "branch_step": branch, "D": D, "F": self.F, "F_with_head": self.F_with_head, "F_ctx": ctx,
+                "C": self.F * D,
                 "S": budget.sparsity(self.F, N, budget.flops_per_token(control, ctx), N0), "N": N,
                 "val_loss": ev["val_loss"], "val_loss_by_source": ev["val_loss_by_source"],
                 "val_loss_by_domain": ev["val_loss_by_domain"], "val_tokens": ev["val_tokens"],
@@ -680,7 +676,7 @@ class Trainer:
             self._append("results.jsonl", row)
             rows.append(row)
             if self.d.rank == 0:
-                print(f"branch {b}: D={row['D']:.3g} tokens, C={row['C']:.3g} FLOPs, "
+                print(f"{self.prefix}branch {b}: D={row['D']:.3g} tokens, C={row['C']:.3g} FLOPs, "
                       f"val_loss {row['val_loss']:.4f}", flush=True)
         self._export_final()
         return sorted(rows, key=lambda r: r["branch_step"])

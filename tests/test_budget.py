@@ -77,7 +77,7 @@ def test_flops_agree_with_torch_flop_counter():
             mixing = cfg.loop.adapter in ("matrix", "softmax")
             rows = (p.adapter_attn_visits * 4 + p.adapter_mlp_visits * 3) * p.n_loops if mixing else 0
             q = cfg.n_head * cfg.hd
-            expected = budget.flops_per_token(cfg, T) - 6 * norms - 6 * rows + 12 * q * (T - T / 2) * p.attn_visits
+            expected = budget.flops_per_token(cfg, T, include_head=True) - 6 * norms - 6 * rows + 12 * q * (T - T / 2) * p.attn_visits
             assert fc.get_total_flops() / (B * T) == pytest.approx(expected, rel=1e-12), loop
     finally:
         torch.set_num_threads(threads)
@@ -89,13 +89,13 @@ def test_identities():
     cb, cl = budget.count_params(base), budget.count_params(looped)
     assert cb == cl                                            # a loop stores no new weights
     T = 16
-    Fb, Fl = budget.flops_per_token(base, T), budget.flops_per_token(looped, T)
+    Fb, Fl = budget.flops_per_token(base, T, include_head=True), budget.flops_per_token(looped, T, include_head=True)
     layer = (cb["active"] - base.d_model) / base.n_layer      # one layer's active weights (less norm_f)
     extra_attn = 6 * base.n_head * base.hd * T                 # 12 * q * T/2
     assert Fl - Fb == pytest.approx(2 * (6 * layer + extra_attn))  # two extra visits
     assert Fb == pytest.approx(6 * (cb["active"] + base.vocab_size * base.d_model) + base.n_layer * extra_attn)
     assert budget.kv_bytes_per_token(looped) == budget.kv_bytes_per_token(base) * 6 // 4
-    f3 = budget.flops_per_token(replace(base, loop=LoopConfig(1, 2, 3)), T)
+    f3 = budget.flops_per_token(replace(base, loop=LoopConfig(1, 2, 3)), T, include_head=True)
     assert Fb < Fl < f3                                        # FLOPs grow with executed visits
     # the pool changes stored weights; active changes only by the router's rows
     big = replace(base, n_experts=16)
@@ -103,8 +103,13 @@ def test_identities():
     assert cbig["blocks"] - cb["blocks"] == base.n_layer * 8 * base.d_model * (1 + 3 * base.d_ff)
     assert cbig["active"] - cb["active"] == base.n_layer * 8 * base.d_model
     # tying removes the head's weights but not its FLOPs
-    assert budget.flops_per_token(replace(base, tie_embeddings=True), T) == Fb
-    assert budget.flops_per_token(base, T, include_head=False) == Fb - 6 * base.vocab_size * base.d_model
+    assert budget.flops_per_token(replace(base, tie_embeddings=True), T, include_head=True) == Fb
+    # SMELT's convention (the default) leaves the head out; How-to-Loop's counts it
+    assert budget.flops_per_token(base, T) == Fb - 6 * base.vocab_size * base.d_model
+    assert budget.flops_per_token(base, T, convention="howtoloop") > budget.flops_per_token(
+        base, T, convention="howtoloop", include_head=False)
+    with pytest.raises(ValueError, match="include_head"):
+        budget.flops_per_token(base, T, include_head="no")
 
 
 # ---------------------------------------------------------------------------------------- How to Loop
@@ -167,6 +172,18 @@ PAPER_PAIRS = [  # Baseline (H, L, F, hd, n_head, E), SMELT (...), published (ac
 ]
 
 
+def test_200m_example_leaves_the_head_out():
+    """SMELT 3.2's example: Baseline 200M S~95% at 1.33e9 FLOPs/token, SMELT (H 1056, 288 experts) +2.9 %.
+    Without the head our count gives both; a 1280 x 128,256 head alone would add 0.99e9 (+74 %)."""
+    B = paper_cfg(1280, 12, 432, 128, 10, 192)
+    S = paper_cfg(1056, 12, 352, 88, 12, 288, loop=budget.smelt_loop(12))
+    ctx = budget.PAPER_DOC_LEN
+    assert round(budget.flops_per_token(B, ctx) / 1e9, 2) == 1.33          # default: no head
+    assert round(100 * (budget.flops_per_token(S, ctx) / budget.flops_per_token(B, ctx) - 1), 1) == 2.9
+    head = budget.flops_per_token(B, ctx, include_head=True) - budget.flops_per_token(B, ctx)
+    assert head == 6 * 1280 * budget.PAPER_VOCAB and head / 1.33e9 > 0.7   # no room for it in 1.33e9
+
+
 @pytest.mark.parametrize("base,smelt,pub", PAPER_PAIRS)
 def test_paper_configs_reproduce_published_ratios(base, smelt, pub):
     B = paper_cfg(*base)
@@ -189,19 +206,59 @@ def assert_matched(base, loop, cfg, rep):
     assert rep["seconds"] < 5.0
 
 
+# Document lengths the presets' data can have (the tiny corpus measures 120 at block 128): the ladder
+# is matched at the measured one, so every cell must match within SMELT's tolerances across the range.
+DOC_LENGTHS = {"tiny": (40, 64, 96, 120.4, 128), "small": (200, 400, 600, 800, 1024)}
+
+
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_match_presets_within_tolerance_and_buildable(preset):
+    for ctx in DOC_LENGTHS[preset]:
+        for cell in budget.ladder_cells(preset, ctx):
+            base, cfg, rep = (ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"]),
+                              cell["match"])
+            assert cfg.loop == budget.smelt_loop(base.n_layer) and cfg.loop.length >= 2
+            assert_matched(base, cfg.loop, cfg, rep)
+            assert not rep["include_head"] and rep["ctx_len"] == ctx        # SMELT's F: no head, at the doc length
+            F = budget.flops_per_token(cfg, ctx, include_head=False) / budget.flops_per_token(base, ctx, include_head=False)
+            assert F == pytest.approx(rep["flops_ratio"]) and abs(F - 1) <= 0.04
+            assert cfg.n_experts > base.n_experts                   # narrower, more experts (SMELT 3.2)
+            assert cfg.hd >= 16 and base.hd >= 16                    # CUDA flex attention's minimum
+            assert rep["params_ratio"] == budget.count_params(cfg)["blocks"] / budget.count_params(base)["blocks"]
     for scale, label, base in budget.preset_baselines(preset):
-        loop = budget.smelt_loop(base.n_layer)
-        assert loop.length >= 2
-        cfg, rep = budget.match(base, loop, base.block_size)
-        assert_matched(base, loop, cfg, rep)
-        assert cfg.n_experts > base.n_experts                   # narrower, more experts (SMELT 3.2)
-        assert rep["params_ratio"] == budget.count_params(cfg)["blocks"] / budget.count_params(base)["blocks"]
         if preset == "tiny":
-            model = GPT(cfg)
-            c = budget.count_params(cfg)
+            model = GPT(base)
+            c = budget.count_params(base)
             assert sum(p.numel() for p in model.parameters()) == c["blocks"] + c["embedding"] + c["head"]
+
+
+def test_presets_have_s0_control_cells():
+    for preset in ("smoke", "tiny", "small", "paper"):
+        cells = budget.preset_baselines(preset)
+        scales = {s for s, _, _ in cells}
+        for scale in scales:   # every scale has its S = 0 control: every expert active, S measured 0
+            ctl = [b for s, lab, b in cells if s == scale and lab == budget.CONTROL_LABEL]
+            assert len(ctl) == 1 and ctl[0].n_experts == ctl[0].top_k
+            assert budget.config_sparsity(ctl[0], 64) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_ladder_and_main_job_share_one_builder(tmp_path):
+    """budget.py --ladder P and the main job build the ladder with the same function at the same measured
+    document length, so they print the same configs (issue: d_model 80 vs 84 when they differed)."""
+    import data as data_mod
+    import reproduce
+    data_mod.prepare("smoke")
+    d = data_mod.TokenData(data_mod.default_data_dir("smoke"))
+    ctx = budget.preset_doc_length("smoke", d)
+    assert ctx == data_mod.measured_doc_length(d, budget.PRESETS["smoke"]["block"]) and 1 < ctx <= 64
+    rows = budget.ladder("smoke")
+    cells = reproduce.stage_ladder(reproduce.PLANS["smoke"], d, tmp_path)
+    smelts = [r for r in rows if r["arch"] == "SMELT"]
+    assert len(cells) == len(smelts)
+    for cell, row in zip(cells, smelts):
+        assert cell["smelt"]["d_model"] == row["d_model"] and cell["smelt"]["n_experts"] == row["n_experts"]
+        assert cell["ctx_len"] == pytest.approx(row["ctx_len"])
+    assert budget.preset_doc_length("paper") == budget.PAPER_DOC_LEN
 
 
 def test_paper_ladder_every_cell_within_tolerance():
@@ -238,7 +295,7 @@ def test_match_warns_when_nothing_fits():
     assert not rep["within_tolerance"] and "no candidate" in rep["message"]
     base = budget.preset_baselines("tiny")[0][2]
     with pytest.warns(RuntimeWarning):
-        _, rep = budget.match(base, LoopConfig(1, 2, 2), 256, tolerances={"params": 1e-9})
+        _, rep = budget.match(base, LoopConfig(1, 2, 2), 100, tolerances={"params": 1e-9})
     assert not rep["within_tolerance"]
 
 
@@ -251,15 +308,15 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="ctx_len"):
         budget.flops_per_token(base, 0)
     with pytest.raises(ValueError, match="unknown search option"):
-        budget.match(base, loop, 256, d_multiplier=8)
+        budget.match(base, loop, 100, d_multiplier=8)
     with pytest.raises(ValueError, match="LoopConfig"):
-        budget.match(base, {"start": 1}, 256)
+        budget.match(base, {"start": 1}, 100)
     with pytest.raises(ValueError, match="span"):
-        budget.match(base, LoopConfig(3, 4, 2), 256)
+        budget.match(base, LoopConfig(3, 4, 2), 100)
     with pytest.raises(ValueError, match="tolerances"):
-        budget.match(base, loop, 256, tolerances={"flops": 0})
+        budget.match(base, loop, 100, tolerances={"flops": 0})
     with pytest.raises(ValueError, match="d_range"):
-        budget.match(base, loop, 256, d_range=(0.9, 0.5))
+        budget.match(base, loop, 100, d_range=(0.9, 0.5))
     with pytest.raises(ValueError, match="convention"):
         budget.flops_per_token(base, 64, convention="kaplan")
     with pytest.raises(ValueError, match="ModelConfig"):
@@ -275,7 +332,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_presets_sparsity_labels_and_spans():
     for preset in ("tiny", "small"):
         for scale, label, base in budget.preset_baselines(preset):
-            s = budget.config_sparsity(base, base.block_size)
+            s = budget.config_sparsity(base, DOC_LENGTHS[preset][-2])
             assert abs(100 * s - float(label[2:-1])) < 3.0, (scale, label, s)
             start, length = budget.middle_span(base.n_layer)
             assert length >= 2 and start >= 1
@@ -283,10 +340,10 @@ def test_presets_sparsity_labels_and_spans():
 
 def test_cli(capsys, tmp_path):
     out = tmp_path / "rows.json"
-    budget.main(["--ladder", "tiny", "--json", str(out)])
+    budget.main(["--ladder", "tiny", "--ctx-len", "120", "--json", str(out)])
     text = capsys.readouterr().out
-    assert "SMELT" in text and "6/6 cells within tolerance" in text
-    assert len(json.loads(out.read_text())) == 12
+    assert "SMELT" in text and "4/4 cells within tolerance" in text and "document length 120.0 (given)" in text
+    assert len(json.loads(out.read_text())) == 8
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(budget.preset_baselines("tiny")[0][2].to_json())
     budget.main(["--config", str(cfg_file)])

@@ -1,28 +1,65 @@
-"""reproduce.py: the smoke preset runs every stage end to end and a re-run skips finished work."""
+"""reproduce.py: the smoke preset runs every stage end to end, the report says only what its data resolve,
+and a re-run skips finished work."""
 import json
+import re
 import time
 
+import pytest
+
 import reproduce
+import stats
 
 
-def test_smoke_reproduction_end_to_end(tmp_path):
-    out = tmp_path / "smoke"
-    report = reproduce.main(["--preset", "smoke", "--out", str(out)])
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    report = reproduce.main(["--preset", "smoke", "--out-dir", str(out)])
+    return out, report
+
+
+def test_smoke_reproduction_end_to_end(smoke):
+    out, report = smoke
     text = report.read_text()
-    for section in ("Budget-matched ladder", "Final validation loss", "Scaling", "Downstream",
-                    "Probes of the second visit", "Claims: reproduced or not"):
+    for section in ("Run summary", "Budget-matched ladder", "Did the models learn", "SMELT vs its matched Baseline",
+                    "Scaling", "Downstream", "Probes of the second visit", "Claims"):
         assert section in text, section
     ladder = json.loads((out / "ladder.json").read_text())
-    assert len(ladder) == 4 and all(c["match"]["within_tolerance"] for c in ladder)
+    assert len(ladder) == 4 and {c["sparsity_label"] for c in ladder} == {"S=0%", "S~85%"}
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     plan = reproduce.PLANS["smoke"]
-    assert len(rows) == 2 * len(ladder) * len(plan.branch_steps)
+    n_runs = 2 * len(ladder) + 2 * (plan.train_seeds - 1)
+    assert len(rows) == n_runs * len(plan.branch_steps)
     assert {r["arch"] for r in rows} == {"baseline", "smelt"}
     assert all(r["val_loss"] < 6.3 for r in rows)          # below the uniform 512-token loss: it learned
-    assert (out / "scaling" / "coeffs.json").exists() and (out / "probes.json").exists()
-    assert (out / "figures" / "curves.png").stat().st_size > 0
-    # finished runs are skipped: the second pass trains nothing and reads the stored JSON
+    # F is SMELT's (no head) at the document length the ladder was matched at
+    assert all(r["F"] < r["F_with_head"] and r["F_ctx"] == pytest.approx(ladder[0]["ctx_len"]) for r in rows)
+    assert (out / "probes.json").exists() and (out / "figures" / "curves.png").stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["preset"] == "smoke" and summary["minutes"] > 0 and summary["commit"]
+
+
+def test_report_states_noise_and_verdicts(smoke):
+    out, report = smoke
+    text = report.read_text()
+    ts = json.loads((out / "training_summary.json").read_text())
+    rep = ts["repeat"]
+    assert rep["seeds"] == reproduce.PLANS["smoke"].train_seeds
+    iv = stats.paired_difference(rep["baseline"], rep["smelt"])
+    assert rep["diff"]["mean"] == pytest.approx(iv.mean) and rep["verdict"] == stats.verdict(iv, "<")
+    # every claims row ends in one of the three verdicts
+    claims = text.split("## Claims")[1].splitlines()
+    verdict_rows = [line for line in claims if line.startswith("| ") and not line.startswith("| paper claim")]
+    assert verdict_rows and all(line.rstrip(" |").rsplit("| ", 1)[-1].strip() in stats.VERDICTS
+                                for line in verdict_rows)
+    # no number a degenerate fit produced: nothing with more than 8 digits
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("> **Run summary"))  # commit hash
+    assert not re.search(r"\d{9,}", body), re.findall(r"\S*\d{9,}\S*", body)[:5]
+
+
+def test_rerun_skips_finished_work(smoke):
+    out, _ = smoke
+    rows = (out / "results.jsonl").read_text()
     t0 = time.time()
-    reproduce.main(["--preset", "smoke", "--out", str(out), "--skip", "scaling"])
+    reproduce.main(["--preset", "smoke", "--out-dir", str(out), "--skip", "scaling"])
     assert time.time() - t0 < 60
-    assert [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] == rows
+    assert (out / "results.jsonl").read_text() == rows

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import budget
+import data as data_mod
 import train as T
 from loop import LoopConfig
 from model import GPT, ModelConfig
@@ -128,8 +129,8 @@ def test_weight_decay_on_matrices_not_on_norms_embeddings_or_loop_mixing():
 
 def test_effective_doc_length_matches_budget_convention():
     docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [0] * 8])   # documents of length 4, 4 and 8
-    assert T.effective_doc_length(docs[:1]) == pytest.approx(4.0)
-    assert T.effective_doc_length(docs[1:]) == pytest.approx(8.0)
+    assert data_mod.effective_doc_length(docs[:1]) == pytest.approx(4.0)
+    assert data_mod.effective_doc_length(docs[1:]) == pytest.approx(8.0)
 
 
 def test_train_config_rejects_bad_fields():
