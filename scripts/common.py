@@ -566,8 +566,8 @@ def howto_report(exp: Experiment, rows: list[dict], noloop: dict) -> dict:
 
     noloop: the no-loop reference row, trained with exp.curve_tc() (several decay branches). Every row gets
     "bpb" (bits_per_byte of its val_loss on the held-out text's bytes per token) and "compute" (How-to-Loop
-    FLOPs per token x tokens); every looped row the multipliers of `efficiency`. Returns the summary
-    {"bytes_per_token", "noloop_curve": fit + its points}.
+    FLOPs per token x tokens, and its ratio to the no-loop run's); every looped row the multipliers of
+    `efficiency`. Returns the summary {"bytes_per_token", "noloop_curve": fit + its points, "paper_ranges"}.
     """
     data = exp.load_data()
     bpt = val_bytes_per_token(data, exp.tc.block_size, exp.tc.eval_tokens)
@@ -590,7 +590,9 @@ def howto_report(exp: Experiment, rows: list[dict], noloop: dict) -> dict:
         r["compute_ratio"] = r["compute"] / (noloop["flops_h2l"] * noloop["tokens"])
         if r is not noloop and r.get("loops", 1) > 1:
             r.update(efficiency(fit, r["val_loss"], r["tokens"], r["flops_h2l"], noloop["flops_h2l"]))
-    return {"bytes_per_token": bpt, "noloop_curve": {**fit, "points": points}}
+    paper = {"rms_ratio": PAPER_RMS_RATIO, "tokens_multiplier": PAPER_TOKEN_MULTIPLIER,
+             "flops_extra_pct": PAPER_FLOPS_EXTRA_PCT}
+    return {"bytes_per_token": bpt, "noloop_curve": {**fit, "points": points}, "paper_ranges": paper}
 
 
 def plot_compute_axis(path: Path, curve: dict, runs: dict[str, tuple[list, list]], title: str) -> str:
