@@ -11,6 +11,11 @@ overhead from budget.count_params: added weights over the shared model's blocks 
 (the paper's "weights": non-embedding counts with the untied head) and over blocks alone.
 Plus the unlooped base for reference. Writes results.json, a table and howto_adapters.png
 (validation loss against loops per adapter).
+
+How-to-Loop has no 1/r residual scale: every looped config is built with common.howto_loop
+(residual_scale=False). The unlooped base is trained with decay branches (common.curve_tc) and its
+fitted no-loop curve gives each looped run's token and FLOPs multipliers (common.efficiency, or "not
+identified (why)"); every loss is also given in bits per byte (common.bits_per_byte).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from dataclasses import replace
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
-from loop import ADAPTERS, LoopConfig
+from loop import ADAPTERS
 
 LOOPS = {"smoke": [2, 4], "tiny": [2, 4], "small": [2, 4, 8]}
 
@@ -36,20 +41,18 @@ def main(argv=None) -> dict:
     exp = common.Experiment("howto_adapters", args)
     base = exp.dense_base(args.scale)
     rank = args.rank or max(1, round(8 * base.d_model / 1280))
-    specs = [("no_loop", base, {"arch": "no_loop"})]
+    specs = [("no_loop", base, {"arch": "no_loop"}, exp.curve_tc())]
     info = [{"loops": 1, "adapter": "-", "adapter_params": 0, "overhead_pct": 0.0, "overhead_blocks_pct": 0.0,
              **exp.budgets(base, base)}]
-    for r in args.loops or LOOPS[args.preset]:
-        shared = replace(base, loop=LoopConfig(start=0, length=base.n_layer, n_loops=r))
-        c0 = budget.count_params(shared)
-        for kind in args.adapters:
-            cfg = replace(base, loop=replace(shared.loop, adapter=kind, adapter_rank=rank))
-            added = budget.count_params(cfg)["blocks"] - c0["blocks"]
-            specs.append((f"x{r}_{kind}", cfg, {"arch": f"adapter_{kind}"}))
-            info.append({"loops": r, "adapter": kind, "adapter_params": added,
-                         "overhead_pct": 100 * added / (c0["blocks"] + c0["head"]),
-                         "overhead_blocks_pct": 100 * added / c0["blocks"], **exp.budgets(cfg, base)})
+    for r, kind, cfg in configs(base, args.loops or LOOPS[args.preset], args.adapters, rank):
+        c0 = budget.count_params(replace(cfg, loop=replace(cfg.loop, adapter="none")))
+        added = budget.count_params(cfg)["blocks"] - c0["blocks"]
+        specs.append((f"x{r}_{kind}", cfg, {"arch": f"adapter_{kind}"}))
+        info.append({"loops": r, "adapter": kind, "adapter_params": added,
+                     "overhead_pct": 100 * added / (c0["blocks"] + c0["head"]),
+                     "overhead_blocks_pct": 100 * added / c0["blocks"], **exp.budgets(cfg, base)})
     rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
+    report = common.howto_report(exp, rows, rows[0])
     for r in rows:   # the gain an adapter buys over exact sharing at the same loop count
         ref = next((x for x in rows if x["loops"] == r["loops"] and x["adapter"] == "none"), None)
         r["vs_none"] = r["val_loss"] - ref["val_loss"] if ref and r["adapter"] != "-" else None
@@ -57,10 +60,20 @@ def main(argv=None) -> dict:
               for k in args.adapters}
     fig = common.plot_lines(exp.out / "howto_adapters.png", series, "loops (full stack)", "validation loss",
                             f"Per-loop adapters, rank {rank}", xlog=True)
-    return exp.finish({"base": base.to_dict(), "rank": rank, "rows": rows, "figures": [fig]}, [
+    return exp.finish({"base": base.to_dict(), "rank": rank, **report, "rows": rows, "figures": [fig]}, [
         ("loops", "loops", "d"), ("adapter", "adapter", ""), ("added params", "adapter_params", ",d"),
         ("overhead %", "overhead_pct", ".2f"), ("of blocks %", "overhead_blocks_pct", ".2f"),
-        ("F ratio", "flops_ratio", ".3f"), ("val loss", "val_loss", ".4f"), ("vs none", "vs_none", "+.4f")])
+        ("F ratio", "flops_h2l_ratio", ".3f"), ("val loss", "val_loss", ".4f"), ("bpb", "bpb", ".4f"),
+        ("vs none", "vs_none", "+.4f"), ("tokens x", "tokens_multiplier", ".2f"),
+        ("FLOPs x", "flops_multiplier", ".2f"), ("note", "note", "")])
+
+
+def configs(base, loops: list[int], kinds: list[str], rank: int) -> list[tuple[int, str, object]]:
+    """(r, adapter kind, config) for every loop count and adapter: full-stack looping of base (How-to-Loop's
+    loop: no 1/r residual scale) with the adapter on all projections at `rank`."""
+    return [(r, kind, replace(base, loop=common.howto_loop(start=0, length=base.n_layer, n_loops=r, adapter=kind,
+                                                           adapter_rank=rank)))
+            for r in loops for kind in kinds]
 
 
 if __name__ == "__main__":

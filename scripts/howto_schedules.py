@@ -1,16 +1,28 @@
-"""How to Loop: which part of a dense transformer to loop, at fixed stored weights and at fixed FLOPs.
+"""How to Loop: which part of a dense transformer to loop, at fixed stored weights and at fixed compute.
 
   python scripts/howto_schedules.py --preset smoke|tiny|small [--loops 2 4] [--designs ...] [--scale S]
 
-Designs (loop.LoopConfig): full_stack (the whole stack r times, block schedule), per_layer (each
-layer r times in a row: the same evaluations in another order), middle_third (loop.middle_third:
-floor(B/3) unique blocks each side, the centre r times), attn_only / mlp_only (full stack, only
-that sub-layer repeats). Two budgets, as in the paper:
-  weights  the base config itself with the loop added: same stored weights, r-fold FLOPs in the loop.
-  flops    budget.match of the loop to the base's per-token training FLOPs (parameters and KV left
-           free: a dense model has no experts to restore them), i.e. a narrower model.
-Dense models (the base is the preset's scale with a dense SwiGLU of the MoE's active width); the
-no-loop base is the reference row. Writes results.json, a table and howto_schedules.png.
+Designs (common.howto_loop: How-to-Loop has no 1/r residual scale): full_stack (the whole stack r
+times, block schedule), per_layer (each layer r times in a row: the same evaluations in another
+order), middle_third (loop.middle_third: floor(B/3) unique blocks each side, the centre r times),
+attn_only / mlp_only (full stack, only that sub-layer repeats). Budgets:
+  weights  How-to-Loop: the base model itself with the loop added, trained on the same tokens (same
+           stored weights and data, r-fold FLOPs in the loop).
+  compute  How-to-Loop: the same model (same width, depth, weights) trained on fewer tokens, the share
+           howto_flops(no loop) / howto_flops(looped) (common.compute_share_steps: "two loops on half the
+           tokens", a bit more than half since the head runs once), so its training compute equals the
+           no-loop run's; compared along the compute axis (howto_schedules_compute.png).
+  flops    OUR EXTENSION (not in the paper): budget.match narrows the looped model to the base's per-token
+           FLOPs (parameters and KV left free: a dense model has no experts to restore them), same tokens.
+           Labelled "flops_matched (ours)" / "extension (ours)" in every output.
+The no-loop base is the reference row, trained with decay branches at common.CURVE_FRACTIONS of its
+stable phase: those (tokens, loss) points give the fitted no-loop curve L(D) = E + A D^-alpha that every
+looped run's loss is inverted on (common.efficiency): tokens multiplier (the paper: 1.3-3.3x at 1B) and
+FLOPs multiplier (the paper: 6-37 % extra no-loop FLOPs), or "not identified (why)". Loss in nats per
+token and bits per byte (common.bits_per_byte, bytes of the same held-out targets). "F ratio" is per-token
+FLOPs over the no-loop's in How-to-Loop's accounting (head included), "F ratio (budget.match)" in the one
+budget.match matches on, "C ratio" the training compute (FLOPs x tokens) over the no-loop run's. Writes
+results.json, a table and howto_schedules_{weights,compute,flops}.png.
 """
 from __future__ import annotations
 
@@ -18,16 +30,19 @@ from dataclasses import replace
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-from loop import LoopConfig, middle_third
+from loop import middle_third
 
 LOOPS = {"smoke": [2], "tiny": [2, 4], "small": [2, 4, 8]}
 DESIGNS = {
-    "full_stack": lambda L, r: LoopConfig(start=0, length=L, n_loops=r),
-    "per_layer": lambda L, r: LoopConfig(start=0, length=L, n_loops=r, schedule="per_layer"),
-    "middle_third": lambda L, r: LoopConfig(*middle_third(L), n_loops=r),
-    "attn_only": lambda L, r: LoopConfig(start=0, length=L, n_loops=r, part="attn"),
-    "mlp_only": lambda L, r: LoopConfig(start=0, length=L, n_loops=r, part="mlp"),
+    "full_stack": lambda L, r: common.howto_loop(start=0, length=L, n_loops=r),
+    "per_layer": lambda L, r: common.howto_loop(start=0, length=L, n_loops=r, schedule="per_layer"),
+    "middle_third": lambda L, r: common.howto_loop(**dict(zip(("start", "length"), middle_third(L))), n_loops=r),
+    "attn_only": lambda L, r: common.howto_loop(start=0, length=L, n_loops=r, part="attn"),
+    "mlp_only": lambda L, r: common.howto_loop(start=0, length=L, n_loops=r, part="mlp"),
 }
+BUDGETS = ("weights", "compute", "flops")
+LABEL = {"weights": "weights", "compute": "compute", "flops": "flops_matched (ours)"}
+PROTOCOL = {"weights": "How-to-Loop", "compute": "How-to-Loop", "flops": "extension (ours)"}
 # match at fixed FLOPs only: loose parameter / KV tolerances, and room to narrow by up to 4x
 FLOPS_ONLY = dict(tolerances={"params": 1e9, "kv": 1e9}, d_range=(0.25, 1.0))
 
@@ -37,37 +52,54 @@ def main(argv=None) -> dict:
     ap.add_argument("--loops", type=int, nargs="+", default=None, help="loop counts (default: smoke 2, tiny 2 4, "
                     "small 2 4 8)")
     ap.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=list(DESIGNS), help="designs to run")
-    ap.add_argument("--budgets", nargs="+", default=["weights", "flops"], choices=["weights", "flops"],
-                    help="fixed stored weights and/or fixed training FLOPs")
+    ap.add_argument("--budgets", nargs="+", default=list(BUDGETS), choices=list(BUDGETS),
+                    help="weights: same model and tokens; compute: same model on the token share that equalises "
+                         "training FLOPs (How-to-Loop); flops: our extension, narrowed by budget.match")
     ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
     args = ap.parse_args(argv)
     exp = common.Experiment("howto_schedules", args)
     base = exp.dense_base(args.scale)
     L = base.n_layer
-    specs, info = [("no_loop", base, {"arch": "no_loop"})], [{"budget": "-", "design": "no_loop", "loops": 1,
-                                                              **exp.budgets(base, base)}]
+    specs = [("no_loop", base, {"arch": "no_loop"}, exp.curve_tc())]
+    info = [{"budget": "-", "protocol": "reference", "design": "no_loop", "loops": 1, "span": "-",
+             **exp.budgets(base, base)}]
     for r in args.loops or LOOPS[args.preset]:
         for design in args.designs:
             lc = DESIGNS[design](L, r)
             for b in args.budgets:
-                cfg = replace(base, loop=lc) if b == "weights" else exp.match(base, lc, **FLOPS_ONLY)[0]
-                specs.append((f"{design}_x{r}_{b}", cfg, {"arch": design}))
-                info.append({"budget": b, "design": design, "loops": r,
+                if b == "flops":
+                    cfg, tc = exp.match(base, lc, **FLOPS_ONLY)[0], exp.tc
+                else:
+                    cfg = replace(base, loop=lc)
+                    tc = exp.compute_tc(cfg, base) if b == "compute" else exp.tc
+                specs.append((f"{design}_x{r}_{b}", cfg, {"arch": design, "budget": b}, tc))
+                info.append({"budget": LABEL[b], "protocol": PROTOCOL[b], "design": design, "loops": r,
                              "span": f"{lc.start + 1}-{lc.start + lc.length}", **exp.budgets(cfg, base)})
     rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
+    report = common.howto_report(exp, rows, rows[0])
     figs = []
     for b in args.budgets:
-        series = {d: ([1] + [r["loops"] for r in rows if r["design"] == d and r["budget"] == b],
-                      [rows[0]["val_loss"]] + [r["val_loss"] for r in rows if r["design"] == d and r["budget"] == b])
-                  for d in args.designs}
+        sel = [r for r in rows if r["budget"] == LABEL[b]]
+        if b == "compute":
+            per = {d: [r for r in sel if r["design"] == d] for d in args.designs}
+            series = {f"{d} (x{', x'.join(str(r['loops']) for r in rs)})":
+                      ([r["compute"] for r in rs], [r["val_loss"] for r in rs]) for d, rs in per.items()}
+            figs.append(common.plot_compute_axis(exp.out / "howto_schedules_compute.png", report["noloop_curve"],
+                                                 series, "Loop designs at fixed training compute"))
+            continue
+        series = {d: ([1] + [r["loops"] for r in sel if r["design"] == d],
+                      [rows[0]["val_loss"]] + [r["val_loss"] for r in sel if r["design"] == d]) for d in args.designs}
+        title = ("Loop designs at fixed stored weights and data" if b == "weights"
+                 else "Our extension: loops narrowed to the no-loop FLOPs")
         figs.append(common.plot_lines(exp.out / f"howto_schedules_{b}.png", series, "loops", "validation loss",
-                                      f"Loop designs at fixed {'stored weights' if b == 'weights' else 'FLOPs'}",
-                                      xlog=True))
-    return exp.finish({"base": base.to_dict(), "rows": rows, "figures": figs}, [
-        ("budget", "budget", ""), ("design", "design", ""), ("loops", "loops", "d"), ("span", "span", ""),
-        ("effective", "effective_layers", "d"), ("D", "d_model", "d"), ("params", "blocks", ",d"),
-        ("F ratio", "flops_ratio", ".3f"), ("N ratio", "params_ratio", ".3f"), ("KV ratio", "kv_ratio", ".3f"),
-        ("val loss", "val_loss", ".4f")])
+                                      title, xlog=True))
+    return exp.finish({"base": base.to_dict(), **report, "rows": rows, "figures": figs}, [
+        ("budget", "budget", ""), ("protocol", "protocol", ""), ("design", "design", ""), ("loops", "loops", "d"),
+        ("span", "span", ""), ("effective", "effective_layers", "d"), ("D", "d_model", "d"),
+        ("params", "blocks", ",d"), ("tokens", "tokens", ",d"), ("F ratio", "flops_h2l_ratio", ".3f"),
+        ("F ratio (budget.match)", "flops_ratio", ".3f"),
+        ("C ratio", "compute_ratio", ".3f"), ("val loss", "val_loss", ".4f"), ("bpb", "bpb", ".4f"),
+        ("tokens x", "tokens_multiplier", ".2f"), ("FLOPs x", "flops_multiplier", ".2f"), ("note", "note", "")])
 
 
 if __name__ == "__main__":

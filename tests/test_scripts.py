@@ -1,10 +1,12 @@
 """The experiment scripts run end to end on the smoke preset and write the JSON they promise.
 
 A representative subset runs in-process through main(argv) with --steps 4 (span sweep, adapters,
-PLT with the RMS ratio, decode latency with a 4-token prompt); every script answers --help; one
-script runs as `python scripts/NAME.py` from the repo root to check the sys.path plumbing.
-The rest (depth / loop-count sweeps, ladder, downstream, probes, schedules) share common.py
-with these and are run by hand: `python scripts/NAME.py --preset smoke --steps 4`.
+PLT with the RMS ratio, the How-to-Loop fixed-compute schedules, decode latency with a 4-token
+prompt); every script answers --help; one script runs as `python scripts/NAME.py` from the repo root
+to check the sys.path plumbing. The rest (depth / loop-count sweeps, ladder, downstream, probes) share
+common.py with these and are run by hand: `python scripts/NAME.py --preset smoke --steps 4`.
+How-to-Loop's pure pieces (no 1/r scale in its configs, the fixed-compute token share, bits per byte,
+the no-loop curve and its inversion) are pinned against hand-computed cases without training.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +80,24 @@ def test_span_sweep(tmp_path):
     assert all(Path(f).is_file() for f in r["figures"])
 
 
+def check_howto(r: dict) -> None:
+    """What every How-to-Loop script's output carries: no 1/r scale, bpb on the loss's own text, the curve."""
+    bpt = r["bytes_per_token"]
+    assert bpt["tokens"] > 0 and bpt["bytes_per_token"] == pytest.approx(bpt["bytes"] / bpt["tokens"])
+    noloop = r["rows"][0]
+    assert noloop["loops"] == 1 and noloop["val_tokens"] == bpt["tokens"]    # the same held-out targets
+    for row in r["rows"]:
+        assert row["residual_scale"] is False
+        assert row["bpb"] == pytest.approx(row["val_loss"] / math.log(2) / bpt["bytes_per_token"])
+        if row["loops"] > 1:   # a multiplier, or no multiplier and the reason
+            assert (finite(row["tokens_multiplier"], row["flops_multiplier"])
+                    or (row["tokens_multiplier"] is None and row["note"].startswith("not identified (")))
+    curve = r["noloop_curve"]
+    assert [p["tokens"] for p in curve["points"]] == sorted(p["tokens"] for p in curve["points"])
+    assert len(curve["points"]) >= 4 and curve["points"][-1]["val_loss"] == noloop["val_loss"]
+    assert curve["identified"] or curve["why"]
+
+
 def test_howto_adapters(tmp_path):
     r = run("howto_adapters", tmp_path, "--steps", "4", "--loops", "2")
     rows = {(row["loops"], row["adapter"]): row for row in r["rows"]}
@@ -85,9 +106,11 @@ def test_howto_adapters(tmp_path):
     assert 0 < rows[(2, "lora")]["adapter_params"] < rows[(2, "matrix")]["adapter_params"]   # + the L x L mixing
     for row in r["rows"]:
         assert finite(row["val_loss"], row["overhead_pct"])
+    check_howto(r)
 
 
 def test_howto_plt(tmp_path):
+    import stats
     variants = ["no_loop", "sequential", "unshifted", "plt_add", "plt_add_kv", "plt_norm_gate"]
     r = run("howto_plt", tmp_path, "--steps", "4", "--variants", *variants, "--ratio-tokens", "128")
     rows = {row["variant"]: row for row in r["rows"]}
@@ -96,6 +119,145 @@ def test_howto_plt(tmp_path):
     for v, row in rows.items():
         assert finite(row["val_loss"], *row["rms_ratio"])
         assert len(row["rms_ratio"]) == row["loops"] and all(x > 0 for x in row["rms_ratio"])
+        for x, iv, verdict in zip(row["rms_ratio"], row["rms_ratio_interval"], row["rms_ratio_verdict"]):
+            assert iv["lo"] <= x == iv["mean"] <= iv["hi"] and iv["n"] > 1 and verdict in stats.VERDICTS
+    check_howto(r)
+
+
+def test_howto_schedules_fixed_compute(tmp_path):
+    r = run("howto_schedules", tmp_path, "--steps", "4", "--designs", "full_stack", "--budgets", "compute", "flops")
+    noloop, compute, matched = r["rows"]
+    assert (compute["budget"], compute["protocol"]) == ("compute", "How-to-Loop")
+    assert (matched["budget"], matched["protocol"]) == ("flops_matched (ours)", "extension (ours)")
+    # How-to-Loop keeps the model and trains it on fewer tokens, at the no-loop run's training compute
+    for k in ("d_model", "n_layer", "blocks", "d_ff"):
+        assert compute[k] == noloop[k]
+    assert compute["tokens"] < noloop["tokens"] and compute["loops"] == 2
+    steps = noloop["tokens"] / (noloop["stable_steps"] + r["train"]["decay_steps"])    # tokens per step
+    assert compute["tokens"] == (compute["stable_steps"] + r["train"]["decay_steps"]) * steps
+    half_step = 0.5 * steps * compute["flops_h2l"] / (noloop["flops_h2l"] * noloop["tokens"])
+    assert abs(compute["compute_ratio"] - 1) <= half_step
+    # our extension narrows the model instead and keeps the tokens
+    assert matched["d_model"] < noloop["d_model"] and matched["tokens"] == noloop["tokens"]
+    check_howto(r)
+
+
+# -- How-to-Loop's pure pieces ---------------------------------------------------------------
+
+def _dense(n_layer: int = 6):
+    from model import ModelConfig
+    import common
+    return ModelConfig(vocab_size=64, block_size=16, n_layer=n_layer, d_model=16, n_head=2, n_kv_head=1,
+                       head_dim=8, d_ff=32, loop=common.howto_loop())
+
+
+def test_howto_configs_have_no_residual_scale():
+    import common
+    import howto_adapters
+    import howto_plt
+    import howto_schedules
+    from loop import plan
+    base = _dense()
+    cfgs = [replace_loop(base, f(base.n_layer, r)) for f in howto_schedules.DESIGNS.values() for r in (2, 4)]
+    cfgs += [c for _, _, c in howto_adapters.configs(base, [2, 4], ["none", "lora", "matrix", "softmax"], 2)]
+    cfgs += [howto_plt.variant_config(base, v, 2, 4) for v in howto_plt.VARIANTS if howto_plt.VARIANTS[v] is not None]
+    assert len(cfgs) == 10 + 8 + 6
+    for c in cfgs:
+        assert c.loop.active and c.loop.residual_scale is False
+        assert all(v.attn_scale == v.mlp_scale == 1.0 for v in plan(c.n_layer, c.loop))   # no 1/r anywhere
+    assert howto_plt.variant_config(base, "no_loop", 2, 4).loop.residual_scale is False
+    with pytest.raises(ValueError, match="residual_scale"):
+        common.howto_loop(start=0, length=2, n_loops=2, residual_scale=True)
+
+
+def replace_loop(cfg, loop):
+    from dataclasses import replace
+    return replace(cfg, loop=loop)
+
+
+def test_compute_share_steps_equalises_training_compute():
+    from common import compute_share_steps
+    # two loops costing exactly 2x per token: half the tokens (30 + 6 steps -> 18 = 12 stable + 6 decay)
+    assert compute_share_steps(30, 6, 1.0, 2.0) == 12
+    # How-to-Loop's accounting charges the head once: 2 loops at 1.8x get 20 of 36 steps, compute exactly equal
+    assert compute_share_steps(30, 6, 1.0, 1.8) == 14 and (14 + 6) * 1.8 == pytest.approx(36)
+    # otherwise compute matches to within half a step
+    for ratio in (1.3, 1.45, 1.7, 3.4):
+        total = compute_share_steps(60, 8, 1.0, ratio) + 8
+        assert abs(total * ratio - 68) <= 0.5 * ratio
+    assert compute_share_steps(30, 6, 2.0, 2.0) == 30                              # same cost: same run
+    with pytest.raises(ValueError, match="no stable step"):
+        compute_share_steps(4, 6, 1.0, 4.0)
+    with pytest.raises(ValueError, match="flops_run"):
+        compute_share_steps(30, 6, 1.0, 0.0)
+
+
+class _OneDocData:
+    """A held-out set of one source holding one known text, in TokenData's interface."""
+
+    def __init__(self, text: str, vocab: int = 512):
+        import data as data_mod
+        self.vocab_size, self.eot = vocab, vocab - 1
+        self.sources, self.domains = ["s"], {"s": "code"}
+        self._tok = data_mod.get_tokenizer(vocab)
+        self.ids = [self.eot] + self._tok.encode_ordinary(text) + [self.eot]
+
+    def tokenizer(self):
+        return self._tok
+
+    def val_batches(self, source, batch_size, block_size, max_tokens=None):
+        row = torch.tensor(self.ids)
+        yield row[None, :-1], row[None, 1:], torch.zeros(1, len(self.ids) - 1, dtype=torch.long)
+
+
+def test_bits_per_byte_hand_computed():
+    from common import bits_per_byte, val_bytes_per_token
+    d = _OneDocData("hello world, héllo")          # 19 UTF-8 bytes (é is two)
+    n_text = len(d.ids) - 2
+    got = val_bytes_per_token(d, 64, 1024)
+    # targets: the text's tokens + the closing <|endoftext|> (0 bytes: a separator, not text)
+    assert (got["bytes"], got["tokens"]) == (19, n_text + 1)
+    assert got["bytes_per_token"] == pytest.approx(19 / (n_text + 1))
+    assert got["by_domain"] == {"code": 19 / (n_text + 1)}
+    # 2 ln 2 nats per token at 2 bytes per token = 1 bit per byte; total bits over total bytes
+    assert bits_per_byte(2 * math.log(2), 2.0) == pytest.approx(1.0)
+    nats = 3.1
+    assert bits_per_byte(nats, got["bytes_per_token"]) == pytest.approx(nats * (n_text + 1) / math.log(2) / 19)
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        bits_per_byte(1.0, 0.0)
+
+
+def test_noloop_curve_inversion_and_not_identified():
+    from common import efficiency, fit_noloop_curve, tokens_to_reach
+    E, A, alpha, ref = 2.0, 3.0, 0.5, 16000.0
+    curve = lambda D: E + A * (np.asarray(D) / ref) ** -alpha
+    D = [1000, 2000, 4000, 8000, 16000]
+    fit = fit_noloop_curve(D, curve(D))
+    assert fit["identified"] and fit["why"] is None
+    assert (fit["E"], fit["A"], fit["alpha"]) == pytest.approx((E, A, alpha), rel=1e-4)
+    got, why = tokens_to_reach(fit, float(curve(5000)))
+    assert why is None and got == pytest.approx(5000, rel=1e-4)
+    # a looped run at 2,500 tokens and 1.6x the no-loop FLOPs per token that reaches the no-loop loss at 5,000:
+    # 2x the tokens, 2 / 1.6 = 1.25x the FLOPs (25 % more no-loop compute)
+    eff = efficiency(fit, float(curve(5000)), 2500, 1.6, 1.0)
+    assert eff["tokens_multiplier"] == pytest.approx(2.0, rel=1e-4)
+    assert eff["flops_multiplier"] == pytest.approx(1.25, rel=1e-4)
+    assert eff["flops_extra_pct"] == pytest.approx(25, abs=0.01)
+    assert eff["note"] is None
+    assert efficiency(fit, float(curve(32000)), 8000, 1.0, 1.0)["note"].startswith("extrapolated: x2.00 beyond")
+    # not identified: too few points, too narrow a range, non-monotone, a loss below the floor
+    for d, l, why in [(D[:3], curve(D[:3]), "3 distinct token counts"),
+                      ([1000, 1100, 1200, 1300], curve([1000, 1100, 1200, 1300]), "tokens span only"),
+                      (D, np.array([5.0, 4.0, 4.2, 3.5, 3.0]), "non-monotone")]:
+        bad = fit_noloop_curve(d, l)
+        assert not bad["identified"] and why in bad["why"] and bad["alpha"] is None
+        eff = efficiency(bad, 3.0, 1000, 2.0, 1.0)
+        assert eff["tokens_multiplier"] is None and eff["flops_multiplier"] is None
+        assert eff["note"] == f"not identified ({bad['why']})"
+    assert tokens_to_reach(fit, 1.9) == (None, "not identified (loss 1.9000 at or below the fitted no-loop floor "
+                                         "E = 2.0000)")
+    with pytest.raises(ValueError, match="tokens must be positive"):
+        fit_noloop_curve([0, 1, 2, 3], [4, 3, 2, 1])
 
 
 def test_decode_latency(tmp_path):
