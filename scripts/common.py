@@ -126,9 +126,12 @@ class Experiment:
         return self.data
 
     @property
-    def ctx(self) -> int:
-        """Document length for FLOPs in matching: the training context, as reproduce.stage_ladder uses."""
-        return self.plan.block_size
+    def ctx(self) -> float:
+        """Document length for SMELT FLOPs in matching: the measured document length of the prepared data
+        at the plan's context (budget.preset_doc_length), as reproduce.stage_ladder uses."""
+        if getattr(self, "_ctx", None) is None:
+            self._ctx = budget.preset_doc_length(self.plan.ladder, self.load_data())
+        return self._ctx
 
     def cells(self) -> list[tuple[str, str, ModelConfig]]:
         vocab = self.load_data().vocab_size
@@ -168,7 +171,7 @@ class Experiment:
         """Stored / active parameters, FLOPs and KV bytes per token of cfg, and the ratios to ref."""
         c = budget.count_params(cfg)
         out = {"blocks": c["blocks"], "active": c["active"], "flops": budget.flops_per_token(cfg, self.ctx),
-               "flops_h2l": howto_flops(cfg, self.ctx),
+               "flops_h2l": howto_flops(cfg, self.plan.block_size),
                "kv_bytes": budget.kv_bytes_per_token(cfg, 2, self.ctx), "d_model": cfg.d_model,
                "n_layer": cfg.n_layer, "n_experts": cfg.n_experts, "d_ff": cfg.d_ff,
                "effective_layers": len(looping.plan(cfg.n_layer, cfg.loop)),
@@ -188,8 +191,9 @@ class Experiment:
     def compute_tc(self, cfg: ModelConfig, ref: ModelConfig) -> trainer.TrainConfig:
         """How-to-Loop's fixed training compute: cfg (same model, looped) trained on the token share
         howto_flops(ref) / howto_flops(cfg) of ref's run (compute_share_steps), decay branch unchanged."""
-        stable = compute_share_steps(self.steps, self.tc.decay_steps, howto_flops(ref, self.ctx),
-                                     howto_flops(cfg, self.ctx))
+        # How-to-Loop counts attention at the full context (its convention), not at the document length
+        stable = compute_share_steps(self.steps, self.tc.decay_steps, howto_flops(ref, self.plan.block_size),
+                                     howto_flops(cfg, self.plan.block_size))
         return replace(self.tc, stable_steps=stable, branch_steps=[])
 
     # -- training ------------------------------------------------------------------------

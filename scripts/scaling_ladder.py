@@ -31,7 +31,7 @@ def main(argv=None) -> dict:
                    eval_tokens=exp.tc.eval_tokens, scales=args.scales or p.scales,
                    bootstrap=p.bootstrap if args.bootstrap is None else args.bootstrap)
     data = exp.load_data()
-    ladder = reproduce.stage_ladder(plan, data.vocab_size, exp.out)
+    ladder = reproduce.stage_ladder(plan, data, exp.out)
     results = reproduce.stage_train(plan, ladder, data, exp.out, exp.jobs)
     reproduce.plot_curves(exp.out, ladder)
     scal = reproduce.stage_scaling(plan, results, exp.out)
