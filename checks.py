@@ -101,7 +101,8 @@ def parse_json(text: str, path: str | Path, line: int | None = None):
         return json.loads(text)
     except json.JSONDecodeError as e:
         at = f"{path}:{line}:{e.colno}" if line is not None else f"{path}:{e.lineno}:{e.colno}"
-        hint = " (truncated: an interrupted write?)" if e.pos >= len(text.rstrip()) else ""
+        at_end = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")   # both: input ended early
+        hint = " (truncated: an interrupted write?)" if at_end else ""
         raise JSONFileError(f"{at}: not valid JSON: {e.msg}{hint}") from None
 
 

@@ -133,10 +133,35 @@ def pool_map(fn, jobs_list: list, jobs: int, cost=None) -> list:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(1,)) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                             initargs=(os.getpid(),)) as pool:
         done = dict(zip(order, pool.map(fn, [jobs_list[i] for i in order])))
     return [done[i] for i in range(len(jobs_list))]
+
+
+def _worker_init(parent: int) -> None:
+    """pool_map's worker setup: one intra-op thread, and die with the parent (a killed reproduce.py must not
+    leave workers writing its runs). Linux: PR_SET_PDEATHSIG = SIGKILL via prctl; elsewhere (and as a
+    backstop) a daemon thread that exits the worker once its parent pid changes (checked every second)."""
+    import signal
+    import sys
+    import threading
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if os.getppid() != parent:   # the parent died before the death signal was armed
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def _train_one(job: tuple) -> list[dict]:
@@ -147,12 +172,35 @@ def _train_one(job: tuple) -> list[dict]:
     return train.train(ModelConfig.from_dict(cfg), train.TrainConfig(**tc), data_mod.TokenData(data_dir), run, meta)
 
 
-def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
+def plan_train_config(plan: Plan):
+    """The TrainConfig every run of the plan uses."""
     import train
-    tc = train.TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
-                           branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
-                           batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
-                           log_interval=max(1, plan.stable_steps // 4), seed=0)
+    return train.TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
+                             branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
+                             batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
+                             log_interval=max(1, plan.stable_steps // 4), seed=0)
+
+
+def check_disk(plan: Plan, ladder: list[dict], out: Path, jobs: int) -> dict:
+    """Print what training will keep on disk (train.plan_disk_estimate) and refuse, before any training,
+    when the free space at `out` (plus what earlier invocations already wrote to out/runs) cannot hold it."""
+    import shutil
+    import train
+    cfgs = [ModelConfig.from_dict(cell[arch]) for cell, arch, _ in run_dirs(out, ladder)]
+    est = train.plan_disk_estimate(cfgs, plan_train_config(plan), jobs)
+    done = sum(f.stat().st_size for f in (out / "runs").rglob("*") if f.is_file()) if (out / "runs").exists() else 0
+    free, fmt = shutil.disk_usage(out).free, train.format_bytes
+    need = max(0, est["peak"] - done)
+    log(f"disk: the {est['runs']} runs keep {fmt(est['final'])} when finished and up to {fmt(est['peak'])} while "
+        f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
+    if need > free:
+        raise SystemExit(f"reproduce: not enough disk at {out}: training needs up to {fmt(need)} more and "
+                         f"{fmt(free)} is free; free space or pass --out on a larger disk")
+    return est
+
+
+def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
+    tc = plan_train_config(plan)
     todo = []
     for cell, arch, run in run_dirs(out, ladder):
         meta = {"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"],
@@ -460,6 +508,7 @@ def main(argv=None) -> Path:
     data, _ = stage_data(plan)
     ladder = stage_ladder(plan, data.vocab_size, out)
     jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
+    check_disk(plan, ladder, out, jobs)
     rows = stage_train(plan, ladder, data, out, jobs)
     plot_curves(out, ladder)
     ev_sum = stage_eval(plan, ladder, data, out, jobs) if "eval" not in args.skip else {}

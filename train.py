@@ -595,6 +595,103 @@ def needed_checkpoints(on_disk, pending) -> set[tuple[int | None, int]]:
 
 
 # ----------------------------------------------------------------------------------------
+# Disk: what a run writes, estimated before it starts (pure functions)
+
+# Bytes a torch file costs beyond its tensors' data, measured with torch 2.13 (torch.save of dicts of
+# 10-1000 tensors): ~1.3 kB per file, 250-300 B per tensor (zip headers, 64-byte alignment, pickle).
+_FILE_BYTES = 1261 + _TRAILER_LEN
+_TENSOR_BYTES = 280
+_RNG_BYTES = 5056 + 625 * 8 * 2 + 3 * _TENSOR_BYTES   # torch, numpy and python generator states
+_METRICS_ROW_BYTES = 420   # one metrics.jsonl row with its hash (measured: 370-410 B)
+
+
+def logged(tc: TrainConfig, done: int, end: int) -> tuple[bool, bool]:
+    """(progress row, validation) after optimizer step `done` of a segment ending at `end`."""
+    return done % tc.log_interval == 0 or done == end, bool(tc.eval_interval and done % tc.eval_interval == 0)
+
+
+def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]:
+    """(full resume checkpoint, weights-only endpoint) file sizes for this model: fp32 weights, AdamW's two
+    fp32 moments + a step per parameter, RNG states, JSON meta. The parameter list comes from a GPT
+    built on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        gpt = GPT(model_cfg)
+    params = list(gpt.named_parameters())
+    weights = sum(p.numel() * 4 + _TENSOR_BYTES for _, p in params)
+    meta = len(json.dumps({"format": 2, "kind": "endpoint", "model": model_cfg.to_dict(), "train": asdict(tc),
+                           "step": 0, "branch": 0, "tokens": 0, "wall_s": 0.0, "run": {}})) + 100
+    endpoint = _FILE_BYTES + weights + meta
+    adam = sum(2 * (p.numel() * 4 + _TENSOR_BYTES) + 4 + _TENSOR_BYTES + 2 * (len(n) + 12) for n, p in params)
+    return endpoint + adam + _RNG_BYTES + 600, endpoint
+
+
+def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
+    """Bytes one train() run keeps on disk, replaying the Trainer's save / prune rules (save_kind,
+    needed_checkpoints, logged): "peak" (the most at any moment), "final" (after the run: endpoints, ckpt.pt,
+    logs), "written" (all bytes written, deleted files included), and the per-file sizes."""
+    tc = TrainConfig.from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
+    full, endpoint = checkpoint_bytes(model_cfg, tc)
+    row = len(json.dumps({"config": model_cfg.to_dict(), "train": asdict(tc)})) + len(json.dumps(
+        budget.dense_control(model_cfg).to_dict())) + 1500   # results row: configs, losses by source, hash
+    logs = 2 * len(json.dumps({"model": model_cfg.to_dict(), "train": asdict(tc)}, indent=2))  # config.json
+    ckpts: dict = {}
+    state = {"peak": 0, "written": logs, "kept": logs}   # kept: endpoints + logs
+
+    def now() -> int:
+        return state["kept"] + full * len(ckpts)
+
+    def write(n: int, key=None) -> None:
+        state["written"] += n
+        if key is None:
+            state["kept"] += n
+        else:
+            ckpts[key] = True
+        state["peak"] = max(state["peak"], now())
+
+    def prune(pending) -> None:
+        for key in set(ckpts) - needed_checkpoints(ckpts, pending):
+            del ckpts[key]
+
+    pending, s = list(tc.branches), 0
+    for b in tc.branches:
+        for branch, start, end in ((None, s, b), (b, b, b + tc.decay_steps)):
+            for done in range(start + 1, end + 1):
+                if any(logged(tc, done, end)):
+                    write(_METRICS_ROW_BYTES)
+                kind = save_kind(tc, branch, done, end)
+                if kind == "endpoint":
+                    write(endpoint)
+                elif kind == "full":
+                    write(full, (branch, done))
+                    prune(pending)
+        s = b
+        write(row)
+        pending.remove(b)
+        prune(pending)
+    write(endpoint)   # ckpt.pt
+    return {"peak": state["peak"], "final": now(), "written": state["written"], "full_checkpoint": full,
+            "endpoint": endpoint}
+
+
+def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int = 1) -> dict:
+    """disk_estimate over a set of runs trained `jobs` at a time: "final" is the sum of the runs' final
+    bytes; "peak" adds the `jobs` largest in-run surpluses (peak - final) on top of it, an upper bound
+    (it assumes every other run has already finished)."""
+    ests = [disk_estimate(c, tc) for c in model_cfgs]
+    final = sum(e["final"] for e in ests)
+    surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]
+    return {"final": final, "peak": final + sum(surplus), "written": sum(e["written"] for e in ests),
+            "runs": len(ests)}
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+# ----------------------------------------------------------------------------------------
 # Evaluation
 
 @torch.no_grad()
@@ -868,10 +965,10 @@ class Trainer:
                                   "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
                                                    for g in osd["param_groups"]]})
 
-    def _refuse_nonfinite(self, path: Path, step: int, *trees) -> None:
+    def _refuse_nonfinite(self, path: Path, step: int, msd: dict, osd: dict | None = None) -> None:
         """Raise DivergenceError (on every rank) when a tensor about to be saved holds NaN / infinity: a
         checkpoint on disk is always finite, so 'the last good checkpoint' is good."""
-        bad = [n for t in trees if t is not None for n in _nonfinite(t)]
+        bad = _nonfinite(msd, "model") + (_nonfinite(osd, "optimizer") if osd is not None else [])
         flag = torch.tensor([float(len(bad))])
         if self.d.world > 1:
             flag = flag.to(self.device)
@@ -1008,8 +1105,7 @@ class Trainer:
     def _log(self, done: int, end: int, branch: int | None, row: dict) -> None:
         tc = self.tc
         self.steps_left -= 1
-        log = done % tc.log_interval == 0 or done == end
-        ev = tc.eval_interval and done % tc.eval_interval == 0
+        log, ev = logged(tc, done, end)
         if not (log or ev):
             return
         now = time.perf_counter()
