@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from numbers import Integral, Real
 
 import torch
 import torch.nn as nn
@@ -751,12 +752,12 @@ class GPT(nn.Module):
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
         """Sample max_new_tokens continuations of idx (B, T) with a KV cache; temperature 0 = greedy."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+        if isinstance(temperature, bool) or not isinstance(temperature, Real) \
                 or not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
             raise ValueError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
         self._check_idx(idx)
         B, T = idx.shape

@@ -351,6 +351,8 @@ def file_digest(path: str | Path) -> str:
     """Check a torch file's sha256 trailer against its content; returns the digest. Raises CheckpointError
     naming the file when the trailer is missing (truncated, or not written by this code) or differs."""
     path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
     size = path.stat().st_size
     with open(path, "rb") as f:
         tail = b""
@@ -380,8 +382,6 @@ def load_file(path: str | Path) -> dict:
     """A torch file written by atomic_save: content hash checked, then torch.load(weights_only=True) on CPU.
     Every failure is a CheckpointError naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
     file_digest(path)
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
@@ -918,14 +918,14 @@ class Trainer:
 
     def _prune(self, pending: list[int]) -> None:
         """Delete the full checkpoints resuming no longer needs (needed_checkpoints); the directory too once empty."""
-        if self.d.rank != 0 or not self.ckpt_dir.is_dir():
-            return
-        on_disk = self._all_ckpts()
-        for key in on_disk.keys() - needed_checkpoints(on_disk, pending):
-            on_disk[key].unlink(missing_ok=True)
-        remove_stale_tmp(self.ckpt_dir)
-        if not pending and not any(self.ckpt_dir.iterdir()):
-            self.ckpt_dir.rmdir()
+        if self.d.rank == 0 and self.ckpt_dir.is_dir():
+            on_disk = self._all_ckpts()
+            for key in on_disk.keys() - needed_checkpoints(on_disk, pending):
+                on_disk[key].unlink(missing_ok=True)
+            remove_stale_tmp(self.ckpt_dir)
+            if not pending and not any(self.ckpt_dir.iterdir()):
+                self.ckpt_dir.rmdir()
+        self._barrier()   # other ranks list checkpoints next
 
     # -- checkpoints -------------------------------------------------------------------------
     def _names(self) -> list[str]:
@@ -1203,6 +1203,8 @@ class Trainer:
                                                     "data_dir": str(data_dir), "meta": meta}, indent=2))
             for name in ("results.jsonl", "metrics.jsonl"):
                 repair_torn_tail(self.run_dir / name)
+            for d in (self.run_dir, self.ckpt_dir, self.run_dir / "endpoints"):   # a killed writer's temp files
+                remove_stale_tmp(d)
         self._barrier()
         rows = self._results()
         done = {r["branch_step"] for r in rows}
@@ -1251,8 +1253,6 @@ class Trainer:
         self.win_t, self.win_step = time.perf_counter(), s
         if s < b:
             self._train(s, b, None)
-        elif b not in self._ckpts(None) and self.d.rank == 0:
-            raise CheckpointError(f"fork checkpoint {self._ckpt(None, b)} is missing")
 
     def _set_eta(self) -> None:
         """Steps left (stable + decay) for the progress line's ETA."""
