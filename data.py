@@ -76,6 +76,8 @@ import numpy as np
 import tiktoken
 import torch
 
+from checks import JSONFileError, read_json
+
 FORMAT_VERSION = 1  # bump when extraction or layout changes: old caches then rebuild
 EOT = "<|endoftext|>"
 GPT2_VOCAB = 50257
@@ -307,8 +309,12 @@ class Fetcher:
             return root, {"version": sys.version.split()[0], "licence": "PSF-2.0", "origin": f"python-stdlib:{root}"}
         dest = self.dir / re.sub(r"[^\w.-]+", "-", package)
         if (dest / ".complete").exists():  # unpacked before, with every path the sources now read
-            info = json.loads((dest / ".complete").read_text())
-            if set(info.get("kept", [])) >= self.keep.get(package, set()):
+            try:
+                info = read_json(dest / ".complete")
+            except JSONFileError as e:   # a damaged marker: unpack again
+                print(f"{e}; unpacking {package} again")
+                info = {}
+            if isinstance(info, dict) and set(info.get("kept", [])) >= self.keep.get(package, set()):
                 return dest, info
         if package in self.failed:
             raise SourceUnavailable(self.failed[package])
@@ -536,7 +542,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
     if manifest is None:
         if not (d / "manifest.json").exists():
             raise FileNotFoundError(f"no manifest.json in {d}: prepare it with `python data.py --preset ... --out {d}`")
-        manifest = json.loads((d / "manifest.json").read_text())
+        manifest = read_json(d / "manifest.json", keys=("files",))
     for rel, meta in manifest["files"].items():
         p = d / rel
         if not p.exists() or p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
@@ -557,7 +563,11 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
             "max_doc_chars": MAX_DOC_CHARS, "sources": [asdict(s) for s in sources]}
     spec = json.loads(json.dumps(spec))  # as it reads back from manifest.json (tuples -> lists)
     if not force and (out / "manifest.json").exists():
-        manifest = json.loads((out / "manifest.json").read_text())
+        try:
+            manifest = read_json(out / "manifest.json", keys=("spec",))
+        except JSONFileError as e:   # a damaged manifest: the dataset is rebuilt
+            print(f"{e}\nrebuilding {out}")
+            manifest = {}
         if manifest.get("spec") == spec:
             try:
                 verify(out, manifest)
@@ -655,7 +665,7 @@ class TokenData:
 
     def __init__(self, data_dir: str | Path, verify_hashes: bool = True):
         self.dir = Path(data_dir)
-        self.manifest = verify(self.dir) if verify_hashes else json.loads((self.dir / "manifest.json").read_text())
+        self.manifest = verify(self.dir) if verify_hashes else read_json(self.dir / "manifest.json")
         m = self.manifest
         self.vocab_size: int = m["vocab_size"]
         self.eot: int = m["eot_id"]

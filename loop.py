@@ -52,6 +52,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checks import check_fields
+
 SCHEDULES = ("block", "per_layer")
 PARTS = ("both", "attn", "mlp")
 ADAPTERS = ("none", "lora", "matrix", "softmax")
@@ -74,6 +76,9 @@ class LoopConfig:
     shift: bool = True        # PLT: False is the paper's unshifted control (h^(l-1)_n)
     kv_window: int = 0        # 0: one KV cache per loop; w>0: later loops share loop 1's cache + own window of w
 
+    def __post_init__(self):
+        self.validate()
+
     @property
     def active(self) -> bool:
         """True when some layer really runs more than once."""
@@ -82,15 +87,17 @@ class LoopConfig:
     def in_span(self, layer: int) -> bool:
         return self.start <= layer < self.start + self.length
 
-    def validate(self, n_layer: int) -> None:
-        """Raise ValueError naming the field and the rule it breaks."""
+    def validate(self, n_layer: int | None = None) -> None:
+        """Raise ValueError naming the field and the rule it breaks (n_layer None: the rules that
+        need no stack, checked at construction; ModelConfig checks the span against its stack)."""
         def bad(msg):
             raise ValueError(f"LoopConfig: {msg}")
+        check_fields(self, "LoopConfig")
         if self.n_loops < 1:
             bad(f"n_loops must be >= 1, got {self.n_loops}")
         if self.length < 0 or self.start < 0:
             bad(f"start and length must be >= 0, got start={self.start}, length={self.length}")
-        if self.start + self.length > n_layer:
+        if n_layer is not None and self.start + self.length > n_layer:
             bad(f"span [start, start+length) = [{self.start}, {self.start + self.length}) lies outside the "
                 f"stack of n_layer={n_layer} layers")
         if self.n_loops > 1 and self.length == 0:
@@ -101,7 +108,7 @@ class LoopConfig:
             bad(f"part must be one of {PARTS}, got {self.part!r}")
         if self.adapter not in ADAPTERS:
             bad(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
-        if self.adapter != "none" and self.adapter_rank < 1:
+        if self.adapter_rank < 1:
             bad(f"adapter_rank must be >= 1, got {self.adapter_rank}")
         if self.inject not in INJECTS:
             bad(f"inject must be one of {INJECTS}, got {self.inject!r}")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from numbers import Integral, Real
 
 import torch
 import torch.nn as nn
@@ -47,8 +48,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import loop as looping
+from checks import check_fields, from_dict
 from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
 from moe import MoE, RouterStats
+
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -76,7 +81,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if isinstance(self.loop, dict):
-            self.loop = LoopConfig(**self.loop)
+            self.loop = from_dict(LoopConfig, self.loop, "ModelConfig: loop")
         self.validate()
 
     @property
@@ -86,9 +91,18 @@ class ModelConfig:
     def validate(self) -> None:
         def bad(msg):
             raise ValueError(f"ModelConfig: {msg}")
+        check_fields(self, "ModelConfig")   # types: ints are ints, floats finite, booleans booleans
+        if not isinstance(self.loop, LoopConfig):
+            bad(f"loop must be a LoopConfig (or its dict), got {type(self.loop).__name__}")
         for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff"):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(self, name) < 0:
+                bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.n_head % self.n_kv_head:
             bad(f"n_head % n_kv_head must be 0 (grouped-query attention), got {self.n_head} % {self.n_kv_head}")
         if self.head_dim is None and self.d_model % self.n_head:
@@ -110,7 +124,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        return cls(**d)
+        """The inverse of to_dict; unknown keys (a typo, another version's field) are named in a ValueError."""
+        return from_dict(cls, d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -583,10 +598,22 @@ class GPT(nn.Module):
         """Full forward. capture: a dict that receives {(layer, visit): {name: tensor}} for probes."""
         self._check_idx(idx)
         B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"idx must hold at least one sequence of at least one token, got shape {(B, T)}")
         if doc_ids is not None and doc_ids.shape != idx.shape:
             raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}")
-        if targets is not None and targets.shape != idx.shape:
-            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        if doc_ids is not None and doc_ids.dtype not in _INT_DTYPES:
+            raise ValueError(f"doc_ids must be an integer tensor (document numbers), got {doc_ids.dtype}")
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+            if targets.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+            if not torch.compiler.is_compiling():   # a host sync: checked in eager code only
+                bad = (targets < -1) | (targets >= self.cfg.vocab_size)
+                if bool(bad.any()):
+                    raise ValueError(f"targets must lie in [0, vocab_size={self.cfg.vocab_size}) or be -1 (ignored), "
+                                     f"got {targets[bad][0].item()}")
         pos = torch.arange(T, device=idx.device)
         ctx = Ctx(pos, self.rope_cos[:T], self.rope_sin[:T], doc_ids, self.cfg.loop.n_loops, B, capture=capture)
         x, router = self._body(self.tok_emb(idx), ctx, doc_ids)
@@ -725,7 +752,18 @@ class GPT(nn.Module):
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
         """Sample max_new_tokens continuations of idx (B, T) with a KV cache; temperature 0 = greedy."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, Real) \
+                or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
+            raise ValueError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
+        self._check_idx(idx)
         B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"generate: the prompt idx must hold at least one sequence of at least one token, "
+                             f"got shape {(B, T)}")
         need = T + max(max_new_tokens - 1, 0)   # the last sampled token is returned, never fed back
         if need > self.cfg.block_size:
             raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} - 1 exceeds block_size={self.cfg.block_size}")

@@ -201,8 +201,8 @@ def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None) -> list:
         return [done[i] for i in range(len(jobs_list))]
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(1,)) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                             initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(fn, jobs_list[i]): i for i in order}
         for k, f in enumerate(as_completed(futures), 1):
             i = futures[f]
@@ -215,6 +215,31 @@ def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None) -> list:
 def pool_map(fn, jobs_list: list, jobs: int, cost=None) -> list:
     """pool_run without progress callbacks (kept for scripts)."""
     return pool_run(fn, jobs_list, jobs, cost)
+
+
+def _worker_init(parent: int) -> None:
+    """pool_map's worker setup: one intra-op thread, and die with the parent (a killed reproduce.py must not
+    leave workers writing its runs). Linux: PR_SET_PDEATHSIG = SIGKILL via prctl; elsewhere (and as a
+    backstop) a daemon thread that exits the worker once its parent pid changes (checked every second)."""
+    import signal
+    import sys
+    import threading
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if os.getppid() != parent:   # the parent died before the death signal was armed
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def _train_one(job: tuple) -> list[dict]:
@@ -264,6 +289,24 @@ def log_plan_cost(cost: dict) -> None:
         f"one H200 at an assumed {100 * cost['mfu']:.0f} % MFU")
 
 
+def check_disk(plan: Plan, ladder: list[dict], out: Path, jobs: int) -> dict:
+    """Print what training will keep on disk (train.plan_disk_estimate) and refuse, before any training,
+    when the free space at `out` (plus what earlier invocations already wrote to out/runs) cannot hold it."""
+    import shutil
+    import train
+    cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in plan_runs(out, ladder, plan)]
+    est = train.plan_disk_estimate(cfgs, train_config(plan), jobs)
+    done = sum(f.stat().st_size for f in (out / "runs").rglob("*") if f.is_file()) if (out / "runs").exists() else 0
+    free, fmt = shutil.disk_usage(out).free, train.format_bytes
+    need = max(0, est["peak"] - done)
+    log(f"disk: the {est['runs']} runs keep {fmt(est['final'])} when finished and up to {fmt(est['peak'])} while "
+        f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
+    if need > free:
+        raise SystemExit(f"reproduce: not enough disk at {out}: training needs up to {fmt(need)} more and "
+                         f"{fmt(free)} is free; free space or pass --out-dir on a larger disk")
+    return est
+
+
 def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
     runs = plan_runs(out, ladder, plan)
     todo = []
@@ -288,9 +331,8 @@ def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> l
             f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
 
     rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done) for r in run_rows]
-    with open(out / "results.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, default=float) + "\n")
+    import train
+    train.atomic_write_text(out / "results.jsonl", "".join(train.jsonl_line(r) for r in rows))
     return rows
 
 
@@ -593,7 +635,9 @@ def budget_machine() -> str:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """A run's hashed JSON-lines file (train.read_jsonl: each row checked), or [] when absent."""
+    import train
+    return train.read_jsonl(path) if path.exists() else []
 
 
 def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, plan: Plan | None = None) -> Path:
@@ -785,6 +829,7 @@ def main(argv=None) -> Path:
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f})")
     jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
+    check_disk(plan, ladder, out, jobs)
     rows = timed("train", stage_train, plan, ladder, data, out, jobs)
     train_sum = training_summary(plan, ladder, rows, entropy)
     write_json(out / "training_summary.json", train_sum)

@@ -190,15 +190,15 @@ def test_init_is_small_and_depth_scaled():
     assert abs(m.blocks[0].attn.wo.weight.std().item() - 0.02 / (2 * executed) ** 0.5) < 0.002
 
 
-@pytest.mark.parametrize("kw,msg", [
+@pytest.mark.parametrize("kw,msg", [   # loops as dicts: LoopConfig(...) itself raises at construction
     (dict(n_head=4, n_kv_head=3), "n_head % n_kv_head"),
     (dict(n_experts=2, top_k=3), "top_k"),
     (dict(d_model=0), "d_model must be > 0"),
     (dict(head_dim=7), "head_dim"),
-    (dict(loop=LoopConfig(start=3, length=2, n_loops=2)), "outside the stack"),
-    (dict(loop=LoopConfig(n_loops=2)), "needs a span"),
-    (dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True, schedule="per_layer")), "parallel"),
-    (dict(loop=LoopConfig(start=1, length=2, n_loops=2, adapter="lorax")), "adapter"),
+    (dict(loop=dict(start=3, length=2, n_loops=2)), "outside the stack"),
+    (dict(loop=dict(n_loops=2)), "needs a span"),
+    (dict(loop=dict(start=1, length=2, n_loops=2, parallel=True, schedule="per_layer")), "parallel"),
+    (dict(loop=dict(start=1, length=2, n_loops=2, adapter="lorax")), "adapter"),
 ])
 def test_bad_configs_raise_naming_the_rule(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -1,6 +1,7 @@
-"""train.py: WSD schedule, weight-decay groups, stable run + decay branches end to end, exact
-resume after a crash, checkpoint safety (atomic, corrupt, mismatched), divergence, and DDP /
-FSDP2 under torchrun on CPU (gloo) against a single process with the same global batch.
+"""train.py: WSD schedule, weight-decay groups, stable run + decay branches end to end (endpoints,
+retention), exact resume after a crash, checkpoint safety (atomic, corrupt, mismatched), divergence,
+and DDP / FSDP2 under torchrun on CPU (gloo) against a single process with the same global batch.
+(Fault injection and bad inputs: tests/test_faults.py.)
 
 Data is train.SyntheticData (random Zipf documents, TokenData's interface) or a subclass of it
 that crashes / records, so these tests need no corpus.
@@ -39,8 +40,7 @@ def tiny_train(**kw) -> T.TrainConfig:
 
 
 def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return T.read_jsonl(path)   # each row checked against its sha256
 
 
 def strip_timing(rows):
@@ -162,8 +162,9 @@ def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight)
         lo, hi = sorted(r["val_loss_by_source"].values())
         assert lo < r["val_loss"] < hi < math.log(64) + 1.0        # token-weighted mean of the sources
         assert r["config"] == cfg.to_dict() and r["wall_s"] > 0
-    # decay data is fresh: batches after the whole stable run, the same for every branch
-    assert steps == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7]
+    # decay data is fresh: batches after the whole stable run, the same for every branch; each branch
+    # runs when the stable run reaches its fork, then the stable run resumes from the fork checkpoint
+    assert steps == [0, 1, 2, 6, 7, 3, 4, 5, 6, 7]
     m = read_jsonl(run_dir / "metrics.jsonl")
     stable = [r for r in m if r["branch"] is None]
     assert [r["step"] for r in stable] == [1, 2, 3, 4, 5, 6]
@@ -174,15 +175,26 @@ def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight)
         dec = [r for r in m if r["branch"] == b]
         assert [r["step"] for r in dec] == [b + 1, b + 2] and dec[-1]["lr"] == 0.0
     assert [r["lr"] for r in stable] == [T.lr_at(tc, s) for s in range(6)]
-    ck = sorted(p.name for p in (run_dir / "ckpt").iterdir())
-    assert ck == ["branch0000003_0000005.pt", "branch0000006_0000008.pt", "stable_0000003.pt", "stable_0000006.pt"]
+    # a finished run keeps no resume checkpoint, one weights-only endpoint per branch, and ckpt.pt
+    assert not (run_dir / "ckpt").exists()
+    assert sorted(os.listdir(run_dir)) == [".lock", "ckpt.pt", "config.json", "endpoints", "metrics.jsonl",
+                                           "results.jsonl"]
+    assert sorted(os.listdir(run_dir / "endpoints")) == ["branch_0000003.pt", "branch_0000006.pt"]
+    for r in rows:
+        ep = T.load_checkpoint(run_dir / r["endpoint"], cfg, tc)
+        assert r["endpoint"] == f"endpoints/branch_{r['branch_step']:07d}.pt" and set(ep) == {"model", "meta"}
+        assert ep["meta"]["kind"] == "endpoint" and ep["meta"]["model"] == cfg.to_dict()
+        assert ep["meta"]["branch"] == r["branch_step"] and ep["meta"]["step"] == r["branch_step"] + 2
+        assert ep["meta"]["tokens"] == r["D"] and ep["meta"]["train"]["lr"] == tc.lr
+        assert ep["model"].keys() == GPT(cfg).state_dict().keys()
     cj = json.loads((run_dir / "config.json").read_text())
     assert cj["model"] == cfg.to_dict() and cj["train"]["branch_steps"] == [3, 6]
-    # RUN_DIR/ckpt.pt is the longest branch's endpoint, loadable by eval.load_model
+    # RUN_DIR/ckpt.pt is a byte copy of the longest branch's endpoint, loadable by eval.load_model
+    assert (run_dir / "ckpt.pt").read_bytes() == (run_dir / "endpoints" / "branch_0000006.pt").read_bytes()
     import eval as ev
     final, _ = ev.load_model(run_dir)
-    end = torch.load(run_dir / "ckpt" / "branch0000006_0000008.pt", weights_only=True)["model"]
-    assert all(torch.equal(final.state_dict()[k], v) for k, v in end.items())
+    end, meta = T.load_weights(run_dir)
+    assert meta["branch"] == 6 and all(torch.equal(final.state_dict()[k], v) for k, v in end.items())
 
 
 def test_rerun_of_finished_run_skips_training(straight):
@@ -198,18 +210,19 @@ def test_rerun_of_finished_run_skips_training(straight):
 def test_resume_after_crash_is_bit_for_bit(straight, tmp_path):
     rows, run_dir, _ = straight
     meta = {"scale": "toy", "sparsity_label": "test"}
-    with pytest.raises(RuntimeError, match="simulated crash"):   # dies after the step-3 checkpoint
+    with pytest.raises(RuntimeError, match="simulated crash"):   # dies in the stable run after branch 3
         T.train(tiny_model(), tiny_train(), CrashingData(4, 64), str(tmp_path), meta)
-    assert (tmp_path / "ckpt" / "stable_0000003.pt").exists() and not (tmp_path / "results.jsonl").exists()
+    # kept: only the fork point branch 6 resumes from (branch 3 is finished: row + endpoint)
+    assert os.listdir(tmp_path / "ckpt") == ["stable_0000003.pt"]
+    assert [r["branch_step"] for r in read_jsonl(tmp_path / "results.jsonl")] == [3]
     resumed = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path), meta)
     drop = lambda rs: [{k: v for k, v in r.items() if k != "wall_s"} for r in rs]
     assert drop(resumed) == drop(rows)                             # val losses equal exactly
     assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == strip_timing(read_jsonl(run_dir / "metrics.jsonl"))
-    for name in ("branch0000003_0000005.pt", "branch0000006_0000008.pt"):
-        a = torch.load(run_dir / "ckpt" / name, weights_only=True)
-        b = torch.load(tmp_path / "ckpt" / name, weights_only=True)
-        assert a["model"].keys() == b["model"].keys()
-        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for name in ("branch_0000003.pt", "branch_0000006.pt"):
+        a, _ = T.load_weights(run_dir / "endpoints" / name)
+        b, _ = T.load_weights(tmp_path / "endpoints" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ----------------------------------------------------------------------------------------
@@ -217,20 +230,19 @@ def test_resume_after_crash_is_bit_for_bit(straight, tmp_path):
 
 def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
     _, run_dir, _ = straight
-    src = run_dir / "ckpt" / "stable_0000003.pt"
+    src = run_dir / "endpoints" / "branch_0000003.pt"
     with pytest.raises(T.CheckpointError, match=r"model\.d_model: stored 32, this run 48") as e:
         T.load_checkpoint(src, tiny_model(d_model=48), tiny_train())
     assert str(src) in str(e.value)
     with pytest.raises(T.CheckpointError, match=r"train\.lr: stored 0\.01, this run 0\.02"):
         T.load_checkpoint(src, tiny_model(), tiny_train(lr=0.02))
-    # a copy of the run with its first fork checkpoint truncated: resuming names that file
+    # a run interrupted after branch 3, its one checkpoint (the fork branch 6 needs) then truncated:
+    # resuming names that file
     run = tmp_path / "run"
-    shutil.copytree(run_dir, run)
-    os.remove(run / "results.jsonl")
-    for p in (run / "ckpt").glob("branch*.pt"):
-        os.remove(p)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        T.train(tiny_model(), tiny_train(), CrashingData(3, 64), str(run))
     bad = run / "ckpt" / "stable_0000003.pt"
-    bad.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     with pytest.raises(T.CheckpointError, match="truncated or corrupt") as e:
         T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(run))
     assert str(bad) in str(e.value)
@@ -288,19 +300,50 @@ CLI = ["--data", "synthetic", "--vocab-size", "64", "--stable-steps", "3", "--br
        "--log-interval", "1", "--eval-tokens", "128", "--lr", "1e-2", "--device", "cpu"]
 
 
+# Under torchrun, before the FSDP CLI run: a run that dies at training batch 2 after a full checkpoint at
+# step 2 (finished runs keep none), so the test can resume a 2-rank FSDP checkpoint in one process.
+CRASH_THEN_CLI = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+import train as T
+from model import ModelConfig
+
+class Crash(T.SyntheticData):
+    def train_batch(self, step, *a, **kw):
+        if step == 2:
+            raise RuntimeError("simulated crash")
+        return super().train_batch(step, *a, **kw)
+
+torch.distributed.init_process_group("gloo")   # joined here, so train() leaves it for T.main
+cfg = ModelConfig.from_dict(T.read_json({model!r}))
+tc = T.TrainConfig(lr=1e-2, warmup_steps=1, stable_steps=3, branch_steps=[3], decay_steps=1, batch_size=4,
+                   block_size=32, log_interval=1, eval_tokens=128, ckpt_interval=2, flops_ctx=16.0, device="cpu",
+                   fsdp=True)
+try:
+    T.train(cfg, tc, Crash(64), {crashed!r})
+except RuntimeError as e:
+    assert "simulated crash" in str(e), e
+T.main(sys.argv[1:])
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """torchrun with 2 ranks, launched side by side: DDP with 2 micro-batches of 1 row per rank (no_sync
-    path) and FSDP2 with 1 micro-batch of 2 rows; and the single-process reference (1 x 4 rows, through
-    the CLI entry point, run meanwhile in this process)."""
+    path) and FSDP2 with 1 micro-batch of 2 rows (after a crashed FSDP run, CRASH_THEN_CLI); and the
+    single-process reference (1 x 4 rows, through the CLI entry point, run meanwhile in this process)."""
     d = tmp_path_factory.mktemp("cli")
     # aux_loss_coef = 0: the load-balancing loss is a per-batch statistic, so it alone would differ
     # between 1 x 4 rows and 2 x 2 rows; everything else must agree
     (d / "model.json").write_text(tiny_model(aux_loss_coef=0.0).to_json())
+    (d / "crash_then_cli.py").write_text(CRASH_THEN_CLI.format(root=ROOT, model=str(d / "model.json"),
+                                                               crashed=str(d / "fsdp-crashed")))
     args = ["--model-json", str(d / "model.json"), *CLI]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = {"ddp": "train.py", "fsdp": str(d / "crash_then_cli.py")}
     procs = {mode: subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script[mode], *args,
          "--out-dir", str(d / mode), *(["--fsdp"] if mode == "fsdp" else ["--grad-accum", "2"])],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for mode in ("ddp", "fsdp")}
     try:
@@ -326,14 +369,17 @@ def test_torchrun_two_ranks_match_one_process(runs, mode):
     rows = read_jsonl(out / "results.jsonl")
     assert len(rows) == 1 and abs(rows[0]["val_loss"] - ref_rows[0]["val_loss"]) < 1e-5
     assert 1.0 < rows[0]["F_ctx"] <= 32                              # measured document length
-    # the 2-rank checkpoint is a full state dict with the same weights, and resumes in one process
-    name = "branch0000003_0000004.pt"
-    ref_ck = torch.load(d / "one" / "ckpt" / name, weights_only=True)
-    ck = torch.load(out / "ckpt" / name, weights_only=True)
-    assert ck["model"].keys() == ref_ck["model"].keys() == GPT(tiny_model()).state_dict().keys()
-    for k, v in ck["model"].items():
-        torch.testing.assert_close(v, ref_ck["model"][k], rtol=0, atol=1e-5)
-    tc = T.TrainConfig(**{**rows[0]["train"], "fsdp": False})
-    trainer = T.Trainer(tiny_model(aux_loss_coef=0.0), tc, T.SyntheticData(64), d / f"{mode}-resume")
-    assert trainer.load(out / "ckpt" / name) == 4
-    assert trainer.opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
+    # the 2-rank endpoint is a full state dict with the same weights
+    name = "endpoints/branch_0000003.pt"
+    ref_ck, _ = T.load_weights(d / "one" / name)
+    ck, meta = T.load_weights(out / name)
+    assert ck.keys() == ref_ck.keys() == GPT(tiny_model()).state_dict().keys() and meta["step"] == 4
+    for k, v in ck.items():
+        torch.testing.assert_close(v, ref_ck[k], rtol=0, atol=1e-5)
+    assert not (out / "ckpt").exists()                              # no resume checkpoint survives the run
+    if mode == "fsdp":   # a 2-rank FSDP resume checkpoint (gathered full state) resumes in one process
+        path = d / "fsdp-crashed" / "ckpt" / "stable_0000002.pt"
+        tc = T.TrainConfig.from_dict({**json.loads(T.load_file(path)["meta"])["train"], "fsdp": False})
+        trainer = T.Trainer(tiny_model(aux_loss_coef=0.0), tc, T.SyntheticData(64), d / f"{mode}-resume")
+        assert trainer.load(path) == 2
+        assert trainer.opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0

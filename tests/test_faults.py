@@ -1,0 +1,499 @@
+"""Fault injection and bad inputs (issue 16), as tables of (input or fault, expected outcome).
+
+Library level, CPU, under a minute. Each row is one case the issue's fault-injection pass found
+accepted silently, ending in a deep torch / numpy error, or corrupting a run:
+  * bad config values (NaN, infinity, bool-vs-int, float sizes, negative values, unknown keys, devices)
+    -> ValueError naming the field / key;
+  * bad forward / generate inputs -> ValueError naming the argument;
+  * unparseable or edited JSON files -> an error naming the file and line;
+  * flipped bytes anywhere in a checkpoint -> CheckpointError naming the file;
+  * a corrupt ckpt.pt -> rebuilt from the endpoint it copies; a torn last row -> cut and recomputed;
+    stale temp files -> removed at the next write;
+  * non-finite model / optimizer state -> never saved (DivergenceError);
+  * a second writer on a run directory -> RunLockedError; the lock dies with its holder;
+  * a killed reproduce.py -> its pool_map workers die too;
+  * crashes at several points -> the resumed run equals the uninterrupted one bit for bit;
+  * the disk estimate -> within 20 % of what a run really keeps (peak and final).
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import checks
+import data as data_mod
+import train as T
+from loop import LoopConfig
+from model import GPT, ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAN, INF = float("nan"), float("inf")
+
+
+def tiny_model(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32,
+                n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
+    return ModelConfig(**{**base, **kw})
+
+
+def tiny_train(**kw) -> T.TrainConfig:
+    base = dict(lr=1e-2, warmup_steps=2, stable_steps=6, branch_steps=[3, 6], decay_steps=2, batch_size=4,
+                block_size=32, log_interval=1, eval_tokens=128, ckpt_interval=3, flops_ctx=16.0, device="cpu")
+    return T.TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """An uninterrupted run: its rows, directory and metrics."""
+    run = tmp_path_factory.mktemp("finished")
+    rows = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(run))
+    return rows, run
+
+
+# ----------------------------------------------------------------------------------------
+# Bad config values: ValueError naming the field
+
+MODEL_BAD = [
+    (dict(rope_theta=0.0), "rope_theta"), (dict(rope_theta=-1.0), "rope_theta"), (dict(rope_theta=NAN), "rope_theta"),
+    (dict(norm_eps=-1.0), "norm_eps"), (dict(aux_loss_coef=NAN), "aux_loss_coef"), (dict(z_loss_coef=-1.0), "z_loss_coef"),
+    (dict(tie_embeddings="no"), "tie_embeddings"), (dict(router_renormalize=1), "router_renormalize"),
+    (dict(init_std=-0.02), "init_std"), (dict(init_std=INF), "init_std"),
+    (dict(n_experts=2.5), "n_experts"), (dict(n_experts=True), "n_experts"), (dict(d_model=64.0), "d_model"),
+    (dict(vocab_size=-1), "vocab_size"), (dict(block_size=INF), "block_size"), (dict(head_dim=7.5), "head_dim"),
+    (dict(top_k=NAN), "top_k"), (dict(moe_impl=3), "moe_impl"), (dict(attn_backend="tpu"), "attn_backend"),
+    (dict(loop=dict(start=1, length=2, n_loops=NAN)), "n_loops"),
+    (dict(loop=dict(start=1, length=2, n_loops=2.0)), "n_loops"),
+    (dict(loop=dict(start=1, length=2, n_loops=2, residual_scale="false")), "residual_scale"),
+    (dict(loop=dict(start=1, length=2, n_loops=2, kv_window=-1)), "kv_window"),
+    (dict(loop=dict(start=1, length=2, n_loops=2, adapter_rank=0, adapter="lora")), "adapter_rank"),
+    (dict(loop=dict(start=1, length=2, n_loop=2)), r"unknown key\(s\) \['n_loop'\]"),
+    (dict(loop="middle"), "loop must be a LoopConfig"),
+]
+
+TRAIN_BAD = [
+    (dict(lr=INF), "lr"), (dict(lr=NAN), "lr"), (dict(lr=0.0), "lr"), (dict(beta1=1.5), "beta1"),
+    (dict(beta2=-0.1), "beta2"), (dict(beta2=1.0), "beta2"), (dict(eps=0.0), "eps"), (dict(eps=-1e-8), "eps"),
+    (dict(eps=NAN), "eps"), (dict(eps=0.0, beta2=0.0), "eps"), (dict(weight_decay=NAN), "weight_decay"),
+    (dict(weight_decay=INF), "weight_decay"), (dict(grad_clip=NAN), "grad_clip"), (dict(grad_clip=-1.0), "grad_clip"),
+    (dict(flops_ctx=NAN), "flops_ctx"), (dict(warmup_steps=NAN), "warmup_steps"), (dict(stable_steps=2.5), "stable_steps"),
+    (dict(min_lr_frac=NAN), "min_lr_frac"), (dict(batch_size=True), "batch_size"), (dict(seed=-1), "seed"),
+    (dict(branch_steps=[2.5]), r"branch_steps\[0\]"), (dict(branch_steps=3), "branch_steps"),
+    (dict(device="tpu"), "device"), (dict(device="cuda:x"), "device"), (dict(compile="yes"), "compile"),
+    (dict(fsdp=1), "fsdp"), (dict(dtype="fp16"), "dtype"), (dict(dist_backend="tcp"), "dist_backend"),
+    (dict(out_dir=""), "out_dir"), (dict(log_interval=0), "log_interval"),
+]
+
+
+@pytest.mark.parametrize("kw,field", MODEL_BAD, ids=[f"model-{i}" for i in range(len(MODEL_BAD))])
+def test_model_config_refuses(kw, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_model(**kw)
+
+
+@pytest.mark.parametrize("kw,field", TRAIN_BAD, ids=[f"train-{i}" for i in range(len(TRAIN_BAD))])
+def test_train_config_refuses(kw, field):
+    with pytest.raises(ValueError, match=rf"TrainConfig: .*{field}"):
+        tiny_train(**kw)
+
+
+def test_config_dicts_name_unknown_keys_and_accept_numpy_scalars():
+    import numpy as np
+    d = tiny_model().to_dict()
+    with pytest.raises(ValueError, match=r"ModelConfig: unknown key\(s\) \['n_expert'\]"):
+        ModelConfig.from_dict({**d, "n_expert": 4})
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        ModelConfig.from_dict([1, 2])
+    with pytest.raises(ValueError, match=r"TrainConfig: unknown key\(s\) \['learning_rate'\]"):
+        T.TrainConfig.from_dict({"learning_rate": 1e-3})
+    cfg = ModelConfig.from_dict({**d, "d_model": np.int64(32), "init_std": np.float32(0.02)})
+    assert type(cfg.d_model) is int and type(cfg.init_std) is float and json.loads(cfg.to_json())["d_model"] == 32
+    assert ModelConfig.from_dict(json.loads(tiny_model().to_json())) == tiny_model()
+    tc = tiny_train()
+    assert T.TrainConfig.from_dict(json.loads(json.dumps(vars(tc)))) == tc
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_gpu_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"device='cuda' but no CUDA GPU is available"):
+        T.train(tiny_model(), tiny_train(device="cuda"), T.SyntheticData(64), str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------
+# Bad forward / generate inputs
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(tiny_model()).eval()
+
+
+IDX = torch.zeros(1, 4, dtype=torch.long)
+FORWARD_BAD = [
+    (dict(idx=IDX, targets=torch.tensor([[1, 2, 3, 64]])), r"targets must lie in \[0, vocab_size=64\) or be -1"),
+    (dict(idx=IDX, targets=torch.tensor([[1, 2, -2, 3]])), "targets must lie in"),
+    (dict(idx=IDX, targets=torch.zeros(1, 4)), "targets must be an integer tensor"),
+    (dict(idx=IDX, doc_ids=torch.zeros(1, 4)), "doc_ids must be an integer tensor"),
+    (dict(idx=torch.zeros(0, 4, dtype=torch.long)), "at least one sequence"),
+    (dict(idx=torch.zeros(2, 0, dtype=torch.long)), "at least one sequence"),
+    (dict(idx=torch.zeros(1, 4)), "idx must be an integer tensor"),
+]
+GENERATE_BAD = [
+    (dict(max_new_tokens=-1), "max_new_tokens"), (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(max_new_tokens=2, temperature=-1.0), "temperature"), (dict(max_new_tokens=2, temperature=NAN), "temperature"),
+    (dict(max_new_tokens=2, top_k=0), "top_k"), (dict(max_new_tokens=2, top_k=True), "top_k"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", FORWARD_BAD, ids=[f"forward-{i}" for i in range(len(FORWARD_BAD))])
+def test_forward_refuses(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _gpt()(**kw)
+
+
+@pytest.mark.parametrize("kw,msg", GENERATE_BAD, ids=[f"generate-{i}" for i in range(len(GENERATE_BAD))])
+def test_generate_refuses(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _gpt().generate(IDX, **kw)
+    with pytest.raises(ValueError, match="prompt"):
+        _gpt().generate(torch.zeros(1, 0, dtype=torch.long), 2)
+
+
+def test_valid_edge_inputs_still_work():
+    m = _gpt()
+    _, loss = m(IDX, targets=torch.tensor([[-1, -1, 3, 63]]), doc_ids=torch.zeros(1, 4, dtype=torch.int32))
+    assert math.isfinite(loss.item())
+    assert m.generate(IDX, 0).shape == (1, 4) and m.generate(IDX, 3, temperature=0, top_k=1).shape == (1, 7)
+
+
+# ----------------------------------------------------------------------------------------
+# JSON files: errors name the file and line
+
+def test_unparseable_json_names_file_and_line(tmp_path, finished):
+    rows, run = finished
+    bad = tmp_path / "model.json"
+    bad.write_text(tiny_model().to_json()[:-30])
+    with pytest.raises(checks.JSONFileError, match=rf"{bad}:\d+:\d+: not valid JSON.*truncated"):
+        checks.read_json(bad)
+    with pytest.raises(ValueError, match=str(bad)):                  # --model-json
+        T.main(["--model-json", str(bad), "--data", "synthetic", "--out-dir", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match=r"model\.json: ModelConfig: unknown key\(s\) \['n_expert'\]"):
+        bad.write_text(json.dumps({**tiny_model().to_dict(), "n_expert": 2}))
+        T.main(["--model-json", str(bad), "--data", "synthetic", "--out-dir", str(tmp_path / "x")])
+    cfg = tmp_path / "run" / "config.json"                          # a run's config.json
+    cfg.parent.mkdir()
+    cfg.write_text((run / "config.json").read_text()[:200])
+    with pytest.raises(ValueError, match=rf"{cfg}:\d+:\d+: not valid JSON"):
+        T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(cfg.parent))
+    man = tmp_path / "data" / "manifest.json"                       # a data manifest
+    man.parent.mkdir()
+    man.write_text('{"files": {\n  "train.bin": {"bytes": 1,\n')
+    with pytest.raises(ValueError, match=rf"{man}:3:\d+: not valid JSON"):
+        data_mod.TokenData(man.parent)
+
+
+@pytest.mark.parametrize("fault,msg", [
+    ("truncate_middle", r"results\.jsonl:1:\d+: not valid JSON"),
+    ("edit_value", r"results\.jsonl:2: row content differs from its sha256"),
+    ("drop_hash", r"results\.jsonl:1: missing key\(s\) \['sha256'\]"),
+    ("missing_keys", r"results\.jsonl:1: missing key\(s\) \['config', 'train'\]"),
+])
+def test_damaged_results_rows_are_named(finished, tmp_path, fault, msg):
+    rows, run = finished
+    lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+    if fault == "truncate_middle":
+        lines[0] = lines[0][:100] + "\n"
+    elif fault == "edit_value":
+        lines[1] = lines[1].replace(f'"val_loss": {rows[1]["val_loss"]}', '"val_loss": 1.0')
+    elif fault == "drop_hash":
+        r = json.loads(lines[0])
+        del r["sha256"]
+        lines[0] = json.dumps(r) + "\n"
+    else:
+        lines[0] = T.jsonl_line({k: v for k, v in rows[0].items() if k not in ("config", "train")})
+    (tmp_path / "results.jsonl").write_text("".join(lines))
+    with pytest.raises(T.CheckpointError, match=msg):
+        T.read_jsonl(tmp_path / "results.jsonl", keys=("branch_step", "config", "train"))
+
+
+def test_torn_last_rows_are_cut_and_recomputed(finished, tmp_path):
+    """A crash during an append leaves a partial last line: the next run cuts it and carries on."""
+    import shutil
+    rows, run = finished
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    res = (copy / "results.jsonl").read_text()
+    (copy / "results.jsonl").write_text(res[:len(res) - 50])        # branch 6's row torn
+    met = (copy / "metrics.jsonl").read_text()
+    (copy / "metrics.jsonl").write_text(met + '{"phase": "decay", "bra')
+    again = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))
+    drop = lambda rs: [{k: v for k, v in r.items() if k != "wall_s"} for r in rs]
+    assert drop(again) == drop(rows)
+    assert len(T.read_jsonl(copy / "metrics.jsonl")) == len(T.read_jsonl(run / "metrics.jsonl"))
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints: every flipped byte is caught; ckpt.pt rebuilt; stale temp files removed
+
+def test_flipped_bytes_anywhere_in_a_checkpoint_are_caught(finished, tmp_path):
+    _, run = finished
+    good = (run / "endpoints" / "branch_0000003.pt").read_bytes()
+    size = len(good)
+    offsets = sorted({0, 1, size - 1, size - 40, size - 70, *range(0, size, max(1, size // 97))})
+    path = tmp_path / "flipped.pt"
+    for off in offsets:
+        b = bytearray(good)
+        b[off] ^= 0xFF
+        path.write_bytes(bytes(b))
+        with pytest.raises(T.CheckpointError, match=str(path)):
+            T.load_file(path)
+    for cut in (size - 1, size - T._TRAILER_LEN, size // 2, 10):   # truncated
+        path.write_bytes(good[:cut])
+        with pytest.raises(T.CheckpointError, match="truncated or corrupt"):
+            T.load_file(path)
+    path.write_bytes(good)
+    assert T.load_file(path)["model"].keys() == GPT(tiny_model()).state_dict().keys()
+    assert len(offsets) >= 100
+    # a plain torch.save file (no hash) is refused; the trailer does not disturb plain torch.load
+    torch.save({"model": {}, "meta": "{}"}, tmp_path / "plain.pt")
+    with pytest.raises(T.CheckpointError, match="no valid content hash"):
+        T.load_file(tmp_path / "plain.pt")
+    assert torch.load(run / "ckpt.pt", weights_only=True)["model"].keys() == GPT(tiny_model()).state_dict().keys()
+
+
+def test_corrupt_ckpt_pt_is_rebuilt_from_its_endpoint(finished, tmp_path):
+    import shutil
+    _, run = finished
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    ep = (copy / "endpoints" / "branch_0000006.pt").read_bytes()
+    for damage in (lambda b: b[:len(b) // 3], lambda b: b[:1000] + bytes([b[1000] ^ 1]) + b[1001:]):
+        (copy / "ckpt.pt").write_bytes(damage(ep))
+        sd, meta = T.load_weights(copy)                               # served and rebuilt on load
+        assert meta["branch"] == 6 and (copy / "ckpt.pt").read_bytes() == ep
+        (copy / "ckpt.pt").write_bytes(damage(ep))
+        T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))   # and by re-running the run
+        assert (copy / "ckpt.pt").read_bytes() == ep
+    (copy / "endpoints" / "branch_0000006.pt").write_bytes(ep[:-5])  # the source itself damaged: named
+    with pytest.raises(T.CheckpointError, match="branch_0000006.pt"):
+        T.export_final(copy)
+
+
+def test_stale_temp_files_are_removed_at_the_next_write(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                                      # a pid that no longer runs
+    stale = [tmp_path / f"x.pt.tmp{dead.pid}", tmp_path / f"ckpt.pt.tmp{dead.pid}"]
+    live = tmp_path / "y.pt.tmp1"                                    # pid 1 runs: another writer's, kept
+    for p in (*stale, live):
+        p.write_bytes(b"half a checkpoint")
+    T.atomic_save({"model": {}, "meta": "{}"}, tmp_path / "x.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pt", "y.pt.tmp1"]
+
+
+# ----------------------------------------------------------------------------------------
+# Only finite state is saved
+
+def test_non_finite_optimizer_state_is_never_saved(tmp_path, monkeypatch):
+    """Poison AdamW's second moment after step 3 (the fork point's save): the save is refused and the
+    message's last good checkpoint is finite."""
+    step = T.Trainer.step
+
+    def poisoned(self, i, data_step, lr):
+        row = step(self, i, data_step, lr)
+        if i == 2:
+            st = self.opt.state[next(iter(self.opt.state))]
+            st["exp_avg_sq"].view(-1)[0] = NAN
+        return row
+
+    monkeypatch.setattr(T.Trainer, "step", poisoned)
+    with pytest.raises(T.DivergenceError, match=r"refusing to write .*stable_0000003\.pt.*NaN or infinity.*"
+                                                r"optimizer\.state\..*exp_avg_sq.*last good checkpoint is "
+                                                r".*stable_0000002\.pt"):
+        T.train(tiny_model(), tiny_train(ckpt_interval=1), T.SyntheticData(64), str(tmp_path))
+    assert os.listdir(tmp_path / "ckpt") == ["stable_0000002.pt"]
+    ck = T.load_file(tmp_path / "ckpt" / "stable_0000002.pt")
+    assert not T._nonfinite(ck["model"]) and not T._nonfinite(ck["optimizer"])
+
+
+def test_non_finite_weights_are_never_saved_as_an_endpoint(tmp_path, monkeypatch):
+    step = T.Trainer.step
+
+    def poisoned(self, i, data_step, lr):   # branch 3's last step leaves an infinite weight
+        row = step(self, i, data_step, lr)
+        if i == 4:
+            with torch.no_grad():
+                self.gpt.tok_emb.weight[0, 0] = INF
+        return row
+
+    monkeypatch.setattr(T.Trainer, "step", poisoned)
+    with pytest.raises(T.DivergenceError, match=r"refusing to write .*branch_0000003\.pt.*tok_emb\.weight"):
+        T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
+    assert not (tmp_path / "endpoints" / "branch_0000003.pt").exists()
+
+
+# ----------------------------------------------------------------------------------------
+# One writer per run directory; workers die with their parent
+
+def test_second_writer_is_refused_and_the_lock_dies_with_its_holder(tmp_path):
+    with T.run_lock(tmp_path):                                       # another writer, same process
+        with pytest.raises(T.RunLockedError, match=rf"{tmp_path} is in use by another trainer \(pid {os.getpid()}"):
+            T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import train
+        with train.run_lock({str(tmp_path)!r}):
+            print("locked", flush=True)
+            time.sleep(120)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(T.RunLockedError, match=f"pid {holder.pid}"):
+            T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
+        os.kill(holder.pid, signal.SIGKILL)                          # killed: the OS drops its lock
+        holder.wait()
+        rows = T.train(tiny_model(), tiny_train(stable_steps=3, branch_steps=[3]), T.SyntheticData(64),
+                       str(tmp_path))
+        assert [r["branch_step"] for r in rows] == [3]
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"      # a zombie nobody reaped yet
+    except FileNotFoundError:
+        return True
+
+
+POOL_PARENT = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+if os.environ.get("NO_PDEATHSIG"):   # runs in the workers too (spawn re-imports this file): no prctl
+    import ctypes
+    _cdll = ctypes.CDLL
+    def _no_libc(name, *a, **kw):
+        if name is None:
+            raise OSError("prctl disabled for the test")
+        return _cdll(name, *a, **kw)
+    ctypes.CDLL = _no_libc
+
+def job(path):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    import reproduce
+    reproduce.pool_map(job, [os.path.join({d!r}, "w0"), os.path.join({d!r}, "w1")], 2)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_pool_workers_die_with_a_killed_parent(tmp_path):
+    """Two reproduce-like parents side by side, one with prctl(PR_SET_PDEATHSIG) and one without it (the
+    portable parent-watch thread): both are killed with SIGKILL once their 2 workers run jobs."""
+    parents, pids = {}, {}
+    try:
+        for mech in ("pdeathsig", "parent_watch"):
+            d = tmp_path / mech
+            d.mkdir()
+            (d / "parent.py").write_text(POOL_PARENT.format(root=ROOT, d=str(d)))
+            env = {**os.environ, "OMP_NUM_THREADS": "1", **({"NO_PDEATHSIG": "1"} if mech == "parent_watch" else {})}
+            parents[mech] = subprocess.Popen([sys.executable, str(d / "parent.py")], env=env)
+        t0 = time.time()
+        while sum(map(len, pids.values())) < 4 and time.time() - t0 < 90:
+            pids = {m: [int((tmp_path / m / w).read_text()) for w in ("w0", "w1")
+                        if (tmp_path / m / w).exists() and (tmp_path / m / w).read_text()] for m in parents}
+            time.sleep(0.2)
+        assert sum(map(len, pids.values())) == 4, f"the workers did not start: {pids}"
+        for p in parents.values():                                   # kill -9 reproduce.py
+            p.kill()
+            p.wait()
+        t0 = time.time()
+        while not all(_gone(p) for ps in pids.values() for p in ps) and time.time() - t0 < 10:
+            time.sleep(0.1)
+        assert {m: [p for p in ps if not _gone(p)] for m, ps in pids.items()} == {m: [] for m in pids}, \
+            "workers outlived their parent"
+    finally:
+        for p in parents.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for p in (p for ps in pids.values() for p in ps):
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------
+# Crashes anywhere: the resumed run equals the uninterrupted one
+
+class DiesAtCall(T.SyntheticData):
+    """Raises on the n-th training batch request (a machine failure at that point of the run)."""
+
+    def __init__(self, n, *a, **kw):
+        super().__init__(*a, **kw)
+        self.n, self.calls = n, 0
+
+    def train_batch(self, step, *a, **kw):
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError("simulated crash")
+        return super().train_batch(step, *a, **kw)
+
+
+@pytest.mark.parametrize("n", [2, 5, 9])   # batch requests: stable before fork 3, branch 3, branch 6
+def test_crash_anywhere_resumes_bit_for_bit(finished, tmp_path, n):
+    rows, run = finished
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        T.train(tiny_model(), tiny_train(ckpt_interval=1), DiesAtCall(n, 64), str(tmp_path))
+    again = T.train(tiny_model(), tiny_train(ckpt_interval=1), T.SyntheticData(64), str(tmp_path))
+    drop = lambda rs: [{k: v for k, v in r.items() if k not in ("wall_s", "train")} for r in rs]
+    assert drop(again) == drop(rows)
+    for b in (3, 6):
+        a, _ = T.load_weights(run / "endpoints" / f"branch_{b:07d}.pt")
+        c, _ = T.load_weights(tmp_path / "endpoints" / f"branch_{b:07d}.pt")
+        assert all(torch.equal(a[k], c[k]) for k in a)
+    assert not (tmp_path / "ckpt").exists()
+
+
+# ----------------------------------------------------------------------------------------
+# Disk: the estimate against what a run really keeps
+
+def test_disk_estimate_within_20_percent_of_a_real_run(tmp_path, monkeypatch):
+    cfg, tc = tiny_model(), tiny_train(ckpt_interval=2)
+    seen = []
+    write = T._atomic_write
+
+    def du():
+        return sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file() and f.name != ".lock")
+
+    def measured(path, fn):   # disk in use after every file written (a new checkpoint before the prune)
+        write(path, fn)
+        seen.append(du())
+
+    monkeypatch.setattr(T, "_atomic_write", measured)
+    T.train(cfg, tc, T.SyntheticData(64), str(tmp_path))
+    est = T.disk_estimate(cfg, tc)
+    assert abs(est["final"] / du() - 1) < 0.2, (est, du())
+    assert abs(est["peak"] / max(seen) - 1) < 0.2, (est, max(seen))
+    assert abs(est["endpoint"] / (tmp_path / "ckpt.pt").stat().st_size - 1) < 0.05
+    assert est["peak"] >= 2 * est["full_checkpoint"]       # a fork point + the next one being written
+    plan = T.plan_disk_estimate([cfg, cfg], tc, jobs=1)
+    assert plan["final"] == 2 * est["final"] and plan["peak"] == 2 * est["final"] + est["peak"] - est["final"]
