@@ -4,7 +4,10 @@ import csv
 import json
 import math
 import os
+import re
 import time
+from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -156,12 +159,13 @@ def test_paper_cli_prints_both_tables(capsys):
 
 # ----------------------------------------------------------------------------- bootstrap and subsets
 def test_cell_bootstrap_intervals_contain_point_estimates():
-    small = dict(scales=SCALES[:3], sparsities=(0.85, 0.95), fracs=(0.1, 0.25, 0.5, 1.0))      # 6 cells, 24 pts
+    small = dict(sparsities=(0.85, 0.95), fracs=(0.1, 0.25, 0.5, 1.0))      # 8 cells, 32 points
     tgt, ref = grid(PAPER_SMELT, noise=0.003, seed=3, **small), grid(PAPER_BASELINE, noise=0.003, seed=4, **small)
     C, S = np.array([1e19, 1e20]), np.array([0.85, 0.95])              # inside the data's compute range
     fits = (fit(tgt.F, tgt.S, tgt.D, tgt.L), fit(ref.F, ref.S, ref.D, ref.L))
     bs = cell_bootstrap(tgt, ref, C, S, tpp_C=1e20, n_draws=8, seed=0, n_jobs=2, init=fits, n_starts=2)
     assert bs.gain.shape == (8, 2, 2) and bs.tpp.shape == (8, 2, 2) and bs.n_failed == 0
+    assert bs.n_draws == 8 and bs.failed_share == 0.0 and bs.failures == {}
     lo, hi = bs.interval(bs.gain)
     point = ce_gain(fits[0], fits[1], C[:, None], S[None, :])
     assert np.all(lo <= point) and np.all(point <= hi) and np.all(hi - lo > 0)
@@ -170,6 +174,34 @@ def test_cell_bootstrap_intervals_contain_point_estimates():
     assert np.all(tlo <= tp) and np.all(tp <= thi)
     serial = cell_bootstrap(tgt, ref, C, S, tpp_C=1e20, n_draws=3, seed=0, n_jobs=1, init=fits, n_starts=2)
     np.testing.assert_allclose(serial.gain, bs.gain[:3], rtol=1e-8)   # same draws, whatever n_jobs
+
+
+def test_failed_draw_share_counts_unidentified_refits():
+    """A draw whose refit is not identified is dropped and counted.  Noise-free grid, 3 scales x 2
+    sparsities; with min_C_ratio just below the full data's compute span, a resample is identified
+    exactly when it holds a cell of the smallest and of the largest scale (the compute ends), both
+    sparsity levels (b is free) and at least 4 distinct cells (3 cells give 3 loss offsets
+    E + A (1-S)^b F^-a for the 4 unknowns E, A, a, b: the Jacobian is singular, so the exponents'
+    standard errors are infinite).  The failures are predicted from the draws themselves."""
+    kw = dict(scales=SCALES[:3], sparsities=(0.85, 0.95), fracs=(0.25, 0.5, 1.0))
+    tgt, ref = grid(PAPER_SMELT, **kw), grid(PAPER_BASELINE, **kw)
+    span = (tgt.F * tgt.D).max() / (tgt.F * tgt.D).min()
+    rules = scaling.Rules(min_C_ratio=0.999 * span)
+    n, seed = 16, 5
+    with pytest.warns(UserWarning, match=r"of 16 bootstrap draws failed to refit to identified surfaces"):
+        bs = cell_bootstrap(tgt, ref, 1e19, 0.9, tpp_C=1e19, n_draws=n, seed=seed, n_jobs=1,
+                            init=(PAPER_SMELT, PAPER_BASELINE), n_starts=1, rules=rules)
+    cells = sorted(set(tgt.cell))
+    rng = np.random.default_rng(seed)                     # the same draws cell_bootstrap makes
+    draws = [{cells[i] for i in rng.integers(0, len(cells), len(cells))} for _ in range(n)]
+    lo, hi = f"{SCALES[0]:.0e}", f"{SCALES[2]:.0e}"
+    ok = [any(c.startswith(lo) for c in d) and any(c.startswith(hi) for c in d)
+          and {c.split("/")[1] for c in d} == {"0.85", "0.95"} and len(d) >= 4 for d in draws]
+    assert 0 < sum(ok) < n                                # the case is not trivial either way
+    assert bs.n_failed == n - sum(ok) and len(bs.gain) == sum(ok) and len(bs.tpp) == sum(ok)
+    assert bs.failed_share == pytest.approx((n - sum(ok)) / n)
+    assert sum(bs.failures.values()) == bs.n_failed
+    assert set(bs.failures) <= {"target: compute range", "target: sparsity range", "target: exponent uncertain"}
 
 
 def test_cell_bootstrap_rejects_mismatched_cells():
@@ -201,16 +233,231 @@ def test_quartile_gains_rank_by_baseline_loss_within_each_pair():
     assert [len(g) for g in np.array_split(np.arange(39), 4)] == [10, 10, 10, 9]   # the paper's split
 
 
+# ----------------------------------------------------------------------------- identification
+def _fitted(F_span=16, D_span=10, noise=0.003, co=PAPER_SMELT, seed=0):
+    p = scaling.paper_shaped_points(co, F_span, D_span, noise, seed=seed)
+    return fit_result(p.F, p.S, p.D, p.L, n_starts=8)
+
+
+def test_identify_names_every_failed_rule():
+    """Each rule of `scaling.Rules`, broken alone on an identified fit, gives its own reason key."""
+    good = _fitted()
+    assert good.identified and good.why == []
+    co = good.coeffs
+
+    def keys(**change):
+        res = replace(good, **{k: v for k, v in change.items() if k != "coeffs"})
+        if "coeffs" in change:                        # exact exponents: only the rule under test can fire
+            res.coeffs, res.se = replace(co, **change["coeffs"]), {k: 0.0 for k in good.se}
+        return {w.split(":")[0] for w in scaling.identify(res)}
+
+    rg = good.ranges
+    assert keys(n_points=11) == {"too few points"}                       # 2 per coefficient: 12 for six
+    assert keys(ranges={**rg, "C": (1.0, 9.9)}) == {"compute range"}
+    assert keys(ranges={**rg, "F": (1.0, 1.9)}) == {"F range"}
+    assert keys(ranges={**rg, "D": (1.0, 1.9)}) == {"D range"}
+    assert keys(ranges={**rg, "one_minus_S": (0.10, 0.14)}) == {"sparsity range"}
+    assert keys(ranges={**rg, "one_minus_S": (0.10, 0.14)}, fixed={"b": 0.0}) == set()   # b pinned: S may be one
+    assert keys(converged=False) == {"not converged"}
+    assert keys(coeffs={"a": 0.04, "c": 0.04}) == {"exponent bound"}       # near the bound 0
+    assert keys(coeffs={"c": 2.5, "a": 1.0}) == {"exponent bound"}         # steeper than 2
+    assert keys(coeffs={"a": 0.0}) == {"exponent sign"}
+    assert keys(coeffs={"b": -0.05}) == {"exponent sign"}                 # SMELT's b > 0
+    assert keys(coeffs={"b": 2.5}) == {"exponent bound"}
+    assert keys(coeffs={"a": 0.1, "c": 0.7}) == {"exponent ratio"}          # c / a = 7: F* ~ C^0.875
+    assert keys(coeffs={"a": 0.7, "c": 0.1}) == {"exponent ratio"}
+    assert keys(se={**good.se, "a": co.a / 1.9}) == {"exponent uncertain"}
+    assert keys(se={**good.se, "c": math.inf}) == {"exponent uncertain"}
+
+
+def test_identifiable_surface_recovers_its_coefficients():
+    res = _fitted(noise=0.003)
+    assert res.identified, res.why
+    assert abs(res.coeffs.a - PAPER_SMELT.a) < 0.05 and abs(res.coeffs.c - PAPER_SMELT.c) < 0.05
+    assert abs(res.coeffs.E - PAPER_SMELT.E) < 0.05
+    assert 0 < res.se["a"] < 0.05 and 0 < res.se["c"] < 0.05              # ~0.01-0.02 at 0.3 % noise
+
+
+def test_unidentifiable_surfaces_are_flagged():
+    narrow = _fitted(F_span=1.5, D_span=1.5, noise=0.003)                 # compute spans 2.25x
+    assert not narrow.identified and "compute range" in {w.split(":")[0] for w in narrow.why}
+    # a capacity term that barely moves (A = 2, a = 0.005): the fit puts a at its bound, 0.004
+    flat = _fitted(co=Coeffs(1.4439, 2.0, 1.975e6, 0.005, 0.153, 0.6594), noise=0.003)
+    assert not flat.identified and flat.coeffs.a < 0.05
+    assert {"exponent bound", "exponent ratio"} <= {w.split(":")[0] for w in flat.why}
+    # the Chinchilla replication (test above) is identified: its fit passes every rule
+    with open(FIXTURE) as f:
+        rows = [(float(r["params_N"]), float(r["training_flops_C"]), float(r["loss"])) for r in csv.DictReader(f)]
+    N, C, L = (np.array(x) for x in zip(*rows))
+    keep = np.argsort(L)[:-5]
+    chin = fit_result(6 * N[keep], np.zeros(len(keep)), C[keep] / (6 * N[keep]), L[keep], fixed={"b": 0.0})
+    assert chin.identified, chin.why
+
+
+def test_rule_calibration_separates_good_from_narrow_grids():
+    """`calibrate_rules` (the measurement behind the thresholds) on two of its settings."""
+    good, narrow = (scaling.calibrate_rules(F_spans=(f,), D_spans=(d,), noises=(0.003,), seeds=1)[0]
+                    for f, d in ((16, 10), (1.5, 1.5)))
+    assert good["identified"] and good["gain_err_pp"] < 3.0 and good["a_err"] < 0.05
+    assert not narrow["identified"] and "compute range" in narrow["why"]
+
+
+# ----------------------------------------------------------------------------- analyse
+LABELS = {0.85: "S~85%", 0.95: "S~95%", 0.97: "S~97%"}
+
+
+def _rows(F_span=16, D_span=10, noise=0.003, control=True, sources=6):
+    """Results rows for both architectures from SMELT's Table 4.3 surfaces on a paper-shaped grid, with
+    S=0% control cells (the Baseline's measure S = 0, SMELT's S = 0.06, as in the paper preset)."""
+    rows = []
+    for k, (arch, co) in enumerate((("baseline", PAPER_BASELINE), ("smelt", PAPER_SMELT))):
+        grids = [(scaling.paper_shaped_points(co, F_span, D_span, noise, seed=k), None)]
+        if control:
+            grids.append((scaling.paper_shaped_points(co, F_span, D_span, noise, seed=10 + k,
+                                                      sparsities=(0.06 if arch == "smelt" else 0.0,)), "S=0%"))
+        for p, lab in grids:
+            for F, S, D, L, cell in zip(p.F, p.S, p.D, p.L, p.cell):
+                src = {f"src{i}": float(L) + 0.15 * i - 0.3 for i in range(sources)}
+                rows.append(dict(arch=arch, scale=cell.split("/")[0], sparsity_label=lab or LABELS[float(S)],
+                                 F=float(F), S=float(S), D=float(D), val_loss=float(L), val_loss_by_source=src))
+    return rows
+
+
+LONG_NUMBER = re.compile(r"\d{9,}")
+
+
+@pytest.fixture(scope="module")
+def good_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good")
+    return scaling.analyse(_rows(), str(out), n_boot=12, n_jobs=2), out
+
+
+@pytest.fixture(scope="module")
+def bad_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad")
+    return scaling.analyse(_rows(F_span=1.5, D_span=1.5), str(out), n_boot=12, n_jobs=2), out
+
+
+def test_analyse_on_an_identifiable_surface(good_report):
+    rep, out = good_report
+    for arch, truth in (("baseline", PAPER_BASELINE), ("smelt", PAPER_SMELT)):
+        f = rep["fits"][arch]
+        assert f["identified"] and f["why"] == [] and f["n_points"] == 72
+        assert abs(f["a"] - truth.a) < 0.05 and abs(f["c"] - truth.c) < 0.05 and f["se"]["a"] > 0
+    g = rep["gains"]
+    assert g["available"] and len(g["cells"]) == 3 * 3
+    for c in g["cells"]:
+        assert c["gain"] == pytest.approx(ce_gain(PAPER_SMELT, PAPER_BASELINE, c["budget"], c["S"]), abs=0.15)
+        assert c["n_draws"] == 12 and c["failed_share"] == c["n_failed"] / 12
+        iv = c["interval"]
+        assert iv is not None and iv["lo"] <= c["gain"] <= iv["hi"] and iv["n"] == 12     # 12 sparse cells
+        assert c["text"].startswith(f"{c['pct']:+.1f}")
+    assert rep["bootstrap"]["pair"]["n_draws"] == 12
+    for arch in ("baseline", "smelt"):
+        t = rep["tpp"][arch]
+        assert t["available"] and all(c["interval"]["lo"] <= c["tpp"] <= c["interval"]["hi"] for c in t["cells"])
+        assert [c["tpp"] for c in t["cells"]] == pytest.approx(
+            [tpp(Coeffs(*(rep["fits"][arch][k] for k in "EAKabc")), rep["tpp_budget"], c["S"]) for c in t["cells"]])
+    assert set(rep["subsets"]["val_loss_by_source"]["gains"]) == {f"src{i}" for i in range(6)}
+    assert rep["quartiles"]["available"] and len(rep["quartiles"]["gain"]) == 4
+    md = (out / "tables.md").read_text()
+    assert "not identified" not in md and "CE gain of smelt over baseline" in md and not LONG_NUMBER.search(md)
+    assert set(rep["figures"]) == {"loss_vs_compute.png", "reducible_loss.png", "ce_gain.png"}
+    for name in rep["figures"]:
+        assert (out / name).stat().st_size > 10_000
+    assert json.loads((out / "tables.json").read_text())["gains"]["available"]
+
+
+def test_analyse_on_an_unidentifiable_surface_prints_no_derived_number(bad_report):
+    rep, out = bad_report
+    for arch in ("baseline", "smelt"):
+        f = rep["fits"][arch]
+        assert not f["identified"] and any(w.startswith("compute range") for w in f["why"])
+        assert not set(f) & {"E", "A", "K", "a", "b", "c", "se", "gamma", "rmse_nats"}   # no coefficient at all
+        assert not rep["tpp"][arch]["available"] and rep["tpp"][arch]["cells"] == []
+    assert not rep["gains"]["available"] and rep["gains"]["cells"] == []
+    assert any("not identified (compute range" in w for w in rep["gains"]["why"])
+    assert rep["subsets"] == {} and not rep["quartiles"]["available"] and rep["bootstrap"] == {}
+    md = (out / "tables.md").read_text()
+    assert md.count("not identified (") >= 4 and not LONG_NUMBER.search(md)
+    assert not re.search(r"[+-]\d+\.\d", md)          # no signed percentage anywhere: no gain was computed
+    assert rep["figures"] == ["loss_vs_compute.png"] and not (out / "ce_gain.png").exists()
+    assert json.loads((out / "coeffs.json").read_text())["smelt"]["identified"] is False
+
+
+def test_s0_control_is_selected_by_cell(good_report):
+    """SMELT's S=0% cells measure S = 0.06, the Baseline's S = 0: both are the control, left out of both
+    fits, so both fits see the same 12 cells and the cell bootstrap runs (it raised on this before)."""
+    rep, _ = good_report
+    assert rep["control_label"] == "S=0%" and rep["n_control_rows"] == 2 * 4 * 6
+    cells = {a: rep["fits"][a]["cells"] for a in ("baseline", "smelt")}
+    assert cells["baseline"] == cells["smelt"] and len(cells["smelt"]) == 12
+    assert not any(c.endswith("/S=0%") for c in cells["smelt"]) and "S=0%" not in rep["sparsity"]
+    assert rep["unmatched_cells"] == [] and rep["bootstrap"]["pair"]["n_draws"] == 12
+    rows = _rows(F_span=2, D_span=2, sources=0)
+    fitted, control = scaling.split_control(rows)
+    assert {r["sparsity_label"] for r in control} == {"S=0%"} and len(control) == 48
+    assert {(r["arch"], r["S"]) for r in control} == {("baseline", 0.0), ("smelt", 0.06)}
+    assert all(r["S"] >= 0.85 for r in fitted)
+    assert scaling.split_control(rows, include_dense=True) == (rows, [])
+    import budget                                       # the label budget.py's presets give the control
+    assert budget.PAPER_POOLS[0][0] == scaling.CONTROL_LABEL
+
+
+def test_budgets_inside_the_data_unless_marked(good_report):
+    rep, _ = good_report
+    lo, hi = rep["compute_window"]
+    assert rep["budget_source"] == "data" and all(lo < C < hi for C in rep["budgets"])
+    assert rep["budgets"][1] == pytest.approx(math.sqrt(lo * hi))           # geometric midpoint
+    assert rep["tpp_budget"] == rep["budgets"][1]
+    assert not any("budget C" in w for c in rep["gains"]["cells"] for w in c["extrapolation"])
+    for c in rep["gains"]["cells"]:
+        assert c["extrapolated"] == bool(c["extrapolation"])
+    # the same fits at budgets below / above the data, and a reference pushed out of its data
+    fits = {a: Coeffs(*(rep["fits"][a][k] for k in "EAKabc")) for a in ("smelt", "baseline")}
+    rg = {a: rep["fits"][a]["ranges"] for a in fits}
+    for C in (1e10, 1e25):
+        cell = scaling.gain_cell(fits["smelt"], fits["baseline"], C, 0.95, rg["smelt"], rg["baseline"],
+                                 ("smelt", "baseline"))
+        assert cell["extrapolated"] and any(w.startswith(f"smelt: budget C = {C:.3g} outside") for w in cell["extrapolation"])
+    much_better = replace(fits["smelt"], A=fits["smelt"].A / 5, K=fits["smelt"].K / 5)
+    cell = scaling.gain_cell(much_better, fits["baseline"], hi, 0.95, rg["smelt"], rg["baseline"], ("smelt", "baseline"))
+    assert cell["gain"] > 0 and any(w.startswith("baseline: C_ref") for w in cell["extrapolation"])
+
+
+def test_analyse_given_budgets_outside_the_data_are_marked(tmp_path):
+    rep = scaling.analyse(_rows(sources=0), str(tmp_path), n_boot=0, budgets=[1e10, 1e19, 1e25])
+    assert rep["budget_source"] == "given"
+    by_C = defaultdict(list)
+    for c in rep["gains"]["cells"]:
+        by_C[c["budget"]].append(c)
+    assert all(c["extrapolated"] for C in (1e10, 1e25) for c in by_C[C])
+    assert all(c["interval"] is None and "n_boot = 0" in c["interval_why"] for c in rep["gains"]["cells"])
+    md = (tmp_path / "tables.md").read_text()
+    assert "†" in md and "extrapolated" in md and not LONG_NUMBER.search(md)
+
+
+def test_interval_rules():
+    """No interval from too few surviving draws, from a majority of failed draws, or past -9999 %."""
+    ok = scaling.Bootstrap(np.zeros((20, 1, 1)), np.zeros((20, 1, 1)), n_draws=20, n_failed=0)
+    draws = np.linspace(0.0, 0.2, 20)
+    iv = scaling._interval(0.1, draws, ok, 12, scaling.RULES)
+    assert iv["interval"]["lo"] == pytest.approx(np.percentile(draws, 2.5)) and iv["failed_share"] == 0.0
+    few = replace(ok, n_draws=29, n_failed=9)
+    assert scaling._interval(0.1, draws[:9], few, 12, scaling.RULES)["interval"] is None
+    most = replace(ok, n_draws=50, n_failed=30)
+    out = scaling._interval(0.1, draws, most, 12, scaling.RULES)
+    assert out["interval"] is None and "60 %" in out["interval_why"] and out["failed_share"] == 0.6
+    wild = scaling._interval(0.1, np.r_[-1e6 * np.ones(5), draws], replace(ok, n_draws=25), 12, scaling.RULES)
+    assert wild["interval"] is None and "-9999" in wild["interval_why"]
+
+
 # ----------------------------------------------------------------------------- I/O and CLI
 def _write_results(path, with_bad_row=False):
-    rows = []
-    for arch, co in (("baseline", PAPER_BASELINE), ("smelt", PAPER_SMELT)):
-        p = grid(co, sparsities=(0.0, 0.85, 0.95, 0.97), noise=0.003, seed=len(arch))
-        for F, S, D, L, cell in zip(p.F, p.S, p.D, p.L, p.cell):
-            scale, lab = cell.split("/")
-            dom = {"code": float(L) - 0.2, "web": float(L) + 0.1}
-            rows.append(dict(arch=arch, scale=scale, sparsity_label=lab, F=F, S=S, D=D, val_loss=float(L),
-                             val_loss_by_domain=dom))
+    rows = _rows(F_span=16, D_span=10, sources=0)
+    for r in rows:
+        r["val_loss_by_domain"] = {"code": r["val_loss"] - 0.2, "web": r["val_loss"] + 0.1}
+        del r["val_loss_by_source"]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         if with_bad_row:
@@ -223,11 +470,11 @@ def test_cli_writes_fits_tables_and_plots(tmp_path):
     scaling.main(["--results", str(res), "--out", str(out), "--bootstrap", "0"])
     fits = json.loads((out / "coeffs.json").read_text())
     assert set(fits) == {"baseline", "smelt"}
-    assert all(f["n_points"] == 72 for f in fits.values())             # the S = 0 cells are excluded
+    assert all(f["n_points"] == 72 and f["identified"] for f in fits.values())   # the S=0% cells are excluded
     assert abs(fits["smelt"]["c"] - PAPER_SMELT.c) < 0.1
     tables = json.loads((out / "tables.json").read_text())
-    assert tables["budgets"] == [1e20, 1e21, 1e22] and len(tables["ce_gain"]) == 3
-    assert set(tables["subsets"]["val_loss_by_domain"]["ce_gain"]["0.95"]) == {"code", "web"}
+    assert len(tables["budgets"]) == 3 and len(tables["gains"]["cells"]) == 9
+    assert set(tables["subsets"]["val_loss_by_domain"]["gains"]) == {"code", "web"}
     for name in ("loss_vs_compute.png", "reducible_loss.png", "ce_gain.png"):
         assert (out / name).stat().st_size > 10_000
     assert "CE gain of smelt over baseline" in (out / "tables.md").read_text()
@@ -253,11 +500,27 @@ def test_bad_inputs_raise_or_warn():
             fit(*bad)
     with pytest.raises(ValueError, match="S must be < 1"):
         fit(p.F, np.full_like(p.S, 85.0), p.D, p.L)                     # a percentage, not a fraction
+    with pytest.raises(ValueError, match=r"S must be >= 0 .* at index 3"):
+        fit(p.F, np.where(np.arange(len(p.S)) == 3, -0.05, p.S), p.D, p.L)
+    assert fit_result(p.F, np.where(p.S == p.S[0], -1e-12, p.S), p.D, p.L).n_points == 72   # rounding of 0: kept
+    with pytest.raises(ValueError, match="F is empty"):
+        fit([], [], [], [])
+    with pytest.raises(ValueError, match="D is empty"):
+        fit([1e9], [0.5], [], [2.0])
+    with pytest.raises(ValueError, match="S must be a sequence of numbers"):
+        fit(p.F, ["dense"] * len(p.F), p.D, p.L)
+    for name, i in (("F", 0), ("S", 1), ("D", 2)):
+        bad = [p.F.copy(), p.S.copy(), p.D.copy(), p.L.copy()]
+        bad[i][2] = np.inf
+        with pytest.raises(ValueError, match=f"{name} contains NaN or inf at index 2"):
+            fit(*bad)
     L = p.L.copy(); L[7] = np.nan
     with pytest.raises(ValueError, match="NaN or inf at index 7"):
         fit(p.F, p.S, p.D, L)
-    with pytest.raises(ValueError, match="equal lengths"):
+    with pytest.raises(ValueError, match="equal lengths; L has 71, F has 72"):
         fit(p.F, p.S, p.D, p.L[:-1])
+    with pytest.raises(ValueError, match="equal lengths; S has 71, F has 72"):
+        fit(p.F, p.S[1:], p.D, p.L)
     with pytest.raises(ValueError, match="may pin E, a, b, c only"):
         fit(p.F, p.S, p.D, p.L, fixed={"A": 1.0})
     with pytest.raises(ValueError, match="one F"):
@@ -273,3 +536,23 @@ def test_bad_inputs_raise_or_warn():
     floor = Coeffs(1.0, 1e3, 1e6, 0.4, 0.1, 0.7)                      # target floor far below the reference's
     with pytest.warns(UserWarning, match="below the reference floor"):
         assert ce_gain(floor, PAPER_BASELINE, 1e25, 0.9) == 1.0
+
+
+def test_analyse_rejects_bad_rows_naming_the_row(tmp_path):
+    with pytest.raises(ValueError, match="rows must be a non-empty list"):
+        scaling.analyse([], str(tmp_path))
+    rows = _rows(F_span=2, D_span=2, control=False, sources=0)
+    cases = [("S", -0.2, r"rows\[3\] \(baseline .* S~8.%\): S = -0.2 must lie in \[0, 1\)"),
+             ("S", float("nan"), r"rows\[3\] .*: S = nan is not a finite number"),
+             ("F", float("inf"), r"rows\[3\] .*: F = inf is not a finite number"),
+             ("val_loss", 0.0, r"rows\[3\] .*: val_loss = 0.0 must be > 0"),
+             ("D", "many", r"rows\[3\] .*: D = 'many' is not a finite number")]
+    for key, value, msg in cases:
+        bad = [dict(r) for r in rows]
+        bad[3][key] = value
+        with pytest.raises(ValueError, match=msg):
+            scaling.analyse(bad, str(tmp_path))
+    bad = [dict(r) for r in rows]
+    del bad[5]["sparsity_label"]
+    with pytest.raises(ValueError, match=r"rows\[5\] misses keys \['sparsity_label'\]"):
+        scaling.analyse(bad, str(tmp_path))
