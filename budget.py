@@ -462,11 +462,12 @@ PAPER_PUBLISHED = {
 # Our presets (S labels: the Baseline's measured S, head excluded, at the data's document length).
 # tiny: a 2-core CPU (vocab 4096 = the data module's tiny tokenizer, 128-token contexts, top-2 of
 # 2 experts (the S = 0 control: every expert active) or 16 experts of width 2D -> S ~ 85 %);
-# small: one GPU (top-4 of 4 / 32 / 96 experts of width D -> S = 0 / ~85 / ~95 %). Every depth gives a
+# small / medium: one GPU (top-4 of 4 / 32 / 96 experts of width D -> S = 0 / ~85 / ~95 %). Every depth gives a
 # middle-half span of >= 2 layers; every head_dim is >= 16 (CUDA flex attention's minimum).
 #               (scale, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff)
 TINY_SCALES = [("t64", 64, 4, 4, 2, 16, 128), ("t96", 96, 4, 6, 2, 16, 192)]
-SMALL_SCALES = [("s256", 256, 6, 4, 2, 64, 256), ("s384", 384, 8, 6, 2, 64, 384), ("s512", 512, 8, 8, 2, 64, 512)]
+SMALL_SCALES = [("s128", 128, 4, 4, 2, 32, 128), ("s160", 160, 6, 4, 2, 40, 160), ("s192", 192, 6, 6, 2, 32, 192)]
+MEDIUM_SCALES = [("s256", 256, 6, 4, 2, 64, 256), ("s384", 384, 8, 6, 2, 64, 384), ("s512", 512, 8, 8, 2, 64, 512)]
 SMOKE_SCALES = [("m48", 48, 4, 2, 2, 24, 48), ("m64", 64, 4, 4, 2, 16, 64)]
 CONTROL_LABEL = "S=0%"   # the sparsity label of the S = 0 control cells (a property of the cell, SMELT 3.1)
 # With few experts (the S = 0 cells: 2 -> 3 or 4 at tiny, 4 -> 6 at small) one expert is a large share
@@ -482,8 +483,13 @@ PRESETS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
                   data="smoke", search=TINY_SEARCH),
     "tiny": dict(scales=TINY_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=4096, block=128,
                  data="tiny", search=TINY_SEARCH),
+    # small: d 128-192 so that every run's three fp32 endpoints (and ckpt.pt, their copy) fit 10 GB in all
+    # and a run's ~30M tokens (the small corpus holds ~20M) give 5-25 tokens per dense-equivalent parameter;
+    # medium: d 256-512 (3.4B parameters over its runs, ~100 GB of endpoints)
     "small": dict(scales=SMALL_SCALES, pools=[(CONTROL_LABEL, 4), ("S~85%", 32), ("S~95%", 96)], top_k=4,
                   vocab=16384, block=1024, data="small", search=WIDE_SEARCH),
+    "medium": dict(scales=MEDIUM_SCALES, pools=[(CONTROL_LABEL, 4), ("S~85%", 32), ("S~95%", 96)], top_k=4,
+                   vocab=16384, block=1024, data="small", search=WIDE_SEARCH),
     # the paper's grid at the paper's document length (its own data is internal): see PAPER_DOC_LEN
     "paper": dict(scales=[(s, H, L, nh, 2, hd, F) for s, H, L, F, hd, nh in PAPER_SCALES], pools=PAPER_POOLS,
                   top_k=8, vocab=PAPER_VOCAB, block=4096, data=None),
