@@ -265,7 +265,7 @@ def run_tokens(plan: Plan) -> int:
     return (plan.stable_steps + len(set(plan.branch_steps)) * plan.decay_steps) * plan.batch_size * plan.block_size
 
 
-def plan_cost(plan: Plan, ladder: list[dict]) -> dict:
+def plan_cost(plan: Plan, ladder: list[dict], train_tokens: int | None = None) -> dict:
     """What the plan's training costs, from budget.run_cost: per run and in total (GPU minutes at budget's
     stated MFU on one H200; the CPU figures are measured, see the README)."""
     rows = []
@@ -276,7 +276,9 @@ def plan_cost(plan: Plan, ladder: list[dict]) -> dict:
         final = (max(plan.branch_steps) + plan.decay_steps) * plan.batch_size * plan.block_size
         rows.append({"run": r.name, **c, "tpp_final": final / (c["F"] / 6),
                      "tokens_per_param_final": final / budget.count_params(cfg)["blocks"]})
-    return {"runs": rows, "tokens_per_run": tokens, "total_flops": sum(r["flops_with_head"] for r in rows),
+    return {"runs": rows, "tokens_per_run": tokens, "train_tokens": train_tokens,
+            "epochs_per_run": tokens / train_tokens if train_tokens else None,
+            "total_flops": sum(r["flops_with_head"] for r in rows),
             "gpu_minutes": sum(r["gpu_minutes"] for r in rows), "mfu": budget.ASSUMED_MFU,
             "peak_flops": budget.H200_PEAK_FLOPS}
 
@@ -284,7 +286,8 @@ def plan_cost(plan: Plan, ladder: list[dict]) -> dict:
 def log_plan_cost(cost: dict) -> None:
     tpp = [r["tpp_final"] for r in cost["runs"]]
     tpn = [r["tokens_per_param_final"] for r in cost["runs"]]
-    log(f"plan: {len(cost['runs'])} runs x {cost['tokens_per_run'] / 1e6:.2f}M tokens; longest endpoint "
+    ep = f" ({cost['epochs_per_run']:.2f} epochs of the training stream)" if cost.get("epochs_per_run") else ""
+    log(f"plan: {len(cost['runs'])} runs x {cost['tokens_per_run'] / 1e6:.2f}M tokens{ep}; longest endpoint "
         f"{min(tpp):.3g}-{max(tpp):.3g} tokens per dense-equivalent parameter (TPP), {min(tpn):.3g}-{max(tpn):.3g} "
         f"tokens per total parameter; {cost['total_flops']:.3g} FLOPs in all = {cost['gpu_minutes']:.1f} min on "
         f"one H200 at an assumed {100 * cost['mfu']:.0f} % MFU")
@@ -848,7 +851,7 @@ def main(argv=None) -> Path:
 
     data, _ = timed("data", stage_data, plan, args.data_dir)
     ladder = timed("ladder", stage_ladder, plan, data, out)
-    cost = plan_cost(plan, ladder)
+    cost = plan_cost(plan, ladder, len(data.train))
     log_plan_cost(cost)
     write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
     if args.plan_only:
