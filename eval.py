@@ -5,8 +5,8 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.1, 5.3 and Appendi
 * `val_loss_report`: token-weighted validation cross-entropy over all held-out sources, per
   source, per domain and per document-length bucket (upper bounds are powers of two ending at
   the context length: 32..4096 at 4096, SMELT 5.3's eight buckets). `normalised_shape` divides a
-  pair's per-bucket improvement by its mean so shapes compare across pairs (SMELT vs Baseline,
-  more experts, more parameters); `shape_families` averages them and gives the long/short ratio.
+  pair's per-bucket improvement by its mean so shapes compare across pairs, `long_short_ratio`
+  compares the longer half of the buckets with the shorter half (`length_families` below).
 * Few-shot scoring as DCLM (llm-foundry) and lm-eval do it: sequences in batched forwards
   (`score_continuations`); on CPU, the options of one multiple-choice prompt after a single
   prefill of their shared context (`score_options`: the cache is repeated per option; 3.3x
@@ -24,13 +24,27 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.1, 5.3 and Appendi
   README) and procedurally generated tasks that tiny models can learn in context (Dyck closing
   at a set depth, copy, reverse, key-value retrieval, modular addition), each from a seeded
   generator with a known chance rate. Real and generated tasks are summarised separately.
-* The shot sweep k in {0, 1, 2, 4, 8, 16, 32} (SMELT Fig. 20b-c) and `permutation_test`, a
-  paired sign-flip permutation test on two models' per-item results.
+* The shot sweep k in {0, 1, 2, 4, 8, 16, 32} (SMELT Fig. 20b-c).
 * `calibrate`: SMELT Eq. 6-7, the monotone four-parameter sigmoid from validation loss to a
   metric fitted on Baseline endpoints, and each other model's residual (positive = better than
-  its loss predicts), by scale; `calibration_report` also does it per task, averaged by category.
-* `load_model`, `evaluate_run` (library entry point for reproduce.py) and a CLI writing
-  RUN_DIR/eval.json and plots.
+  its loss predicts) with a t-interval; `calibration_report` does it for the DCLM metrics and per
+  task, averaged by category. A fit is *identified* only when the Baseline points can place it
+  (`calibration_problem`: >= 5 points, varying losses and scores, not all at chance; then
+  R^2 >= 0.5 and no step across a gap in the data); otherwise it returns "not identified (why)"
+  and no parameters, residuals or plot.
+* Endpoints: `load_model` takes a run directory (its ckpt.pt), an endpoint file
+  (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint; `run_endpoints` lists every
+  finished decay branch of a run; `evaluate_endpoint` evaluates one (progress lines through a
+  `log` callback, each naming "RUN@BRANCH"), `evaluate_endpoints` all of a run's.
+* The grid (SMELT 5.1, 5.3, App. C), from a list of endpoint evaluations: `matched_pairs`
+  (Baseline / SMELT of one cell, seed and branch), `win_counts` ("Completion 96/96" per metric,
+  per cell, per endpoint), `icl_sweep` (per task and k, averaged within cells, then over the
+  cells where both models are above chance; the one-sided paired permutation test over
+  demonstration seeds at the largest k, `stats.permutation_test`), `length_families` (SMELT vs
+  Baseline, more experts, more parameters: normalised gain by document length and the long/short
+  ratio with a bootstrap interval over contrasts), `downstream_claims` (intervals decided by
+  `stats.verdict`), `downstream_report` (all of these) and `plot_downstream` (their figures;
+  nothing drawn for at-chance tasks or unidentified fits, a sentence instead).
 
 Design choices and why
 ----------------------
@@ -54,6 +68,16 @@ Design choices and why
   target for generation) and DCLM's v2 baselines for centring. BIG-bench's language
   identification lists 11 options per item (chance 1/11, DCLM v1's 9.1) while DCLM v2 centres it
   at 25; `rho` follows DCLM v2 and `chance` reports the true rate beside it.
+* Few-shot scoring runs the output head only at the answer positions (`_head_at`: the final
+  norm's output is gathered before the vocabulary projection, which is position-wise, so the
+  logits are the same). Measured on the tiny preset's models (vocabulary 4096), task scoring is
+  1.1-1.5x faster (the head is 25-50 % of a forward at d_model 64-128); tested equal to the
+  full-logit path. Validation needs every position and keeps the plain forward.
+* Pairs and units: matched pairs are (scale, sparsity label, training seed, branch step). The
+  permutation test pairs demonstration seeds (the same demonstrations on both sides), as
+  Appendix C does; with n seeds an exact test cannot go below p = 2^-n. Downstream claims pair
+  endpoints by default (as the brief for the main job asks); endpoints of one run share a
+  trajectory, so `unit="run"` averages a run pair's endpoints first for independent units.
 * Validation tokens are bucketed by their whole document's length when TokenData offers it
   (`val_batches(..., doc_lengths=True)`), else by the length of the document's segment in the
   context (from doc_ids). Documents longer than the context fall into the top bucket.
@@ -220,17 +244,6 @@ def long_short_ratio(shape: dict) -> float:
     vals = [shape[b] for b in sorted(shape, key=int)]
     h = len(vals) // 2
     return float(np.mean(vals[len(vals) - h:]) / np.mean(vals[:h])) if h else float("nan")
-
-
-def shape_families(pairs: dict[str, list[tuple[dict, dict]]]) -> dict:
-    """{family: [(ref_by_length, new_by_length), ...]} -> {family: {"shape": {bucket: mean}, "long_short"}}."""
-    out = {}
-    for family, items in pairs.items():
-        shapes = [normalised_shape(r, n) for r, n in items]
-        buckets = sorted(set.intersection(*(set(s) for s in shapes))) if shapes else []
-        mean = {b: float(np.nanmean([s[b] for s in shapes])) for b in buckets}
-        out[family] = {"shape": mean, "long_short": long_short_ratio(mean), "n_pairs": len(items)}
-    return out
 
 
 # ================================================================ tasks
@@ -598,7 +611,8 @@ def calibration_problem(losses: Sequence[float], scores: Sequence[float], chance
     """
     x, y = np.asarray(losses, dtype=float), np.asarray(scores, dtype=float)
     if len(x) < CALIBRATION_MIN_POINTS:
-        return f"{len(x)} Baseline endpoints; the 4-parameter sigmoid needs at least {CALIBRATION_MIN_POINTS}"
+        return (f"{len(x)} Baseline endpoint{'s' if len(x) != 1 else ''}; the 4-parameter sigmoid needs at least "
+                f"{CALIBRATION_MIN_POINTS}")
     if np.ptp(x) <= 1e-9:
         return f"every Baseline endpoint has the same validation loss ({x[0]:.4f})"
     if np.ptp(y) <= 1e-9 * max(1.0, float(np.abs(y).max())):
@@ -992,7 +1006,7 @@ def metric_value(rec: dict, metric: str) -> float | None:
 
 
 # (metric, what, lower is better, the paper's count)
-WIN_METRICS = (("val_loss", "validation loss", True, "16 / 16 cells (Sec. 4.1)"),
+WIN_METRICS = (("val_loss", "validation loss", True, "lower in all 16 cells (Sec. 4.1)"),
                ("real completion", "gold-completion loss, BIG-bench tasks (DCLM Completion)", True,
                 "96 / 96 (Sec. 5.1)"),
                ("real core", "centred accuracy, BIG-bench tasks (DCLM Core)", False, "83 / 96 (Sec. 5.1)"),
@@ -1038,7 +1052,8 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
     shared by every endpoint, pooled over the cells above chance, and per cell. With n seeds an exact
     test cannot give p below 2^-n ("p_min"): 2 seeds never reach p < 0.05.
     Returns {task: {"origin", "kind", "chance", "ks", "by_k": {k: {"baseline", "smelt", "gain",
-    "cells_above", "cells", "baseline_by_seed", "smelt_by_seed"}}, "max_k", "test": {"k", "p",
+    "cells_above", "cells", "baseline_by_seed", "smelt_by_seed", "baseline_all_cells", "smelt_all_cells"
+    (the mean over every cell, at chance or not: for tables, never averaged into the curve)}}, "max_k", "test": {"k", "p",
     "p_min", "seeds", "gain", "cells_above", "why"}, "by_cell": {cell: {"above", "baseline", "smelt",
     "gain", "p"}}, "note"}}; means are None where no cell is above chance, and "note" says so.
     """
@@ -1071,7 +1086,9 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
             cs = cell_seeds(k)
             above = [c for c, (b, s) in cs.items() if b.mean() > chance + margin and s.mean() > chance + margin]
             row = {"cells_above": len(above), "cells": len(cells), "baseline": None, "smelt": None, "gain": None,
-                   "baseline_by_seed": None, "smelt_by_seed": None}
+                   "baseline_by_seed": None, "smelt_by_seed": None,
+                   "baseline_all_cells": float(np.mean([b.mean() for b, _ in cs.values()])),
+                   "smelt_all_cells": float(np.mean([s.mean() for _, s in cs.values()]))}
             if above:
                 n = min(len(cs[c][0]) for c in above)
                 b = np.mean([cs[c][0][:n] for c in above], axis=0)
@@ -1148,7 +1165,7 @@ def _sparsity_rank(records: Sequence[dict]) -> dict[str, float]:
 PAPER_LONG_SHORT = {"SMELT vs Baseline": 1.52, "more experts": 0.88, "more parameters": 0.98}
 
 
-def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0) -> dict:
+def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0, min_tokens: int = 1000) -> dict:
     """SMELT 5.3 / Fig. 20a: the three families of contrasts in loss by document length.
 
       SMELT vs Baseline  each SMELT run against its matched Baseline (same cell and seed);
@@ -1163,9 +1180,13 @@ def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0) 
     (long_short_ratio of the mean shape) gets a percentile bootstrap interval over contrasts
     (stats.bootstrap_interval: contrasts resampled, the ratio recomputed). Endpoint pairs whose mean
     gain is zero have no shape and are left out (counted). Records need "val" with "by_length".
+    Buckets holding fewer than `min_tokens` validation tokens ("tokens_by_length") are left out:
+    at the tiny preset's 128-token context the 16-token bucket holds 11 tokens, and its one noisy
+    value set the whole ratio. A contrast whose mean gain is negative (the "new" model is worse)
+    normalises a loss, not a gain; they are counted ("n_negative").
     Returns {family: {"paper", "shape": {bucket: mean}, "long_short": Interval dict | None,
-    "n_contrasts", "n_endpoint_pairs", "n_degenerate", "contrasts": [{"ref", "new", "long_short",
-    "mean_gain", "n_pairs"}], "why"}}.
+    "n_contrasts", "n_endpoint_pairs", "n_degenerate", "n_negative", "buckets_dropped": {bucket:
+    tokens}, "contrasts": [{"ref", "new", "long_short", "mean_gain", "n_pairs"}], "why"}}.
     """
     import stats
     recs = [r for r in records if r.get("val") and r["val"].get("by_length")]
@@ -1193,9 +1214,25 @@ def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0) 
     def rid(k):
         return f"{k[0]} {k[1]} {k[2]}" + (f" seed {k[3]}" if k[3] is not None else "")
 
+    dropped: dict = {}
+
+    def kept(r: dict, other: dict) -> dict[int, float]:
+        """r's loss by bucket over the buckets with >= min_tokens tokens in both endpoints."""
+        tok = lambda e: {int(b): int(n) for b, n in (e["val"].get("tokens_by_length") or {}).items()}
+        ta, tb = tok(r), tok(other)
+        out = {}
+        for b, v in r["val"]["by_length"].items():
+            n = min(ta.get(int(b), min_tokens), tb.get(int(b), min_tokens))
+            if n >= min_tokens:
+                out[int(b)] = float(v)
+            else:
+                dropped[int(b)] = n
+        return out
+
     out = {}
     for fam, cons in contrasts.items():
-        shapes, rows, n_pairs, n_bad = [], [], 0, 0
+        dropped.clear()
+        shapes, rows, n_pairs, n_bad, n_neg = [], [], 0, 0, 0
         for ref_k, new_k in cons:
             ref, new = runs[ref_k], runs[new_k]
             if len(ref) == len(new):
@@ -1203,20 +1240,22 @@ def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0) 
             else:
                 nb = {r.get("branch_step"): r for r in new}
                 eps = [(r, nb[r.get("branch_step")]) for r in ref if r.get("branch_step") in nb]
-            sh = [normalised_shape(a["val"]["by_length"], b["val"]["by_length"]) for a, b in eps]
+            losses = [(kept(a, b), kept(b, a)) for a, b in eps]
+            sh = [normalised_shape(la, lb) for la, lb in losses]
             good = [x for x in sh if x and all(np.isfinite(v) for v in x.values())]
             n_pairs, n_bad = n_pairs + len(good), n_bad + len(sh) - len(good)
-            gains = [np.mean([float(a["val"]["by_length"][k]) - float(b["val"]["by_length"][k])
-                              for k in set(a["val"]["by_length"]) & set(b["val"]["by_length"])]) for a, b in eps]
+            gain = float(np.mean([np.mean([la[k] - lb[k] for k in set(la) & set(lb)]) for la, lb in losses]))
             if not good:
                 continue
             buckets = sorted(set.intersection(*(set(x) for x in good)))
             mean = {b: float(np.mean([x[b] for x in good])) for b in buckets}
             shapes.append(mean)
+            n_neg += gain < 0
             rows.append({"ref": rid(ref_k), "new": rid(new_k), "long_short": long_short_ratio(mean),
-                         "mean_gain": float(np.mean(gains)), "n_pairs": len(good)})
+                         "mean_gain": gain, "n_pairs": len(good)})
         entry = {"paper": PAPER_LONG_SHORT[fam], "shape": {}, "long_short": None, "n_contrasts": len(shapes),
-                 "n_endpoint_pairs": n_pairs, "n_degenerate": n_bad, "contrasts": rows, "why": None}
+                 "n_endpoint_pairs": n_pairs, "n_degenerate": n_bad, "n_negative": n_neg,
+                 "buckets_dropped": dict(sorted(dropped.items())), "contrasts": rows, "why": None}
         if not shapes:
             entry["why"] = ("no contrast in the grid" if not cons else
                             "every contrast's mean gain is zero: no shape")
@@ -1227,9 +1266,18 @@ def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0) 
                 sel = [shapes[int(i)] for i in ix]
                 return long_short_ratio({b: float(np.mean([x[b] for x in sel])) for b in buckets})
             entry["shape"] = {b: float(np.mean([x[b] for x in shapes])) for b in buckets}
-            entry["long_short"] = stats.bootstrap_interval(np.arange(len(shapes)), ratio, n_boot, seed=seed).to_dict()
-            if len(shapes) < 2:
-                entry["why"] = "one contrast: no interval"
+            if len(buckets) < 2:
+                entry["why"] = f"{len(buckets)} document-length bucket in common: no long/short ratio"
+            elif not math.isfinite(ratio(range(len(shapes)))):
+                entry["why"] = "the shorter buckets' mean gain is zero: no long/short ratio"
+            else:
+                iv = stats.bootstrap_interval(np.arange(len(shapes)), ratio, n_boot, seed=seed)
+                if not (math.isfinite(iv.lo) and math.isfinite(iv.hi)) and len(shapes) > 1:
+                    iv = stats.Interval(iv.mean, math.nan, math.nan, iv.n, iv.level, iv.method)
+                    entry["why"] = "a resampled long/short ratio is undefined: no interval"
+                entry["long_short"] = iv.to_dict()
+                if len(shapes) < 2:
+                    entry["why"] = "one contrast: no interval"
         out[fam] = entry
     return out
 
@@ -1275,9 +1323,11 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
             b = [float(np.mean([v[0] for v in vs])) for vs in vals.values()]
             s = [float(np.mean([v[1] for v in vs])) for vs in vals.values()]
             iv = stats.paired_difference(b, s)
+            why = None if iv.resolved else f"{len(b)} pair: no interval"
+            if key == "core" and max(b + s) <= 0:
+                why = "both models at or below chance (centred accuracy <= 0) in every pair"
             claim(f"{metric} difference", f"SMELT - Baseline {what}, {src} {direction} 0", paper, direction, 0.0, iv,
-                  len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair",
-                  None if iv.resolved else f"{len(b)} pair: no interval")
+                  len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair", why)
     if calibration is not None:
         for name, c in calibration.get("metrics", {}).items():
             if name.startswith("task/"):
@@ -1398,8 +1448,9 @@ def plot_shot_sweep(result: dict, path: str | Path, other: dict | None = None) -
 
 def plot_icl_sweep(sweep: dict, path: str | Path) -> str:
     """SMELT Fig. 51 from icl_sweep: per task, Baseline (dashed) and SMELT (solid) accuracy vs k averaged
-    over the cells where both are above chance; tasks with no such cell at any k are left out (named in
-    the returned text); nothing is written when no task is left."""
+    over the cells where both are above chance (bars: standard error over demonstration seeds); tasks
+    with no such cell at any k are left out (named in the returned text); nothing is written when no
+    task is left."""
     drawn = [n for n, t in sweep.items() if any(r["cells_above"] for r in t["by_k"].values())]
     left = [n for n in sweep if n not in drawn]
     note = (f"No cell has both models above chance at any k for: {', '.join(left)} (not drawn)." if left else "")
@@ -1413,8 +1464,10 @@ def plot_icl_sweep(sweep: dict, path: str | Path) -> str:
         t = sweep[name]
         ks = [k for k in t["ks"] if t["by_k"][str(k)]["cells_above"]]
         for arch, style, color in (("baseline", "--", "tab:blue"), ("smelt", "-", "tab:red")):
-            ax.plot(range(len(ks)), [t["by_k"][str(k)][arch] for k in ks], style, marker="o", ms=3, color=color,
-                    label="Baseline" if arch == "baseline" else "SMELT")
+            se = [float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+                  for v in (t["by_k"][str(k)][f"{arch}_by_seed"] for k in ks)]
+            ax.errorbar(range(len(ks)), [t["by_k"][str(k)][arch] for k in ks], se, ls=style, marker="o", ms=3,
+                        color=color, capsize=2, label="Baseline" if arch == "baseline" else "SMELT")
         ax.set_xticks(range(len(ks)), ks)
         ax.axhline(t["chance"], color="grey", lw=0.6, ls=":")
         p = t["test"]["p"]
@@ -1473,27 +1526,31 @@ def plot_calibration(base: Sequence[dict], others: Sequence[dict], report: dict,
 
 def plot_length_families(families: dict, path: str | Path) -> str:
     """SMELT Fig. 20a: each family's mean normalised gain by document-length bucket (log2 axis)."""
-    fams = {f: v for f, v in families.items() if v.get("shape")}
-    note = " ".join(f"{f}: {v['why']}." for f, v in families.items() if not v.get("shape") and v.get("why"))
+    fams = {f: v for f, v in families.items() if len(v.get("shape") or {}) >= 2}
+    note = " ".join(f"{f}: {v['why']}." for f, v in families.items() if f not in fams and v.get("why"))
     if not fams:
         return (note + " No length-shape figure.").strip()
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 5))
     for (f, v), style in zip(fams.items(), ("o-", "s--", "^:")):   # distinct styles: overlapping lines stay visible
         b = sorted(v["shape"], key=int)
         iv = v["long_short"]
+        ratio = ("no long/short ratio" if iv is None else f"long/short {iv['mean']:.2f}"
+                 + (f" [{iv['lo']:.2f}, {iv['hi']:.2f}]" if math.isfinite(iv["lo"]) else " (no interval)"))
         ax.plot([int(x) for x in b], [v["shape"][x] for x in b], style, ms=4,
-                label=f"{f}: long/short {iv['mean']:.2f}" + (f" [{iv['lo']:.2f}, {iv['hi']:.2f}]"
-                                                             if math.isfinite(iv["lo"]) else "")
-                + f" (paper {v['paper']}), {v['n_contrasts']} contrasts")
+                label=f"{f}: {ratio} (paper {v['paper']}), {v['n_contrasts']} contrasts"
+                + (f", {v['n_negative']} with a mean loss, not gain" if v.get("n_negative") else ""))
     ax.axhline(1.0, color="grey", lw=0.6, ls=":")
     ax.set_xscale("log", base=2)
     ticks = sorted({int(b) for v in fams.values() for b in v["shape"]})
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
-    ax.set(xlabel="document length bucket (tokens, upper bound)", ylabel="gain / mean gain",
-           title="Loss gain by document length (SMELT 5.3, Fig. 20a)")
-    ax.legend(fontsize=7)
+    drop = {b: n for v in fams.values() for b, n in v.get("buckets_dropped", {}).items()}
+    ax.set(xlabel="document length bucket (tokens, upper bound)"
+           + ("\nleft out, too few tokens: " + ", ".join(f"<= {b} ({n} tokens)" for b, n in drop.items())
+              if drop else ""),
+           ylabel="gain / mean gain", title="Loss gain by document length (SMELT 5.3, Fig. 20a)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22 if drop else -0.16))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

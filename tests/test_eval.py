@@ -297,8 +297,8 @@ def test_normalised_shape():
     assert np.mean(list(shape.values())) == pytest.approx(1.0)
     assert shape[256] == pytest.approx(0.3 / 0.175)
     assert ev.long_short_ratio(shape) == pytest.approx(0.25 / 0.1)
-    fam = ev.shape_families({"smelt": [(ref, new), ({str(k): v for k, v in ref.items()}, new)]})
-    assert fam["smelt"]["shape"][64] == pytest.approx(shape[64]) and fam["smelt"]["n_pairs"] == 2
+    assert ev.normalised_shape({str(k): v for k, v in ref.items()}, new) == shape     # JSON keys are strings
+    assert all(math.isnan(v) for v in ev.normalised_shape(ref, ref).values())          # no gain: no shape
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -627,6 +627,13 @@ def test_length_families_by_hand(tmp_path):
     assert pa["n_contrasts"] == 2 and pa["long_short"]["mean"] == pytest.approx(1.0)
     assert all(c["ref"].startswith("baseline t64") and c["new"].startswith("baseline t128") for c in pa["contrasts"])
     assert ev.plot_length_families(f, tmp_path / "fam.png") == "" and (tmp_path / "fam.png").stat().st_size > 0
+    # a bucket with too few validation tokens is left out of every shape (and named)
+    for r in recs:
+        r["val"]["tokens_by_length"] = {"8": 11, "16": 4000, "32": 4000, "64": 4000}
+    f2 = ev.length_families(recs, n_boot=50)["SMELT vs Baseline"]
+    assert set(f2["shape"]) == {16, 32, 64} and f2["buckets_dropped"] == {8: 11}
+    assert f2["long_short"]["mean"] == pytest.approx(0.3 / 0.1)       # long half {64} over short half {16}
+    assert f2["n_negative"] == 0
 
 
 def test_downstream_claims_and_report(tmp_path):
@@ -655,6 +662,7 @@ def test_downstream_claims_and_report(tmp_path):
     assert comp["verdict"] == "reproduced" and comp["direction"] == "<"
     # every core accuracy is 0 (at chance): the difference is exactly 0 -> not resolved, and no calibration
     assert claims["real core difference"]["verdict"] == "not resolved"
+    assert "at or below chance" in claims["real core difference"]["why"]
     core_cal = claims["core residual"]
     assert core_cal["verdict"] == "not resolved" and "not identified" in core_cal["why"] and core_cal["interval"] is None
     assert "core" in rep["calibration"]["not_identified"]
