@@ -644,7 +644,8 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
     ol, os_ = np.asarray(other_losses, dtype=float), np.asarray(other_scores, dtype=float)
     for name, a, b in (("Baseline", bl, bs), ("other", ol, os_)):
         if a.shape != b.shape or a.ndim != 1:
-            raise ValueError(f"calibrate: {name} losses and scores must be equal-length lists, got {a.shape} and {b.shape}")
+            raise ValueError(f"calibrate: {name} losses and scores must be equal-length lists, "
+                             f"got {a.shape} and {b.shape}")
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise ValueError(f"calibrate: {name} losses / scores hold non-finite values")
     s = 1 if higher_is_better else -1
@@ -778,8 +779,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
                                     f"give an endpoint file (RUN_DIR/endpoints/*.pt) to evaluate another branch")
     elif p.is_file():
         file = p
-        run = p.parent.parent if p.parent.name in ("endpoints", "ckpt") and (p.parent.parent / "config.json").is_file() \
-            else None
+        parent = p.parent.parent
+        run = parent if p.parent.name in ("endpoints", "ckpt") and (parent / "config.json").is_file() else None
     else:
         raise FileNotFoundError(f"{p} not found: give a run directory (config.json + ckpt.pt), an endpoint file "
                                 f"or a training checkpoint")
@@ -874,14 +875,16 @@ def summarise(tasks: dict) -> dict:
 
 
 def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: Sequence[int] = SHOTS,
-                      seeds: int = 10, max_items: int | None = 100, val: bool = True,
+                      seeds: int = 10, max_items: int | None = 100, val: bool | dict = True,
                       val_tokens_per_source: int | None = 1 << 16, batch_size: int = 8, device: str | None = None,
                       enc=None, data=None, log=print) -> dict:
     """Evaluate one endpoint: validation report (when data or its run's data_dir is readable), shot sweep.
 
     path: a run directory (its ckpt.pt: the longest branch), an endpoint file or a training
     checkpoint (see load_model). enc / data: a tokenizer and a TokenData to use instead of the ones
-    the run names. log: called with one compact progress line per stage and task, each naming the
+    the run names. val: True (val_loss_report here), False (none), or a val_loss_report dict made
+    elsewhere for this endpoint (e.g. at the branch end, on the same tokens: the validation pass is
+    about half of an endpoint's evaluation on the tiny preset). log: called with one compact progress line per stage and task, each naming the
     endpoint ("RUN@BRANCH"); the main job passes its own in worker processes (log=lambda m: None: quiet).
     Returns {"run", "name", "endpoint", "branch_step", "step", "tokens", "arch", "scale",
     "sparsity_label", "seed", "model", "settings", "val", "tasks", "summary", "seconds"}.
@@ -901,13 +904,19 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
         "seed": train_cfg.get("seed"), "model": meta["model"],
         "settings": {"tasks": list(tasks), "shots": list(shots), "seeds": seeds, "max_items": max_items}}
     label = endpoint_id(result)
+    given = val if isinstance(val, dict) else None
+    if given is not None and not {"loss", "by_length"} <= set(given):
+        raise ValueError(f"{label}: val must be True, False or a val_loss_report dict (with 'loss' and 'by_length'); "
+                         f"got keys {sorted(given)}")
+    val = bool(val) and given is None
     if data is None and val and meta.get("data_dir"):
         try:
             data = data_mod.TokenData(meta["data_dir"])
         except Exception as e:  # a moved or unbuilt dataset should not stop the task evaluation
             log(f"{label}: validation skipped: cannot open data_dir {meta['data_dir']!r}: {e}")
-    result["val"] = val_loss_report(model, data, block, batch_size, val_tokens_per_source) if (val and data) else None
-    if result["val"]:
+    result["val"] = given or (val_loss_report(model, data, block, batch_size, val_tokens_per_source)
+                              if (val and data) else None)
+    if result["val"] and given is None:
         log(f"{label}: val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens "
             f"({time.perf_counter() - t0:.1f} s)")
     if enc is None:
@@ -1052,10 +1061,11 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
     shared by every endpoint, pooled over the cells above chance, and per cell. With n seeds an exact
     test cannot give p below 2^-n ("p_min"): 2 seeds never reach p < 0.05.
     Returns {task: {"origin", "kind", "chance", "ks", "by_k": {k: {"baseline", "smelt", "gain",
-    "cells_above", "cells", "baseline_by_seed", "smelt_by_seed", "baseline_all_cells", "smelt_all_cells"
-    (the mean over every cell, at chance or not: for tables, never averaged into the curve)}}, "max_k", "test": {"k", "p",
-    "p_min", "seeds", "gain", "cells_above", "why"}, "by_cell": {cell: {"above", "baseline", "smelt",
-    "gain", "p"}}, "note"}}; means are None where no cell is above chance, and "note" says so.
+    "cells_above", "cells", "baseline_by_seed", "smelt_by_seed", "baseline_all_cells",
+    "smelt_all_cells" (the mean over every cell, at chance or not: for tables, never averaged into
+    the curve)}}, "max_k", "test": {"k", "p", "p_min", "seeds", "gain", "cells_above", "why"},
+    "by_cell": {cell: {"above", "baseline", "smelt", "gain", "p"}}, "note"}}; means are None where no
+    cell is above chance, and "note" says so.
     """
     import stats
     pairs = matched_pairs(records)
@@ -1076,7 +1086,8 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
             got = {}
             for c in cells:
                 ps = [p for p in pairs if p["cell"] == c]
-                arr = {a: [p[a]["tasks"][name]["by_k"][str(k)]["acc_by_seed"] for p in ps] for a in ("baseline", "smelt")}
+                arr = {a: [p[a]["tasks"][name]["by_k"][str(k)]["acc_by_seed"] for p in ps]
+                       for a in ("baseline", "smelt")}
                 n = min(len(x) for v in arr.values() for x in v)
                 got[c] = tuple(np.mean([x[:n] for x in arr[a]], axis=0) for a in ("baseline", "smelt"))
             return got
