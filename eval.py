@@ -208,7 +208,10 @@ def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
             idx, targets, doc_ids = (t.to(dev) for t in batch[:3])
             lengths = batch[3].to(dev) if len(batch) > 3 else segment_lengths(doc_ids)
             logits = _logits(model, idx, doc_ids)
-            nll = F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+            # flattened rows, not logits.transpose(1, 2): the same numbers, 6x faster on CPU (2 vs 13 ms
+            # for 8 x 128 x 4096 logits), a quarter of the tiny preset's validation pass
+            nll = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(),
+                                  reduction="none").view(targets.shape)
             valid = targets >= 0
             src_sum[src] += float(nll[valid].sum())
             src_n[src] += int(valid.sum())
@@ -765,7 +768,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     own meta, else from config.json. A file inside RUN_DIR/endpoints or RUN_DIR/ckpt also reads
     RUN_DIR/config.json (data_dir, the run's arch / scale / sparsity label).
     meta: config.json's keys (when found) plus "model", "checkpoint" (the file's meta and scalar
-    entries), "run_dir", "endpoint" (path relative to the run dir), "branch_step", "step", "tokens".
+    entries), "run_dir", "endpoint" (path relative to the run dir), "branch_step" (the meta's
+    "branch", else read from the file name), "step", "tokens".
     """
     from model import GPT, ModelConfig
     p = Path(path)
@@ -807,6 +811,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     scalars = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng", "meta") and
                isinstance(v, (int, float, str, bool))}
     branch = own.get("branch")
+    named = re.fullmatch(r"branch_?(\d{7})(?:_\d{7})?\.pt", file.name)   # endpoints/branch_B.pt, ckpt/branchB_E.pt
+    if branch is None and named:
+        branch = int(named.group(1))
     meta = {**config, "model": cfg, "checkpoint": {**scalars, **({"meta": own} if own else {})},
             "run_dir": str(run) if run is not None else None,
             "endpoint": str(file.relative_to(run)) if run is not None and file.parent != run else None,

@@ -488,6 +488,11 @@ def test_load_model_accepts_run_dir_endpoint_and_checkpoint(trained_run, tmp_pat
     # the run directory: ckpt.pt, the longest branch
     _, meta3 = ev.load_model(trained_run)
     assert meta3["branch_step"] == 6 and meta3["endpoint"] is None
+    # an endpoint file whose meta lacks the branch: its name gives it
+    torch.save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
+               trained_run / "endpoints" / "branch_0000006.pt")
+    assert ev.load_model(trained_run / "endpoints" / "branch_0000006.pt")[1]["branch_step"] == 6
+    (trained_run / "endpoints" / "branch_0000006.pt").unlink()
     # a lone file with no meta and no config.json beside it names what is missing
     torch.save({"model": ck["model"]}, tmp_path / "lone.pt")
     with pytest.raises(ValueError, match="no model config"):
