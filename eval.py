@@ -952,9 +952,9 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     return result
 
 
-def evaluate_run(run_dir: str | Path, **kw) -> dict:
+def evaluate_run(run_dir: str | Path, *args, **kw) -> dict:
     """evaluate_endpoint on a run directory: its longest branch's endpoint (RUN_DIR/ckpt.pt)."""
-    return evaluate_endpoint(run_dir, **kw)
+    return evaluate_endpoint(run_dir, *args, **kw)
 
 
 def evaluate_endpoints(run_dir: str | Path, branches: Sequence[int] | None = None, **kw) -> list[dict]:
