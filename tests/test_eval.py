@@ -691,3 +691,11 @@ def test_downstream_claims_and_report(tmp_path):
     assert figs["figures"]["shot_sweep"] and Path(figs["figures"]["shot_sweep"]).stat().st_size > 0
     assert figs["figures"]["length_families"] is None       # the records carry no by_length
     assert any("core not identified" in n for n in figs["notes"])
+
+
+def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
+    res = {"tasks": {"up": task({0: [0.2], 2: [0.3, 0.5]}), "flat": task({0: [0.0], 2: [0.0, 0.0]}),
+                     "real0": task({0: [0.0], 2: [0.0, 0.0]}, chance=None, origin="bigbench")}}
+    note = ev.plot_shot_sweep(res, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 0
+    assert note == "At or below chance at every k (not drawn): flat, real0."
