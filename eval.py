@@ -1346,6 +1346,10 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                 why = "both models at or below chance (centred accuracy <= 0) in every pair"
             claim(f"{metric} difference", f"SMELT - Baseline {what}, {src} {direction} 0", paper, direction, 0.0, iv,
                   len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair", why)
+    if calibration is not None and calibration.get("error"):
+        claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0",
+              "positive on every benchmark at every scale (Sec. 5.1, Fig. 16)", ">", 0.0, None, 0, "SMELT endpoint",
+              f"calibration not available: {calibration['error']}")
     if calibration is not None:
         for name, c in calibration.get("metrics", {}).items():
             if name.startswith("task/"):
