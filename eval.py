@@ -71,8 +71,12 @@ Design choices and why
 * Few-shot scoring runs the output head only at the answer positions (`_head_at`: the final
   norm's output is gathered before the vocabulary projection, which is position-wise, so the
   logits are the same). Measured on the tiny preset's models (vocabulary 4096), task scoring is
-  1.1-1.5x faster (the head is 25-50 % of a forward at d_model 64-128); tested equal to the
-  full-logit path. Validation needs every position and keeps the plain forward.
+  1.2x (t128) to 1.5x (t64) faster: the head is 25-50 % of a forward at d_model 128-64; tested
+  equal to the full-logit path. Validation needs every position and keeps the plain forward; its
+  cross-entropy runs on flattened rows (6x faster than on transposed logits). One endpoint at
+  reproduce.PLANS["tiny"]'s settings, random-init models of all 12 tiny runs, one thread: 4.94 ->
+  3.82 CPU s on average (t64 1.9-2.6 s, t128 5.4-6.7 s), identical accuracies and losses
+  (/tmp bench against the previous eval.py, taking turns, best of 2, on a loaded 2-core machine).
 * Pairs and units: matched pairs are (scale, sparsity label, training seed, branch step). The
   permutation test pairs demonstration seeds (the same demonstrations on both sides), as
   Appendix C does; with n seeds an exact test cannot go below p = 2^-n. Downstream claims pair
