@@ -76,7 +76,7 @@ Design choices and why
   cross-entropy runs on flattened rows (6x faster than on transposed logits). One endpoint at
   reproduce.PLANS["tiny"]'s settings, random-init models of all 12 tiny runs, one thread: 4.94 ->
   3.82 CPU s on average (t64 1.9-2.6 s, t128 5.4-6.7 s), identical accuracies and losses
-  (/tmp bench against the previous eval.py, taking turns, best of 2, on a loaded 2-core machine).
+  (the previous eval.py against this one, taking turns, best of 2, on a loaded 2-core machine).
 * Pairs and units: matched pairs are (scale, sparsity label, training seed, branch step). The
   permutation test pairs demonstration seeds (the same demonstrations on both sides), as
   Appendix C does; with n seeds an exact test cannot go below p = 2^-n. Downstream claims pair
