@@ -981,10 +981,6 @@ def endpoint_id(rec: dict) -> str:
     return name if rec.get("branch_step") is None else f"{name}@{rec['branch_step']}"
 
 
-def cell_name(rec: dict) -> str:
-    return f"{rec['scale']} {rec['sparsity_label']}"
-
-
 def _check_grid(records: Sequence[dict]) -> None:
     for r in records:
         missing = [k for k in ("arch", "scale", "sparsity_label") if r.get(k) is None]
