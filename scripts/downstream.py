@@ -1,15 +1,19 @@
-"""SMELT Section 5: downstream comparison of a looped run and its Baseline.
+"""SMELT Section 5: downstream comparison of a looped run and its Baseline, at every branch endpoint.
 
   python scripts/downstream.py --preset smoke|tiny|small [--runs BASELINE LOOPED | --ladder DIR] [--steps N]
 
 The pair: two run directories (--runs), the last cell of a scaling_ladder.py / reproduce.py output
-(--ladder), or, by default, the preset's Baseline and its matched SMELT trained here. Each run goes
-through eval.evaluate_run (validation loss overall, per source, per domain and per document-length
-bucket on the run's own data; the few-shot shot sweep, tasks / shots / seeds / items from
-reproduce.PLANS), then eval.compare: per task and k, the accuracy gain of the looped run and the
-paired sign-flip permutation test's p-value; the normalised length shape of its loss gain
-(SMELT 5.3) and the long/short ratio. Writes eval_baseline.json, eval_looped.json, results.json,
-tables, shot_sweep.png and length_shape.png.
+(--ladder), or, by default, the preset's Baseline and its matched SMELT trained here. Every finished
+decay branch of each run (eval.run_endpoints) goes through eval.evaluate_endpoint: validation loss
+overall, per source, per domain and per document-length bucket on the run's own data; the few-shot
+shot sweep (tasks / shots / seeds / items from reproduce.PLANS). eval.downstream_report then pairs
+the endpoints branch by branch: win counts (SMELT 5.1), the shot sweep averaged over the pair where
+both models are above chance with the one-sided permutation test over demonstration seeds at the
+largest k (Appendix C), the normalised length shape of the loss gain and its long/short ratio
+(SMELT 5.3), and the claims as intervals with a verdict. With one pair of runs there are no control
+families (more experts / parameters need a grid: reproduce.py) and too few Baseline endpoints for
+the Eq. 6 calibration, which says so. Writes eval_endpoints.json, results.json, table.md and the
+figures that have something to show.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import eval as ev
 import reproduce
+import stats
 
 
 def main(argv=None) -> dict:
@@ -29,48 +34,53 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     exp = common.Experiment("downstream", args)
     p = exp.plan
-    runs = dict(zip(("baseline", "looped"), common.pair_runs(exp)))
-    res = {}
-    for name, run in runs.items():
-        common.log(f"evaluate {name}: {run}")
-        res[name] = ev.evaluate_run(run, tasks=args.tasks or p.tasks, shots=args.shots or p.shots,
-                                    seeds=args.seeds or p.seeds, max_items=args.max_items or p.max_items,
-                                    val_tokens_per_source=exp.tc.eval_tokens, log=lambda m: None)
-        reproduce.write_json(exp.out / f"eval_{name}.json", res[name])
-    b, s = res["baseline"], res["looped"]
-    cmp = ev.compare(b, s)
+    runs = dict(zip(("baseline", "smelt"), common.pair_runs(exp)))
+    kw = dict(tasks=args.tasks or p.tasks, shots=args.shots or p.shots, seeds=args.seeds or p.seeds,
+              max_items=args.max_items or p.max_items, val_tokens_per_source=exp.tc.eval_tokens, log=common.log)
+    recs = []
+    for arch, run in runs.items():
+        eps = ev.run_endpoints(run) if (run / "results.jsonl").is_file() else [{"path": run}]
+        common.log(f"evaluate {arch}: {run} ({len(eps)} endpoints)")
+        for e in eps:
+            recs.append({**ev.evaluate_endpoint(e["path"], **kw), "arch": arch})
+    # the two runs are the pair by construction: give them one cell and seed if their metadata differ
+    for key, default in (("scale", "pair"), ("sparsity_label", "-"), ("seed", None)):
+        if len({str(r.get(key)) for r in recs}) != 1 or recs[0].get(key) is None:
+            for r in recs:
+                r[key] = default
+    reproduce.write_json(exp.out / "eval_endpoints.json", recs)
+    rep = ev.downstream_report(recs)
     rows = []
-    for task, by_k in cmp["tasks"].items():
-        for k, c in sorted(by_k.items(), key=lambda kv: int(kv[0])):
-            rows.append({"task": task, "k": int(k), "baseline_acc": b["tasks"][task]["by_k"][k]["acc"],
-                         "looped_acc": s["tasks"][task]["by_k"][k]["acc"], "gain": c["gain"], "p": c["p"]})
-    domains = [{"domain": d, "baseline": b["val"]["by_domain"][d], "looped": s["val"]["by_domain"].get(d),
-                "delta": s["val"]["by_domain"].get(d, float("nan")) - b["val"]["by_domain"][d]}
-               for d in sorted(b["val"]["by_domain"])] if b.get("val") and s.get("val") else []
-    shape = cmp.get("length_shape", {})
-    lengths = [{"bucket": int(k), "baseline": b["val"]["by_length"][k], "looped": s["val"]["by_length"][k],
-                "gain": b["val"]["by_length"][k] - s["val"]["by_length"][k], "shape": shape.get(int(k))}
-               for k in sorted(b["val"]["by_length"], key=int) if k in s["val"]["by_length"]] if domains else []
-    print("\nValidation loss by domain\n" + common.format_table(domains, [
-        ("domain", "domain", ""), ("Baseline", "baseline", ".4f"), ("looped", "looped", ".4f"),
-        ("looped - Baseline", "delta", "+.4f")]))
-    print("\nValidation loss by document length (gain = Baseline - looped; shape = gain / mean gain)\n"
-          + common.format_table(lengths, [("<= tokens", "bucket", "d"), ("Baseline", "baseline", ".4f"),
-                                          ("looped", "looped", ".4f"), ("gain", "gain", "+.4f"),
-                                          ("shape", "shape", ".2f")]))
-    figs = [str(exp.out / "shot_sweep.png")]
-    ev.plot_shot_sweep(s, figs[0], other=b)
-    if lengths:
-        figs.append(common.plot_lines(exp.out / "length_shape.png", {"looped vs Baseline": (
-            [r["bucket"] for r in lengths], [r["shape"] for r in lengths])}, "document length bucket (tokens)",
-            "normalised loss gain", "Length shape of the gain (SMELT 5.3)", xlog=True))
-    summary = {name: {"val_loss": r["val"]["loss"] if r.get("val") else None, "summary": r["summary"]}
-               for name, r in res.items()}
-    return exp.finish({"runs": {k: str(v) for k, v in runs.items()}, "summary": summary, "rows": rows,
-                       "by_domain": domains, "by_length": lengths, "long_short": cmp.get("long_short"),
-                       "compare": cmp, "figures": figs}, [
-        ("task", "task", ""), ("k", "k", "d"), ("Baseline acc", "baseline_acc", ".3f"),
-        ("looped acc", "looped_acc", ".3f"), ("gain", "gain", "+.3f"), ("p (permutation)", "p", ".3f")])
+    for task, t in rep["icl"].items():
+        for k in t["ks"]:
+            r = t["by_k"][str(k)]
+            rows.append({"task": task, "k": k, "chance": t["chance"], "baseline_acc": r["baseline_all_cells"],
+                         "looped_acc": r["smelt_all_cells"], "gain": r["smelt_all_cells"] - r["baseline_all_cells"],
+                         "p": t["test"]["p"] if k == t["max_k"] else None,
+                         "note": "" if r["cells_above"] else "at or below chance"})
+    wins = [{"metric": m, "wins": f"{w['wins']} / {w['n']}", "paper": w["paper"] or "-"}
+            for m, w in rep["wins"]["metrics"].items()]
+    print("\nWins of the looped run over its Baseline, matched endpoint pairs\n" + common.format_table(
+        wins, [("metric", "metric", ""), ("looped better", "wins", ""), ("paper", "paper", "")]))
+    claims = [{**c, "iv": stats.Interval(**c["interval"]).fmt(3) if c["interval"] else "-"} for c in rep["claims"]]
+    print("\nClaims (interval over matched pairs; verdict by stats.verdict)\n" + common.format_table(
+        claims, [("claim", "claim", ""), ("this run", "iv", ""), ("paper", "paper", ""), ("verdict", "verdict", ""),
+                 ("why", "why", "")]))
+    fam = rep["families"]["SMELT vs Baseline"]
+    if fam["shape"]:
+        print("\nNormalised loss gain by document length (gain / mean gain)\n" + common.format_table(
+            [{"bucket": int(b), "shape": v} for b, v in sorted(fam["shape"].items(), key=lambda kv: int(kv[0]))],
+            [("<= tokens", "bucket", "d"), ("shape", "shape", ".2f")]))
+    figs = ev.plot_downstream(rep, recs, exp.out)
+    for note in figs["notes"]:
+        common.log(note)
+    return exp.finish({"runs": {k: str(v) for k, v in runs.items()}, "rows": rows, "wins": rep["wins"],
+                       "claims": rep["claims"], "families": rep["families"], "icl": rep["icl"],
+                       "calibration": {k: v for k, v in rep["calibration"].items() if k != "metrics"},
+                       "figures": [f for f in figs["figures"].values() if f], "notes": figs["notes"]}, [
+        ("task", "task", ""), ("k", "k", "d"), ("chance", "chance", ".3f"), ("Baseline acc", "baseline_acc", ".3f"),
+        ("looped acc", "looped_acc", ".3f"), ("gain", "gain", "+.3f"), ("p (seeds, one-sided)", "p", ".3f"),
+        ("", "note", "")])
 
 
 if __name__ == "__main__":

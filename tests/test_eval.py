@@ -2,6 +2,7 @@
 import json
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -152,6 +153,25 @@ def test_shared_context_scoring_equals_scoring_each_sequence(kw):
         ev.score_options(m, head, [[1] * 31], block_size=32)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True))])
+def test_head_at_answer_positions_equals_full_logits(kw):
+    """score_continuations runs the head only at answer positions: equal to full logits, one sequence at a time
+    (rows of different lengths and answer lengths in one batch, including a row shorter than the longest answer)."""
+    m = _live_gpt(**kw)
+    torch.manual_seed(2)
+    reqs = [([0] + torch.randint(1, V, (L - 1,)).tolist(), n) for L, n in ((20, 5), (3, 1), (11, 2), (32, 7), (6, 5))]
+    fast = ev.score_continuations(m, reqs, block_size=32)
+    assert len(m.norm_f._forward_hooks) == 0                   # the hook is gone afterwards
+    for (toks, n), (nll, nn_, ok) in zip(reqs, fast):
+        with torch.no_grad():
+            logits = m(torch.tensor([toks]))[0][0]              # (L, V): the head at every position
+        L = len(toks)
+        lg, tgt = logits[L - n - 1:L - 1], torch.tensor(toks[L - n:])
+        assert nn_ == n and ok == bool((lg.argmax(-1) == tgt).all())
+        assert nll == pytest.approx(float(nn.functional.cross_entropy(lg, tgt, reduction="sum")), rel=1e-5, abs=1e-5)
+
+
 def test_mc_task_on_a_gpt_uses_shared_context_with_the_same_result():
     options = [" 0", " 11", " 222"]                     # options of different lengths: a padded batch
     items = [ev.Item(f"q{i} =", options[i % 3], options=options, group="g") for i in range(9)]
@@ -202,16 +222,20 @@ def test_centred_accuracy():
         ev.centred_accuracy(0.5, 1.0)
 
 
-def test_permutation_test():
-    rng = np.random.default_rng(0)
-    a = rng.random(60)
-    assert ev.permutation_test(a, a, n=2000, seed=1) == 1.0
-    b = a + 0.3 + 0.05 * rng.standard_normal(60)
-    assert ev.permutation_test(b, a, n=2000, seed=1) < 0.01
-    noise = a + 0.05 * rng.standard_normal(60)
-    assert ev.permutation_test(noise, a, n=2000, seed=1) > 0.05
-    with pytest.raises(ValueError):
-        ev.permutation_test([1, 2], [1, 2, 3])
+def test_compare_tests_over_seeds_one_sided():
+    """Appendix C: the permutation test pairs per-seed accuracies (not items) and asks SMELT > Baseline."""
+    def res(by_seed_k2, acc0):
+        r2 = {"acc": float(np.mean(by_seed_k2)), "acc_by_seed": by_seed_k2, "items": [0, 1], "per_item": [1.0, 0.0]}
+        r0 = {"acc": acc0, "acc_by_seed": [acc0], "items": [0, 1], "per_item": [1.0, 0.0]}
+        return {"tasks": {"t": {"by_k": {"0": r0, "2": r2}}}}
+    base, smelt = res([0.4, 0.4, 0.4], 0.5), res([0.5, 0.6, 0.7], 0.5)
+    c = ev.compare(base, smelt)["tasks"]["t"]
+    # differences +0.1 +0.2 +0.3: of the 2^3 sign patterns only the observed one reaches the mean: p = 1/8;
+    # the items' results are identical on both sides, so a test over items would find nothing
+    assert c["2"]["p"] == pytest.approx(1 / 8) and c["2"]["gain"] == pytest.approx(0.2) and c["2"]["seeds"] == 3
+    assert ev.compare(smelt, base)["tasks"]["t"]["2"]["p"] == pytest.approx(1.0)      # one-sided: the other way
+    assert c["0"]["p"] is None                                                         # one seed at k = 0
+    assert not hasattr(ev, "permutation_test")                                         # one implementation: stats
 
 
 # ---------------------------------------------------------------------------- validation loss
@@ -273,8 +297,8 @@ def test_normalised_shape():
     assert np.mean(list(shape.values())) == pytest.approx(1.0)
     assert shape[256] == pytest.approx(0.3 / 0.175)
     assert ev.long_short_ratio(shape) == pytest.approx(0.25 / 0.1)
-    fam = ev.shape_families({"smelt": [(ref, new), ({str(k): v for k, v in ref.items()}, new)]})
-    assert fam["smelt"]["shape"][64] == pytest.approx(shape[64]) and fam["smelt"]["n_pairs"] == 2
+    assert ev.normalised_shape({str(k): v for k, v in ref.items()}, new) == shape     # JSON keys are strings
+    assert all(math.isnan(v) for v in ev.normalised_shape(ref, ref).values())          # no gain: no shape
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -295,8 +319,27 @@ def test_calibration_recovers_a_known_sigmoid():
     comp = ev.sigmoid4(losses, 1.0, 0.5, 2.0, 3.0, +1)
     c2 = ev.calibrate(losses, comp, [3.0], [ev.sigmoid4(3.0, 1.0, 0.5, 2.0, 3.0, +1) - 0.1], higher_is_better=False)
     assert c2["params"]["d"] == 1 and c2["residuals"][0] == pytest.approx(0.1, abs=1e-4)
-    with pytest.raises(ValueError):
-        ev.calibrate(losses[:3], scores[:3], other_l, other_s)
+    assert c["identified"] and c["residual_interval"]["mean"] == pytest.approx(0.015, abs=1e-5)
+    assert c["extrapolated"] == 0
+    with pytest.raises(ValueError, match="equal-length"):
+        ev.calibrate(losses, scores[:3], other_l, other_s)
+
+
+@pytest.mark.parametrize("scores, why", [
+    (np.zeros(12), "same"),                                           # all-zero accuracies: the old R^2 = nan plot
+    (-np.linspace(0.0, 0.1, 12), "at or below chance"),               # centred accuracy never above chance
+    (np.random.default_rng(0).random(12) * 0.1, "R^2"),               # noise: the sigmoid explains nothing
+    (np.r_[[0.5] * 6, [0.1] * 6], "step"),                            # two clusters: the transition is anywhere
+])
+def test_calibration_refuses_what_it_cannot_identify(scores, why, tmp_path):
+    losses = np.r_[np.linspace(2.0, 2.2, 6), np.linspace(3.0, 3.2, 6)] if why == "step" else np.linspace(2.4, 4.2, 12)
+    c = ev.calibrate(losses, scores, [3.0], [0.2], chance=0.0)
+    assert not c["identified"] and why in c["why"] and "params" not in c and "residuals" not in c
+    assert "4 Baseline endpoints" in ev.calibrate(losses[:4], scores[:4], [3.0], [0.2])["why"]
+    # a report of refused fits draws nothing and says why
+    rep = {"metrics": {"core": {**c, "higher_is_better": True}}}
+    note = ev.plot_calibration([], [], rep, tmp_path / "cal.png")
+    assert not (tmp_path / "cal.png").exists() and why in note and "No calibration figure" in note
 
 
 # ---------------------------------------------------------------------------- tasks
@@ -402,11 +445,257 @@ def test_evaluate_run_compare_and_calibration(tmp_path):
     assert rep["by_category"]["World"]["all"] == pytest.approx(-0.02, abs=1e-3)
 
 
-def test_cli_writes_eval_json_and_plots(tmp_path):
+def test_cli_writes_eval_json_and_says_why_no_plot(tmp_path, capsys):
     pytest.importorskip("data")
     save_run(tmp_path / "run", vocab_size=512)   # data.get_tokenizer(512) needs no download
     ev.main(["--run", str(tmp_path / "run"), "--tasks", "gen_copy", "dyck_languages", "--shots", "0", "1",
              "--seeds", "2", "--max-items", "3", "--val-tokens", "0"])
     out = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert out["tasks"]["dyck_languages"]["by_k"]["1"]["n_items"] == 3 and out["val"] is None
-    assert (tmp_path / "run" / "eval_shots.png").stat().st_size > 0
+    # an untrained model is at chance on both tasks: no all-zero figure, a sentence instead
+    assert not (tmp_path / "run" / "eval_shots.png").exists()
+    assert "not drawn): dyck_languages, gen_copy" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- endpoints
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A real train.py run (SMELT-shaped toy, branches at 3 and 6): full checkpoints, no endpoint files yet."""
+    import train as T
+    run = tmp_path_factory.mktemp("run") / "toy_smelt"
+    cfg = ModelConfig(vocab_size=V, block_size=32, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32,
+                      n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
+    tc = T.TrainConfig(lr=1e-2, warmup_steps=2, stable_steps=6, branch_steps=[3, 6], decay_steps=2, batch_size=4,
+                       block_size=32, log_interval=100, eval_tokens=64, flops_ctx=16.0, device="cpu", seed=5)
+    T.train(cfg, tc, T.SyntheticData(V), run, {"arch": "smelt", "scale": "toy", "sparsity_label": "S~50%"})
+    return run
+
+
+def test_load_model_accepts_run_dir_endpoint_and_checkpoint(trained_run, tmp_path):
+    full = trained_run / "ckpt" / "branch0000003_0000005.pt"
+    model, meta = ev.load_model(full)
+    assert meta["branch_step"] == 3 and meta["step"] == 5 and meta["endpoint"] == "ckpt/branch0000003_0000005.pt"
+    assert meta["meta"]["arch"] == "smelt" and meta["run_dir"] == str(trained_run)      # config.json was read
+    # a weights-only endpoint file (the reliability branch's format) loads the same weights
+    ck = torch.load(full, weights_only=True)
+    (trained_run / "endpoints").mkdir(exist_ok=True)
+    torch.save({"model": ck["model"], "meta": ck["meta"]}, trained_run / "endpoints" / "branch_0000003.pt")
+    m2, meta2 = ev.load_model(trained_run / "endpoints" / "branch_0000003.pt")
+    idx = torch.randint(0, V, (1, 12))
+    torch.testing.assert_close(m2(idx)[0], model(idx)[0])
+    assert meta2["endpoint"] == "endpoints/branch_0000003.pt" and meta2["branch_step"] == 3
+    # the run directory: ckpt.pt, the longest branch
+    _, meta3 = ev.load_model(trained_run)
+    assert meta3["branch_step"] == 6 and meta3["endpoint"] is None
+    # an endpoint file whose meta lacks the branch: its name gives it
+    torch.save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
+               trained_run / "endpoints" / "branch_0000006.pt")
+    assert ev.load_model(trained_run / "endpoints" / "branch_0000006.pt")[1]["branch_step"] == 6
+    (trained_run / "endpoints" / "branch_0000006.pt").unlink()
+    # a lone file with no meta and no config.json beside it names what is missing
+    torch.save({"model": ck["model"]}, tmp_path / "lone.pt")
+    with pytest.raises(ValueError, match="no model config"):
+        ev.load_model(tmp_path / "lone.pt")
+    with pytest.raises(FileNotFoundError, match="endpoint file"):
+        ev.load_model(tmp_path / "nothing.pt")
+    (trained_run / "endpoints" / "branch_0000003.pt").unlink()
+
+
+def test_run_endpoints_finds_every_branch(trained_run, tmp_path):
+    eps = ev.run_endpoints(trained_run)
+    assert [(e["branch_step"], e["endpoint"]) for e in eps] == [(3, "ckpt/branch0000003_0000005.pt"),
+                                                               (6, "ckpt/branch0000006_0000008.pt")]
+    # a row's "endpoint" field wins; a missing file is named
+    rows = [json.loads(x) for x in (trained_run / "results.jsonl").read_text().splitlines()]
+    run2 = tmp_path / "copy"
+    run2.mkdir()
+    rows[0]["endpoint"] = "endpoints/branch_0000003.pt"
+    (run2 / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(FileNotFoundError, match="branch 3 finished"):
+        ev.run_endpoints(run2)
+    (run2 / "endpoints").mkdir()
+    (run2 / "endpoints" / "branch_0000003.pt").write_bytes(b"x")
+    (run2 / "ckpt").mkdir()
+    (run2 / "ckpt" / "branch0000006_0000008.pt").write_bytes(b"x")
+    assert [e["endpoint"] for e in ev.run_endpoints(run2)] == ["endpoints/branch_0000003.pt",
+                                                              "ckpt/branch0000006_0000008.pt"]
+
+
+def test_evaluate_endpoints_every_branch_with_progress(trained_run):
+    import train as T
+    logs = []
+    recs = ev.evaluate_endpoints(trained_run, tasks=["gen_kv", "gen_copy"], shots=[0, 2], seeds=2, max_items=3,
+                                 enc=CharTok(), data=T.SyntheticData(V), batch_size=2, val_tokens_per_source=64,
+                                 log=logs.append)
+    assert [(r["branch_step"], r["endpoint"]) for r in recs] == [(3, "ckpt/branch0000003_0000005.pt"),
+                                                                (6, "ckpt/branch0000006_0000008.pt")]
+    r = recs[0]
+    assert (r["arch"], r["scale"], r["sparsity_label"], r["seed"]) == ("smelt", "toy", "S~50%", 5)
+    assert r["name"] == "toy_smelt"
+    assert r["val"]["tokens"] > 0 and r["tasks"]["gen_kv"]["by_k"]["2"]["acc_by_seed"] and r["seconds"] > 0
+    assert len(r["tasks"]["gen_copy"]["by_k"]["2"]["gold_loss_by_seed"]) == 2
+    assert ev.endpoint_id(r) == "toy_smelt@3"
+    # every progress line names its endpoint; one line per task
+    assert all(m.startswith(("toy_smelt@3:", "toy_smelt@6:")) for m in logs)
+    assert sum("task 2/2 gen_copy" in m for m in logs) == 2
+    # a validation report made elsewhere is used as given (no second validation pass)
+    again = ev.evaluate_endpoint(recs[1]["run"] + "/" + recs[1]["endpoint"], tasks=["gen_copy"], shots=[0],
+                                 enc=CharTok(), val=recs[1]["val"], log=logs.append)
+    assert again["val"] == recs[1]["val"] and again["branch_step"] == 6
+    with pytest.raises(ValueError, match="val must be"):
+        ev.evaluate_endpoint(trained_run, tasks=["gen_copy"], shots=[0], enc=CharTok(), val={"loss": 1.0})
+    with pytest.raises(ValueError, match="no finished branch at steps \\[4\\]"):
+        ev.evaluate_endpoints(trained_run, branches=[4])
+
+
+# ---------------------------------------------------------------------------- the grid (hand-made endpoints)
+
+def rec(arch, scale, label, branch, seed=0, loss=3.0, by_length=None, tasks=None, summary=None):
+    return {"name": f"{scale}_{label}_{arch}", "run": f"runs/{scale}_{label}_{arch}", "arch": arch, "scale": scale,
+            "sparsity_label": label, "seed": seed, "branch_step": branch,
+            "val": {"loss": loss, "by_length": by_length or {}}, "tasks": tasks or {}, "summary": summary or {}}
+
+
+def task(by_k, chance=0.1, origin="generated"):
+    """A task entry: by_k {k: per-seed accuracies}."""
+    return {"origin": origin, "kind": "gen", "category": "c", "rho": 0.0, "chance": chance, "headline_k": max(by_k),
+            "by_k": {str(k): {"acc": float(np.mean(a)), "acc_se": 0.0, "acc_by_seed": list(a),
+                              "centred": float(np.mean(a))} for k, a in by_k.items()}}
+
+
+def test_matched_pairs_and_win_counts():
+    s = lambda core, comp: {"real": {"core": core, "completion": comp}}
+    c64, c128 = ("t64", "S~50%"), ("t128", "S~50%")
+    recs = [rec("baseline", *c64, 10, summary=s(0.10, 2.0)), rec("smelt", *c64, 10, summary=s(0.12, 1.9)),
+            rec("baseline", *c64, 20, summary=s(0.20, 1.8)), rec("smelt", *c64, 20, summary=s(0.20, 1.7)),
+            rec("baseline", *c128, 10, summary=s(0.30, 1.5)), rec("smelt", *c128, 10, summary=s(0.25, 1.6)),
+            rec("baseline", "t128", "S~50%", 10, seed=1, summary=s(0.3, 1.5)),        # no SMELT twin: unpaired
+            rec("smelt", "t128", "S~50%", 20, summary=s(0.3, 1.5))]                   # no Baseline twin
+    pairs = ev.matched_pairs(recs)
+    assert [(p["cell"], p["branch_step"]) for p in pairs] == [("t128 S~50%", 10), ("t64 S~50%", 10), ("t64 S~50%", 20)]
+    w = ev.win_counts(recs)
+    assert w["n_pairs"] == 3
+    core, comp = w["metrics"]["real core"], w["metrics"]["real completion"]
+    assert (core["wins"], core["ties"], core["n"]) == (1, 1, 3)                       # 0.12 > 0.10; a tie; a loss
+    assert (comp["wins"], comp["n"]) == (2, 3) and comp["paper"].startswith("96 / 96")
+    assert comp["by_cell"] == {"t64 S~50%": {"wins": 2, "ties": 0, "n": 2},
+                               "t128 S~50%": {"wins": 0, "ties": 0, "n": 1}}
+    assert comp["by_endpoint"][0]["delta"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="two endpoints"):
+        ev.matched_pairs(recs + [rec("smelt", "t64", "S~50%", 10)])
+    with pytest.raises(ValueError, match="sparsity_label"):
+        ev.matched_pairs([{**recs[0], "sparsity_label": None}])
+
+
+def test_icl_sweep_averages_above_chance_cells_and_tests_over_seeds():
+    """Appendix C by hand: cell A above chance, cell B's Baseline at chance; the test pairs seeds at max k."""
+    A, B = ("t64", "S~50%"), ("t128", "S~50%")
+    recs = [
+        rec("baseline", *A, 10, tasks={"t": task({0: [0.05], 2: [0.2, 0.3, 0.4]}), "z": task({2: [0, 0, 0]})}),
+        rec("baseline", *A, 20, tasks={"t": task({0: [0.05], 2: [0.4, 0.3, 0.2]}), "z": task({2: [0, 0, 0]})}),
+        rec("smelt", *A, 10, tasks={"t": task({0: [0.3], 2: [0.5, 0.4, 0.6]}), "z": task({2: [0, 0, 0]})}),
+        rec("smelt", *A, 20, tasks={"t": task({0: [0.3], 2: [0.3, 0.4, 0.2]}), "z": task({2: [0, 0, 0]})}),
+        rec("baseline", *B, 10, tasks={"t": task({0: [0.0], 2: [0.0, 0.1, 0.0]}), "z": task({2: [0, 0, 0]})}),
+        rec("smelt", *B, 10, tasks={"t": task({0: [0.0], 2: [0.9, 0.9, 0.9]}), "z": task({2: [0, 0, 0]})}),
+    ]
+    sw = ev.icl_sweep(recs)
+    t = sw["t"]
+    k2 = t["by_k"]["2"]
+    # cell A per seed: Baseline (0.3, 0.3, 0.3), SMELT (0.4, 0.4, 0.4); cell B left out (Baseline 0.033 < 0.1)
+    assert (k2["cells_above"], k2["cells"]) == (1, 2)
+    assert k2["baseline"] == pytest.approx(0.3) and k2["smelt"] == pytest.approx(0.4)
+    assert k2["smelt_by_seed"] == pytest.approx([0.4] * 3)
+    # seed differences +0.1 x 3: exact one-sided p = 1/8, the smallest 3 seeds allow
+    assert t["max_k"] == 2 and t["test"]["p"] == pytest.approx(1 / 8) and t["test"]["p_min"] == pytest.approx(1 / 8)
+    assert t["by_cell"]["t128 S~50%"]["above"] is False and t["by_cell"]["t64 S~50%"]["p"] == pytest.approx(1 / 8)
+    # k = 0: Baseline at 0.05 < chance in A, 0 in B: no cell, no average (not an all-zero point)
+    assert t["by_k"]["0"]["cells_above"] == 0 and t["by_k"]["0"]["baseline"] is None
+    assert "note" not in t
+    z = sw["z"]
+    assert z["test"]["p"] is None and "no cell" in z["test"]["why"] and "nothing to average" in z["note"]
+
+
+def test_length_families_by_hand(tmp_path):
+    """Gains by bucket (8, 16, 32, 64): SMELT adds (.1 .1 .3 .3) -> long/short 3; more experts (.2 .2 .1 .1) -> 0.5;
+    more parameters (.1 .1 .1 .1) -> 1. S~90% at t64 equals S~50% there: a zero gain, no shape."""
+    g = {("t64", "S=0%"): [0, 0, 0, 0], ("t64", "S~50%"): [.2, .2, .1, .1], ("t64", "S~90%"): [.2, .2, .1, .1],
+         ("t128", "S=0%"): [.1, .1, .1, .1], ("t128", "S~50%"): [.3, .3, .2, .2]}
+    smelt_extra = [.1, .1, .3, .3]
+    bl = lambda gain: {b: 4.0 - x for b, x in zip((8, 16, 32, 64), gain)}
+    recs = []
+    for (scale, label), gain in g.items():
+        for branch in (10, 20):
+            recs.append(rec("baseline", scale, label, branch, by_length=bl(gain)))
+            recs.append(rec("smelt", scale, label, branch, by_length=bl(np.add(gain, smelt_extra))))
+    f = ev.length_families(recs, n_boot=200)
+    sv, ex, pa = f["SMELT vs Baseline"], f["more experts"], f["more parameters"]
+    assert sv["n_contrasts"] == 5 and sv["n_endpoint_pairs"] == 10 and sv["paper"] == 1.52
+    assert sv["long_short"]["mean"] == pytest.approx(3.0) and sv["long_short"]["lo"] == pytest.approx(3.0)
+    assert sv["shape"] == pytest.approx({8: 0.5, 16: 0.5, 32: 1.5, 64: 1.5})
+    # more experts: t64 S=0% -> S~50% and t128 S=0% -> S~50% (0.5 each); t64 S~50% -> S~90% has no shape
+    assert ex["n_contrasts"] == 2 and ex["n_degenerate"] == 2 and ex["long_short"]["mean"] == pytest.approx(0.5)
+    assert {(c["ref"], c["new"]) for c in ex["contrasts"]} == {
+        ("baseline t64 S=0% seed 0", "baseline t64 S~50% seed 0"),
+        ("baseline t128 S=0% seed 0", "baseline t128 S~50% seed 0")}
+    # more parameters: t64 -> t128 at S=0% and at S~50% (t64 before t128: not string order); none at S~90%
+    assert pa["n_contrasts"] == 2 and pa["long_short"]["mean"] == pytest.approx(1.0)
+    assert all(c["ref"].startswith("baseline t64") and c["new"].startswith("baseline t128") for c in pa["contrasts"])
+    assert ev.plot_length_families(f, tmp_path / "fam.png") == "" and (tmp_path / "fam.png").stat().st_size > 0
+    # a bucket with too few validation tokens is left out of every shape (and named)
+    for r in recs:
+        r["val"]["tokens_by_length"] = {"8": 11, "16": 4000, "32": 4000, "64": 4000}
+    f2 = ev.length_families(recs, n_boot=50)["SMELT vs Baseline"]
+    assert set(f2["shape"]) == {16, 32, 64} and f2["buckets_dropped"] == {8: 11}
+    assert f2["long_short"]["mean"] == pytest.approx(0.3 / 0.1)       # long half {64} over short half {16}
+    assert f2["n_negative"] == 0
+
+
+def test_downstream_claims_and_report(tmp_path):
+    """Claims are paired differences decided by stats.verdict; a refused calibration is 'not resolved' with why."""
+    import stats
+    rng = np.random.default_rng(0)
+    recs = []
+    for i, (scale, label) in enumerate([(f"t{s}", lab) for s in (32, 64, 96) for lab in ("S~50%", "S~85%")]):
+        for branch in (10, 20):
+            loss = 4.0 - 0.2 * i - 0.1 * (branch == 20)
+            comp_b = 2.0 + loss + 0.01 * rng.standard_normal()
+            tasks_b = {"t": task({0: [0.2], 2: [0.3, 0.35]})}
+            tasks_s = {"t": task({0: [0.2], 2: [0.4, 0.45]})}
+            recs.append(rec("baseline", scale, label, branch, loss=loss, tasks=tasks_b,
+                            summary={"real": {"core": 0.0, "completion": comp_b}}))
+            recs.append(rec("smelt", scale, label, branch, loss=loss - 0.05, tasks=tasks_s,
+                            summary={"real": {"core": 0.0, "completion": comp_b - 0.1 - 0.02 * (i % 2)}}))
+    rep = ev.downstream_report(recs, n_boot=50)
+    assert rep["n_endpoints"] == 24 and rep["n_pairs"] == 12
+    claims = {c["id"]: c for c in rep["claims"]}
+    comp = claims["real completion difference"]
+    pairs = ev.matched_pairs(recs)
+    want = stats.paired_difference([p["baseline"]["summary"]["real"]["completion"] for p in pairs],
+                                   [p["smelt"]["summary"]["real"]["completion"] for p in pairs])
+    assert comp["interval"] == pytest.approx(want.to_dict()) and comp["n"] == 12
+    assert comp["verdict"] == "reproduced" and comp["direction"] == "<"
+    # every core accuracy is 0 (at chance): the difference is exactly 0 -> not resolved, and no calibration
+    assert claims["real core difference"]["verdict"] == "not resolved"
+    assert "at or below chance" in claims["real core difference"]["why"]
+    core_cal = claims["core residual"]
+    assert core_cal["verdict"] == "not resolved" and core_cal["interval"] is None
+    assert "not identified" in core_cal["why"]
+    assert "core" in rep["calibration"]["not_identified"]
+    # per run pair instead of per endpoint: 6 units
+    by_run = {c["id"]: c for c in ev.downstream_claims(recs, unit="run")}
+    assert by_run["real completion difference"]["n"] == 6
+    assert rep["wins"]["metrics"]["real completion"]["wins"] == 12
+    assert rep["icl"]["t"]["by_k"]["2"]["gain"] == pytest.approx(0.1)
+    figs = ev.plot_downstream(rep, recs, tmp_path)
+    assert figs["figures"]["shot_sweep"] and Path(figs["figures"]["shot_sweep"]).stat().st_size > 0
+    assert figs["figures"]["length_families"] is None       # the records carry no by_length
+    assert any("core not identified" in n for n in figs["notes"])
+
+
+def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
+    res = {"tasks": {"up": task({0: [0.2], 2: [0.3, 0.5]}), "flat": task({0: [0.0], 2: [0.0, 0.0]}),
+                     "real0": task({0: [0.0], 2: [0.0, 0.0]}, chance=None, origin="bigbench")}}
+    note = ev.plot_shot_sweep(res, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 0
+    assert note == "At or below chance at every k (not drawn): flat, real0."
