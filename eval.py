@@ -742,6 +742,10 @@ def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: flo
 # ================================================================ endpoints and runs
 
 def _torch_load(path: Path) -> dict:
+    """A train.py torch file: its sha256 trailer checked first (train.file_digest: a flipped byte is a
+    CheckpointError naming the file), then loaded weights-only."""
+    import train
+    train.file_digest(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, pickle with code, not a torch file

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import eval as ev
+import train as T
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -394,7 +395,7 @@ def save_run(path, vocab_size=V, corrupt=False):
     if corrupt:
         (path / "ckpt.pt").write_bytes(b"not a checkpoint")
     else:
-        torch.save({"model": model.state_dict(), "step": 7}, path / "ckpt.pt")
+        T.atomic_save({"model": model.state_dict(), "step": 7}, path / "ckpt.pt")
     return model
 
 
@@ -407,7 +408,7 @@ def test_load_model_round_trip_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ev.load_model(tmp_path / "missing")
     save_run(tmp_path / "bad", corrupt=True)
-    with pytest.raises(ValueError, match="ckpt.pt"):
+    with pytest.raises(T.CheckpointError, match="ckpt.pt has no valid content hash"):   # hash checked on load
         ev.load_model(tmp_path / "bad")
     (tmp_path / "ok" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -461,7 +462,7 @@ def test_cli_writes_eval_json_and_says_why_no_plot(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """A real train.py run (SMELT-shaped toy, branches at 3 and 6): full checkpoints, no endpoint files yet."""
+    """A real train.py run (SMELT-shaped toy, branches at 3 and 6): weights-only endpoints and ckpt.pt."""
     import train as T
     run = tmp_path_factory.mktemp("run") / "toy_smelt"
     cfg = ModelConfig(vocab_size=V, block_size=32, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32,
@@ -473,44 +474,48 @@ def trained_run(tmp_path_factory):
 
 
 def test_load_model_accepts_run_dir_endpoint_and_checkpoint(trained_run, tmp_path):
-    full = trained_run / "ckpt" / "branch0000003_0000005.pt"
-    model, meta = ev.load_model(full)
-    assert meta["branch_step"] == 3 and meta["step"] == 5 and meta["endpoint"] == "ckpt/branch0000003_0000005.pt"
+    end3 = trained_run / "endpoints" / "branch_0000003.pt"          # written by train.py
+    model, meta = ev.load_model(end3)
+    assert meta["branch_step"] == 3 and meta["step"] == 5 and meta["endpoint"] == "endpoints/branch_0000003.pt"
     assert meta["meta"]["arch"] == "smelt" and meta["run_dir"] == str(trained_run)      # config.json was read
-    # a weights-only endpoint file (the reliability branch's format) loads the same weights
-    ck = torch.load(full, weights_only=True)
-    (trained_run / "endpoints").mkdir(exist_ok=True)
-    torch.save({"model": ck["model"], "meta": ck["meta"]}, trained_run / "endpoints" / "branch_0000003.pt")
-    m2, meta2 = ev.load_model(trained_run / "endpoints" / "branch_0000003.pt")
+    # a full training checkpoint (weights + optimizer + meta) loads the same weights
+    ck = torch.load(end3, weights_only=True)
+    full = trained_run / "ckpt" / "branch0000003_0000005.pt"
+    full.parent.mkdir(exist_ok=True)
+    T.atomic_save({"model": ck["model"], "optimizer": {}, "step": 5, "meta": ck["meta"]}, full)
+    m2, meta2 = ev.load_model(full)
     idx = torch.randint(0, V, (1, 12))
     torch.testing.assert_close(m2(idx)[0], model(idx)[0])
-    assert meta2["endpoint"] == "endpoints/branch_0000003.pt" and meta2["branch_step"] == 3
+    assert meta2["endpoint"] == "ckpt/branch0000003_0000005.pt" and meta2["branch_step"] == 3
+    full.unlink()
     # the run directory: ckpt.pt, the longest branch
     _, meta3 = ev.load_model(trained_run)
     assert meta3["branch_step"] == 6 and meta3["endpoint"] is None
     # an endpoint file whose meta lacks the branch: its name gives it
-    torch.save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
-               trained_run / "endpoints" / "branch_0000006.pt")
-    assert ev.load_model(trained_run / "endpoints" / "branch_0000006.pt")[1]["branch_step"] == 6
-    (trained_run / "endpoints" / "branch_0000006.pt").unlink()
+    other = tmp_path / "other_run"
+    (other / "endpoints").mkdir(parents=True)
+    (other / "config.json").write_text((trained_run / "config.json").read_text())
+    T.atomic_save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
+                  other / "endpoints" / "branch_0000006.pt")
+    assert ev.load_model(other / "endpoints" / "branch_0000006.pt")[1]["branch_step"] == 6
     # a lone file with no meta and no config.json beside it names what is missing
-    torch.save({"model": ck["model"]}, tmp_path / "lone.pt")
+    T.atomic_save({"model": ck["model"]}, tmp_path / "lone.pt")
     with pytest.raises(ValueError, match="no model config"):
         ev.load_model(tmp_path / "lone.pt")
     with pytest.raises(FileNotFoundError, match="endpoint file"):
         ev.load_model(tmp_path / "nothing.pt")
-    (trained_run / "endpoints" / "branch_0000003.pt").unlink()
 
 
 def test_run_endpoints_finds_every_branch(trained_run, tmp_path):
     eps = ev.run_endpoints(trained_run)
-    assert [(e["branch_step"], e["endpoint"]) for e in eps] == [(3, "ckpt/branch0000003_0000005.pt"),
-                                                               (6, "ckpt/branch0000006_0000008.pt")]
+    assert [(e["branch_step"], e["endpoint"]) for e in eps] == [(3, "endpoints/branch_0000003.pt"),
+                                                               (6, "endpoints/branch_0000006.pt")]
     # a row's "endpoint" field wins; a missing file is named
     rows = [json.loads(x) for x in (trained_run / "results.jsonl").read_text().splitlines()]
     run2 = tmp_path / "copy"
     run2.mkdir()
     rows[0]["endpoint"] = "endpoints/branch_0000003.pt"
+    rows[1].pop("endpoint")
     (run2 / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(FileNotFoundError, match="branch 3 finished"):
         ev.run_endpoints(run2)
@@ -528,8 +533,8 @@ def test_evaluate_endpoints_every_branch_with_progress(trained_run):
     recs = ev.evaluate_endpoints(trained_run, tasks=["gen_kv", "gen_copy"], shots=[0, 2], seeds=2, max_items=3,
                                  enc=CharTok(), data=T.SyntheticData(V), batch_size=2, val_tokens_per_source=64,
                                  log=logs.append)
-    assert [(r["branch_step"], r["endpoint"]) for r in recs] == [(3, "ckpt/branch0000003_0000005.pt"),
-                                                                (6, "ckpt/branch0000006_0000008.pt")]
+    assert [(r["branch_step"], r["endpoint"]) for r in recs] == [(3, "endpoints/branch_0000003.pt"),
+                                                                (6, "endpoints/branch_0000006.pt")]
     r = recs[0]
     assert (r["arch"], r["scale"], r["sparsity_label"], r["seed"]) == ("smelt", "toy", "S~50%", 5)
     assert r["name"] == "toy_smelt"

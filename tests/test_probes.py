@@ -263,7 +263,7 @@ def test_plots_and_cli(tmp_path, monkeypatch):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data")}))
-        torch.save({"model": m.state_dict()}, d / "ckpt.pt")
+        T.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
         runs[name] = str(d)
 
     class FakeTokenData:                                   # stands in for data.TokenData
