@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import probes
+import train as T
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
