@@ -341,55 +341,52 @@ def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> l
 
 
 def _eval_one(job: tuple) -> dict:
-    """Evaluate one run and write RUN_DIR/eval.json: (run dir, cell, arch, data dir, plan)."""
+    """Evaluate one endpoint and cache it as OUT/eval/ID.json: (endpoint path, data dir, plan, cache path, tag)."""
     import data as data_mod
     import eval as ev
-    run, cell, arch, data_dir, plan = job
-    r = ev.evaluate_run(run, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
-                        val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir), log=lambda m: None)
-    r |= {"arch": arch, "scale": cell["scale"], "sparsity_label": cell["sparsity_label"]}
-    write_json(run / "eval.json", r)
-    return r
+    path, data_dir, plan, cache, tag = job
+    rec = ev.evaluate_endpoint(path, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
+                               val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir),
+                               log=lambda m: None)
+    write_json(Path(cache), rec)
+    return rec
 
 
 def stage_eval(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> dict:
+    """SMELT 5 on every branch endpoint of every run: validation by source / domain / length, the few-shot
+    sweep; then the grid analysis (eval.downstream_report: win counts, Appendix C's above-chance averages
+    and one-sided permutation tests over seeds, Section 5.3's three length families, the Eq. 6 calibration
+    on every Baseline endpoint, the downstream claims with intervals) and its figures."""
     import eval as ev
-    results, todo = {}, []
-    for cell, arch, run in run_dirs(out, ladder):
-        if (run / "eval.json").exists():
-            results[run.name] = json.loads((run / "eval.json").read_text())
+    (out / "eval").mkdir(exist_ok=True)
+    eps = [e for r in plan_runs(out, ladder, plan) for e in ev.run_endpoints(r.dir)]
+    records, todo = {}, []
+    for e in eps:
+        key = f"{Path(e['run']).name}@{e['branch_step']}"
+        cache = out / "eval" / f"{key.replace('@', '_b')}.json"
+        if cache.exists():
+            records[key] = json.loads(cache.read_text())
         else:
-            todo.append((run, cell, arch, str(data.dir), plan))
-    log(f"eval: {len(todo)} runs, {jobs} at a time")
-    for job, r in zip(todo, pool_map(_eval_one, todo, jobs, lambda j: j[1]["baseline"]["d_model"])):
-        results[job[0].name] = r
-    results = {run.name: results[run.name] for _, _, run in run_dirs(out, ladder)}
-    base = [r for r in results.values() if r["arch"] == "baseline"]
-    other = [r for r in results.values() if r["arch"] != "baseline"]
-    summary = {"runs": {k: {"arch": v["arch"], "scale": v["scale"], "sparsity_label": v["sparsity_label"],
-                            "val_loss": v["val"]["loss"] if v.get("val") else None,
-                            "by_length": v["val"]["by_length"] if v.get("val") else None,
-                            "summary": v["summary"]} for k, v in results.items()}}
-    try:
-        summary["calibration"] = ev.calibration_report(base, other)
-    except (ValueError, RuntimeError) as e:   # too few baseline endpoints for a 4-parameter fit
-        summary["calibration"] = {"error": str(e)}
-        log(f"calibration skipped: {e}")
-    pairs = {}
-    for cell in ladder:
-        key = cell_key(cell["scale"], cell["sparsity_label"])
-        a, b = results.get(f"{key}_baseline"), results.get(f"{key}_smelt")
-        if a and b:
-            pairs[key] = ev.compare(a, b)
-    summary["pairs"] = pairs
-    figs = out / "figures"
-    figs.mkdir(exist_ok=True)
-    last = ladder[-1]
-    key = cell_key(last["scale"], last["sparsity_label"])
-    if f"{key}_smelt" in results:
-        ev.plot_shot_sweep(results[f"{key}_smelt"], figs / "shot_sweep.png", other=results[f"{key}_baseline"])
-    if "error" not in summary["calibration"]:
-        ev.plot_calibration(base, other, summary["calibration"], figs / "calibration.png")
+            todo.append((key, (e["path"], str(data.dir), plan, str(cache), key)))
+    t0 = time.time()
+    log(f"eval: {len(eps)} endpoints ({len(eps) - len(todo)} done before), {len(todo)} to evaluate, {jobs} at a time")
+
+    def on_done(k, job, rec):
+        el = time.time() - t0
+        log(f"eval: endpoint {k}/{len(todo)} done: {job[4]} ({rec.get('seconds', 0):.1f} s) | elapsed {fmt_time(el)}, "
+            f"ETA {fmt_time(el / k * (len(todo) - k))}")
+
+    res = pool_run(_eval_one, [j for _, j in todo], jobs, lambda j: Path(j[0]).stat().st_size, on_done=on_done)
+    for (key, _), rec in zip(todo, res):
+        records[key] = rec
+    recs = list(records.values())
+    report = ev.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
+    figs = ev.plot_downstream(report, recs, out / "figures")
+    summary = {"report": report, "figures": figs, "n_endpoints": len(recs),
+               "runs": {k: {"arch": v["arch"], "scale": v["scale"], "sparsity_label": v["sparsity_label"],
+                            "seed": v.get("seed"), "branch_step": v.get("branch_step"),
+                            "val_loss": v["val"]["loss"] if v.get("val") else None, "summary": v["summary"]}
+                        for k, v in sorted(records.items())}}
     write_json(out / "eval_summary.json", summary)
     return summary
 
@@ -557,7 +554,7 @@ def _section_training(ts: dict, rows: list[dict], ladder: list[dict]) -> list[st
     return L
 
 
-def _claim_rows(ts: dict, scal: dict, prb: dict) -> list[list[str]]:
+def _claim_rows(ts: dict, scal: dict, prb: dict, ev_sum: dict) -> list[list[str]]:
     rows = []
     c = ts["cells"]
     rows.append(["SMELT has lower validation loss than its matched Baseline in every cell (Sec. 4.1)", "16 / 16",
@@ -569,6 +566,10 @@ def _claim_rows(ts: dict, scal: dict, prb: dict) -> list[list[str]]:
                      "-0.019 / -0.022 nats at 200M, S~85 / 95 % (Table 3.3, one seed each)", _iv(r["diff"], 4),
                      r["verdict"]])
     rows.append(_ce_gain_claim(scal))
+    for cl in (ev_sum.get("report") or {}).get("claims", []):
+        iv = _iv(cl["interval"], 3) if cl.get("interval") else "no interval"
+        rows.append([cl["claim"] + f" ({cl['n']} {cl['unit']}s)", cl["paper"],
+                     iv + (f"; {cl['why']}" if cl.get("why") else ""), cl["verdict"]])
     return rows
 
 
@@ -612,22 +613,50 @@ def _section_scaling(scal: dict, out: Path) -> list[str]:
     return L
 
 
-def _section_downstream(ev_sum: dict) -> list[str]:
+def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
     L = ["## Downstream (SMELT 5)", ""]
-    if not ev_sum.get("runs"):
+    rep = ev_sum.get("report")
+    if not rep:
         return L + ["Not evaluated (stage skipped).", ""]
-    groups = sorted({g for v in ev_sum["runs"].values() for g in v["summary"]})
-    L += ["Centred accuracy (%, mean over tasks at each task's standard k; DCLM v2 random baselines) and "
-          "gold-completion loss (nats/token), real BIG-bench tasks and generated tasks reported separately.", ""]
-    rows = []
-    for k, v in ev_sum["runs"].items():
-        cols = []
-        for g in groups:
-            s_ = v["summary"].get(g, {})
-            cols += [_fmt(None if s_.get("core") is None else 100 * s_["core"], 2), _fmt(s_.get("completion"), 3)]
-        rows.append([k, _fmt(v["val_loss"])] + cols)
-    L += _md_table(["run", "val loss"] + [x for g in groups for x in (f"{g} core", f"{g} completion")], rows) + [""]
-    return L
+    L += [f"Every branch endpoint of every run is evaluated ({rep['n_endpoints']} endpoints, {rep['n_pairs']} matched "
+          "Baseline / SMELT endpoint pairs): validation loss by source, domain and document length, and the "
+          "few-shot sweep (real BIG-bench tasks and generated tasks reported apart; centred accuracy against "
+          "DCLM v2 random baselines; gold-completion loss on the answer tokens).", ""]
+    wins = rep.get("wins", {}).get("metrics", {})
+    if wins:
+        L += ["**Win counts** (matched endpoint pairs where SMELT is better; ties are not wins):", ""]
+        L += _md_table(["metric", "SMELT wins", "per cell", "paper"],
+                       [[m["what"], f"{m['wins']} / {m['n']}" + (f" ({m['ties']} ties)" if m["ties"] else ""),
+                         ", ".join(f"{c} {v['wins']}/{v['n']}" for c, v in m["by_cell"].items()),
+                         m["paper"] or "n/a (our generated tasks)"]
+                        for m in wins.values()])
+        L += [""]
+    icl = rep.get("icl", {})
+    if icl.get("note"):
+        L += [f"**Shot sweep (Appendix C).** {icl['note']}", ""]
+    fams = rep.get("families", {})
+    if fams:
+        L += ["**Gain by document length (SMELT 5.3, Fig. 20a).** Long/short ratio of each family's normalised "
+              "loss gain (four longest usable buckets over four shortest), with a bootstrap interval over "
+              "contrasts:", ""]
+        L += _md_table(["family", "contrasts", "long / short", "paper"],
+                       [[name, f['n_contrasts'], _iv(f.get("long_short"), 2) if f.get("long_short") else
+                         f"n/a ({f.get('why') or 'no contrast'})", f.get("paper")] for name, f in fams.items()])
+        L += [""]
+    cal = rep.get("calibration", {})
+    if cal.get("error"):
+        L += [f"**Calibration (Eq. 6-7):** not identified ({cal['error']}).", ""]
+    else:
+        for name, c in cal.get("metrics", {}).items():
+            if not name.startswith("task/") and not c.get("identified"):
+                L += [f"**Calibration of {name} (Eq. 6):** not identified ({c.get('why')}).", ""]
+    figs = ev_sum.get("figures", {})
+    for name, p in (figs.get("figures") or {}).items():
+        if p:
+            L += [f"![{name}]({Path(p).relative_to(out)})", ""]
+    for note in figs.get("notes", []):
+        L += [f"- {note}"]
+    return L + [""]
 
 
 def _section_probes(prb: dict, out: Path) -> list[str]:
@@ -650,10 +679,10 @@ def write_report(plan_name: str, plan: Plan, out: Path, ladder, rows, ev_sum, sc
     L += _section_ladder(ladder)
     L += _section_training(ts, rows, ladder)
     L += _section_scaling(scal, out)
-    L += _section_downstream(ev_sum)
+    L += _section_downstream(ev_sum, out)
     L += _section_probes(prb, out)
     L += ["## Claims: reproduced, contradicted or not resolved", ""]
-    L += _md_table(["paper claim", "paper", "this run (95 % interval)", "verdict"], _claim_rows(ts, scal, prb))
+    L += _md_table(["paper claim", "paper", "this run (95 % interval)", "verdict"], _claim_rows(ts, scal, prb, ev_sum))
     L += [""]
     path = out / "REPORT.md"
     path.write_text("\n".join(L))
