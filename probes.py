@@ -824,7 +824,7 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
         t1 = time.time()
         entry: dict = {}
         for arch, m in (("baseline", base), ("smelt", smelt)):
-            model = _load(m, device or "cpu")
+            model = _load(m, device or ("cuda" if torch.cuda.is_available() else "cpu"))
             entry[arch] = probe(model, sample.batches(batch_size), attn_topk=attn_topk, units=sample.units)
             if arch == "smelt" and dyck:
                 blk = model.cfg.block_size

@@ -13,7 +13,7 @@ Stages (each reads the JSON the previous one wrote; finished work is skipped on 
                domain and document length; the few-shot shot sweep; calibration (SMELT 5.1, 5.3).
   5. scaling   scaling.analyse: separate loss surfaces per architecture, CE gain and TPP with
                cell-bootstrap intervals, per-domain CE gain (SMELT 4, 5.2).
-  6. probes    probes.probe on the largest SMELT run and its Baseline (SMELT 6).
+  6. probes    probes.probe_pairs on every matched pair, all domains held out (SMELT 6).
   7. report    REPORT.md: every table and plot, and which of the paper's claims this run
                reproduced, numbers side by side with the paper's.
 
@@ -241,23 +241,18 @@ def stage_scaling(plan: Plan, rows: list[dict], out: Path) -> dict:
 
 
 def stage_probes(plan: Plan, ladder: list[dict], data, out: Path) -> dict:
-    import eval as ev
+    """SMELT 6 on every matched pair (probes.probe_pairs), one held-out sample over all domains."""
     import probes
     path = out / "probes.json"
     if path.exists():
         return json.loads(path.read_text())
     dirs = run_dirs(out, ladder)
-    (_, _, base_dir), (_, _, smelt_dir) = dirs[-2], dirs[-1]
-    res = {}
-    for name, run in (("baseline", base_dir), ("smelt", smelt_dir)):
-        model, _ = ev.load_model(run)
-        src = data.sources[0]
-        batches = data.val_batches(src, 4, plan.block_size, plan.probe_tokens)
-        res[name] = probes.probe(model, batches, plan.probe_tokens)
-        res[name]["run"] = str(run)
-        if name == "smelt":
-            res["dyck"] = probes.dyck_case_study(model, n_seqs=16)
-    res["figures"] = probes.plot_probes(res["smelt"], str(out / "figures" / "probes"), baseline=res["baseline"])
+    pairs = [(cell_key(c["scale"], c["sparsity_label"]), str(b), str(s))
+             for (c, _, b), (_, _, s) in zip(dirs[::2], dirs[1::2])]
+    res = probes.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
+    res["figures"] = probes.plot_pairs(res, str(out / "figures" / "probes"))
+    last = res["pairs"][pairs[-1][0]]                      # the report's probe table: the largest pair
+    res["smelt"], res["baseline"], res["dyck"] = last["smelt"], last["baseline"], last.get("dyck")
     write_json(path, res)
     return res
 
@@ -358,7 +353,7 @@ def write_report(plan_name: str, plan: Plan, out: Path, ladder, rows, ev_sum, sc
     sink = {}
     for v in sp.get("per_visit", {}).values():
         if v["layer"] in sp.get("looped_layers", []) and v.get("sink_mass") is not None:
-            sink.setdefault(v["visit"], []).append(v["sink_mass"])
+            sink.setdefault(v["visit"] - 1, []).append(v["sink_mass"])   # probes number visits from 1
     sink = {k: sum(x) / len(x) for k, x in sink.items()}
     overlaps = [c["expert_overlap"] for c in sp.get("cross_visit", {}).values() if c.get("expert_overlap")]
     ov = sum(o["mean"] for o in overlaps) / len(overlaps) if overlaps else None
