@@ -72,9 +72,10 @@ Design choices (where the paper is silent), with reasons:
   * Dyck (Sec. 6.4): items whose gold answer is three closing brackets (three tokens: the
     three targets, teacher-forced), demonstrations nested across k (the k = 2 prompt adds one
     demonstration to the k = 1 prompt's) and the first demonstration's answer already holds
-    every target's closing symbol, as the paper requires. Shortest demonstrations are drawn
-    so that k = 8 fits the model's context (eval's own limit); a k that does not fit is
-    reported as skipped, never truncated. Ablating a head zeroes its slice of PV before W_O
+    every target's closing symbol, as the paper requires. Demonstrations are drawn from the
+    shortest quarter of the items so that as many k as possible fit the context the model was
+    trained on (`probe_pairs`; RoPE distances beyond it were never seen); a k that does not fit
+    is reported as skipped, never truncated (tiny, 128-token contexts: k = 1, 2, 4). Ablating a head zeroes its slice of PV before W_O
     in that physical layer, i.e. on every visit (the weights are shared). The Dyck loss is
     the mean cross-entropy of the target tokens over all prompts; the Dyck head is the head
     of the looped span whose ablation raises it most.
@@ -705,13 +706,17 @@ def _target_loss(logits: Tensor, prompts: list[dict]) -> Tensor:
 
 @torch.no_grad()
 def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int] = DYCK_KS, n_items: int = 8,
-                    seed: int = 0, prompts: dict | None = None) -> dict:
+                    seed: int = 0, prompts: dict | None = None, select_k: int | None = 4) -> dict:
     """SMELT Sec. 6.4 on one model: the Dyck head by ablation, then its BOS and demonstration-answer mass per visit.
 
-    For every head of the looped span (every layer if the model is unlooped) the prompts run with that
-    head ablated; its effect is the rise of the mean target cross-entropy. The head with the largest
-    effect is the Dyck head. At each of the n_targets answer positions of every prompt, its attention
-    splits into BOS (position 0), demonstration-answer tokens and everything else, per visit.
+    For every head of the looped span (every layer if the model is unlooped) the selection prompts
+    (those at k = select_k, the paper's Fig. 27 setting, or the largest k below it; None: every
+    prompt) run with that head ablated; its effect is the rise of their mean target cross-entropy.
+    The head with the largest effect is the Dyck head. At each of the n_targets answer positions of
+    every prompt (every k), its attention splits into BOS (position 0), demonstration-answer tokens
+    and everything else, per visit. (Selecting on one k keeps the sweep to one forward of n_items
+    prompts per head: on the tiny preset's largest SMELT model it took 9 of the pair's 10 CPU
+    seconds when every k's prompts ran per head.)
     """
     cfg = model.cfg
     block = block_size or cfg.block_size
@@ -731,6 +736,9 @@ def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int]
     capture: dict = {}
     logits = model.run(x, capture=capture).logits
     clean = _target_loss(logits, prompts)                            # (n, n_targets)
+    sel_k = None if select_k is None else max([k for k in P["ks"] if k <= select_k] or P["ks"][:1])
+    sel = [i for i, p in enumerate(prompts) if sel_k is None or p["k"] == sel_k]
+    xs = x[sel, :max(len(prompts[i]["tokens"]) for i in sel)]
     lc = cfg.loop
     layers = list(range(lc.start, lc.start + lc.length)) if lc.active else list(range(cfg.n_layer))
     effect = []
@@ -738,7 +746,8 @@ def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int]
         row = []
         for h in range(cfg.n_head):
             with ablate_head(model, layer, h):
-                row.append(float(_target_loss(model.run(x).logits, prompts).mean() - clean.mean()))
+                ablated = _target_loss(model.run(xs).logits, [prompts[i] for i in sel])
+            row.append(float(ablated.mean() - clean[sel].mean()))
         effect.append(row)
     model.train(was_training)
     E = torch.tensor(effect)
@@ -764,10 +773,10 @@ def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int]
                for i, p in enumerate(prompts)]
     by_k = {}
     for k in P["ks"]:
-        sel = [i for i, p in enumerate(prompts) if p["k"] == k]
-        by_k[str(k)] = {"n": len(sel), "accuracy": sum(correct[i] for i in sel) / len(sel),
-                        "target_loss": float(clean[sel].mean()),
-                        **{f"{m}_mass": [sum(masses[m][i][j] for i in sel) / len(sel) for j in range(len(visits))]
+        at = [i for i, p in enumerate(prompts) if p["k"] == k]
+        by_k[str(k)] = {"n": len(at), "accuracy": sum(correct[i] for i in at) / len(at),
+                        "target_loss": float(clean[at].mean()),
+                        **{f"{m}_mass": [sum(masses[m][i][j] for i in at) / len(at) for j in range(len(visits))]
                            for m in masses}}
     ex_k = max([k for k in P["ks"] if k <= 4] or P["ks"][:1])        # Fig. 27 shows a k = 4 prompt
     ex = next(i for i, p in enumerate(prompts) if p["k"] == ex_k)
@@ -776,7 +785,8 @@ def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int]
                "demo": prompts[ex]["demo"],
                "attention": [capture[(layer, v)]["attn_probs"][ex, head][prompts[ex]["targets"], :L].float().cpu().tolist()
                              for v in visits]}
-    return {**out, "layers": layers, "ablation_effect": effect, "clean_loss": float(clean.mean()),
+    return {**out, "layers": layers, "ablation_effect": effect, "selection_k": sel_k,
+            "clean_loss": float(clean.mean()), "selection_loss": float(clean[sel].mean()),
             "head": {"layer": layer, "head": head, "effect": float(E.max())}, "visits": [v + 1 for v in visits],
             "prompt_keys": [[p["k"], p["item"]] for p in prompts], "mass": masses, "correct": correct,
             "by_k": by_k, "example": example}
@@ -793,13 +803,16 @@ def _load(model_or_path, device):
 
 
 def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batch_size: int = 8,
-                dyck: bool = True, dyck_items: int = 8, dyck_ks: Sequence[int] = DYCK_KS, seed: int = 0,
+                dyck: bool = True, dyck_items: int = 8, dyck_ks: Sequence[int] = DYCK_KS,
+                dyck_block_size: int | None = None, seed: int = 0,
                 attn_topk: Sequence[int] = (1, 8), device: str | None = None, n_draws: int = 1000,
                 log: Callable[[str], None] | None = print) -> dict:
     """SMELT Section 6 on every matched pair: [(name, baseline, smelt)], each model a GPT or a run directory /
     endpoint file (loaded one at a time). All models see one held-out sample (`held_out_sample`: about
-    `tokens` tokens, every domain equally); the SMELT model of each pair also runs the Dyck case study
-    (prompts from data.tokenizer(), fitting the SMELT model's block_size).
+    `tokens` tokens, every domain equally) in contexts of block_size (the training context); the SMELT
+    model of each pair also runs the Dyck case study (prompts from data.tokenizer() that fit
+    block_size, or dyck_block_size if given: a k whose prompts do not fit is reported in "skipped_k",
+    never truncated).
 
     Returns a JSON-able dict: "sample" (what was probed), "pairs" {name: {"baseline", "smelt" (probe
     results), "dyck", "seconds"}}, "aggregate" (each summary quantity averaged over pairs), "claims"
@@ -827,7 +840,7 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
             model = _load(m, device or ("cuda" if torch.cuda.is_available() else "cpu"))
             entry[arch] = probe(model, sample.batches(batch_size), attn_topk=attn_topk, units=sample.units)
             if arch == "smelt" and dyck:
-                blk = model.cfg.block_size
+                blk = min(model.cfg.block_size, dyck_block_size or block_size)   # no unseen distances
                 if blk not in prompts_cache:
                     prompts_cache[blk] = dyck_prompts(enc, blk, dyck_ks, dyck_items, seed=seed)
                 entry["dyck"] = dyck_case_study(model, enc, prompts=prompts_cache[blk])
@@ -1148,8 +1161,8 @@ def plot_probes(result: dict, out_dir: str, baseline: dict | None = None, title:
         ax.axvline(hists[0]["random_mean"], ls="--", color="purple",
                    label=f"random mean k²/n = {hists[0]['random_mean']:.2f}")
         ax.set(xlabel="|S1 ∩ S2| (experts shared)", ylabel="fraction of tokens", xticks=range(k + 1),
-               title=f"Expert-set overlap (Fig. 21){tag}")
-        ax.legend(fontsize=7)
+               ylim=(0, 1.3 * max(dist + hists[0]["random_distribution"])), title=f"Expert-set overlap (Fig. 21){tag}")
+        ax.legend(fontsize=7, loc="upper left")
         _save(fig, os.path.join(out_dir, "fig21_expert_overlap.png"), paths)
     if layers:                                                       # Fig. 22
         fig, axes = plt.subplots(3, 1, figsize=(5, 7), sharex=True)
@@ -1202,7 +1215,8 @@ def plot_probes(result: dict, out_dir: str, baseline: dict | None = None, title:
             ax.bar([x + 0.2 for x in xs], _nan([cross[n]["attention"].get(f"{key}_control") for n in names]), 0.4,
                    color="grey", label="control: head h vs h + H/2, same layer and visit")
             ax.set_xticks(list(xs), [f"layer {cross[n]['layer']}" for n in names], fontsize=7)
-            ax.set(ylim=(0, 1), title=f"{key} overlap" if key != "mass" else "attention-mass overlap")
+            ax.set(ylim=(0, 1.15), title=f"top-{key[3:]} attended-token overlap" if key != "mass"
+                   else "attention-mass overlap")
         axes[0][0].legend(fontsize=6)
         fig.suptitle(f"Attended-token overlap (Fig. 26){tag}", fontsize=9)
         _save(fig, os.path.join(out_dir, "fig26_attended_token_overlap.png"), paths)

@@ -419,7 +419,10 @@ def test_dyck_case_study_mechanics():
     with torch.no_grad():
         m2.blocks[L].attn.wo.weight[:, h * 8:(h + 1) * 8] = 0
     again = probes.dyck_case_study(m2, enc, prompts=P)
-    assert again["clean_loss"] - out["clean_loss"] == pytest.approx(out["head"]["effect"], abs=1e-5)
+    assert out["selection_k"] == 4                                     # the head is chosen on the k = 4 prompts
+    assert again["selection_loss"] - out["selection_loss"] == pytest.approx(out["head"]["effect"], abs=1e-5)
+    every = probes.dyck_case_study(m, enc, prompts=P, select_k=None)   # or on every prompt
+    assert every["selection_k"] is None and every["selection_loss"] == pytest.approx(out["clean_loss"])
     ex = out["example"]
     assert ex["k"] == 4 and len(ex["attention"]) == 2 and len(ex["attention"][0]) == 3
     json.dumps(out)
@@ -438,7 +441,7 @@ def models_pair(seed):
 def pairs_result():
     pairs = [(f"p{i}", *models_pair(2 * i)) for i in range(2)]
     return probes.probe_pairs(pairs, fake_data(), tokens=3 * 4 * 32, block_size=32, batch_size=4,
-                              dyck_items=2, dyck_ks=(1, 2), n_draws=200, log=None)
+                              dyck_items=2, dyck_ks=(1, 2), dyck_block_size=192, n_draws=200, log=None)
 
 
 def test_probe_pairs_result(pairs_result):
@@ -551,4 +554,7 @@ def test_cli(tmp_path, monkeypatch):
     assert saved["sample"]["tokens"] == 3 * 2 * 32 and list(saved["pairs"]) == ["cell"]
     assert saved["pairs"]["cell"]["baseline"]["cross_visit"] == {}
     assert {c["id"] for c in saved["claims"]} >= {"update_ratio", "sink_shrinks", "dyck_demo_rises"}
+    dyck = saved["pairs"]["cell"]["dyck"]          # Dyck prompts must fit the 32-token training context: none do
+    assert dyck["skipped_k"] == [1, 2, 4, 8] and dyck["n_prompts"] == 0 and "error" in dyck
+    assert {c["id"]: c["verdict"] for c in saved["claims"]}["dyck_demo_rises"] == "not resolved"
     assert all(os.path.exists(p) for p in report["figures"])
