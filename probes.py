@@ -93,7 +93,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -1370,11 +1370,12 @@ def plot_dyck(dyck: dict, path: str, title: str = "") -> str:
                  label=f"BOS, visit {dyck['visits'][v]}", alpha=0.8, ms=7 - 2 * v)
         ax2.plot(ks, [dyck["by_k"][str(k)]["demo_mass"][v] for k in ks], "s-", color=VISIT_COLORS[v],
                  label=f"demo answers, visit {dyck['visits'][v]}", alpha=0.8, ms=7 - 2 * v)
-    top = max(max(dyck["by_k"][str(k)][f"{m}_mass"]) for k in ks for m in ("bos", "demo"))
+        ax2.plot(ks, [dyck["by_k"][str(k)]["other_mass"][v] for k in ks], "^:", color=VISIT_COLORS[v],
+                 label=f"rest of the prompt, visit {dyck['visits'][v]}", alpha=0.8, ms=7 - 2 * v)
     ax2.set(xscale="log", xticks=ks, xticklabels=ks, xlabel="k demonstrations", ylabel="Dyck head's mass at the targets",
-            ylim=(0, min(1.0, 1.15 * top + 0.02)))
+            ylim=(0, 1.02))
     ax2.minorticks_off()
-    ax2.legend(fontsize=6)
+    ax2.legend(fontsize=6, loc="center right")
     h = dyck["head"]
     fig.suptitle(f"Dyck head L{h['layer']} head {h['head']} (ablation raises target loss by {h['effect']:+.3f}), "
                  f"k = {ex['k']} example (orange: demonstration answers) (Fig. 27){' ' + title if title else ''}",

@@ -3,8 +3,6 @@ the Dyck case study mechanics, claims, figures, CLI."""
 import json
 import math
 import os
-import sys
-import types
 
 import numpy as np
 import pytest
