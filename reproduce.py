@@ -13,7 +13,7 @@ Stages (each reads the JSON the previous one wrote; finished work is skipped on 
                domain and document length; the few-shot shot sweep; calibration (SMELT 5.1, 5.3).
   5. scaling   scaling.analyse: separate loss surfaces per architecture, CE gain and TPP with
                cell-bootstrap intervals, per-domain CE gain (SMELT 4, 5.2).
-  6. probes    probes.probe on the largest SMELT run and its Baseline (SMELT 6).
+  6. probes    probes.probe_pairs on every matched pair, all domains held out (SMELT 6).
   7. report    REPORT.md: every table and plot, and which of the paper's claims this run
                reproduced, numbers side by side with the paper's.
 
@@ -30,7 +30,7 @@ import math
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +112,7 @@ def fmt_time(seconds: float) -> str:
 def stage_data(plan: Plan, data_dir: str | None = None):
     import data
     if data_dir is None:
-        manifest = data.prepare(plan.data)
+        data.prepare(plan.data)
         data_dir = data.default_data_dir(plan.data)
     d = data.TokenData(data_dir)
     log(f"data: {plan.data} preset ({d.dir}), vocab {d.vocab_size}, {len(d.sources)} sources, "
@@ -401,23 +401,18 @@ def stage_scaling(plan: Plan, rows: list[dict], out: Path) -> dict:
 
 
 def stage_probes(plan: Plan, ladder: list[dict], data, out: Path) -> dict:
-    import eval as ev
+    """SMELT 6 on every matched pair (probes.probe_pairs), one held-out sample over all domains."""
     import probes
     path = out / "probes.json"
     if path.exists():
         return json.loads(path.read_text())
-    dirs = run_dirs(out, ladder)
-    (_, _, base_dir), (_, _, smelt_dir) = dirs[-2], dirs[-1]
-    res = {}
-    for name, run in (("baseline", base_dir), ("smelt", smelt_dir)):
-        model, _ = ev.load_model(run)
-        src = data.sources[0]
-        batches = data.val_batches(src, 4, plan.block_size, plan.probe_tokens)
-        res[name] = probes.probe(model, batches, plan.probe_tokens)
-        res[name]["run"] = str(run)
-        if name == "smelt":
-            res["dyck"] = probes.dyck_case_study(model, n_seqs=16)
-    res["figures"] = probes.plot_probes(res["smelt"], str(out / "figures" / "probes"), baseline=res["baseline"])
+    runs = plan_runs(out, ladder, plan)
+    pairs = [(b.key + (f"_seed{b.seed}" if b.seed else ""), str(b.dir), str(s.dir))
+             for b, s in zip(runs[::2], runs[1::2])]            # every matched pair, seed replicates included
+    log(f"probes: {len(pairs)} matched pairs, {plan.probe_tokens} held-out tokens over every domain")
+    res = probes.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
+    largest = cell_key(ladder[-1]["scale"], ladder[-1]["sparsity_label"])   # the per-pair figures: largest cell
+    res["figures"] = probes.plot_pairs(res, str(out / "figures" / "probes"), detail=[largest])
     write_json(path, res)
     return res
 
@@ -425,27 +420,6 @@ def stage_probes(plan: Plan, ladder: list[dict], data, out: Path) -> dict:
 # ----------------------------------------------------------------------------------------
 # Report
 
-# (probe summary key, what it is, the paper's figure for it)
-PAPER_PROBES = [
-    ("ratio_update", "visit-2 / visit-1 update norm", "1.2-3.5 in all 16 cells (Fig. 23e)"),
-    ("ratio_attn_write", "visit-2 / visit-1 attention-write norm", "> 1 in all cells (Fig. 23f)"),
-    ("ratio_mlp_write", "visit-2 / visit-1 MoE-write norm", "> 1 in all cells (Fig. 23g)"),
-    ("update_cosine_cross_visit", "update cosine, same layer across visits", "0.42-0.65, mean 0.56 (Fig. 24)"),
-    ("update_cosine_other", "update cosine, non-matching cross-visit pairs", "mean 0.16 (Fig. 24)"),
-    ("cos_X", "cross-visit cosine of X", "0.84-0.93 (Fig. 25)"),
-    ("cos_Q", "cross-visit cosine of Q", "0.89-0.93"),
-    ("cos_K", "cross-visit cosine of K", "0.89-0.93"),
-    ("cos_V", "cross-visit cosine of V", "0.65-0.74"),
-    ("cos_PV", "cross-visit cosine of PV", "0.56-0.69"),
-    ("cos_O", "cross-visit cosine of O", "0.49-0.64"),
-    ("attn_top8", "top-8 attended-token overlap", "0.56-0.66 (Fig. 26)"),
-    ("attn_top8_control", "top-8 overlap, different-head control", "0.28-0.34"),
-    ("expert_overlap_frac", "expert-set overlap / k", "~1 at S=0, 2-3 of 8 at S~97% (Fig. 21)"),
-]
-
-
-def _fmt(x, nd=4):
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
 def _md_table(header: list[str], rows: list[list]) -> list[str]:
@@ -566,6 +540,11 @@ def _claim_rows(ts: dict, scal: dict, prb: dict, ev_sum: dict) -> list[list[str]
                      "-0.019 / -0.022 nats at 200M, S~85 / 95 % (Table 3.3, one seed each)", _iv(r["diff"], 4),
                      r["verdict"]])
     rows.append(_ce_gain_claim(scal))
+    for c in probe_claims(prb):
+        iv = c["interval"].fmt(3) if c["interval"] else "no pair has it"
+        tr = f"; over pairs {c['across_pairs'].fmt(3)}" if c.get("across_pairs") else ""
+        rows.append([f"{c['what']} {c['direction']} {c['value']:g} ({c['figure']})", c["paper"], iv + tr,
+                     c["verdict"]])
     for cl in (ev_sum.get("report") or {}).get("claims", []):
         iv = _iv(cl["interval"], 3) if cl.get("interval") else "no interval"
         rows.append([cl["claim"] + f" ({cl['n']} {cl['unit']}s)", cl["paper"],
@@ -659,17 +638,47 @@ def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
     return L + [""]
 
 
+def probe_claims(prb: dict) -> list[dict]:
+    """probes.claims with a verdict that needs both intervals: held-out sampling (bootstrap over document
+    groups, the mean over pairs) and training (a t-interval over the pairs, seed replicates included)."""
+    import probes
+    import stats
+    if not prb.get("pairs"):
+        return []
+    out = []
+    for c in probes.claims(prb):
+        v1 = stats.verdict(c["interval"], c["direction"], c["value"])
+        v2 = stats.verdict(c.get("across_pairs"), c["direction"], c["value"])
+        c["verdict"] = v1 if v1 == v2 else "not resolved"
+        out.append(c)
+    return out
+
+
 def _section_probes(prb: dict, out: Path) -> list[str]:
     L = ["## Probes of the second visit (SMELT 6)", ""]
-    sp = prb.get("smelt", {})
-    summ = sp.get("summary", {})
-    if not summ:
+    if not prb.get("pairs"):
         return L + ["Not run (stage skipped).", ""]
-    L += [f"Measured on {sp.get('tokens')} held-out tokens.", ""]
-    L += _md_table(["quantity", "this run", "paper (1.6B-54B models)"],
-                   [[what, _fmt(summ.get(key), 3), paper] for key, what, paper in PAPER_PROBES])
-    L += ["", *[f"![{Path(p).stem}]({Path(p).relative_to(out)})" for p in prb.get("figures", [])], ""]
-    return L
+    cl = probe_claims(prb)
+    L += [f"Every matched pair ({len(prb['pairs'])}, seed replicates included) on one held-out sample of "
+          f"{prb['sample']['tokens']} tokens ({prb['sample']['units']} document groups) drawn equally from the "
+          f"domains {', '.join(prb['sample']['domains'])}. Each quantity: its mean over pairs "
+          "with a bootstrap interval over held-out document groups, and a t-interval over the pairs (the "
+          "training noise: seeds and cells). A verdict needs both intervals to agree.", ""]
+    rows = []
+    for c in cl:
+        if c["interval"] is None:
+            rows.append([f"{c['what']} ({c['figure']})", "n/a", "n/a", "n/a", c["paper"], c["verdict"]])
+            continue
+        rows.append([f"{c['what']} ({c['figure']})", c["interval"].fmt(3),
+                     c["across_pairs"].fmt(3) if c.get("across_pairs") else "n/a",
+                     c["weakest"].fmt(3) if c.get("weakest") else "n/a", c["paper"], c["verdict"]])
+    L += _md_table(["quantity", "mean over pairs [held-out interval]", "over pairs [t-interval]", "weakest pair",
+                    "paper", "verdict"], rows) + [""]
+    for p in prb.get("figures", []):
+        p = Path(p)
+        if p.exists():
+            L += [f"![{p.stem}]({p.relative_to(out)})"]
+    return L + [""]
 
 
 def write_report(plan_name: str, plan: Plan, out: Path, ladder, rows, ev_sum, scal, prb, summary: dict,

@@ -1,15 +1,17 @@
-"""Probes (SMELT Section 6): metric identities, shapes and ranges, bounded memory, Baseline, CLI."""
+"""Probes (SMELT Section 6): metric identities, the control head, units and intervals, the held-out sample,
+the Dyck case study mechanics, claims, figures, CLI."""
 import json
 import math
 import os
-import sys
-import types
 
+import numpy as np
 import pytest
 import torch
 
+import data
 import probes
 import train as T
+import stats
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -106,6 +108,21 @@ def test_cross_visit_pairs():
     assert probes.cross_visit_pairs(tiny_model(loop=LoopConfig()).plan) == []
 
 
+def test_labels_number_visits_from_one_and_name_unlooped_layers():
+    m = tiny_model()
+    lab = probes.visit_labels(m.plan)
+    assert lab == {(0, 0): "L0", (1, 0): "L1.v1", (2, 0): "L2.v1", (1, 1): "L1.v2", (2, 1): "L2.v2", (3, 0): "L3"}
+    assert probes.pair_label((1, 0), (1, 1)) == "L1.v1-v2"
+
+
+def test_control_heads_is_half_offset_permutation():
+    assert probes.control_heads(4) == [2, 3, 0, 1]
+    for H in (2, 3, 5, 8):
+        c = probes.control_heads(H)
+        assert sorted(c) == list(range(H)) and all(c[h] != h for h in range(H))   # every head once, never itself
+    assert probes.control_heads(1) is None
+
+
 # ----------------------------------------------------------------------------------------
 # Identities: a layer visited twice with identical input
 
@@ -119,8 +136,9 @@ def test_identical_visits_hand_built_capture():
     acc = probes.ProbeAccumulator(m.plan, 4, 8, 2)
     acc.update(cap, doc)
     res = acc.result()
-    assert len(res["cross_visit"]) == 2
+    assert list(res["cross_visit"]) == ["L1.v1-v2", "L2.v1-v2"]
     for d in res["cross_visit"].values():
+        assert d["visits"] == [1, 2]
         assert d["expert_overlap"]["distribution"][-1] == pytest.approx(1.0)
         assert d["expert_overlap"]["mean"] == pytest.approx(2.0)
         assert d["expert_overlap"]["random_mean"] == pytest.approx(2 * 2 / 8)
@@ -150,8 +168,43 @@ def test_identity_looped_layers_give_identical_visits():
         assert d["norm_ratio"]["attn_norm"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_control_is_other_head_same_layer_and_visit():
+    """Heads h and h + H/2 attend identically within each visit, and visit 2 attends elsewhere than visit 1:
+    the paper's control (same layer and visit) is 1, the same-head cross-visit overlap 0. The old pairing
+    (head h on visit 1 vs head h + H/2 on visit 2) would have given 0."""
+    m = tiny_model()
+    idx, _, _ = batches(1)[0]
+    cap = capture_of(m, idx)
+    T = idx.shape[1]
+    for layer in (1, 2):
+        for visit, key in ((0, 0), (1, 1)):                           # visit 1 on key 0, visit 2 on the query itself
+            p = torch.zeros(2, 4, T, T)
+            if key == 0:
+                p[..., 0] = 1.0
+            else:
+                p[:, :, torch.arange(T), torch.arange(T)] = 1.0
+            cap[(layer, visit)]["attn_probs"] = p
+    acc = probes.ProbeAccumulator(m.plan, 4, 8, 2, attn_topk=(1,))
+    acc.update(cap)
+    for d in acc.result()["cross_visit"].values():
+        assert d["attention"]["top1_control"] == pytest.approx(1.0)
+        assert d["attention"]["mass_control"] == pytest.approx(1.0)
+        assert d["attention"]["top1"] == pytest.approx(0.0) and d["attention"]["mass"] == pytest.approx(0.0)
+    # and a control head that attends differently from head h on the same visit gives 0
+    for layer in (1, 2):
+        for visit in (0, 1):
+            p = torch.zeros(2, 4, T, T)
+            p[:, :2, :, 0] = 1.0                                      # heads 0, 1 on the first key
+            p[:, 2:, torch.arange(T), torch.arange(T)] = 1.0          # heads 2, 3 (their controls) on the query
+            cap[(layer, visit)]["attn_probs"] = p
+    acc = probes.ProbeAccumulator(m.plan, 4, 8, 2, attn_topk=(1,))
+    acc.update(cap, torch.zeros_like(idx) + (torch.arange(T) >= 1))   # query 0 is its own document: left out
+    for d in acc.result()["cross_visit"].values():
+        assert d["attention"]["top1"] == pytest.approx(1.0) and d["attention"]["top1_control"] == pytest.approx(0.0)
+
+
 # ----------------------------------------------------------------------------------------
-# Shapes and ranges on a random looped model; Baseline; memory
+# Shapes and ranges on a random looped model; Baseline; units
 
 def test_shapes_and_ranges():
     m = tiny_model()
@@ -159,15 +212,16 @@ def test_shapes_and_ranges():
     json.dumps(res)                                             # JSON-able
     assert res["tokens"] == 2 * 2 * 32
     V = len(m.plan)
-    assert res["visits"] == [probes.label(v.layer, v.visit) for v in m.plan] and res["looped_layers"] == [1, 2]
+    assert res["visits"] == ["L0", "L1.v1", "L2.v1", "L1.v2", "L2.v2", "L3"] and res["looped_layers"] == [1, 2]
     M = torch.tensor(res["update_cosine"]["matrix"])
     assert M.shape == (V, V) and torch.allclose(M, M.T, atol=1e-6)
     assert torch.allclose(M.diagonal(), torch.ones(V, dtype=M.dtype), atol=1e-5)
     assert (M.abs() <= 1 + 1e-6).all()
     assert len(res["update_cosine"]["cross_visit_diagonal"]) == 2
-    for d in res["per_visit"].values():
+    for name, d in res["per_visit"].items():
         assert len(d["sink_mass_per_head"]) == 4 and 0 <= d["sink_mass"] <= 1
         assert d["x_rms"] > 0 and d["update_rms"] > 0 and d["relative_update"] > 0
+        assert d["looped"] == (d["layer"] in (1, 2)) and d["visit"] in (1, 2)
     for d in res["cross_visit"].values():
         dist = d["expert_overlap"]["distribution"]
         assert len(dist) == 3 and sum(dist) == pytest.approx(1.0) and 0 <= d["expert_overlap"]["mean"] <= 2
@@ -178,24 +232,45 @@ def test_shapes_and_ranges():
         assert set(d["attention"]) == {"top1", "top8", "mass", "top1_control", "top8_control", "mass_control"}
     s = res["summary"]
     assert 0 <= s["expert_overlap_frac"] <= 1 and s["ratio_update"] > 0 and s["update_cosine_other"] is not None
+    assert s["sink_mass_span_v1"] is not None and s["sink_mass_span_v2"] is not None
 
 
-def test_memory_does_not_grow_with_batches():
+def test_units_sum_to_the_global_means_and_state_grows_only_with_units():
     m = tiny_model()
-    bs = batches(5)
+    bs = batches(4)
+    keys = [("a", 0), ("b", 0)] * 4                              # 8 rows, two units
+    res = probes.probe(m, bs, units=keys)
+    assert res["units"]["keys"] == [["a", 0], ["b", 0]]
+    q = res["units"]["quantities"]
+    u = q["ratio_update"]
+    S, n = np.array(u["sum"]), np.array(u["count"])               # (units, layers, visits), (units,)
+    assert S.shape == (2, 2, 2) and n.tolist() == [4 * 32, 4 * 32]
+    pooled = S.sum(0) / n.sum()
+    for j, name in enumerate(("L1", "L2")):
+        assert pooled[j, 0] == pytest.approx(res["per_visit"][f"{name}.v1"]["update_rms"], rel=1e-6)
+        assert pooled[j, 1] == pytest.approx(res["per_visit"][f"{name}.v2"]["update_rms"], rel=1e-6)
+    t8 = np.array(q["top8_same"]["sum"]).sum(0) / np.array(q["top8_same"]["count"]).sum()
+    assert t8.mean() == pytest.approx(res["summary"]["attn_top8"], rel=1e-6)
+    assert set(q) >= {"ratio_update", "ratio_attn_write", "ratio_mlp_write", "ucos_same", "ucos_other", "cos_Q",
+                      "cos_V", "top8_same", "top8_control", "expert_overlap", "sink"}
     acc = probes.ProbeAccumulator(m.plan, 4, 8, 2)
-    acc.update(capture_of(m, bs[0][0], bs[0][2]), bs[0][2])
-    sizes1 = acc.state_sizes()
+    acc.update(capture_of(m, bs[0][0], bs[0][2]), bs[0][2], units=["a", "b"])
+    sizes = acc.state_sizes()
     for idx, _, doc in bs[1:]:
-        acc.update(capture_of(m, idx, doc), doc)
-    assert acc.state_sizes() == sizes1 and acc.tokens == 5 * 64
+        acc.update(capture_of(m, idx, doc), doc, units=["b", "a"])
+    assert acc.state_sizes() == sizes and acc.tokens == 4 * 64        # no (T,) or (T, T) state, no growth
     n_visits = len(m.plan)
-    assert max(math.prod(s) for s in sizes1.values()) <= max(n_visits * n_visits, 8)   # no (T,) or (T,T) state
-    # streamed sums equal one big batch
-    big = probes.ProbeAccumulator(m.plan, 4, 8, 2)
+    assert max(math.prod(s) for s in sizes.values()) <= 2 * max(n_visits * n_visits, 8)
+    with pytest.raises(ValueError, match="one key per row"):
+        acc.update(capture_of(m, bs[0][0]), None, units=["a"])
+
+
+def test_streamed_batches_equal_one_big_batch():
+    m = tiny_model()
+    bs = batches(3)
+    a = probes.probe(m, bs)["summary"]
     idx, doc = torch.cat([b[0] for b in bs]), torch.cat([b[2] for b in bs])
-    big.update(capture_of(m, idx, doc), doc)
-    a, b = acc.result()["summary"], big.result()["summary"]
+    b = probes.probe(m, [(idx, None, doc)])["summary"]
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
@@ -209,7 +284,8 @@ def test_baseline_has_sink_but_no_cross_visit():
     m = tiny_model(loop=LoopConfig())
     res = probes.probe(m, batches(2))
     assert res["cross_visit"] == {} and res["looped_layers"] == []
-    assert all(d["sink_mass"] is not None for d in res["per_visit"].values())
+    assert list(res["per_visit"]) == ["L0", "L1", "L2", "L3"]
+    assert all(d["sink_mass"] is not None and not d["looped"] for d in res["per_visit"].values())
     assert res["summary"]["update_cosine_cross_visit"] is None and res["summary"]["expert_overlap"] is None
     assert len(res["update_cosine"]["matrix"]) == 4
 
@@ -223,69 +299,263 @@ def test_dense_and_partial_loops_run():
 
 
 # ----------------------------------------------------------------------------------------
-# Dyck
+# The held-out sample
 
-def test_dyck_sequences_balanced():
-    pairs = [(10, 11), (12, 13)]
-    ids, match = probes.dyck_sequences(6, 20, pairs, seed=3)
-    ids2, _ = probes.dyck_sequences(6, 20, pairs, seed=3)
-    assert torch.equal(ids, ids2)
-    opener = {c: o for o, c in pairs}
-    for b in range(6):
-        stack = []
-        for t, tok in enumerate(ids[b].tolist()):
-            if tok in opener:
-                assert stack and ids[b, stack[-1]].item() == opener[tok] and match[b, t].item() == stack.pop()
-            else:
-                stack.append(t)
-                assert match[b, t].item() == -1
-        assert not stack
+class FakeData:
+    """Stands in for data.TokenData: sources in domains, a validation stream per source with known documents."""
+
+    def __init__(self, docs: dict[str, tuple[str, list[int]]], vocab: int = 512, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.sources = list(docs)
+        self.domains = {s: d for s, (d, _) in docs.items()}
+        self.lengths = {s: np.array(L) for s, (_, L) in docs.items()}
+        self.stream = {s: torch.randint(0, vocab - 1, (int(sum(L)),), generator=g) for s, (_, L) in docs.items()}
+        self.eot = vocab - 1
+        for s, L in self.lengths.items():                         # every document starts with EOT
+            self.stream[s][np.concatenate([[0], np.cumsum(L)[:-1]])] = self.eot
+        self.vocab = vocab
+
+    def tokenizer(self):
+        return data.get_tokenizer(self.vocab)
+
+    def val_doc_lengths(self, source):
+        return self.lengths[source]
+
+    def val_batches(self, source, batch_size, block_size, max_tokens=None):
+        st, T = self.stream[source], block_size
+        n = (len(st) - 1) // T
+        if max_tokens is not None:
+            n = min(n, max(1, max_tokens // T))
+        for b in range(0, n, batch_size):
+            rows = torch.stack([st[i * T:i * T + T + 1] for i in range(b, min(b + batch_size, n))])
+            idx = rows[:, :-1]
+            doc = torch.cumsum(idx == self.eot, 1)
+            yield idx, rows[:, 1:], doc - doc[:, :1]
 
 
-def test_dyck_case_study():
-    m = tiny_model()
-    out = probes.dyck_case_study(m, n_seqs=4, seed=0, bos=63)
-    assert out["length"] == 30 and out["n_closers"] == 4 * 15
-    assert set(out["visits"]) == {probes.label(v.layer, v.visit) for v in m.plan}
-    assert 0 <= out["close_accuracy"] <= 1 and 0 < out["uniform"] < 1
-    for d in out["visits"].values():
-        for key in ("match_mass", "match_mass_predict", "first_token_mass"):
-            assert len(d[key]) == 4 and all(0 <= x <= 1 for x in d[key])
-    assert probes.dyck_case_study(m, n_seqs=4, seed=0, bos=63) == out
+def fake_data():
+    return FakeData({"c1": ("code", [100, 300]), "c2": ("code", [64, 64, 200]), "m1": ("math", [500]),
+                     "p1": ("prose", [20] * 20), "p2": ("prose", [90]), "x1": ("prose", [10])})
+
+
+def test_held_out_sample_spans_domains_equally():
+    d = fake_data()
+    s = probes.held_out_sample(d, tokens=3 * 4 * 32, block_size=32)   # 4 contexts per domain
+    desc = s.describe()
+    assert desc["domains"] == ["code", "math", "prose"]
+    assert desc["tokens_by_domain"] == {"code": 128, "math": 128, "prose": 128}
+    assert desc["tokens_by_source"] == {"c1": 64, "c2": 64, "m1": 128, "p1": 64, "p2": 64}   # round-robin; x1 too short
+    assert s.idx.shape == (12, 32) and len(s.units) == 12
+    # c2's documents start at 0, 64, 128: its two contexts (0-31, 32-63) share one document; c1's too.
+    # p1's documents are 20 tokens long: no boundary falls exactly on 32, so both its contexts form one unit
+    # (contexts are cut mid-document); m1 has one 500-token document.
+    assert s.units.count(("c2", 0)) == 2 and s.units.count(("m1", 0)) == 4
+    d2 = FakeData({"a": ("code", [32, 32, 40])})                      # a document starts exactly at 32
+    s2 = probes.held_out_sample(d2, tokens=64, block_size=32)
+    assert s2.units == [("a", 0), ("a", 1)]
+    with pytest.raises(ValueError, match="block_size"):
+        probes.held_out_sample(d, tokens=16, block_size=32)
 
 
 # ----------------------------------------------------------------------------------------
-# Figures and CLI
+# Dyck case study (Sec. 6.4)
 
-def test_plots_and_cli(tmp_path, monkeypatch):
-    loop_m, base_m = tiny_model(), tiny_model(seed=1, loop=LoopConfig())
+ENC = None
+
+
+def enc512():
+    global ENC
+    ENC = ENC or data.get_tokenizer(512)
+    return ENC
+
+
+def test_dyck_prompts_honour_k_and_mark_demonstration_answers():
+    enc = enc512()
+    P = probes.dyck_prompts(enc, 192, ks=(1, 2, 4, 8), n_items=3)
+    assert P["ks"] == [1, 2, 4] and P["skipped_k"] == [8]              # k = 8 cannot fit 192 tokens
+    by_item = {}
+    for p in P["prompts"]:
+        assert len(p["tokens"]) <= 192 and p["tokens"][0] == enc.eot_token
+        text = enc.decode(p["tokens"])
+        assert text.count("Output:") == p["k"] + 1                    # k demonstrations + the query
+        demo_text = "".join(enc.decode([p["tokens"][i]]) for i in p["demo"])
+        assert set(demo_text) <= set(" )]}>") and demo_text.strip()    # only demonstration-answer brackets
+        answer = [enc.decode([t]) for t in p["answer"]]
+        assert len(p["targets"]) == 3 and all(a in probes.CLOSERS for a in answer)
+        assert [p["tokens"][t + 1] for t in p["targets"]] == p["answer"]   # each target predicts its bracket
+        by_item.setdefault(p["item"], []).append(p)
+    assert len(by_item) == 3
+    for ps in by_item.values():
+        assert [p["k"] for p in ps] == [1, 2, 4]
+        k1 = enc.decode(ps[0]["tokens"])
+        # nested: the k = 1 demonstration opens every larger prompt; its answer holds every target bracket
+        first_demo = k1[:k1.rindex("Input:")]
+        assert all(enc.decode(p["tokens"]).startswith(first_demo) for p in ps)
+        demo1 = "".join(enc.decode([ps[0]["tokens"][i]]) for i in ps[0]["demo"])
+        assert {enc.decode([t]) for t in ps[0]["answer"]} <= set(demo1)
+    assert probes.dyck_prompts(enc, 48)["prompts"] == []
+
+
+def test_dyck_case_study_mechanics():
+    enc = enc512()
+    m = tiny_model(vocab_size=512, block_size=192)
+    out = probes.dyck_case_study(m, enc, ks=(1, 2, 4), n_items=2)
+    assert out["ks"] == [1, 2, 4] and set(out["by_k"]) == {"1", "2", "4"} and out["n_prompts"] == 6
+    assert out["visits"] == [1, 2] and out["layers"] == [1, 2]
+    E = torch.tensor(out["ablation_effect"])                            # (span layers, heads)
+    li, hi = divmod(int(E.argmax()), 4)
+    assert (out["head"]["layer"], out["head"]["head"]) == (out["layers"][li], hi)
+    assert out["head"]["effect"] == pytest.approx(float(E.max()))
+    for b, d, o in zip(out["mass"]["bos"], out["mass"]["demo"], out["mass"]["other"]):
+        for v in range(2):                                             # BOS + demonstrations + rest = 1
+            assert b[v] + d[v] + o[v] == pytest.approx(1.0, abs=1e-5) and min(b[v], d[v], o[v]) >= 0
+    for k, row in out["by_k"].items():
+        assert row["n"] == 2 and len(row["bos_mass"]) == 2
+    # the ablation is "zero the head's slice of W_O's input": zeroing W_O's columns gives the same effect
+    L, h = out["head"]["layer"], out["head"]["head"]
+    P = probes.dyck_prompts(enc, 192, ks=(1, 2, 4), n_items=2)
+    m2 = tiny_model(vocab_size=512, block_size=192)
+    with torch.no_grad():
+        m2.blocks[L].attn.wo.weight[:, h * 8:(h + 1) * 8] = 0
+    again = probes.dyck_case_study(m2, enc, prompts=P)
+    assert out["selection_k"] == 4                                     # the head is chosen on the k = 4 prompts
+    assert again["selection_loss"] - out["selection_loss"] == pytest.approx(out["head"]["effect"], abs=1e-5)
+    every = probes.dyck_case_study(m, enc, prompts=P, select_k=None)   # or on every prompt
+    assert every["selection_k"] is None and every["selection_loss"] == pytest.approx(out["clean_loss"])
+    ex = out["example"]
+    assert ex["k"] == 4 and len(ex["attention"]) == 2 and len(ex["attention"][0]) == 3
+    json.dumps(out)
+
+
+# ----------------------------------------------------------------------------------------
+# probe_pairs, claims, figures
+
+def models_pair(seed):
+    """(Baseline, looped) random models with the 512-token tokenizer's vocabulary."""
+    return (tiny_model(seed, vocab_size=512, block_size=192, loop=LoopConfig()),
+            tiny_model(seed + 1, vocab_size=512, block_size=192))
+
+
+@pytest.fixture(scope="module")
+def pairs_result():
+    pairs = [(f"p{i}", *models_pair(2 * i)) for i in range(2)]
+    return probes.probe_pairs(pairs, fake_data(), tokens=3 * 4 * 32, block_size=32, batch_size=4,
+                              dyck_items=2, dyck_ks=(1, 2), dyck_block_size=192, n_draws=200, log=None)
+
+
+def test_probe_pairs_result(pairs_result):
+    r = pairs_result
+    json.dumps(r)
+    assert r["order"] == ["p0", "p1"] and r["sample"]["tokens"] == 384 and r["sample"]["units"] >= 5
+    for e in r["pairs"].values():
+        assert e["baseline"]["tokens"] == e["smelt"]["tokens"] == 384
+        assert e["smelt"]["units"]["keys"] == e["baseline"]["units"]["keys"]   # the same held-out units
+        assert e["dyck"]["ks"] == [1, 2]
+    a = r["aggregate"]["smelt/ratio_update"]
+    assert a == pytest.approx((r["pairs"]["p0"]["smelt"]["summary"]["ratio_update"]
+                               + r["pairs"]["p1"]["smelt"]["summary"]["ratio_update"]) / 2)
+
+
+def test_claims(pairs_result):
+    cs = probes.claims(pairs_result, n_draws=200)
+    ids = [c["id"] for c in cs]
+    assert ids == ["update_ratio", "attn_write_ratio", "moe_write_ratio", "norm_ratio", "update_cosine",
+                   "q_stabler_than_v", "k_stabler_than_v", "top8_overlap", "expert_overlap", "sink_shrinks",
+                   "dyck_bos_falls", "dyck_demo_rises"]
+    for c in cs:
+        iv = c["interval"]
+        assert isinstance(iv, stats.Interval) and iv.resolved and iv.lo <= iv.hi, c["id"]
+        assert c["verdict"] == stats.verdict(iv, c["direction"], c["value"])
+        assert set(c["per_pair"]) == {"p0", "p1"}
+        assert iv.mean == pytest.approx(np.mean([x.mean for x in c["per_pair"].values()]), abs=1e-9), c["id"]
+        pick = min if c["direction"] == ">" else max
+        assert c["weakest"].mean == pytest.approx(pick(x.mean for x in c["per_pair"].values()), abs=1e-9)
+        json.dumps(probes.claim_json(c))
+    by = {c["id"]: c for c in cs}
+    s0 = pairs_result["pairs"]["p0"]["smelt"]["summary"]
+    assert by["update_ratio"]["per_pair"]["p0"].mean == pytest.approx(s0["ratio_update"], rel=1e-6)
+    assert by["top8_overlap"]["per_pair"]["p0"].mean == pytest.approx(s0["attn_top8"] - s0["attn_top8_control"],
+                                                                      rel=1e-6)
+    assert by["sink_shrinks"]["per_pair"]["p0"].mean == pytest.approx(
+        s0["sink_mass_span_v2"] - s0["sink_mass_span_v1"], rel=1e-6)
+    assert by["expert_overlap"]["per_pair"]["p0"].mean == pytest.approx(s0["expert_overlap"] - 2 * 2 / 8, rel=1e-6)
+
+
+def test_claim_intervals_on_a_known_effect(pairs_result):
+    """Hand-set unit sums: visit 2 writes exactly twice visit 1 in every unit -> ratio interval [2, 2]; a pair
+    with one visit-2 sink below and one above visit 1 -> an interval that straddles 0 (not resolved)."""
+    r = json.loads(json.dumps(pairs_result))
+    for e in r["pairs"].values():
+        q = e["smelt"]["units"]["quantities"]
+        S = np.array(q["ratio_update"]["sum"])
+        S[..., 1] = 2 * S[..., 0]
+        q["ratio_update"]["sum"] = S.tolist()
+        K = np.array(q["sink"]["sum"])
+        K[:, :, 1] = K[:, :, 0] + np.where(np.arange(len(K)) % 2 == 0, 0.5, -0.5)[:, None] * np.array(q["sink"]["count"])[:, None]
+        q["sink"]["sum"] = K.tolist()
+    by = {c["id"]: c for c in probes.claims(r, n_draws=300)}
+    iv = by["update_ratio"]["interval"]
+    assert (iv.mean, iv.lo, iv.hi) == pytest.approx((2.0, 2.0, 2.0)) and by["update_ratio"]["verdict"] == "reproduced"
+    assert by["sink_shrinks"]["interval"].lo < 0 < by["sink_shrinks"]["interval"].hi
+    assert by["sink_shrinks"]["verdict"] == "not resolved"
+
+
+def test_claims_refuse_pairs_on_different_units(pairs_result):
+    r = json.loads(json.dumps(pairs_result))
+    r["pairs"]["p1"]["smelt"]["units"]["keys"][0] = ["elsewhere", 0]
+    with pytest.raises(ValueError, match="same held-out units"):
+        probes.claims(r, n_draws=10)
+
+
+def test_figures(pairs_result, tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = probes.plot_pairs(pairs_result, str(tmp_path), detail=["p1"])
+    names = {os.path.relpath(p, tmp_path) for p in paths}
+    assert {"fig23_grid.png", "fig56_sink_profiles.png"} <= names
+    for n in ("p1",):
+        for fig in ("fig21_expert_overlap", "fig22_residual_flow", "fig24_update_cosine", "fig25_cross_visit_cosines",
+                    "fig26_attended_token_overlap", "fig28_sink_heads", "fig30_attention_sink", "fig27_dyck"):
+            assert os.path.join(n, fig + ".png") in names
+    assert all(os.path.getsize(p) > 0 for p in paths)
+    # heat maps are scaled to their data, not to a fixed 0-1
+    fig, ax = plt.subplots()
+    im = probes._heat(ax, [[0.031, 0.034], [0.029, 0.036]], "magma")
+    assert im.get_clim() == pytest.approx((0.029, 0.036))
+    im = probes._heat(ax, [[0.01, -0.02]], "RdBu_r", symmetric=True)
+    assert im.get_clim() == pytest.approx((-0.02, 0.02))
+    # sink profile: visits 1 and 2 in the span, unlooped layers named as such, never a "visit 0"
+    e = pairs_result["pairs"]["p0"]
+    probes._sink_profile(ax, e["smelt"], e["baseline"])
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["Baseline", "SMELT, unlooped layers", "SMELT visit 1 (looped span)", "SMELT visit 2 (looped span)"]
+    plt.close(fig)
+
+
+def test_cli(tmp_path, monkeypatch):
     runs = {}
-    for name, m in (("looped", loop_m), ("base", base_m)):
+    for name, m in (("base", tiny_model(1, vocab_size=512, block_size=192, loop=LoopConfig())),
+                    ("smelt", tiny_model(0, vocab_size=512, block_size=192))):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data")}))
         T.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
+        (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data"),
+                                                   "train": {"block_size": 32}}))
+        torch.save({"model": m.state_dict()}, d / "ckpt.pt")
         runs[name] = str(d)
-
-    class FakeTokenData:                                   # stands in for data.TokenData
-        def __init__(self, data_dir):
-            self.data_dir = data_dir
-
-        def val_batches(self, source, batch_size, block_size, max_tokens):
-            return iter(batches(3, B=batch_size, T=block_size))
-
-    monkeypatch.setitem(sys.modules, "data", types.SimpleNamespace(TokenData=FakeTokenData))
+    fake = fake_data()
+    fake.tokenizer()                                                  # built before data is swapped out
+    monkeypatch.setattr(data, "TokenData", lambda data_dir: fake)
     out = tmp_path / "out"
-    report = probes.main(["--run", runs["looped"], "--baseline", runs["base"], "--max-tokens", "128",
-                          "--batch-size", "2", "--dyck-seqs", "2", "--out", str(out), "--log-every", "0"])
+    report = probes.main(["--pair", "cell", runs["base"], runs["smelt"], "--tokens", "192", "--batch-size", "4",
+                          "--dyck-items", "1", "--draws", "50", "--out", str(out)])
     saved = json.loads((out / "probes.json").read_text())
-    assert saved["baseline"]["cross_visit"] == {} and list(saved["runs"]) == ["looped"]
-    assert saved["runs"]["looped"]["tokens"] == 128 and set(saved["dyck"]) == {"looped", "baseline"}
-    names = {os.path.basename(p) for p in report["figures"]}
-    for fig in ("fig21_expert_overlap.png", "fig22_residual_flow.png", "fig24_update_cosine.png",
-                "fig25_cross_visit_cosines.png", "fig26_attended_token_overlap.png", "fig28_sink_heads.png",
-                "fig30_attention_sink.png", "fig27_dyck.png"):
-        assert fig in names, fig
-    assert all(os.path.getsize(p) > 0 for p in report["figures"])
-    grid = probes.plot_grid({"a": saved["runs"]["looped"], "b": saved["baseline"]}, str(tmp_path / "grid.png"))
-    assert os.path.getsize(grid) > 0
+    assert saved["sample"]["tokens"] == 3 * 2 * 32 and list(saved["pairs"]) == ["cell"]
+    assert saved["pairs"]["cell"]["baseline"]["cross_visit"] == {}
+    assert {c["id"] for c in saved["claims"]} >= {"update_ratio", "sink_shrinks", "dyck_demo_rises"}
+    dyck = saved["pairs"]["cell"]["dyck"]          # Dyck prompts must fit the 32-token training context: none do
+    assert dyck["skipped_k"] == [1, 2, 4, 8] and dyck["n_prompts"] == 0 and "error" in dyck
+    assert {c["id"]: c["verdict"] for c in saved["claims"]}["dyck_demo_rises"] == "not resolved"
+    assert all(os.path.exists(p) for p in report["figures"])
