@@ -539,11 +539,9 @@ def test_cli(tmp_path, monkeypatch):
                     ("smelt", tiny_model(0, vocab_size=512, block_size=192))):
         d = tmp_path / name
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data")}))
-        T.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
         (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data"),
                                                    "train": {"block_size": 32}}))
-        torch.save({"model": m.state_dict()}, d / "ckpt.pt")
+        T.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
         runs[name] = str(d)
     fake = fake_data()
     fake.tokenizer()                                                  # built before data is swapped out
