@@ -48,7 +48,7 @@ from torch import Tensor
 
 import loop as looping
 from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
-from moe import MoE, RouterStats
+from moe import IMPLS as MOE_IMPLS, MoE, RouterStats
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ModelConfig:
     aux_loss_coef: float = 0.01     # Switch load-balancing loss weight
     z_loss_coef: float = 0.001      # router z-loss weight
     init_std: float = 0.02
-    moe_impl: str = "auto"          # grouped matmul: auto | loop | torch | reference
+    moe_impl: str = "auto"          # grouped matmul: auto | loop | torch | padded | reference (moe.py)
     attn_backend: str = "auto"      # auto (flex on CUDA with masks, else sdpa) | sdpa | flex | math
 
     def __post_init__(self):
@@ -101,8 +101,8 @@ class ModelConfig:
             bad(f"top_k must satisfy 1 <= top_k <= n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
         if self.attn_backend not in ("auto", "sdpa", "flex", "math"):
             bad(f"attn_backend must be auto|sdpa|flex|math, got {self.attn_backend!r}")
-        if self.moe_impl not in ("auto", "loop", "torch", "reference"):
-            bad(f"moe_impl must be auto|loop|torch|reference, got {self.moe_impl!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            bad(f"moe_impl must be {'|'.join(MOE_IMPLS)}, got {self.moe_impl!r}")
         self.loop.validate(self.n_layer)
 
     def to_dict(self) -> dict:
