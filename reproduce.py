@@ -449,8 +449,14 @@ def main(argv=None) -> Path:
                     help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; 1 on CUDA)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
+    ap.add_argument("--data-dir", default=None, metavar="DIR",
+                    help="read the data from a pack made by `python data.py --preset PRESET --pack DIR` "
+                         "(for a machine without network: nothing is downloaded)")
     args = ap.parse_args(argv)
     plan = PLANS[args.preset]
+    if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
+        import data
+        data.use_pack(args.data_dir, plan.data)
     out = Path(args.out or f"runs/reproduce_{args.preset}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
