@@ -41,7 +41,10 @@ compare every other against):
             routing, so no shape depends on the data; the price is at most G * M / N = 1/4
             extra FLOPs and a gathered weight copy of ~5x the expert weights per call. This is
             what runs under `torch.compile` off Hopper (and on CUDA without the fused kernel):
-            one graph, nothing read back.
+            one graph, nothing read back. On a CPU it is slower than the loop: compiled, the
+            padded layer took 1.44-1.51x the eager loop's time (bench.py moe, 1 thread, three
+            runs on a shared 2-core EPYC: 368-1129 ms vs 254-748 ms), so CPU training keeps
+            the loop (train.py does not compile on CPU).
   "auto"    torch on CUDA bf16 with the fused kernel; padded on other CUDA and whenever
             compiling; loop in CPU eager code.
 
