@@ -347,8 +347,9 @@ def step_configs() -> dict[str, ModelConfig]:
     base = dict(vocab_size=4096, block_size=512, n_layer=4, d_model=256, n_head=8, n_kv_head=2, d_ff=512)
     moe = dict(base, d_ff=128, n_experts=32, top_k=4)
     span = LoopConfig(start=1, length=2, n_loops=2)
-    return {"dense": ModelConfig(**base), "moe": ModelConfig(**moe), "smelt": ModelConfig(**moe, loop=span),
-            "plt": ModelConfig(**base, loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True))}
+    return {"smelt": ModelConfig(**moe, loop=span), "moe": ModelConfig(**moe),     # riskiest first: a time
+            "plt": ModelConfig(**base, loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True)),  # limit
+            "dense": ModelConfig(**base)}                                              # keeps what finished
 
 
 def count_syncs(fn, device) -> int | None:

@@ -8,7 +8,7 @@
 # hang still leaves the earlier figures; bench.py merges its figures into the JSON as it goes):
 #   1. flex    flex attention vs SDPA on the document mask, forward AND backward (never run
 #              anywhere before: CPU flex has no backward), bf16 and fp32, and their times
-#   2. steps   compiled (fullgraph) bf16 training steps of dense, MoE, SMELT and PLT configs:
+#   2. steps   compiled (fullgraph) bf16 training steps of SMELT, MoE, PLT and dense configs:
 #              compile seconds, graph count, host syncs per step, loss vs eager, MoE kernel
 #   3. mfu     tokens/s and MFU of the small preset's matched Baseline / SMELT pair, compiled
 #   4. decode  batch-1 decode: unlooped vs sequential 2-loop vs PLT 2-loop
