@@ -82,6 +82,8 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
 # Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
 TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps", "batch_size", "block_size",
               "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")
