@@ -1,42 +1,62 @@
-"""Performance benchmarks (not tests): MoE kernels, decode latency, training throughput / MFU.
+"""Performance benchmarks (not tests): attention, compiled training steps, MoE kernels, decode, MFU.
 
 Each benchmark measures the things it compares side by side in one process and prints the
 ratios, so a figure never depends on another machine's or another run's timing. Targets
 (from the issues) are printed beside the measurement; nothing here asserts.
 
+  flex    (CUDA) flex attention against SDPA with the boolean block-diagonal causal mask on a
+          packed batch of documents, forward and backward through model.attend: largest
+          output and gradient differences, and the time of each (bf16, then fp32 differences).
+  steps   (CUDA) the compiled training step (train.Objective, model.compile_model with
+          fullgraph=True, bf16 autocast) of a dense, an MoE, a SMELT (MoE, middle half x2) and
+          a PLT config: compile seconds, graphs, step time, host syncs in a steady-state step
+          (torch.cuda sync debug mode), loss against the eager step, the MoE kernel "auto" took.
   moe     MoE layer forward+backward at d_model 256, d_ff 128, 64 experts, top-8, 4096 tokens,
-          against a dense SwiGLU with the same active FLOPs (width top_k * d_ff = 1024), the
-          slow split/cat reference, and (CUDA bf16) torch._grouped_mm. Target: MoE <= 1.5x dense.
+          on the path training takes: fp32 eager on CPU (the "loop" kernel), and the compiled
+          static fallback ("padded") beside it; on CUDA the fp32 module under bf16 autocast,
+          eager and compiled, with torch._grouped_mm, the padded fallback and the loop. Against
+          a dense SwiGLU with the same active FLOPs (width top_k * d_ff = 1024) and the slow
+          split/cat reference. Target: MoE <= 1.5x dense.
   decode  batch-1 time per generated token: unlooped model, sequential 2-loop middle span,
           PLT 2-loop middle span of the same width. Target: PLT <= 1.15x unlooped; sequential
           near the executed-depth ratio (executed / physical layers). On CPU each model is
           also timed with model.Linear's few-row layout turned off (plain F.linear).
-  train   training tokens/s of the tiny preset's matched Baseline / SMELT pair; time per token
-          ratio vs FLOP ratio (target: within 15 %); the two models alternate steps. On CUDA also MFU
-          at the small preset, compiled as train.py runs it, 32 sequences per step
-          (targets dense >= 45 %, SMELT MoE >= 40 %).
+  train   training tokens/s of a preset's matched Baseline / SMELT pair (tiny on CPU, small on
+          CUDA); time per token ratio vs FLOP ratio (target: within 15 %); the two models
+          alternate steps. On CUDA compiled as train.py compiles, bf16 autocast, rows packed
+          with documents (so attention takes the flex path training takes), and MFU against
+          train.peak_flops (targets dense >= 45 %, SMELT MoE >= 40 %).
+
+Every figure goes to one JSON (--json PATH): the file is updated after each benchmark, keys
+already in it from an earlier call are kept (scripts/gpu_check.sh runs the benchmarks as
+separate time-limited steps into one file), and a benchmark that fails leaves
+{"error": ...} under its name while the others still run (exit status 1).
 
 Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the
 median of the timed rounds (torch.cuda.synchronize on GPU). Taking turns matters on a shared
 CPU: timing A's ten steps and then B's let the machine's drift decide the ratio (the train pair
-read 1.02-1.06 one after the other and 1.17-1.21 taking turns, in the same hour). Results also
-go to --json for the README.
+read 1.02-1.06 one after the other and 1.17-1.21 taking turns, in the same hour).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import statistics
 import time
+import traceback
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import model as model_lib
 from loop import LoopConfig, middle_span
-from model import GPT, ModelConfig
-from moe import MoE
+from model import GPT, ModelConfig, compile_model
+from moe import MoE, compute_dtype
 
 
 def _sync(device):
@@ -75,31 +95,64 @@ def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_moe(device, dtype, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8) -> dict:
+def _autocast(device):
+    """bf16 autocast on CUDA (what train.py trains with), nothing on CPU (fp32 training)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8, iters=8) -> dict:
+    """MoE layer fwd+bwd on the path training takes (fp32 modules; bf16 autocast on CUDA), beside dense."""
     torch.manual_seed(0)
-    x = torch.randn(1, tokens, d_model, device=device, dtype=dtype, requires_grad=True)
-    dense = DenseSwiGLU(d_model, top_k * d_ff).to(device, dtype)
+    x = torch.randn(1, tokens, d_model, device=device, requires_grad=True)
+    cuda = device.type == "cuda"
 
     def moe_layer(impl):
-        return MoE(d_model, d_ff, n_experts, top_k, impl=impl).to(device, dtype)
+        torch.manual_seed(1)
+        return MoE(d_model, d_ff, n_experts, top_k, impl=impl).to(device)
 
     def step(mod, is_moe):
         def f():
-            y = mod(x)[0] if is_moe else mod(x)
+            with _autocast(device):
+                y = mod(x)[0] if is_moe else mod(x)
             y.float().square().mean().backward()
         return f
 
-    fns = {"dense": step(dense, False)}
-    impls = ["loop", "reference"] + (["torch"] if device.type == "cuda" and dtype == torch.bfloat16 else [])
-    for impl in impls:
-        fns[f"moe_{impl}"] = step(moe_layer(impl), True)
-    res = interleaved(fns, device)
+    dense = DenseSwiGLU(d_model, top_k * d_ff).to(device)
+    fns = {"dense": step(dense, False), "dense_compiled": step(torch.compile(dense, dynamic=False), False)}
+    if cuda:   # eager "auto" is torch._grouped_mm on Hopper / B200, the padded fallback elsewhere
+        fns["moe_auto"] = step(moe_layer("auto"), True)
+        with _autocast(device):
+            fused = moe_layer("auto").kernels(x) == ("torch", "torch")
+        if fused:
+            fns["moe_torch_compiled"] = step(torch.compile(moe_layer("torch"), dynamic=False, fullgraph=True), True)
+        fns["moe_padded_compiled"] = step(torch.compile(moe_layer("padded"), dynamic=False, fullgraph=True), True)
+        fns["moe_loop"] = step(moe_layer("loop"), True)        # the pre-issue-15 GPU path: one sync per expert
+    else:      # eager loop: what CPU training runs; compiled padded: what torch.compile runs
+        fns["moe_loop"] = step(moe_layer("loop"), True)
+        fns["moe_padded_compiled"] = step(torch.compile(moe_layer("padded"), dynamic=False, fullgraph=True), True)
+        fns["moe_padded"] = step(moe_layer("padded"), True)
+        fns["moe_reference"] = step(moe_layer("reference"), True)
+    t0 = time.perf_counter()
+    for f in fns.values():    # compile and warm everything before timing
+        f()
+    warm_s = time.perf_counter() - t0
+    res = interleaved(fns, device, warmup=1, iters=iters)
+    with _autocast(device):
+        dt, auto = compute_dtype(x), "/".join(moe_layer("auto").kernels(x))
     print(f"\nMoE fwd+bwd, {tokens} tokens, d_model {d_model}, d_ff {d_ff}, {n_experts} experts, top-{top_k} "
-          f"({device.type}, {dtype}):")
+          f"({device.type}, {'bf16 autocast' if cuda else 'fp32'}; experts compute in {dt}, eager 'auto' = {auto}):")
     for k, v in res.items():
-        print(f"  {k:15s} {v * 1e3:8.2f} ms   {v / res['dense']:5.2f}x dense")
-    print(f"  target: moe_loop <= 1.5x dense -> {'met' if res['moe_loop'] <= 1.5 * res['dense'] else 'NOT met'}")
-    return {k: v for k, v in res.items()} | {"ratio_loop_vs_dense": res["moe_loop"] / res["dense"]}
+        print(f"  {k:22s} {v * 1e3:8.2f} ms   {v / res['dense']:5.2f}x dense")
+    main = "moe_auto" if cuda else "moe_loop"
+    ok = res[main] <= 1.5 * res["dense"]
+    print(f"  target: {main} <= 1.5x dense -> {'met' if ok else 'NOT met'}  (compile + warm-up {warm_s:.0f} s)")
+    out = {"ms": {k: v * 1e3 for k, v in res.items()}, "x_dense": {k: v / res["dense"] for k, v in res.items()},
+           "compute_dtype": str(dt), "eager_auto_impl": auto, "warmup_and_compile_s": warm_s,
+           "shape": dict(tokens=tokens, d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k),
+           "target_met": ok}
+    if "moe_padded_compiled" in res:
+        out["padded_compiled_vs_" + main] = res["moe_padded_compiled"] / res[main]
+    return out
 
 
 def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
@@ -170,20 +223,35 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     return res | {"executed_depth_ratio": depth}
 
 
-def bench_train(device, preset="tiny", steps=10, batch_size=8) -> dict:
+def packed_doc_ids(batch_size: int, T: int, mean_len: int, seed: int = 0) -> torch.Tensor:
+    """(B, T) document ids of rows packed with documents of geometric lengths (mean mean_len)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(batch_size, T, generator=g) < 1.0 / mean_len
+    starts[:, 0] = True
+    return starts.long().cumsum(1) - 1
+
+
+def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256) -> dict:
     """Training tokens/s of a matched Baseline / SMELT pair (the preset's middle scale, highest sparsity).
 
     The two models take alternate steps (ABAB...) after two warm-up steps each, so drift in the
-    machine's speed hits both alike; the figure is the median step time of each.
+    machine's speed hits both alike; the figure is the median step time of each. On CUDA the
+    models are compiled (static shapes, as train.py) and the rows carry document ids.
     """
     import budget
+    import data as data_mod
+    import train
     cells = budget.preset_baselines(preset)
     scale, label, base_cfg = cells[len(cells) // 2]
     s, m = middle_span(base_cfg.n_layer)
     ctx = base_cfg.block_size
-    smelt_cfg, report = budget.match(base_cfg, LoopConfig(start=s, length=m, n_loops=2), ctx)
-    res = {"cell": f"{scale}/{label}", "match": report}
-    use_bf16 = device.type == "cuda"
+    smelt_cfg, report = budget.match(base_cfg, LoopConfig(start=s, length=m, n_loops=2), ctx,
+                                     **budget.PRESETS[preset].get("search", {}))
+    res = {"cell": f"{scale}/{label}", "match": report, "batch_size": batch_size, "block_size": ctx}
+    cuda = device.type == "cuda"
+    doc = packed_doc_ids(batch_size, ctx, mean_doc).to(device) if cuda else None
+    flops_ctx = min(data_mod.effective_doc_length(doc.cpu()), ctx) if cuda else ctx
+    res["flops_ctx"] = flops_ctx
     cfgs = {"baseline": base_cfg, "smelt": smelt_cfg}
     steps_of = {}
     for name, cfg in cfgs.items():
@@ -191,68 +259,229 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8) -> dict:
         model = GPT(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         idx = torch.randint(0, cfg.vocab_size, (batch_size, ctx), device=device)
-        if device.type == "cuda":            # as train.py runs it (the warm-up steps absorb compiling)
-            model = torch.compile(model)
+        if cuda:            # as train.py runs it (the warm-up steps absorb compiling)
+            model = torch.compile(model, dynamic=False)
 
         def step(model=model, opt=opt, idx=idx):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                loss = model(idx, idx)[1]
+            with _autocast(device):
+                loss = model(idx, idx, doc)[1]
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         steps_of[name] = step
     med = interleaved(steps_of, device, iters=steps)
+    peak = train.peak_flops(device)
     for name, cfg in cfgs.items():
         t = med[name]
-        flops = budget.flops_per_token(cfg, ctx)
+        flops = budget.flops_per_token(cfg, flops_ctx, include_head=True)   # what the hardware runs (MFU)
         res[name] = {"s_per_step": t, "tokens_per_s": batch_size * ctx / t, "flops_per_token": flops}
-        if device.type == "cuda":
-            from train import peak_flops
-            peak = peak_flops(device)
-            if peak:
-                res[name]["mfu"] = flops * batch_size * ctx / t / peak
+        if peak:
+            res[name]["mfu"] = flops * batch_size * ctx / t / peak
     time_ratio = res["smelt"]["s_per_step"] / res["baseline"]["s_per_step"]
     flop_ratio = res["smelt"]["flops_per_token"] / res["baseline"]["flops_per_token"]
-    res |= {"time_ratio": time_ratio, "flop_ratio": flop_ratio}
-    print(f"\nTraining throughput, {preset} preset cell {res['cell']} ({device.type}):")
+    res |= {"time_ratio": time_ratio, "flop_ratio": flop_ratio, "peak_flops": peak}
+    print(f"\nTraining throughput, {preset} preset cell {res['cell']} ({device.type}, batch {batch_size} x {ctx}):")
     for name in ("baseline", "smelt"):
         r = res[name]
         extra = f"  MFU {r['mfu']:.1%}" if "mfu" in r else ""
         print(f"  {name:9s} {r['tokens_per_s']:10.0f} tok/s  {r['flops_per_token']:.3e} FLOPs/token{extra}")
     ok = abs(time_ratio / flop_ratio - 1) <= 0.15
+    res["within_15_percent"] = ok
     print(f"  time ratio {time_ratio:.3f} vs FLOP ratio {flop_ratio:.3f} -> within 15 %: {'yes' if ok else 'NO'}")
     return res
 
 
-def main():
+def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, mean_doc=200, seed=0,
+                 time_it=True, iters=10) -> dict:
+    """Flex attention vs SDPA with the boolean block-diagonal causal mask, forward and backward.
+
+    Both run through model.attend with the same packed document ids, as the model calls them
+    (on CUDA flex is the compiled kernel with a compiled block mask). Returns the largest
+    absolute difference of the output and of dq, dk, dv, each relative to the largest SDPA
+    value, and with time_it the median fwd+bwd time of each backend (masks built once, outside
+    the timed calls, as a forward builds them once for all its layers).
+    """
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, hd, generator=g).to(device, dtype).requires_grad_()
+    k = torch.randn(B, Hkv, T, hd, generator=g).to(device, dtype).requires_grad_()
+    v = torch.randn(B, Hkv, T, hd, generator=g).to(device, dtype).requires_grad_()
+    dy = torch.randn(B, H, T, hd, generator=g).to(device, dtype)
+    doc = packed_doc_ids(B, T, mean_doc, seed).to(device)
+    pos = torch.arange(T, device=device)
+
+    masks = {"sdpa": {}, "flex": {}}   # each mask built once, as one forward shares it across layers
+
+    def run(backend):
+        for t in (q, k, v):
+            t.grad = None
+        out, _ = model_lib.attend(q, k, v, pos, pos, doc, doc, 0, backend, masks=masks[backend])
+        (out * dy).sum().backward()
+        return [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
+
+    ref, got = run("sdpa"), run("flex")
+    res = {"shape": dict(B=B, H=H, Hkv=Hkv, T=T, head_dim=hd, documents=int((doc.max(1).values + 1).sum())),
+           "dtype": str(dtype)}
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
+        res[f"max_abs_diff_{name}"] = float((a - b).abs().max())
+        res[f"rel_diff_{name}"] = float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
+    if time_it:
+        med = interleaved({"sdpa": lambda: run("sdpa"), "flex": lambda: run("flex")}, device, warmup=2, iters=iters)
+        res |= {"sdpa_ms": med["sdpa"] * 1e3, "flex_ms": med["flex"] * 1e3, "flex_speedup": med["sdpa"] / med["flex"]}
+    return res
+
+
+def bench_flex(device) -> dict:
+    if device.type != "cuda":
+        raise RuntimeError("the flex benchmark needs CUDA (CPU flex attention has no backward)")
+    res = {"bf16": flex_vs_sdpa(device), "fp32": flex_vs_sdpa(device, dtype=torch.float32, time_it=False)}
+    b = res["bf16"]
+    print(f"\nFlex vs SDPA (document mask), B {b['shape']['B']} T {b['shape']['T']} hd {b['shape']['head_dim']}:")
+    for dt in ("bf16", "fp32"):
+        r = res[dt]
+        print(f"  {dt}: relative max diff out {r['rel_diff_out']:.2e}  dq {r['rel_diff_dq']:.2e}  "
+              f"dk {r['rel_diff_dk']:.2e}  dv {r['rel_diff_dv']:.2e}")
+    print(f"  fwd+bwd: sdpa {b['sdpa_ms']:.2f} ms, flex {b['flex_ms']:.2f} ms ({b['flex_speedup']:.2f}x)")
+    return res
+
+
+def step_configs() -> dict[str, ModelConfig]:
+    """The four model kinds the compiled-step benchmark trains (head_dim 32: flex runs on CUDA)."""
+    base = dict(vocab_size=4096, block_size=512, n_layer=4, d_model=256, n_head=8, n_kv_head=2, d_ff=512)
+    moe = dict(base, d_ff=128, n_experts=32, top_k=4)
+    span = LoopConfig(start=1, length=2, n_loops=2)
+    return {"smelt": ModelConfig(**moe, loop=span), "moe": ModelConfig(**moe),     # riskiest first: a time
+            "plt": ModelConfig(**base, loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True)),  # limit
+            "dense": ModelConfig(**base)}                                              # keeps what finished
+
+
+def count_syncs(fn, device) -> int | None:
+    """Synchronising CUDA calls fn makes (torch.cuda sync debug mode "warn"); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    return sum("synchroniz" in str(x.message).lower() for x in w)
+
+
+def bench_steps(device, batch_size=8, steps=10, names=None, save=None) -> dict:
+    """Compiled (fullgraph) training steps of dense, MoE, SMELT and PLT configs: compile time, graphs, syncs.
+
+    save(res), when given, is called after each config, so a time limit keeps the finished ones.
+    """
+    import train
+    from torch._dynamo.utils import counters
+    res = {}
+    T = 512
+    for name, cfg in step_configs().items():
+        if names and name not in names:
+            continue
+        torch.manual_seed(0)
+        gpt = GPT(cfg).to(device)
+        obj = train.Objective(gpt)
+        idx = torch.randint(0, cfg.vocab_size, (batch_size, T), device=device)
+        doc = packed_doc_ids(batch_size, T, 128).to(device)
+        counters.clear()
+        compiled = compile_model(obj, fullgraph=True)
+
+        def step(fn=compiled):
+            with _autocast(device):
+                ce, n, aux, z, _ = fn(idx, idx, doc)
+                loss = ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+            loss.backward()
+            return loss.detach()
+
+        t0 = time.perf_counter()
+        loss_c = step()
+        _sync(device)
+        compile_s = time.perf_counter() - t0
+        gpt.zero_grad(set_to_none=True)
+        loss_e = step(obj)
+        gpt.zero_grad(set_to_none=True)
+        syncs = count_syncs(step, device)
+        t = interleaved({name: step}, device, warmup=1, iters=steps)[name]
+        r = {"compile_s": compile_s, "graphs": int(counters["stats"]["unique_graphs"]), "step_ms": t * 1e3,
+             "tokens_per_s": batch_size * T / t, "host_syncs_per_step": syncs,
+             "loss_compiled": float(loss_c), "loss_eager": float(loss_e)}
+        if cfg.n_experts:
+            with _autocast(device):   # what eager code takes; compiled, "auto" is the same or "padded" on CPU
+                r["moe_impl_eager"] = "/".join(gpt.blocks[0].mlp.kernels(idx[..., None].float()))
+        res[name] = r
+        print(f"  {name:6s} compile {compile_s:6.1f} s  graphs {r['graphs']}  step {t * 1e3:7.2f} ms  "
+              f"syncs/step {syncs}  loss {r['loss_compiled']:.4f} (eager {r['loss_eager']:.4f})"
+              + (f"  moe {r['moe_impl_eager']}" if "moe_impl_eager" in r else ""), flush=True)
+        if save:
+            save(res)
+    return res
+
+
+BENCHMARKS = ("flex", "steps", "moe", "decode", "train")
+
+
+def _update_json(path: str, key: str, value) -> None:
+    """Merge {key: value} into the JSON file at path (created if absent), atomically."""
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    old[key] = value
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(old, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", metavar="{moe,decode,train}",
-                    help="benchmarks to run (default: all)")
+    ap.add_argument("which", nargs="*", metavar="{" + ",".join(BENCHMARKS) + "}",
+                    help="benchmarks to run (default: moe, decode, train; on CUDA also flex and steps, first)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     ap.add_argument("--train-preset", default=None, help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
     ap.add_argument("--train-batch", type=int, default=None,
                     help="sequences per step in the train benchmark (default: 8 on CPU, 32 on CUDA)")
-    ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
-    args = ap.parse_args()
-    which = args.which or ["moe", "decode", "train"]
-    if set(which) - {"moe", "decode", "train"}:
-        ap.error(f"unknown benchmark(s) {sorted(set(which) - {'moe', 'decode', 'train'})}: choose from moe, decode, train")
+    ap.add_argument("--json", default=None, help="merge the measured figures into this JSON file (after each benchmark)")
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out = {"machine": machine(), "torch": torch.__version__}
-    print(f"machine: {out['machine']}, torch {out['torch']}")
-    if "moe" in which:
-        out["moe"] = bench_moe(device, dtype)
-    if "decode" in which:
-        out["decode"] = bench_decode(device, dtype)
-    if "train" in which:
-        cuda = device.type == "cuda"
-        out["train"] = bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
-                                   batch_size=args.train_batch or (32 if cuda else 8))
+    cuda = device.type == "cuda"
+    which = args.which or ([*BENCHMARKS] if cuda else ["moe", "decode", "train"])
+    if set(which) - set(BENCHMARKS):
+        ap.error(f"unknown benchmark(s) {sorted(set(which) - set(BENCHMARKS))}: choose from {', '.join(BENCHMARKS)}")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    info = {"machine": machine(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "capability": list(torch.cuda.get_device_capability(device)) if cuda else None}
+    print(f"machine: {info['machine']}, torch {info['torch']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
+        _update_json(args.json, "machine", info)
+    runs = {"flex": lambda: bench_flex(device),
+            "steps": lambda: bench_steps(device, save=(lambda r: _update_json(args.json, "steps", r)) if args.json else None),
+            "moe": lambda: bench_moe(device),
+            "decode": lambda: bench_decode(device, dtype),
+            "train": lambda: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
+                                         batch_size=args.train_batch or (32 if cuda else 8))}
+    failed = []
+    for name in which:
+        t0 = time.perf_counter()
+        if name == "steps":
+            print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if cuda else ''}):")
+        try:
+            out = runs[name]()
+        except Exception as e:   # record it and go on: the other figures still count
+            traceback.print_exc()
+            out = {"error": f"{type(e).__name__}: {e}"}
+            failed.append(name)
+        if isinstance(out, dict):
+            out["bench_seconds"] = time.perf_counter() - t0
+        if args.json:
+            _update_json(args.json, name, out)
+    if failed:
+        print(f"bench: failed: {' '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

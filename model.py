@@ -11,7 +11,12 @@ RMSNorm and an untied output head. This file holds that template:
     (budget matching changes head geometry), no biases, document masking for packed
     contexts (SMELT 3.1: "segment-level attention masks"). CPU: `scaled_dot_product_attention`
     with a boolean block-diagonal causal mask (flex attention has no CPU backward). CUDA:
-    flex attention with a block mask built from the document ids (skips masked tiles).
+    flex attention with a block mask built from the document ids (skips masked tiles), except
+    for heads narrower than 16, which CUDA flex cannot run (`attention_kernel` holds the rule
+    and why "auto" falls back to SDPA there). Masks are built once per forward (`Ctx.masks`).
+  * torch.compile (`compile_model`): the training objective of every config (dense, MoE,
+    looped, PLT) compiles to one graph with `fullgraph=True` (tests/test_compile.py): no
+    data-dependent shapes, no host reads, the block mask and flex attention traced inside.
   * Execution follows `loop.plan(n_layer, cfg.loop)`: each entry is one visit of one physical
     layer with its residual scales (1/r inside a looped span, SMELT Eq. 8-9). The unlooped
     model is the plan with one visit per layer. PLT (`loop.parallel`) runs the span's loops in
@@ -50,7 +55,7 @@ from torch import Tensor
 import loop as looping
 from checks import check_fields, from_dict
 from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
-from moe import MoE, RouterStats
+from moe import IMPLS as MOE_IMPLS, MoE, RouterStats
 
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -76,7 +81,7 @@ class ModelConfig:
     aux_loss_coef: float = 0.01     # Switch load-balancing loss weight
     z_loss_coef: float = 0.001      # router z-loss weight
     init_std: float = 0.02
-    moe_impl: str = "auto"          # grouped matmul: auto | loop | torch | reference
+    moe_impl: str = "auto"          # grouped matmul: auto | loop | torch | padded | reference (moe.py)
     attn_backend: str = "auto"      # auto (flex on CUDA with masks, else sdpa) | sdpa | flex | math
 
     def __post_init__(self):
@@ -115,8 +120,8 @@ class ModelConfig:
             bad(f"top_k must satisfy 1 <= top_k <= n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
         if self.attn_backend not in ("auto", "sdpa", "flex", "math"):
             bad(f"attn_backend must be auto|sdpa|flex|math, got {self.attn_backend!r}")
-        if self.moe_impl not in ("auto", "loop", "torch", "reference"):
-            bad(f"moe_impl must be auto|loop|torch|reference, got {self.moe_impl!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            bad(f"moe_impl must be {'|'.join(MOE_IMPLS)}, got {self.moe_impl!r}")
         self.loop.validate(self.n_layer)
 
     def to_dict(self) -> dict:
@@ -172,54 +177,109 @@ def build_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor
     return m
 
 
-_flex_compiled = None
+# Inductor's CUDA flex-attention kernel multiplies q k^T and p v with tl.dot, which needs
+# head dims >= 16 ("NYI: embedding dimension ... must be at least 16"). CPU flex accepts smaller.
+FLEX_MIN_HEAD_DIM = 16
 
 
-def _flex(q, k, v, doc: Tensor | None, window: int) -> Tensor:
-    """Flex attention with a block mask from document ids (training: S == T)."""
+def attention_kernel(backend: str, device_type: str, head_dim: int, training_shape: bool, masked: bool) -> str:
+    """The kernel that runs one attention call: "flex", "sdpa" or "math" (the model-level head-dim rule).
+
+    backend is ModelConfig.attn_backend. "auto" takes flex attention on CUDA for full-sequence
+    attention with a document mask or window (it skips masked tiles) and SDPA everywhere else.
+    Heads narrower than FLEX_MIN_HEAD_DIM cannot run flex on CUDA. For them "auto" falls back to
+    SDPA with the boolean block-diagonal causal mask, and an explicit "flex" raises a ValueError
+    naming head_dim at the first CUDA call. Why a fallback rather than an error for "auto":
+    the rule belongs to one backend on one device, not to the model; budget matching may pick
+    any even head_dim, and the same config must train on CPU (where SDPA runs anyway) and on
+    any GPU. The fallback is exact (tested against flex) and costs only the mask's memory,
+    B x T x T booleans (32 MB at 32 x 1024), which is small at the sizes where such narrow
+    heads occur. The presets keep head_dim >= 16 so their GPU runs take flex. An explicit
+    "flex" is a request to measure flex, so silently running something else would be wrong.
+    """
+    if backend == "math":
+        return "math"
+    narrow = device_type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM
+    if backend == "flex":
+        if not training_shape:
+            raise ValueError("attn_backend='flex' supports full-sequence attention only (use sdpa for decoding)")
+        if narrow:
+            raise ValueError(f"attn_backend='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA (inductor's flex "
+                             f"kernel), got head_dim={head_dim}; use attn_backend='auto' (SDPA for such heads) "
+                             f"or a config with head_dim >= {FLEX_MIN_HEAD_DIM}")
+        return "flex"
+    if backend == "auto" and device_type == "cuda" and training_shape and masked and not narrow:
+        return "flex"
+    return "sdpa"
+
+
+_flex_compiled = None   # flex_attention compiled once per process for eager CUDA callers (validation)
+
+
+def _flex(q, k, v, doc: Tensor | None, window: int, masks: dict | None = None) -> Tensor:
+    """Flex attention with a block mask from document ids (training: S == T).
+
+    masks: the forward's cache of block masks (Ctx.masks), so a mask is built once per forward
+    and window, not once per attention visit. Inside torch.compile the mask construction and
+    flex_attention are traced into the caller's graph. Eager on CUDA (validation runs the
+    uncompiled model) the mask is built by create_block_mask's compiled path and the kernel is a
+    compiled flex_attention: the eager versions materialise B x H x T x T intermediates.
+    """
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     B, H, T, _ = q.shape
+    compiling = torch.compiler.is_compiling()
+    bm = None if masks is None else masks.get(("flex", window))
+    if bm is None:
+        def mask_mod(b, h, qi, ki):
+            ok = ki <= qi
+            if doc is not None:
+                ok = ok & (doc[b, qi] == doc[b, ki])
+            if window:
+                ok = ok & (qi - ki < window)
+            return ok
 
-    def mask_mod(b, h, qi, ki):
-        ok = ki <= qi
-        if doc is not None:
-            ok = ok & (doc[b, qi] == doc[b, ki])
-        if window:
-            ok = ok & (qi - ki < window)
-        return ok
-
-    bm = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device)
-    if q.is_cuda:
-        if _flex_compiled is None:   # compiled once per process: the eager version is a slow reference
+        bm = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device,
+                               _compile=q.is_cuda and not compiling)
+        if masks is not None:
+            masks[("flex", window)] = bm
+    gqa = k.shape[1] != H
+    if q.is_cuda and not compiling:
+        if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention, dynamic=False)
-        return _flex_compiled(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != H)
-    return flex_attention(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != H)
+        return _flex_compiled(q, k, v, block_mask=bm, enable_gqa=gqa)
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=gqa)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None,
-           k_doc: Tensor | None, window: int, backend: str, want_probs: bool = False):
-    """q (B, H, T, hd), k/v (B, Hkv, S, hd) -> (out (B, H, T, hd), probs (B, H, T, S) or None)."""
+           k_doc: Tensor | None, window: int, backend: str, want_probs: bool = False, masks: dict | None = None):
+    """q (B, H, T, hd), k/v (B, Hkv, S, hd) -> (out (B, H, T, hd), probs (B, H, T, S) or None).
+
+    masks: a per-forward dict where flex block masks are kept (Ctx.masks).
+    """
     B, H, T, hd = q.shape
     S = k.shape[2]
-    if want_probs or backend == "math":   # explicit softmax: probes read the probabilities
+    training_shape = S == T and k_doc is q_doc
+    kernel = "math" if want_probs else attention_kernel(backend, q.device.type, hd, training_shape,
+                                                         q_doc is not None or bool(window))
+    if kernel == "math":   # explicit softmax: probes read the probabilities
         rep = H // k.shape[1]
         kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         att = (q.float() @ kk.float().transpose(-1, -2)) / math.sqrt(hd)
         att = att.masked_fill(~build_mask(q_pos, k_pos, q_doc, k_doc, window), float("-inf")).softmax(-1)
         return (att @ vv.float()).type_as(q), (att if want_probs else None)
-    training_shape = S == T and k_doc is q_doc
-    if backend == "flex" or (backend == "auto" and q.is_cuda and training_shape
-                             and (q_doc is not None or window)):
-        if not training_shape:
-            raise ValueError("attn_backend='flex' supports full-sequence attention only (use sdpa for decoding)")
-        return _flex(q, k, v, q_doc, window), None
+    if kernel == "flex":
+        return _flex(q, k, v, q_doc, window, masks), None
     gqa = k.shape[1] != H
     if q_doc is None and not window and training_shape:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), None
     if q_doc is None and not window and T == 1:   # one new token: every cached key is visible
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), None
-    mask = build_mask(q_pos, k_pos, q_doc, k_doc, window)
+    mask = None if masks is None or not training_shape else masks.get(("bool", window))
+    if mask is None:
+        mask = build_mask(q_pos, k_pos, q_doc, k_doc, window)
+        if masks is not None and training_shape:
+            masks[("bool", window)] = mask
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa), None
 
 
@@ -380,7 +440,7 @@ class Attention(nn.Module):
 
     def _attend_cached(self, q, k, v, ctx, visit, loop, want_probs):
         if ctx.cache is None:
-            return attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, want_probs)
+            return attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, want_probs, ctx.masks)
         kv, rows = ctx.slot(visit, loop)
         p0, T = ctx.start, q.shape[2]
         kv.k[rows, :, p0:p0 + T] = k
@@ -397,8 +457,8 @@ class Attention(nn.Module):
         """Training / chunked decoding for a loop >= 2 with KV sharing (original PLT)."""
         if ctx.cache is None:
             k1, v1 = ctx.shared[visit.layer]
-            yg, _ = attend(q, k1, v1, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend)
-            yl, _ = attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, self.window, "sdpa")
+            yg, _ = attend(q, k1, v1, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, masks=ctx.masks)
+            yl, _ = attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, self.window, "sdpa", masks=ctx.masks)
             return self._mix(x, yg, yl)
         p0, T = ctx.start, q.shape[2]
         full, _ = ctx.slot(visit, 0)
@@ -519,6 +579,7 @@ class Ctx:
     capture: dict | None = None
     shared: dict = field(default_factory=dict)   # layer -> loop-1 (k, v) for PLT KV sharing
     ring_pos_updates: list = field(default_factory=list)  # applied after the call: all loops read the old ring
+    masks: dict = field(default_factory=dict)    # attention masks built once per forward (flex block masks)
 
     def slot(self, visit: Visit, loop: int | None, ring: bool = False) -> tuple[KV, slice]:
         """(KV, rows) of the cache this attention visit reads and writes.
@@ -786,3 +847,31 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------------------
+# Compiling for training
+
+def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="inductor", fresh: bool = True) -> nn.Module:
+    """torch.compile a training module (train.Objective, or DDP around it) the way train.py runs it.
+
+    dynamic=False: every distinct shape gets its own static graph. With the default (automatic
+    dynamic shapes) the second shape a process sees, e.g. the next run of the main job, would
+    be recompiled with symbolic sizes and slower kernels.
+    fresh=True: `torch._dynamo.reset()` first. The main job trains many runs in one process on
+    CUDA; each has its own shapes, so a run's graphs are never reused by the next, yet they
+    would all stay cached under the same code objects, and dynamo stops compiling a function
+    after `recompile_limit` (8) entries: run 9 of the small preset's 12 (and most of the paper
+    preset's 32) would train eagerly. Resetting per run keeps one run's entries (the training
+    graph, plus validation's compiled flex / block-mask helpers) far below the limit whatever
+    the ladder's size, instead of raising a global limit by a number that must track it, and
+    frees the finished run's graphs. The cost, recompiling a shape that a later run repeats
+    (none does in the main job), is mostly met by inductor's on-disk cache. The reset clears
+    every compiled function of the process, so it belongs where one training run owns the
+    process (train.Trainer), not in code that interleaves several compiled models.
+    fullgraph=True makes any graph break an error (tests/test_compile.py holds every config to
+    it); training leaves it off so an unforeseen break costs speed, not the run.
+    """
+    if fresh:
+        torch._dynamo.reset()
+    return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)

@@ -18,20 +18,47 @@ adds them to the training loss with coefficients from its config. Nothing is kep
 state. Routing is dropless: every (token, slot) pair is computed; there is no capacity.
 
 Grouped matmul. The (token, slot) rows are sorted by expert so expert g owns a contiguous
-block of rows; `grouped_mm(x, w, group_sizes)` multiplies block g by w[g]: a loop of
-`torch.mm(..., out=slice)` over the groups in forward, and the same for dx and dW in a
-hand-written backward. Under `torch.compile` the same loops run as `torch.library` custom ops,
-so the compiler sees one opaque call (no graph break, no data-dependent shapes in the graph:
-the output has x's row count); eager code uses a plain autograd.Function over the same loops.
-Why: autograd over a Python loop of slices allocates a full-size gradient for every slice in
-backward (~20x a dense layer on CPU); gather + padded bmm pays for the padding (~3-4x).
-Writing each block into a preallocated output, and computing the weight gradient per block
-directly, costs only the useful FLOPs plus one small call per expert. The per-expert views come
-from one `split` / `unbind` each rather than a slice per expert (8-36 % faster per grouped_mm on
-CPU at 16-64 experts, the gain growing with the expert count). `grouped_mm_reference`
-is the slow, obvious version (torch.split + cat) the tests compare it against. On CUDA with
-bf16, `impl="auto"` uses `torch._grouped_mm` (one fused kernel on Hopper); bench.py measures
-both. The measured CPU ratio against a dense SwiGLU of equal active FLOPs is in the README.
+block of rows; `grouped_mm(x, w, group_sizes)` multiplies block g by w[g]. Four implementations,
+one contract (`grouped_mm_reference`, torch.split + cat, is the slow, obvious one the tests
+compare every other against):
+
+  "loop"    CPU eager training (fastest measured there): a loop of `torch.mm(..., out=slice)`
+            over the groups in forward, the same for dx and dW in a hand-written backward.
+            Autograd over a Python loop of slices allocates a full-size gradient for every slice
+            in backward (~20x a dense layer on CPU); writing each block into a preallocated
+            output and computing each expert's weight gradient directly costs only the useful
+            FLOPs plus one small call per expert. The per-expert views come from one `split` /
+            `unbind` each (8-36 % faster per grouped_mm on CPU at 16-64 experts). It reads the
+            group sizes on the host (`tolist`): free on a CPU, a device sync on a GPU. Under
+            `torch.compile` it runs as a `torch.library` custom op (one opaque call).
+  "torch"   `torch._grouped_mm`: one fused kernel, no host sync, on CUDA compute capability 9.0
+            (Hopper: H100 / H200) and 10.0 (B200) in bf16. On any other GPU torch falls back to a
+            per-group loop that copies the offsets to the host, so "auto" does not pick it there.
+  "padded"  static shapes, no host sync, no Triton source: every group is padded to whole tiles
+            of M rows (M ~ a quarter of the mean group, a multiple of 8), the tiles go through
+            one `bmm` with each tile's expert weight gathered (`index_select`), and the rows are
+            gathered back. The tile count N // M + G bounds sum_g ceil(n_g / M) for every
+            routing, so no shape depends on the data; the price is at most G * M / N = 1/4
+            extra FLOPs and a gathered weight copy of ~5x the expert weights per call. This is
+            what runs under `torch.compile` off Hopper (and on CUDA without the fused kernel):
+            one graph, nothing read back. On a CPU it is slower than the loop: compiled, the
+            padded layer took 1.44-1.51x the eager loop's time (bench.py moe, 1 thread, three
+            runs on a shared 2-core EPYC: 368-1129 ms vs 254-748 ms), so CPU training keeps
+            the loop (train.py does not compile on CPU).
+  "auto"    torch on CUDA bf16 with the fused kernel; padded on other CUDA and whenever
+            compiling; loop in CPU eager code.
+
+bf16 autocast. The residual stream stays fp32 under autocast, so the experts would see fp32
+inputs and `torch.mm(out=)` would bypass autocast. `MoE` therefore casts the gathered rows and
+both expert weights to the autocast dtype itself (`compute_dtype`): under autocast the experts
+really compute in bf16 (and take the fused kernel on Hopper), outside it they compute in the
+input dtype. The combined output is accumulated in the input dtype.
+
+Host syncs. The training path reads nothing back: tokens per expert come from a
+`scatter_add_` (torch.bincount's output length depends on the data: a sync and a graph break),
+and with "padded" or "torch" every shape is static. tests/test_compile.py counts `.tolist` /
+`.item` calls of the compiled MoE step (zero) and checks the one-graph compile.
+bench.py moe times the paths training takes (autocast on CUDA, compiled fallback vs eager loop).
 """
 from __future__ import annotations
 
@@ -129,27 +156,90 @@ def _op_backward(ctx, dy):
 _grouped_mm_op.register_autograd(_op_backward, setup_context=_op_setup)
 
 
+IMPLS = ("auto", "loop", "torch", "padded", "reference")
+
+
+def padded_tile_rows(n_rows: int, n_groups: int) -> int:
+    """Rows per tile of the "padded" grouped matmul: ~ a quarter of the mean group, a multiple of 8 (>= 8)."""
+    return max(8, -(-n_rows // (4 * n_groups * 8)) * 8)
+
+
+def grouped_mm_padded(x: Tensor, w: Tensor, group_sizes: Tensor, tile: int | None = None) -> Tensor:
+    """Static-shape grouped matmul: groups padded to whole tiles of `tile` rows, one bmm over the tiles.
+
+    x (N, d_in) sorted by group, w (G, d_in, d_out), group_sizes (G,) on x's device -> (N, d_out).
+    Every shape is a function of (N, G, tile) only, and nothing is read back to the host.
+    """
+    N, G = x.shape[0], w.shape[0]
+    M = tile or padded_tile_rows(N, G)
+    n_tiles = N // M + G                                   # >= sum_g ceil(n_g / M) for any routing
+    sizes = group_sizes.to(torch.int64)
+    tiles_g = (sizes + (M - 1)) // M                        # (G,) tiles of each group
+    tile_end = torch.cumsum(tiles_g, 0)                     # (G,) first tile after each group
+    row_end = torch.cumsum(sizes, 0)                        # (G,) first row after each group
+    rows = torch.arange(N, device=x.device)
+    g_row = torch.searchsorted(row_end, rows, right=True)   # (N,) group of each row
+    dest = (tile_end - tiles_g)[g_row] * M + rows - (row_end - sizes)[g_row]   # (N,) row in the padded layout
+    x_pad = x.new_zeros(n_tiles * M, x.shape[1]).index_copy(0, dest, x)        # unused rows stay zero
+    g_tile = torch.searchsorted(tile_end, torch.arange(n_tiles, device=x.device), right=True)
+    w_tile = w.index_select(0, g_tile.clamp(max=G - 1))   # (n_tiles, d_in, d_out); empty tail tiles: any expert
+    y_pad = torch.bmm(x_pad.view(n_tiles, M, -1), w_tile)  # (n_tiles, M, d_out)
+    return y_pad.view(n_tiles * M, -1).index_select(0, dest)
+
+
+def fused_grouped_mm_available(device: torch.device) -> bool:
+    """torch._grouped_mm has its fused, sync-free bf16 kernel here (CUDA capability 9.0 or 10.0)."""
+    if device.type != "cuda":
+        return False
+    p = torch.cuda.get_device_properties(device)   # constant-folded under torch.compile
+    return (p.major, p.minor) in ((9, 0), (10, 0))
+
+
+def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype | None, d_in: int, d_out: int) -> str:
+    """The implementation `impl` stands for with operands of this device and dtype (None: x and w differ).
+
+    Only "auto" is resolved; other names are returned unchanged.
+    """
+    if impl != "auto":
+        return impl
+    if (dtype == torch.bfloat16 and fused_grouped_mm_available(device)
+            and d_in % 8 == 0 and d_out % 8 == 0):   # _grouped_mm wants 16-byte aligned rows
+        return "torch"
+    if device.type == "cuda" or torch.compiler.is_compiling():
+        return "padded"
+    return "loop"
+
+
 def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") -> Tensor:
     """x (N, d_in) rows sorted by group, w (G, d_in, d_out), group_sizes (G,) summing to N -> (N, d_out).
 
-    impl: "loop" (the custom op above, every device), "torch" (torch._grouped_mm, CUDA bf16),
-    "reference" (the slow split/cat version), or "auto" ("torch" on CUDA bf16, else "loop").
+    impl: "loop", "torch" (torch._grouped_mm), "padded", "reference", or "auto" (see the module
+    docstring for what each costs and where "auto" uses it).
     """
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_mm: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
                          f"group_sizes {tuple(group_sizes.shape)} do not fit (N,d_in), (G,d_in,d_out), (G,)")
-    if impl == "auto":
-        impl = "torch" if (x.is_cuda and x.dtype == torch.bfloat16) else "loop"
+    impl = resolve_impl(impl, x.device, x.dtype if w.dtype == x.dtype else None, x.shape[1], w.shape[2])
     if impl == "loop":
         if torch.compiler.is_compiling():
             return _grouped_mm_op(x, w, group_sizes)
         return _GroupedMM.apply(x, w, group_sizes)
+    if impl == "padded":
+        return grouped_mm_padded(x, w, group_sizes)
     if impl == "torch":
         offs = torch.cumsum(group_sizes, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
     if impl == "reference":
         return grouped_mm_reference(x, w, group_sizes)
-    raise ValueError(f"grouped_mm: impl must be auto|loop|torch|reference, got {impl!r}")
+    raise ValueError(f"grouped_mm: impl must be one of {'|'.join(IMPLS)}, got {impl!r}")
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the experts compute in: autocast's when autocast is on for x's device, else x's."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
 
 
 class _WeightedSwiGLU(torch.autograd.Function):
@@ -189,6 +279,19 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return dgu, dw
 
 
+def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
+    """silu(g) * u * w for gu = [g | u] (N, 2F), w (N,) -> (N, F).
+
+    Eager: `_WeightedSwiGLU` (its in-place backward). Compiled: the same three plain ops, which
+    inductor fuses forward and backward (the hand-written backward's `out=` calls would break
+    the graph and buy nothing once fused).
+    """
+    if torch.compiler.is_compiling():
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u * w[:, None]
+    return _WeightedSwiGLU.apply(gu, w)
+
+
 # ----------------------------------------------------------------------------------------
 # Router and MoE layer
 
@@ -214,7 +317,9 @@ class Router(nn.Module):
         if self.renormalize:
             w = w / w.sum(-1, keepdim=True)
         E = probs.shape[-1]
-        counts = torch.bincount(idx.flatten(), minlength=E)            # (E,)
+        flat = idx.flatten()
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))                            # (E,) on the device: no sync
         f = counts.float() / idx.numel()
         aux = E * (f * probs.mean(0)).sum()
         z = torch.logsumexp(logits, -1).square().mean()
@@ -229,6 +334,8 @@ class MoE(nn.Module):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE: need 1 <= top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
+        if impl not in IMPLS:
+            raise ValueError(f"MoE: impl must be one of {'|'.join(IMPLS)}, got {impl!r}")
         self.n_experts, self.top_k, self.d_ff, self.impl = n_experts, top_k, d_ff, impl
         self.router = Router(d_model, n_experts, top_k, renormalize)
         self.w_in = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_ff))   # [gate | up] fused
@@ -241,9 +348,19 @@ class MoE(nn.Module):
             nn.init.normal_(p, 0.0, std)
 
     def experts(self, x_sorted: Tensor, counts: Tensor, w_sorted: Tensor) -> Tensor:
-        """Routing-weighted SwiGLU of rows already sorted by expert: (N*k, D), (N*k,) -> (N*k, D)."""
-        gu = grouped_mm(x_sorted, self.w_in, counts, self.impl)            # (N*k, 2F)
-        return grouped_mm(_WeightedSwiGLU.apply(gu, w_sorted.to(gu.dtype)), self.w_out, counts, self.impl)
+        """Routing-weighted SwiGLU of rows already sorted by expert: (N*k, D), (N*k,) -> (N*k, D).
+
+        Computes in x_sorted's dtype with the weights cast to it (MoE.forward passes the rows in
+        the autocast dtype under autocast).
+        """
+        dt = x_sorted.dtype
+        gu = grouped_mm(x_sorted, self.w_in.to(dt), counts, self.impl)                 # (N*k, 2F)
+        return grouped_mm(weighted_swiglu(gu, w_sorted.to(dt)), self.w_out.to(dt), counts, self.impl)
+
+    def kernels(self, x_BTD: Tensor) -> tuple[str, str]:
+        """The grouped-matmul implementations forward(x_BTD) uses here, for w_in and w_out (autocast included)."""
+        dt = compute_dtype(x_BTD)
+        return tuple(resolve_impl(self.impl, x_BTD.device, dt, w.shape[1], w.shape[2]) for w in (self.w_in, self.w_out))
 
     def forward(self, x_BTD: Tensor) -> tuple[Tensor, RouterStats]:
         B, T, D = x_BTD.shape
@@ -254,8 +371,9 @@ class MoE(nn.Module):
         token = order // self.top_k                                    # source row of each sorted pair
         # index_select, not x[token]: its backward is an index_add (measured 45 -> 25 ms fwd+bwd on CPU
         # for 32k rows of 256), where indexing's backward is a slower accumulating index_put
-        y_sorted = self.experts(x.index_select(0, token), counts, w.flatten()[order])  # (N*k, D), weighted
-        y = torch.zeros_like(x).index_add_(0, token, y_sorted)
+        xc = x.to(compute_dtype(x))                                    # bf16 under autocast (see the docstring)
+        y_sorted = self.experts(xc.index_select(0, token), counts, w.flatten()[order])  # (N*k, D), weighted
+        y = torch.zeros_like(x).index_add_(0, token, y_sorted.to(x.dtype))
         stats = RouterStats(aux, z, counts, idx.view(B, T, -1), w.view(B, T, -1))
         return y.view(B, T, D), stats
 

@@ -865,8 +865,9 @@ def main(argv=None) -> Path:
     ap.add_argument("--preset", default="tiny", choices=sorted(PLANS), help="size of the reproduction (default tiny)")
     ap.add_argument("--out-dir", "--out", dest="out_dir", default=None,
                     help="output directory (default runs/reproduce_PRESET)")
-    ap.add_argument("--data-dir", default=None,
-                    help="an already prepared (or packed) data directory to use instead of preparing the preset's")
+    ap.add_argument("--data-dir", default=None, metavar="DIR",
+                    help="read the data from a pack made by `python data.py --preset PRESET --pack DIR` "
+                         "(for a machine without network: nothing is downloaded)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; 1 on CUDA)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
@@ -875,6 +876,9 @@ def main(argv=None) -> Path:
                     help="print the ladder and what training it costs (tokens, TPP, FLOPs, GPU minutes), then stop")
     args = ap.parse_args(argv)
     plan = PLANS[args.preset]
+    if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
+        import data
+        data.use_pack(args.data_dir, plan.data)
     out = Path(args.out_dir or f"runs/reproduce_{args.preset}")
     out.mkdir(parents=True, exist_ok=True)
     t0, stage_s = time.time(), {}
@@ -887,7 +891,7 @@ def main(argv=None) -> Path:
         stage_s[name] = stage_s.get(name, 0.0) + time.time() - t
         return r
 
-    data, _ = timed("data", stage_data, plan, args.data_dir)
+    data, _ = timed("data", stage_data, plan)
     ladder = timed("ladder", stage_ladder, plan, data, out)
     cost = plan_cost(plan, ladder, len(data.train))
     log_plan_cost(cost)

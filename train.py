@@ -94,10 +94,20 @@ import budget
 import data as data_mod
 from checks import JSONFileError, check_fields, from_dict, parse_json, read_json, require_keys
 from loop import LoopConfig, middle_span
-from model import GPT, ModelConfig
+from model import GPT, ModelConfig, compile_model
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of a CUDA device (PEAK_BF16_FLOPS by name), None when unknown or not CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
 # Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
 TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps", "batch_size", "block_size",
               "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")
@@ -844,11 +854,10 @@ class Trainer:
             self.ddp = model = nn.parallel.DistributedDataParallel(
                 self.objective, device_ids=[self.device.index] if cuda else None, broadcast_buffers=False)
         self.opt = make_optimizer(self.gpt, tc)
-        self.model = torch.compile(model) if (tc.compile and cuda) else model
+        self.model = compile_model(model) if (tc.compile and cuda) else model   # static shapes, fresh per run
         self.tokens_per_step = tc.batch_size * tc.block_size
         self.micro = tc.batch_size // (self.d.world * tc.grad_accum)
-        name = torch.cuda.get_device_name(self.device) if cuda else ""
-        self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        self.peak = peak_flops(self.device)
         self.flops_ctx = tc.flops_ctx or data_mod.measured_doc_length(data, tc.block_size)
         ctx = min(self.flops_ctx, tc.block_size)
         self.F = budget.flops_per_token(model_cfg, ctx)                          # SMELT's F: no output head

@@ -225,3 +225,114 @@ def test_config_round_trips_through_json():
     cfg = tiny(n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2, adapter="lora"))
     import json
     assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+# ---------------------------------------------------------------- head-dim rule, flex on CUDA
+
+def test_head_dim_rule_picks_sdpa_for_narrow_heads_on_cuda_and_names_the_field():
+    from model import FLEX_MIN_HEAD_DIM, attention_kernel
+    assert FLEX_MIN_HEAD_DIM == 16
+    assert attention_kernel("auto", "cuda", 16, True, True) == "flex"
+    assert attention_kernel("auto", "cuda", 8, True, True) == "sdpa"       # falls back, exact (tested below)
+    assert attention_kernel("auto", "cuda", 64, True, False) == "sdpa"     # nothing to mask but causality
+    assert attention_kernel("auto", "cpu", 64, True, True) == "sdpa"       # CPU flex has no backward
+    assert attention_kernel("flex", "cpu", 8, True, True) == "flex"        # CPU flex accepts narrow heads
+    assert attention_kernel("auto", "cuda", 8, True, True) == attention_kernel("sdpa", "cuda", 8, True, True)
+    with pytest.raises(ValueError, match="head_dim=12"):
+        attention_kernel("flex", "cuda", 12, True, True)
+    with pytest.raises(ValueError, match="full-sequence"):
+        attention_kernel("flex", "cpu", 64, False, True)
+
+
+@pytest.mark.parametrize("preset", ["smoke", "tiny", "small", "medium", "paper"])
+def test_preset_ladders_keep_head_dim_at_least_16(preset):
+    import budget
+    from model import FLEX_MIN_HEAD_DIM
+    ctx = 0.9 * budget.PRESETS[preset]["block"]   # a document length (the data's is measured; none here)
+    dims = {(r["scale"], r["arch"]): r["head_dim"] for r in budget.ladder(preset, ctx)}
+    assert min(dims.values()) >= FLEX_MIN_HEAD_DIM, dims
+
+
+def test_narrow_heads_keep_the_document_mask_on_the_sdpa_path():
+    """head_dim 8 with document ids: the path CUDA's "auto" takes for narrow heads (SDPA, boolean
+    block-diagonal causal mask) equals explicit flex (CPU flex accepts 8) and the math reference."""
+    torch.manual_seed(0)
+    sd = GPT(tiny()).state_dict()
+    idx = torch.randint(0, 64, (2, 32))
+    doc = torch.cat([torch.zeros(2, 13, dtype=torch.long), torch.ones(2, 19, dtype=torch.long)], 1)
+    outs = []
+    for backend in ("sdpa", "flex", "math"):
+        m = GPT(tiny(attn_backend=backend))
+        m.load_state_dict(sd)
+        assert m.cfg.hd == 8
+        with torch.no_grad():
+            outs.append(m(idx, doc_ids=doc)[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[0], outs[2], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU flex attention has no backward)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_cuda_flex_forward_and_backward_match_sdpa_on_the_document_mask(dtype, tol):
+    """Flex attention (compiled kernel, compiled block mask) against SDPA with the boolean
+    block-diagonal causal mask: output and dq, dk, dv, with GQA, through model.attend.
+    The same comparison is the first figure of scripts/gpu_check.sh (bench.py flex)."""
+    import bench
+    r = bench.flex_vs_sdpa(torch.device("cuda"), B=2, H=4, Hkv=2, T=512, hd=64, dtype=dtype, mean_doc=100,
+                           time_it=False)
+    assert r["shape"]["documents"] > 4
+    for name in ("out", "dq", "dk", "dv"):
+        assert r[f"rel_diff_{name}"] < tol, (name, r)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eager_flex_does_not_materialise_the_scores():
+    """Validation runs the uncompiled model: its flex call must still be the compiled kernel with a
+    compiled block mask. Eager flex would hold B x H x T x T fp32 scores (268 MB here)."""
+    import bench
+    import model as model_lib
+    dev = torch.device("cuda")
+    B, H, T, hd = 8, 8, 1024, 64
+    q, k, v = (torch.randn(B, H, T, hd, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    doc = bench.packed_doc_ids(B, T, 200).to(dev)
+    pos = torch.arange(T, device=dev)
+    with torch.no_grad():
+        model_lib.attend(q, k, v, pos, pos, doc, doc, 0, "flex", masks={})   # compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model_lib.attend(q, k, v, pos, pos, doc, doc, 0, "flex", masks={})
+        torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < B * H * T * T    # well under one byte per score
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_moe_step_is_one_graph_without_syncs():
+    """bf16 autocast training step of a SMELT config on CUDA: one graph (fullgraph), the fused
+    grouped matmul where the GPU has it, and no synchronising call in a steady-state step."""
+    import bench
+    from torch._dynamo.utils import counters
+    from model import compile_model
+    from train import Objective
+    dev = torch.device("cuda")
+    cfg = ModelConfig(vocab_size=512, block_size=256, n_layer=4, d_model=128, n_head=4, n_kv_head=2, d_ff=64,
+                      n_experts=8, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
+    gpt = GPT(cfg).to(dev)
+    obj = Objective(gpt)
+    idx = torch.randint(0, 512, (4, 256), device=dev)
+    doc = bench.packed_doc_ids(4, 256, 64).to(dev)
+    counters.clear()
+    compiled = compile_model(obj, fullgraph=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ce, n, aux, z, _ = compiled(idx, idx, doc)
+        (ce / n + aux + z).backward()
+    step()
+    step()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert bench.count_syncs(step, dev) == 0
+    cap = torch.cuda.get_device_capability()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        kinds = gpt.blocks[0].mlp.kernels(idx[..., None].float())
+    assert kinds == (("torch", "torch") if cap in ((9, 0), (10, 0)) else ("padded", "padded"))
