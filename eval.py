@@ -842,17 +842,11 @@ def run_endpoints(run_dir: str | Path) -> list[dict]:
     res = run / "results.jsonl"
     if not res.is_file():
         raise FileNotFoundError(f"{res} not found: train.py writes one row per finished decay branch")
-    rows = {}
-    for i, line in enumerate(res.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{res} line {i} is not valid JSON: {e}") from e
-        if "branch_step" not in r:
-            raise ValueError(f"{res} line {i} has no 'branch_step'")
-        rows[int(r["branch_step"])] = r
+    import train
+    try:
+        rows = {int(r["branch_step"]): r for r in train.read_jsonl(res, ("branch_step",))}   # hash-checked
+    except train.CheckpointError as e:
+        raise ValueError(str(e)) from None
     out = []
     for b, r in sorted(rows.items()):
         decay = (r.get("train") or {}).get("decay_steps")

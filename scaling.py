@@ -704,23 +704,13 @@ REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
 
 
 def read_results(path: str) -> list[dict]:
-    """Read train.py's results rows (JSON lines), checking the keys this module needs."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            missing = [k for k in REQUIRED_KEYS if k not in row] if isinstance(row, dict) else list(REQUIRED_KEYS)
-            if missing:
-                raise ValueError(f"{path}:{n}: missing keys {missing}")
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no results rows")
-    return rows
+    """train.py's results rows: each row's hash checked and the keys this module needs present
+    (train.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
+    import train
+    try:
+        return train.read_jsonl(path, REQUIRED_KEYS)
+    except train.CheckpointError as e:
+        raise ValueError(str(e)) from None
 
 
 def check_rows(rows: Sequence[dict]) -> None:

@@ -516,7 +516,7 @@ def test_run_endpoints_finds_every_branch(trained_run, tmp_path):
     run2.mkdir()
     rows[0]["endpoint"] = "endpoints/branch_0000003.pt"
     rows[1].pop("endpoint")
-    (run2 / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (run2 / "results.jsonl").write_text("".join(T.jsonl_line(r) for r in rows))
     with pytest.raises(FileNotFoundError, match="branch 3 finished"):
         ev.run_endpoints(run2)
     (run2 / "endpoints").mkdir()

@@ -458,10 +458,11 @@ def _write_results(path, with_bad_row=False):
     for r in rows:
         r["val_loss_by_domain"] = {"code": r["val_loss"] - 0.2, "web": r["val_loss"] + 0.1}
         del r["val_loss_by_source"]
+    import train
     with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(train.jsonl_line(r) for r in rows)
         if with_bad_row:
-            f.write(json.dumps({"arch": "smelt", "F": 1.0}) + "\n")
+            f.write(train.jsonl_line({"arch": "smelt", "F": 1.0}))
 
 
 def test_cli_writes_fits_tables_and_plots(tmp_path):
@@ -483,7 +484,7 @@ def test_cli_writes_fits_tables_and_plots(tmp_path):
 def test_read_results_names_the_bad_line(tmp_path):
     res = tmp_path / "results.jsonl"
     _write_results(res, with_bad_row=True)
-    with pytest.raises(ValueError, match=r"results.jsonl:193: missing keys"):
+    with pytest.raises(ValueError, match=r"results.jsonl:193: missing key"):
         scaling.read_results(str(res))
 
 
