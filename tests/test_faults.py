@@ -30,31 +30,15 @@ import torch
 import checks
 import data as data_mod
 import train as T
-from loop import LoopConfig
+from toys import tiny_model, tiny_train
 from model import GPT, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN, INF = float("nan"), float("inf")
 
 
-def tiny_model(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32,
-                n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
-    return ModelConfig(**{**base, **kw})
 
-
-def tiny_train(**kw) -> T.TrainConfig:
-    base = dict(lr=1e-2, warmup_steps=2, stable_steps=6, branch_steps=[3, 6], decay_steps=2, batch_size=4,
-                block_size=32, log_interval=1, eval_tokens=128, ckpt_interval=3, flops_ctx=16.0, device="cpu")
-    return T.TrainConfig(**{**base, **kw})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

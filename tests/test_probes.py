@@ -16,13 +16,8 @@ from loop import LoopConfig
 from model import GPT, ModelConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids spin-wait contention on a shared 2-core CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(**kw) -> ModelConfig:

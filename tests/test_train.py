@@ -9,7 +9,6 @@ that crashes / records, so these tests need no corpus.
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
@@ -19,24 +18,14 @@ import torch
 import budget
 import data as data_mod
 import train as T
+from toys import tiny_model, tiny_train
 from loop import LoopConfig
-from model import GPT, ModelConfig
+from model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("tokens_per_s", "eta_s", "mfu")
 
-
-def tiny_model(**kw) -> ModelConfig:
-    """A SMELT-shaped toy: 4 layers, middle two looped twice, 4 experts top-2."""
-    base = dict(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32,
-                n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
-    return ModelConfig(**{**base, **kw})
-
-
-def tiny_train(**kw) -> T.TrainConfig:
-    base = dict(lr=1e-2, warmup_steps=2, stable_steps=6, branch_steps=[3, 6], decay_steps=2, batch_size=4,
-                block_size=32, log_interval=1, eval_tokens=128, ckpt_interval=3, flops_ctx=16.0, device="cpu")
-    return T.TrainConfig(**{**base, **kw})
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_jsonl(path):
@@ -68,15 +57,6 @@ class CrashingData(T.SyntheticData):
         if step == self.crash_at:
             raise RuntimeError("simulated crash")
         return super().train_batch(step, *a, **kw)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread is faster, and far faster on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
