@@ -20,7 +20,7 @@ ratios, so a figure never depends on another machine's or another run's timing. 
   decode  batch-1 time per generated token: unlooped model, sequential 2-loop middle span,
           PLT 2-loop middle span of the same width. Target: PLT <= 1.15x unlooped; sequential
           near the executed-depth ratio (executed / physical layers). On CPU each model is
-          also timed with model.Linear's few-row layout turned off (plain F.linear).
+          also timed with model.few_row_projections' layout turned off (plain F.linear).
   train   training tokens/s of a preset's matched Baseline / SMELT pair (tiny on CPU, small on
           CUDA); time per token ratio vs FLOP ratio (target: within 15 %); the two models
           alternate steps. On CUDA compiled as train.py compiles, bf16 autocast, rows packed
@@ -168,7 +168,7 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
 
 
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
-    """Median per-token time of greedy decoding, under both CPU projection layouts (model.Linear).
+    """Median per-token time of greedy decoding, under both CPU projection layouts (model.few_row_projections).
 
     Models and layouts take turns token by token (each decodes one token, then the next model
     does), so the machine's drift hits all alike; the figure is, per model, the median over reps
