@@ -86,7 +86,9 @@ def test_presets_are_one_set():
     runs = set(options(parser_of("reproduce"))["--preset"].choices)
     assert runs == RUN_PRESETS
     assert set(options(parser_of("budget"))["--ladder"].choices) == RUN_PRESETS
-    for name in SCRIPTS:
+    sized = [n for n in SCRIPTS if "--preset" in options(parser_of(n))]
+    assert set(SCRIPTS) - set(sized) == {"render_notebooks"}          # the one tool that has no run size
+    for name in sized:
         assert set(options(parser_of(name))["--preset"].choices) == {"smoke", "tiny", "small"}, name
     assert set(options(parser_of("data"))["--preset"].choices) == set(data.PRESETS) == {"smoke", "tiny", "small"}
     assert set(options(parser_of("train"))["--data"].choices) == set(data.PRESETS) | {"synthetic"}
@@ -207,3 +209,10 @@ def test_good_values_parse():
     assert a.budgets == [1e21] and a.bootstrap == 0 and a.out_dir == "scaling_out"
     a = parser_of("decode_latency").parse_args(["--new-tokens", "4"])
     assert a.new_tokens == 4 and a.steps is None and a.device == "auto"
+
+
+def test_render_notebooks_refuses_an_unknown_notebook(capsys):
+    import render_notebooks
+    with pytest.raises(SystemExit) as e:
+        render_notebooks.main(["no_such_notebook", "--check"])
+    assert e.value.code == 2 and "no notebook ['no_such_notebook']" in capsys.readouterr().err
