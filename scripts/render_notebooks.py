@@ -123,12 +123,21 @@ def main(argv=None) -> list[Path]:
             raise SystemExit(f"{len(problems)} rendered notebook(s) out of date: run python scripts/render_notebooks.py")
         print(f"all {len(paths)} rendered notebooks are current")
         return []
-    written = []
+    import nbclient
+    written, failed = [], []
     for p in paths:
         print(f"rendering {p.name} ...", flush=True)
-        written.append(render(p, out_dir))
+        try:
+            written.append(render(p, out_dir))
+        except nbclient.exceptions.CellExecutionError as e:   # keep going: report every broken notebook
+            failed.append(p.name)
+            print(f"  FAILED, its copy is unchanged: {e.ename}: {e.evalue}", flush=True)
+            continue
         print(f"  wrote {written[-1].relative_to(ROOT) if written[-1].is_relative_to(ROOT) else written[-1]} "
               f"({written[-1].stat().st_size / 1024:.0f} KiB)", flush=True)
+    if failed:
+        raise SystemExit(f"{len(failed)} notebook(s) failed to run: {', '.join(failed)} "
+                         f"(run them in Jupyter, or `python -m pytest tests/test_notebooks.py`, for the traceback)")
     return written
 
 
