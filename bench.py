@@ -20,16 +20,16 @@ ratios, so a figure never depends on another machine's or another run's timing. 
   decode  batch-1 time per generated token: unlooped model, sequential 2-loop middle span,
           PLT 2-loop middle span of the same width. Target: PLT <= 1.15x unlooped; sequential
           near the executed-depth ratio (executed / physical layers). On CPU each model is
-          also timed with model.Linear's few-row layout turned off (plain F.linear).
+          also timed with model.few_row_projections' layout turned off (plain F.linear).
   train   training tokens/s of a preset's matched Baseline / SMELT pair (tiny on CPU, small on
           CUDA); time per token ratio vs FLOP ratio (target: within 15 %); the two models
           alternate steps. On CUDA compiled as train.py compiles, bf16 autocast, rows packed
           with documents (so attention takes the flex path training takes), and MFU against
           train.peak_flops (targets dense >= 45 %, SMELT MoE >= 40 %).
 
-Every figure goes to one JSON (--json PATH): the file is updated after each benchmark, keys
-already in it from an earlier call are kept (scripts/gpu_check.sh runs the benchmarks as
-separate time-limited steps into one file), and a benchmark that fails leaves
+Every figure goes to one JSON (--out-dir DIR: DIR/bench.json): the file is updated after each
+benchmark, keys already in it from an earlier call are kept (scripts/gpu_check.sh runs the
+benchmarks as separate time-limited steps into one file), and a benchmark that fails leaves
 {"error": ...} under its name while the others still run (exit status 1).
 
 Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the
@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cli
 import model as model_lib
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
@@ -167,7 +168,7 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
 
 
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
-    """Median per-token time of greedy decoding, under both CPU projection layouts (model.Linear).
+    """Median per-token time of greedy decoding, under both CPU projection layouts (model.few_row_projections).
 
     Models and layouts take turns token by token (each decodes one token, then the next model
     does), so the machine's drift hits all alike; the figure is, per model, the median over reps
@@ -436,17 +437,29 @@ def _update_json(path: str, key: str, value) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    import budget
+    ap = cli.parser(__doc__)
     ap.add_argument("which", nargs="*", metavar="{" + ",".join(BENCHMARKS) + "}",
                     help="benchmarks to run (default: moe, decode, train; on CUDA also flex and steps, first)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    ap.add_argument("--train-preset", default=None, help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
-    ap.add_argument("--train-batch", type=int, default=None,
+    cli.add_device(ap)
+    ap.add_argument("--train-preset", default=None, choices=list(budget.PRESETS),
+                    help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
+    ap.add_argument("--train-batch", type=cli.positive_int, default=None,
                     help="sequences per step in the train benchmark (default: 8 on CPU, 32 on CUDA)")
-    ap.add_argument("--json", default=None, help="merge the measured figures into this JSON file (after each benchmark)")
+    cli.add_out_dir(ap, "merge the measured figures into DIR/bench.json, after each benchmark (default: print only)",
+                    old=())
+    cli.deprecated_alias(ap, "--json", "json", "--out-dir DIR (merges into DIR/bench.json)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        args.json = os.path.join(args.out_dir, "bench.json")
+    device = torch.device(cli.resolve_device(args.device))
     cuda = device.type == "cuda"
     which = args.which or ([*BENCHMARKS] if cuda else ["moe", "decode", "train"])
     if set(which) - set(BENCHMARKS):

@@ -74,6 +74,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+import cli
 import loop as looping
 from loop import LoopConfig, middle_span
 from model import ModelConfig
@@ -648,14 +649,20 @@ def format_ladder(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Budget accounting and SMELT budget matching (see the module docstring).")
-    ap.add_argument("--ladder", choices=sorted(PRESETS), help="print the matched Baseline/SMELT grid of a preset")
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser("Budget accounting and SMELT budget matching (see the module docstring).")
+    ap.add_argument("--ladder", choices=list(PRESETS), help="print the matched Baseline/SMELT grid of a preset")
     ap.add_argument("--config", help="print the accounting of a ModelConfig JSON file (e.g. a run's config.json)")
-    ap.add_argument("--ctx-len", type=float, default=None, help="document length for attention FLOPs "
+    ap.add_argument("--ctx-len", type=cli.positive_float, default=None, help="document length for attention FLOPs "
                     "(default: measured on the preset's prepared data, the paper's 833 for --ladder paper; "
                     "with --config, the config's block_size)")
-    ap.add_argument("--json", help="also write the ladder rows to this JSON file")
+    cli.add_out_dir(ap, "also write the ladder rows to DIR/ladder_PRESET.json (default: print only)", old=())
+    cli.deprecated_alias(ap, "--json", "json", "--out-dir DIR (writes DIR/ladder_PRESET.json)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not args.ladder and not args.config:
         ap.error("give --ladder PRESET or --config FILE")
@@ -679,8 +686,10 @@ def main(argv: list[str] | None = None) -> None:
         ok = sum(r.get("within_tolerance", False) for r in rows)
         print(f"\n{ok}/{n} cells within tolerance (F 4 %, N 1 %, KV 4 %); "
               f"{time.perf_counter() - t0:.1f} s total. Ratios are SMELT / Baseline.")
-        if args.json:
-            with open(args.json, "w") as f:
+        path = os.path.join(args.out_dir, f"ladder_{args.ladder}.json") if args.out_dir else args.json
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:
                 json.dump(rows, f, indent=1)
 
 

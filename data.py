@@ -79,6 +79,7 @@ import numpy as np
 import tiktoken
 import torch
 
+import cli
 from checks import JSONFileError, read_json
 
 FORMAT_VERSION = 1  # bump when extraction or layout changes: old caches then rebuild
@@ -554,7 +555,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
     d = Path(data_dir)
     if manifest is None:
         if not (d / "manifest.json").exists():
-            raise FileNotFoundError(f"no manifest.json in {d}: prepare it with `python data.py --preset ... --out {d}`")
+            raise FileNotFoundError(f"no manifest.json in {d}: prepare it with `python data.py --preset ... --out-dir {d}`")
         manifest = read_json(d / "manifest.json", keys=("files",))
     for rel, meta in manifest["files"].items():
         p = d / rel
@@ -912,25 +913,36 @@ def measure_bytes_per_token(data_dir: str, vocab_sizes: list[int]) -> dict[str, 
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="Prepare the offline corpus (see the module docstring).")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="corpus size and vocabulary")
-    ap.add_argument("--out", default=None, help="output directory (default: <cache>/data/<preset>-v<format>)")
-    ap.add_argument("--vocab-size", type=int, default=None, help="truncated GPT-2 vocabulary (default: the preset's)")
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser("Prepare the offline corpus (see the module docstring).")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                    help="corpus size and vocabulary (the medium and paper reproductions use the small corpus)")
+    cli.add_out_dir(ap, "output directory (default: <cache>/data/<preset>-v<format>)")
+    ap.add_argument("--vocab-size", type=cli.int_range(257, GPT2_VOCAB), default=None,
+                    help="truncated GPT-2 vocabulary (default: the preset's)")
     ap.add_argument("--force", action="store_true", help="rebuild even if a valid cached dataset exists")
-    ap.add_argument("--measure", default="", help="after preparing, report bytes/token per domain for these "
-                                                  "comma-separated vocab sizes, e.g. 4096,8192,16384,50257")
+    ap.add_argument("--measure", type=_vocab_list, default=[], help="after preparing, report bytes/token per "
+                    "domain for these comma-separated vocab sizes, e.g. 4096,8192,16384,50257 (default: none)")
     ap.add_argument("--pack", default=None, metavar="DIR",
                     help="also copy the dataset and BPE files into DIR (one folder < 64 MiB) for a machine "
-                         "without network: `python reproduce.py --data-dir DIR` reads it")
-    args = ap.parse_args()
-    manifest = prepare(args.preset, args.out, args.vocab_size, args.force)
+                         "without network: `python reproduce.py --data-dir DIR` reads it (default: no pack)")
+    return ap
+
+
+def _vocab_list(text: str) -> list[int]:
+    """--measure: comma-separated vocabulary sizes, each in [257, 50257]."""
+    check = cli.int_range(257, GPT2_VOCAB)
+    return [check(v) for v in text.split(",") if v.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    manifest = prepare(args.preset, args.out_dir, args.vocab_size, args.force)
     for domain, n in manifest["tokens_per_domain"].items():
         print(f"  {domain:10s} {n:>11,} tokens")
     if args.measure:
-        out = args.out or default_data_dir(args.preset, args.vocab_size)
-        sizes = [int(v) for v in args.measure.split(",")]
-        for domain, row in measure_bytes_per_token(out, sizes).items():
+        out = args.out_dir or default_data_dir(args.preset, args.vocab_size)
+        for domain, row in measure_bytes_per_token(out, args.measure).items():
             print(f"  {domain:10s} bytes/token " + "  ".join(f"{v}: {b}" for v, b in row.items()))
     if args.pack:
         pack(args.preset, args.pack, args.vocab_size)

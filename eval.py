@@ -106,6 +106,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cli
 import data as data_mod
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks" / "bigbench"
@@ -1606,33 +1607,44 @@ def _read_eval(run_dir: str) -> dict:
     return json.loads(p.read_text())
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Evaluate a run: validation loss by source/domain/length, "
-                                 "few-shot shot sweep, optional comparison and loss-to-score calibration.")
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser("Evaluate a run: validation loss by source/domain/length, "
+                    "few-shot shot sweep, optional comparison and loss-to-score calibration.")
     ap.add_argument("--run", required=True, help="run directory with config.json and ckpt.pt, or an endpoint / "
                                                  "checkpoint file (RUN_DIR/endpoints/branch_XXXXXXX.pt)")
-    ap.add_argument("--tasks", nargs="+", default=["all"],
+    ap.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
+                    choices=["all", "real", "generated", *REAL_TASKS, *GENERATED_TASKS],
                     help=f"task names or groups real|generated|all; real: {list(REAL_TASKS)}; generated: {list(GENERATED_TASKS)}")
-    ap.add_argument("--shots", nargs="+", type=int, default=list(SHOTS), help="numbers of demonstrations k")
-    ap.add_argument("--seeds", type=int, default=10, help="demonstration seeds per k > 0 (k = 0 runs once)")
-    ap.add_argument("--max-items", type=int, default=100, help="items per task (a fixed shuffle); 0 = all")
-    ap.add_argument("--val-tokens", type=int, default=1 << 16, help="validation tokens per source; 0 = no validation")
-    ap.add_argument("--batch-size", type=int, default=8, help="validation batch size (rows of block_size)")
-    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    ap.add_argument("--shots", nargs="+", type=cli.nonneg_int, default=list(SHOTS), help="numbers of demonstrations k")
+    ap.add_argument("--seeds", type=cli.positive_int, default=10, help="demonstration seeds per k > 0 (k = 0 runs once)")
+    ap.add_argument("--max-items", type=cli.nonneg_int, default=100, help="items per task (a fixed shuffle); 0 = all")
+    ap.add_argument("--val-tokens", type=cli.nonneg_int, default=1 << 16,
+                    help="validation tokens per source; 0 = no validation")
+    ap.add_argument("--batch-size", type=cli.positive_int, default=8, help="validation batch size (rows of block_size)")
+    cli.add_device(ap)
+    cli.add_out_dir(ap, "where eval.json (for an endpoint file: NAME.eval.json) and the plots go (default: beside "
+                    "--run, where reproduce.py and --compare / --baselines look for them)", old=())
     ap.add_argument("--compare", default=None, help="another run dir with eval.json: permutation tests and length shape vs it")
     ap.add_argument("--baselines", nargs="+", default=None,
                     help=f"Baseline run dirs with eval.json (>= {CALIBRATION_MIN_POINTS}): calibrate this run "
                          f"against them (SMELT Eq. 6-7)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.baselines and args.val_tokens == 0:
         ap.error("--baselines calibrates against validation loss: it needs --val-tokens > 0")
     res = evaluate_endpoint(args.run, tasks=args.tasks, shots=args.shots, seeds=args.seeds,
                             max_items=args.max_items or None, val=args.val_tokens > 0,
                             val_tokens_per_source=args.val_tokens or None, batch_size=args.batch_size,
-                            device=args.device)
+                            device=cli.resolve_device(args.device))
     src = Path(args.run)
-    out_json = src / "eval.json" if src.is_dir() else src.with_suffix(".eval.json")
-    stem = out_json.parent / ("eval" if src.is_dir() else src.stem)
+    out = Path(args.out_dir) if args.out_dir else (src if src.is_dir() else src.parent)
+    out.mkdir(parents=True, exist_ok=True)
+    out_json = out / "eval.json" if src.is_dir() else out / src.with_suffix(".eval.json").name
+    stem = out / ("eval" if src.is_dir() else src.stem)
     other = _read_eval(args.compare) if args.compare else None
     if other:
         res["compare"] = {"against": args.compare, **compare(other, res)}

@@ -26,10 +26,12 @@ RMSNorm and an untied output head. This file holds that template:
     `generate`. Every attention visit keeps its own KV cache (KV grows with executed visits);
     PLT with `kv_window = w` shares loop 1's cache and keeps a ring of w positions per later
     loop. `forward_step` logits equal the full forward's (tested for every loop variant).
-  * Projections are `Linear` (nn.Linear without bias): in CPU inference, products of at most
-    SKINNY_ROWS rows run as W x^T, the layout MKL runs fastest here; with it PLT's batched
-    loops decode at 1.01-1.05x the unlooped model's time on 2 CPU threads (measurements in
-    `Linear` and the README).
+  * Projections are plain nn.Linear without bias. One speed switch lives at the end of the file,
+    out of the model's way: `forward_step` (so `generate`) on CPU runs the attention, SwiGLU and
+    head projections under `few_row_projections`, where products of a few rows use the BLAS
+    layout this CPU runs fastest (W x^T). Same results to float rounding (tested); it is what
+    lets PLT's batched loops decode at about the unlooped model's time per token on CPU
+    (measurements in `few_row_projections` and the README's Benchmarks).
   * One init function, `init_weights`: N(0, init_std) everywhere (embedding included: a small
     embedding std keeps a tied head well scaled and avoids CPU denormals), output projections
     scaled by 1/sqrt(2 * executed depth) (GPT-2's rule, counting visits, not stored layers).
@@ -42,8 +44,11 @@ activations. Nothing is stored in module state during forward.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import types
+import weakref
 from dataclasses import asdict, dataclass, field
 from numbers import Integral, Real
 
@@ -327,59 +332,6 @@ class Cache:
 
 
 # ----------------------------------------------------------------------------------------
-# Projections
-
-# Products with at most this many rows (batch-1 decoding; PLT's r stacked loops) run as
-# W @ x^T on CPU when no gradient is needed. 0 turns the rule off (bench.py times both).
-SKINNY_ROWS = 16
-
-
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight^T, (..., d_in) -> (..., d_out), with the few-row CPU layout described in `Linear`."""
-    rows = x.numel() // x.shape[-1]
-    if (not 0 < rows <= SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()):
-        return F.linear(x, weight)
-    x_RD = x.reshape(rows, x.shape[-1])
-    if rows == 1:   # MKL's GEMV runs on one thread here; a two-column GEMM uses them all
-        if torch.get_num_threads() == 1:
-            return F.linear(x, weight)
-        x_RD = torch.cat([x_RD, x_RD])
-    y_RO = torch.mm(weight, x_RD.t())[:, :rows].t().contiguous()   # (rows, d_out), F.linear's layout
-    return y_RO.view(*x.shape[:-1], weight.shape[0])
-
-
-class Linear(nn.Linear):
-    """nn.Linear (no bias) whose inference products of a few rows use the faster BLAS layout on CPU.
-
-    Batch-1 decoding multiplies 1 row (the unlooped model) or r rows (PLT's stacked loops) by
-    weights that do not stay in cache. Measured per product with fp32 weights cycling through
-    48 matrices, torch 2.13 (MKL) on a 2-core AMD EPYC, 3072 x 512 weight:
-
-                               1 thread    2 threads
-      F.linear, 1 row            0.93 ms     0.97 ms   (GEMV: one thread either way)
-      F.linear, 2 rows           1.77 ms     1.97 ms
-      W @ x^T,  2 rows           0.84 ms     0.61 ms
-      W @ [x; x]^T (1 row)       1.09 ms     0.61 ms
-
-    So F.linear gave PLT's batched loops nothing (2 rows cost 2 rows), while W x^T does 2 rows
-    in about one row's time on either thread count (and beats F.linear up to 64 rows on 2
-    threads): a few rows run as W x^T. A single row is padded to two only with more than one
-    thread, where the GEMM's threads beat the one-thread GEMV; that speeds the unlooped model
-    as much as PLT, so the comparison stays like for like.
-    With gradients, under torch.compile, off CPU or above SKINNY_ROWS rows this is plain
-    F.linear (large products are no faster in the other layout). Results agree with F.linear
-    to float rounding (tested).
-    """
-
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__(d_in, d_out, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight)
-
-
-# ----------------------------------------------------------------------------------------
 # Blocks
 
 class Attention(nn.Module):
@@ -387,10 +339,10 @@ class Attention(nn.Module):
         super().__init__()
         D, H, Hkv, hd = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.hd
         self.n_head, self.n_kv_head, self.hd, self.backend = H, Hkv, hd, cfg.attn_backend
-        self.wq = Linear(D, H * hd)
-        self.wk = Linear(D, Hkv * hd)
-        self.wv = Linear(D, Hkv * hd)
-        self.wo = Linear(H * hd, D)
+        self.wq = nn.Linear(D, H * hd, bias=False)
+        self.wk = nn.Linear(D, Hkv * hd, bias=False)
+        self.wv = nn.Linear(D, Hkv * hd, bias=False)
+        self.wo = nn.Linear(H * hd, D, bias=False)
         lc = cfg.loop
         looped = lc.active and lc.in_span(layer)
         self.adapters = (make_adapters({"q": (D, H * hd), "k": (D, Hkv * hd), "v": (D, Hkv * hd),
@@ -401,7 +353,7 @@ class Attention(nn.Module):
         if self.window:
             self.kv_gate = nn.Linear(D, H, bias=False)   # zero-init: per-head gate starts at 1/2
 
-    def proj(self, name: str, lin: Linear, x: Tensor, loop: int | None, n_loops: int) -> Tensor:
+    def proj(self, name: str, lin: nn.Linear, x: Tensor, loop: int | None, n_loops: int) -> Tensor:
         y = lin(x)
         if self.adapters is not None:
             if loop is None:   # stacked PLT batch: (r*B, T, d) -> loop dim first
@@ -505,9 +457,9 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         D, Fd = cfg.d_model, cfg.d_ff
-        self.gate = Linear(D, Fd)
-        self.up = Linear(D, Fd)
-        self.down = Linear(Fd, D)
+        self.gate = nn.Linear(D, Fd, bias=False)
+        self.up = nn.Linear(D, Fd, bias=False)
+        self.down = nn.Linear(Fd, D, bias=False)
         lc = cfg.loop
         self.adapters = (make_adapters({"gate": (D, Fd), "up": (D, Fd), "down": (Fd, D)}, lc)
                          if lc.active and lc.in_span(layer) and lc.adapter != "none" else None)
@@ -610,7 +562,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         lc = cfg.loop
         self.plt = (nn.ModuleList(PLTInject(cfg.d_model, lc.inject) for _ in range(lc.n_loops - 1))
                     if lc.parallel else None)
@@ -729,7 +681,7 @@ class GPT(nn.Module):
 
     def _head(self, x: Tensor, targets: Tensor | None, router) -> Output:
         x = self.norm_f(x)
-        logits = linear(x, self.tok_emb.weight) if self.lm_head is None else self.lm_head(x)
+        logits = F.linear(x, self.tok_emb.weight) if self.lm_head is None else self.lm_head(x)
         zero = logits.new_zeros(())
         aux = torch.stack([s.aux_loss for _, s in router]).mean() if router else zero
         z = torch.stack([s.z_loss for _, s in router]).mean() if router else zero
@@ -785,12 +737,14 @@ class GPT(nn.Module):
         pos = torch.arange(p0, p0 + T, device=idx.device)
         ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None,
                   self.cfg.loop.n_loops, B, cache=cache, start=p0)
-        x = self.tok_emb(idx)
-        x = self._visits(x, ctx, self.plan, []) if self.plt is None else self._plt_step(x, ctx, cache)
+        with few_row_projections(self):   # a CPU speed switch only (end of this file); same logits
+            x = self.tok_emb(idx)
+            x = self._visits(x, ctx, self.plan, []) if self.plt is None else self._plt_step(x, ctx, cache)
+            logits = self._head(x, None, []).logits
         for ring, slots, keep in ctx.ring_pos_updates:
             ring.pos[slots] = keep
         cache.length += T
-        return self._head(x, None, []).logits
+        return logits
 
     def _plt_step(self, x: Tensor, ctx: Ctx, cache: Cache) -> Tensor:
         lc = self.cfg.loop
@@ -875,3 +829,92 @@ def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="induct
     if fresh:
         torch._dynamo.reset()
     return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)
+
+
+# ----------------------------------------------------------------------------------------
+# Decoding on CPU: the few-row projection layout (a speed switch; the model above never needs it)
+
+# Products with at most this many rows (batch-1 decoding; PLT's r stacked loops) run as
+# W @ x^T under `few_row_projections`. 0 turns the rule off (bench.py times both).
+SKINNY_ROWS = 16
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight^T, (..., d_in) -> (..., d_out): F.linear, except that in CPU inference a product of
+    1..SKINNY_ROWS rows runs as W @ x^T (a single row padded to two when torch has 2+ threads)."""
+    rows = x.numel() // x.shape[-1]
+    if (not 0 < rows <= SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()):
+        return F.linear(x, weight)
+    x_RD = x.reshape(rows, x.shape[-1])
+    if rows == 1:   # MKL's GEMV runs on one thread here; a two-column GEMM uses them all
+        if torch.get_num_threads() == 1:
+            return F.linear(x, weight)
+        x_RD = torch.cat([x_RD, x_RD])
+    y_RO = torch.mm(weight, x_RD.t())[:, :rows].t().contiguous()   # (rows, d_out), F.linear's layout
+    return y_RO.view(*x.shape[:-1], weight.shape[0])
+
+
+def _few_row_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    return linear(x, self.weight)
+
+
+# model -> [(projection, its few-row forward)]: weak keys, so a model's entry goes with the model
+_BOUND: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def _projections(model: nn.Module) -> list[nn.Linear]:
+    """The matrices a decoded token passes: attention q/k/v/o, dense SwiGLU gate/up/down, the head."""
+    lins = []
+    for m in model.modules():
+        if isinstance(m, Attention):
+            lins += [m.wq, m.wk, m.wv, m.wo]
+        elif isinstance(m, SwiGLU):
+            lins += [m.gate, m.up, m.down]
+    head = getattr(model, "lm_head", None)
+    return lins + ([head] if head is not None else [])
+
+
+@contextlib.contextmanager
+def few_row_projections(model: nn.Module):
+    """Within this block, the model's projections (`_projections`) compute with `linear` on CPU.
+
+    Batch-1 decoding multiplies 1 row (the unlooped model) or r rows (PLT's stacked loops) by
+    weights that do not stay in cache. Measured per product with fp32 weights cycling through
+    48 matrices, torch 2.13 (MKL) on a 2-core AMD EPYC, 3072 x 512 weight:
+
+                               1 thread    2 threads
+      F.linear, 1 row            0.93 ms     0.97 ms   (GEMV: one thread either way)
+      F.linear, 2 rows           1.77 ms     1.97 ms
+      W @ x^T,  2 rows           0.84 ms     0.61 ms
+      W @ [x; x]^T (1 row)       1.09 ms     0.61 ms
+
+    So F.linear gave PLT's batched loops nothing (2 rows cost 2 rows), while W x^T does 2 rows
+    in about one row's time on either thread count (and beats F.linear up to 64 rows on 2
+    threads): a few rows run as W x^T. A single row is padded to two only with more than one
+    thread, where the GEMM's threads beat the one-thread GEMV; that speeds the unlooped model
+    as much as PLT, so the comparison stays like for like. With gradients, under torch.compile,
+    above SKINNY_ROWS rows or off CPU it is plain F.linear, and outside this block the model
+    is plain nn.Linear everywhere. A tied head (`tie_embeddings`) stays F.linear.
+
+    Mechanism: each projection gets an instance-level `forward` for the duration of the block,
+    removed on exit (also on error); a block nested inside another leaves the outer one's in
+    place. The list of projections is built once per model (`_BOUND`; entering costs ~10 us, not
+    the ~150 us of walking the modules every token; a projection swapped in later runs plain
+    F.linear: slower, same results). `forward_step` (and so `generate`, eval's
+    shared-context scoring) enters it.
+    """
+    pairs = _BOUND.get(model)
+    if pairs is None:   # built once per model: this runs for every decoded token
+        pairs = _BOUND[model] = [(m, types.MethodType(_few_row_forward, m)) for m in _projections(model)]
+    if not pairs or pairs[0][0].weight.device.type != "cpu":
+        yield model
+        return
+    mine = [(m, f) for m, f in pairs if "forward" not in m.__dict__]
+    for m, f in mine:
+        m.__dict__["forward"] = f
+    try:
+        yield model
+    finally:
+        for m, _ in mine:
+            m.__dict__.pop("forward", None)

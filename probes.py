@@ -100,6 +100,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import cli
 import stats
 from loop import Visit
 
@@ -1402,32 +1403,37 @@ def plot_pairs(result: dict, out_dir: str, detail: Sequence[str] | None = None, 
 # ----------------------------------------------------------------------------------------
 # CLI
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description="SMELT Section 6 probes on matched (Baseline, SMELT) pairs.")
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser("SMELT Section 6 probes on matched (Baseline, SMELT) pairs.")
     ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "BASELINE", "SMELT"),
                     help="a matched pair: a name and two run directories or endpoint files (repeatable)")
     ap.add_argument("--data-dir", default=None, help="prepared data directory (default: the SMELT run's data_dir)")
-    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens, split equally over the domains")
-    ap.add_argument("--block-size", type=int, default=0, help="context length (0: the first SMELT model's)")
-    ap.add_argument("--batch-size", type=int, default=8,
+    ap.add_argument("--tokens", type=cli.positive_int, default=4096,
+                    help="held-out tokens, split equally over the domains")
+    ap.add_argument("--block-size", type=cli.nonneg_int, default=0, help="context length (0: the first SMELT model's)")
+    ap.add_argument("--batch-size", type=cli.positive_int, default=8,
                     help="probe batch (memory ~ visits x B x heads x T^2 x 4 bytes for attention maps)")
-    ap.add_argument("--dyck-items", type=int, default=8, help="Dyck query items (each at every k)")
+    ap.add_argument("--dyck-items", type=cli.positive_int, default=8, help="Dyck query items (each at every k)")
     ap.add_argument("--no-dyck", action="store_true", help="skip the Dyck case study")
-    ap.add_argument("--seed", type=int, default=0, help="Dyck prompt seed and bootstrap seed")
-    ap.add_argument("--draws", type=int, default=1000, help="bootstrap draws per interval")
-    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    ap.add_argument("--out", default=None, help="output directory (default: FIRST_SMELT_RUN/probes)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="Dyck prompt seed and bootstrap seed")
+    ap.add_argument("--draws", type=cli.positive_int, default=1000, help="bootstrap draws per interval")
+    cli.add_device(ap)
+    cli.add_out_dir(ap, "output directory (default: probes/ beside the first SMELT run)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     import data as data_mod
     from eval import load_model
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = cli.resolve_device(args.device)
     first, meta = load_model(args.pair[0][2], "cpu")
     data_dir = args.data_dir or meta.get("data_dir")
     if not data_dir:
         raise SystemExit("--data-dir is needed: the SMELT run's config.json names no data_dir")
     block = args.block_size or meta.get("train", {}).get("block_size") or first.cfg.block_size
     del first
-    out = args.out or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")
+    out = args.out_dir or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")
     os.makedirs(out, exist_ok=True)
     res = probe_pairs([tuple(p) for p in args.pair], data_mod.TokenData(data_dir), args.tokens, block,
                       args.batch_size, dyck=not args.no_dyck, dyck_items=args.dyck_items, seed=args.seed,

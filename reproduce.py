@@ -1,6 +1,6 @@
 """The main job: the reduced-scale SMELT reproduction, end to end, with a report.
 
-  python reproduce.py [--preset smoke|tiny|small|medium|paper] [--out DIR]
+  python reproduce.py [--preset smoke|tiny|small|medium|paper] [--out-dir DIR]
 
 Stages (each reads the JSON the previous one wrote; finished work is skipped on re-run):
   1. data      data.prepare(preset): the offline multi-domain corpus, tokenised and packed.
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 import budget
+import cli
 from model import ModelConfig
 
 
@@ -868,21 +869,24 @@ def run_summary(preset: str, stage_s: dict, wall: float) -> dict:
             "minutes": round(wall / 60, 2), "stage_minutes": {k: round(v / 60, 2) for k, v in stage_s.items()}}
 
 
-def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny", choices=sorted(PLANS), help="size of the reproduction (default tiny)")
-    ap.add_argument("--out-dir", "--out", dest="out_dir", default=None,
-                    help="output directory (default runs/reproduce_PRESET)")
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser(__doc__)
+    ap.add_argument("--preset", default="tiny", choices=list(PLANS), help="size of the reproduction")
+    cli.add_out_dir(ap, "output directory (default: runs/reproduce_PRESET)")
     ap.add_argument("--data-dir", default=None, metavar="DIR",
                     help="read the data from a pack made by `python data.py --preset PRESET --pack DIR` "
-                         "(for a machine without network: nothing is downloaded)")
-    ap.add_argument("--jobs", type=int, default=None,
+                         "(for a machine without network: nothing is downloaded; default: prepare the preset's)")
+    ap.add_argument("--jobs", type=cli.positive_int, default=None,
                     help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; 1 on CUDA)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
     ap.add_argument("--plan-only", action="store_true",
                     help="print the ladder and what training it costs (tokens, TPP, FLOPs, GPU minutes), then stop")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> Path:
+    args = build_parser().parse_args(argv)
     plan = PLANS[args.preset]
     if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
         import data

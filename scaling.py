@@ -120,6 +120,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from scipy.optimize import minimize
 
+import cli
 import stats
 
 try:  # scipy's L-BFGS-B calls BLAS on 6-vectors; multi-threaded BLAS on a busy machine makes that ~30x slower
@@ -1358,30 +1359,35 @@ def _markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str
     return "\n".join(md)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Fit SMELT Eq. 2 loss surfaces per architecture, say whether each fit "
-                                 "is identified, and from identified fits report CE gain, TPP, cell-bootstrap "
-                                 "brackets, per-subset gains and plots.")
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser("Fit SMELT Eq. 2 loss surfaces per architecture, say whether each fit is identified, and "
+                    "from identified fits report CE gain, TPP, cell-bootstrap brackets, per-subset gains and plots.")
     ap.add_argument("--results", help="results.jsonl written by train.py (one JSON row per finished run)")
-    ap.add_argument("--out", default="scaling_out", help="output directory for JSON, tables and plots")
-    ap.add_argument("--bootstrap", type=int, default=2000, help="cell-bootstrap draws (0 to skip)")
-    ap.add_argument("--n-jobs", type=int, default=2, help="worker processes for the bootstrap")
-    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    ap.add_argument("--budgets", type=float, nargs="+", help="compute budgets (FLOPs) for the CE-gain table; "
-                    "default: the data's compute window (its geometric midpoint and log-quartiles); TPP uses "
+    cli.add_out_dir(ap, "output directory for JSON, tables and plots", default="scaling_out")
+    ap.add_argument("--bootstrap", type=cli.nonneg_int, default=2000, help="cell-bootstrap draws (0 to skip)")
+    ap.add_argument("--jobs", type=cli.positive_int, default=2, help="worker processes for the bootstrap")
+    cli.deprecated_alias(ap, "--n-jobs", "jobs", "--jobs", type=cli.positive_int)
+    ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="bootstrap seed")
+    ap.add_argument("--budgets", type=cli.positive_float, nargs="+", help="compute budgets (FLOPs) for the CE-gain "
+                    "table; default: the data's compute window (its geometric midpoint and log-quartiles); TPP uses "
                     "the middle one; budgets outside the data are marked extrapolated")
     ap.add_argument("--include-dense", action="store_true",
-                    help=f"also fit the {CONTROL_LABEL} control cells (the paper excludes them)")
+                    help=f"also fit the {CONTROL_LABEL.replace('%', '%%')} control cells (the paper excludes them)")
     ap.add_argument("--paper", action="store_true", help="print SMELT's CE-gain and TPP tables from Table 4.3")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.paper:
         print(paper_tables())
         return
     if not args.results:
         ap.error("give --results FILE or --paper")
-    analyse(read_results(args.results), args.out, n_boot=args.bootstrap, n_jobs=args.n_jobs, seed=args.seed,
+    analyse(read_results(args.results), args.out_dir, n_boot=args.bootstrap, n_jobs=args.jobs, seed=args.seed,
             include_dense=args.include_dense, budgets=args.budgets)
-    print(open(os.path.join(args.out, "tables.md")).read())
+    print(open(os.path.join(args.out_dir, "tables.md")).read())
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import budget
+import cli
 import data as data_mod
 from checks import JSONFileError, check_fields, from_dict, parse_json, read_json, require_keys
 from loop import LoopConfig, middle_span
@@ -1313,31 +1314,38 @@ def preset_model(name: str, vocab_size: int) -> ModelConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.parser(__doc__.split("\n\n")[0])
     m = p.add_mutually_exclusive_group(required=True)
     m.add_argument("--model-json", help="path to a ModelConfig JSON (ModelConfig.to_dict())")
-    m.add_argument("--preset", choices=PRESETS, help="a named tiny model")
-    p.add_argument("--data", default="smoke", help="data preset for data.prepare (smoke|tiny|small) or 'synthetic'")
+    m.add_argument("--preset", choices=PRESETS, help="one of the smoke-size models (run-size presets are reproduce.py's)")
+    p.add_argument("--data", default="smoke", choices=[*data_mod.PRESETS, "synthetic"],
+                   help="corpus preset for data.prepare, or random tokens")
     p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
-    p.add_argument("--vocab-size", type=int, default=256, help="vocabulary of --data synthetic")
+    p.add_argument("--vocab-size", type=cli.positive_int, default=256, help="vocabulary of --data synthetic")
     for key in ("arch", "scale", "sparsity_label"):
         p.add_argument(f"--{key.replace('_', '-')}", help=f"results-row field {key!r}")
-    kinds = {"float": float, "int": int, "str": str}
+    kinds = {"float": float, "int": int, "str": str}   # TrainConfig.validate checks the ranges, in main
+    special = {"device": dict(type=cli.device), "dtype": dict(choices=("auto", "bf16", "fp32")),
+               "dist_backend": dict(choices=("auto", "nccl", "gloo")), "out_dir": dict(metavar="DIR")}
     for f in fields(TrainConfig):
         flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
         elif f.type == "list[int]":
-            p.add_argument(flag, type=int, nargs="+", default=[], help=help)
+            p.add_argument(flag, type=cli.positive_int, nargs="+", default=[], help=help)
         else:
-            p.add_argument(flag, type=kinds[f.type], default=f.default, help=help)
+            p.add_argument(flag, **{"type": kinds[f.type], "default": f.default, "help": help, **special.get(f.name, {})})
     return p
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    a = build_parser().parse_args(argv)
-    tc = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:   # the config's own rules, reported like any bad flag before anything runs
+        tc = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
+        tc.validate()
+    except ValueError as e:
+        p.error(str(e))
     if a.data == "synthetic" and not a.data_dir:
         data = SyntheticData(a.vocab_size)
     else:

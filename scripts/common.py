@@ -3,8 +3,8 @@
 Every script in scripts/ is a thin composition of the library modules; what they all need lives
 here and nowhere else:
 
-  * `parser(doc)`      the common CLI: --preset {smoke,tiny,small}, --out DIR, --steps N, --seed,
-                       --jobs, --threads.
+  * `parser(doc)`      the common CLI (cli.py's conventions): --preset {smoke,tiny,small},
+                       --out-dir DIR, --steps N, --seed, --jobs, --threads.
   * `Experiment`       one script run: the preset's plan (reproduce.PLANS: lr, batch, context, warmup),
                        the prepared data (reproduce.stage_data), the training config for one sweep
                        point, and helpers: `base` (a preset Baseline from budget.preset_baselines),
@@ -51,6 +51,7 @@ import torch  # noqa: E402
 import numpy as np  # noqa: E402
 
 import budget  # noqa: E402
+import cli  # noqa: E402
 import loop as looping  # noqa: E402
 import reproduce  # noqa: E402
 import stats  # noqa: E402
@@ -63,19 +64,24 @@ SWEEP_STEPS = {"smoke": 30, "tiny": 40, "small": 600}          # stable steps of
 EVAL_TOKENS = {"smoke": 1024, "tiny": 1024, "small": 16384}    # validation tokens per source
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments every script takes; scripts add their own."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str, training: bool = True) -> argparse.ArgumentParser:
+    """The arguments every script takes; scripts add their own. training=False leaves out the flags
+    that only mean something to a script that trains (--steps, --seed, --jobs)."""
+    ap = cli.parser(doc)
     ap.add_argument("--preset", default="tiny", choices=PRESETS,
-                    help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU (default tiny)")
-    ap.add_argument("--out", default=None, help="output directory (default runs/scripts/NAME_PRESET[_sSTEPS])")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="stable training steps per run (default: smoke 30, tiny 40, small 600)")
-    ap.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help="runs trained at once, one thread each (default: 2 on a CPU with >= 2 cores for tiny, "
-                         "else 1; small runs on one CUDA device one at a time)")
-    ap.add_argument("--threads", type=int, default=None,
+                    help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU"
+                         + (" (a medium-length sweep: --preset small --steps N)" if training else ""))
+    cli.add_out_dir(ap, "output directory (default: runs/scripts/NAME_PRESET[_sSTEPS])")
+    if training:
+        ap.add_argument("--steps", type=cli.positive_int, default=None,
+                        help="stable training steps per run (default: smoke 30, tiny 40, small 600)")
+        ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="initialisation and data-order seed")
+        ap.add_argument("--jobs", type=cli.positive_int, default=None,
+                        help="runs trained at once, one thread each (default: 2 on a CPU with >= 2 cores for tiny, "
+                             "else 1; small runs on one CUDA device one at a time)")
+    else:
+        ap.set_defaults(steps=None, seed=0, jobs=None)
+    ap.add_argument("--threads", type=cli.positive_int, default=None,
                     help="torch CPU threads (default: 1 for smoke, whose tiny matmuls only lose to thread "
                          "synchronisation, most of all on a shared CPU; torch's default otherwise)")
     return ap
@@ -103,7 +109,7 @@ class Experiment:
         self.plan = reproduce.PLANS[a.preset]
         self.steps = a.steps or SWEEP_STEPS[a.preset]
         suffix = f"_s{a.steps}" if a.steps else ""
-        self.out = Path(a.out or ROOT / "runs" / "scripts" / f"{self.name}_{a.preset}{suffix}")
+        self.out = Path(a.out_dir or ROOT / "runs" / "scripts" / f"{self.name}_{a.preset}{suffix}")
         self.out.mkdir(parents=True, exist_ok=True)
         p, frac = self.plan, self.steps / self.plan.stable_steps
         self.tc = trainer.TrainConfig(
@@ -336,9 +342,11 @@ def load_trained(run_dir: str | Path, device: str | None = None):
 
 def add_pair_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--runs", nargs=2, metavar=("BASELINE", "LOOPED"),
-                    help="two trained run directories (config.json + checkpoints) to analyse")
+                    help="two trained run directories (config.json + checkpoints) to analyse "
+                         "(default: train the preset's Baseline and its matched SMELT here)")
     ap.add_argument("--ladder", default=None,
-                    help="a scaling_ladder.py / reproduce.py output directory: use its last cell's pair")
+                    help="a scaling_ladder.py / reproduce.py output directory: use its last cell's pair "
+                         "(default: see --runs)")
 
 
 def pair_runs(exp: Experiment) -> tuple[Path, Path]:

@@ -1,12 +1,12 @@
 """Batch-1 decode latency: unlooped vs sequential 2-loop vs PLT 2-loop, and KV-cache bytes per token.
 
-  python scripts/decode_latency.py --preset smoke|tiny|small [--steps NEW_TOKENS] [--prompt P] [--device D]
+  python scripts/decode_latency.py --preset smoke|tiny|small [--prompt P] [--new-tokens N] [--device D]
 
 Timing is bench.bench_decode (its fixed models, bench.decode_models: d_model 512, 8 layers, a
 2-loop middle span; median of 7 timed decodes after a warm-up, fp32 on CPU, bf16 on CUDA; the
 table uses the default projection layout, and on CPU the ratios with plain F.linear are kept too).
 The preset sets the prompt and the number of decoded tokens (smoke 8 + 8: seconds; tiny 64 + 64;
-small 128 + 256); --steps overrides the decoded tokens (this script trains nothing). KV bytes per
+small 128 + 256); --prompt and --new-tokens override them (this script trains nothing). KV bytes per
 token (bf16) are budget.kv_bytes_per_token of the same configs at the decode length, plus PLT
 with KV sharing (a window of a quarter of the context), which bench.py does not time.
 Writes results.json and a table.
@@ -21,19 +21,27 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import bench
 import budget
+import cli
 
 LENGTHS = {"smoke": (8, 8), "tiny": (64, 64), "small": (128, 256)}   # (prompt, decoded tokens)
 
 
+def build_parser():
+    ap = common.parser(__doc__, training=False)
+    ap.add_argument("--prompt", type=cli.positive_int, default=None,
+                    help="prompt tokens (default: smoke 8, tiny 64, small 128)")
+    ap.add_argument("--new-tokens", type=cli.positive_int, default=None,
+                    help="decoded tokens (default: smoke 8, tiny 64, small 256)")
+    cli.add_device(ap)
+    return ap
+
+
 def main(argv=None) -> dict:
-    ap = common.parser(__doc__)
-    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default by preset)")
-    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("decode_latency", args)
     prompt, new = LENGTHS[args.preset]
-    prompt, new = args.prompt or prompt, args.steps or new
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    prompt, new = args.prompt or prompt, args.new_tokens or new
+    device = torch.device(cli.resolve_device(args.device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfgs = bench.decode_models()
     ctx = prompt + new

@@ -22,6 +22,7 @@ from dataclasses import replace
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
+import cli
 from model import ModelConfig
 
 DEPTH_FACTORS = {"smoke": (0.5, 1.0, 1.5), "tiny": (2 / 3, 1.0, 4 / 3), "small": (0.75, 1.0, 1.25, 1.5)}
@@ -56,14 +57,18 @@ def at_depth(ref: ModelConfig, P: int, ctx: int, multiple: int = 4) -> ModelConf
     return min((build(d) for d in ds), key=worst)
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--depths", type=int, nargs="+", default=None,
+    ap.add_argument("--depths", type=cli.positive_int, nargs="+", default=None,
                     help="physical depths (default: the reference depth x 0.5/1/1.5 smoke, 2/3..4/3 tiny, "
                          "0.75..1.5 small)")
     ap.add_argument("--scale", default=None, help="preset scale of the reference (default: the deepest)")
     ap.add_argument("--sparsity", default=None, help="sparsity label (default: the ~85 %% column)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("depth_sweep", args)
     scale, label, ref = exp.base(args.scale, args.sparsity)
     control = budget.dense_control(ref)

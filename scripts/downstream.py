@@ -19,19 +19,26 @@ from __future__ import annotations
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
+import cli
 import eval as ev
 import reproduce
 import stats
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
     common.add_pair_args(ap)
-    ap.add_argument("--tasks", nargs="+", default=None, help="eval tasks or groups (default: the plan's)")
-    ap.add_argument("--shots", type=int, nargs="+", default=None, help="shot counts k (default: the plan's)")
-    ap.add_argument("--seeds", type=int, default=None, help="demonstration seeds (default: the plan's)")
-    ap.add_argument("--max-items", type=int, default=None, help="items per task (default: the plan's)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                    choices=["all", "real", "generated", *ev.REAL_TASKS, *ev.GENERATED_TASKS],
+                    help="eval tasks or groups (default: the plan's)")
+    ap.add_argument("--shots", type=cli.nonneg_int, nargs="+", default=None, help="shot counts k (default: the plan's)")
+    ap.add_argument("--seeds", type=cli.positive_int, default=None, help="demonstration seeds (default: the plan's)")
+    ap.add_argument("--max-items", type=cli.positive_int, default=None, help="items per task (default: the plan's)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("downstream", args)
     p = exp.plan
     runs = dict(zip(("baseline", "smelt"), common.pair_runs(exp)))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first thing a lent GPU runs: one command, at most ~5 minutes, most valuable figures first,
-# every figure in one JSON ($OUT/gpu_check.json). Not yet run on a GPU.
+# every figure in one JSON ($OUT/bench.json). Not yet run on a GPU.
 #
 #   OUT=some/dir bash scripts/gpu_check.sh      # the device tool provides $OUT
 #
@@ -24,7 +24,7 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
     echo "gpu_check: no CUDA device visible to torch (this check needs a GPU; install a CUDA torch wheel, see the README)" >&2
     exit 2
 fi
-JSON="$OUT/gpu_check.json"
+JSON="$OUT/bench.json"   # bench.py --out-dir "$OUT" merges its figures into the same file
 BUDGET=${GPU_CHECK_SECONDS:-290}
 T0=$(date +%s)
 failed=""
@@ -61,10 +61,10 @@ step() {     # step NAME LIMIT COMMAND...: run with min(LIMIT, time left), keep 
 { nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
     > "$OUT/machine.txt" 2>&1
 head -n 20 "$OUT/machine.txt"
-step flex 50 python bench.py flex --json "$JSON"
-step steps 100 python bench.py steps --json "$JSON"
-step mfu 100 python bench.py train --json "$JSON"
-step decode 40 python bench.py decode --json "$JSON"
+step flex 50 python bench.py flex --out-dir "$OUT"
+step steps 100 python bench.py steps --out-dir "$OUT"
+step mfu 100 python bench.py train --out-dir "$OUT"
+step decode 40 python bench.py decode --out-dir "$OUT"
 step pytest 100 python -m pytest -q -x -rs -k cuda tests/test_model.py tests/test_moe.py
 echo "gpu_check: figures in $JSON ($(( $(date +%s) - T0 ))s in all)"
 if [ -n "$failed" ]; then

@@ -24,20 +24,25 @@ from dataclasses import replace
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
+import cli
 from loop import ADAPTERS
 
 LOOPS = {"smoke": [2, 4], "tiny": [2, 4], "small": [2, 4, 8]}
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=int, nargs="+", default=None,
+    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=None,
                     help="loop counts (default: smoke and tiny 2 4, small 2 4 8; the paper: 2 4 8)")
     ap.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=list(ADAPTERS), help="adapter kinds")
-    ap.add_argument("--rank", type=int, default=None, help="adapter rank (default: the paper's 8 at d_model 1280 "
+    ap.add_argument("--rank", type=cli.positive_int, default=None, help="adapter rank (default: the paper's 8 at d_model 1280 "
                     "scaled to this width, at least 1, so the overhead stays near the paper's few per cent)")
     ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("howto_adapters", args)
     base = exp.dense_base(args.scale)
     rank = args.rank or max(1, round(8 * base.d_model / 1280))

@@ -34,6 +34,7 @@ import torch
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
+import cli
 import probes
 import stats
 from model import GPT
@@ -79,15 +80,19 @@ def state_ratio(model, data, block_size: int, batch_size: int, tokens_per_source
     return [stats.mean_interval(torch.cat(x).numpy()) for x in per_token]
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=int, nargs="+", default=None, help="loop counts (default: 2; small 2 4)")
+    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=None, help="loop counts (default: 2; small 2 4)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="variants to run (no_loop, the reference of the fitted no-loop curve, always runs)")
-    ap.add_argument("--kv-window", type=int, default=None, help="KV-sharing window W (default: block_size / 4)")
-    ap.add_argument("--ratio-tokens", type=int, default=1024, help="held-out tokens per source for the RMS ratio")
+    ap.add_argument("--kv-window", type=cli.positive_int, default=None, help="KV-sharing window W (default: block_size / 4)")
+    ap.add_argument("--ratio-tokens", type=cli.positive_int, default=1024, help="held-out tokens per source for the RMS ratio")
     ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("howto_plt", args)
     base = exp.dense_base(args.scale)
     window = args.kv_window or max(1, exp.plan.block_size // 4)

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
+import cli
 from loop import middle_third
 
 LOOPS = {"smoke": [2], "tiny": [2, 4], "small": [2, 4, 8]}
@@ -47,16 +48,20 @@ PROTOCOL = {"weights": "How-to-Loop", "compute": "How-to-Loop", "flops": "extens
 FLOPS_ONLY = dict(tolerances={"params": 1e9, "kv": 1e9}, d_range=(0.25, 1.0))
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=int, nargs="+", default=None, help="loop counts (default: smoke 2, tiny 2 4, "
+    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=None, help="loop counts (default: smoke 2, tiny 2 4, "
                     "small 2 4 8)")
     ap.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=list(DESIGNS), help="designs to run")
     ap.add_argument("--budgets", nargs="+", default=list(BUDGETS), choices=list(BUDGETS),
                     help="weights: same model and tokens; compute: same model on the token share that equalises "
                          "training FLOPs (How-to-Loop); flops: our extension, narrowed by budget.match")
     ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("howto_schedules", args)
     base = exp.dense_base(args.scale)
     L = base.n_layer

@@ -12,14 +12,19 @@ from __future__ import annotations
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
+import cli
+
+
+def build_parser():
+    ap = common.parser(__doc__)
+    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=[1, 2, 3, 4], help="visits of the span (1 = Baseline)")
+    ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
+    ap.add_argument("--sparsity", default=None, help="sparsity label (default: the ~85 %% column)")
+    return ap
 
 
 def main(argv=None) -> dict:
-    ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=int, nargs="+", default=[1, 2, 3, 4], help="visits of the span (1 = Baseline)")
-    ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
-    ap.add_argument("--sparsity", default=None, help="sparsity label (default: the ~85 %% column)")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("loop_count_sweep", args)
     scale, label, base = exp.base(args.scale, args.sparsity)
     control = budget.dense_control(base)

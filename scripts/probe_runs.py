@@ -18,6 +18,7 @@ from pathlib import Path
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
+import cli
 import probes
 import reproduce
 
@@ -34,15 +35,19 @@ def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
     return [("pair", str(b), str(s))]
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
     common.add_pair_args(ap)
-    ap.add_argument("--tokens", type=int, default=None, help="held-out tokens to probe (default: the plan's)")
-    ap.add_argument("--batch-size", type=int, default=8,
+    ap.add_argument("--tokens", type=cli.positive_int, default=None, help="held-out tokens to probe (default: the plan's)")
+    ap.add_argument("--batch-size", type=cli.positive_int, default=8,
                     help="probe batch (memory ~ visits x B x heads x T^2 x 4 bytes for attention maps)")
-    ap.add_argument("--dyck-items", type=int, default=8, help="Dyck query items, each at k = 1, 2, 4, 8")
-    ap.add_argument("--draws", type=int, default=1000, help="bootstrap draws per interval")
-    args = ap.parse_args(argv)
+    ap.add_argument("--dyck-items", type=cli.positive_int, default=8, help="Dyck query items, each at k = 1, 2, 4, 8")
+    ap.add_argument("--draws", type=cli.positive_int, default=1000, help="bootstrap draws per interval")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("probe_runs", args)
     tokens = args.tokens or exp.plan.probe_tokens
     pairs = pairs_of(exp)

@@ -16,14 +16,19 @@ from dataclasses import replace
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
+import cli
 import reproduce
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--scales", type=int, default=None, help="keep only the first K scales of the ladder")
-    ap.add_argument("--bootstrap", type=int, default=None, help="cell-bootstrap draws (default: the plan's)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--scales", type=cli.positive_int, default=None, help="keep only the first K scales of the ladder (default: all)")
+    ap.add_argument("--bootstrap", type=cli.nonneg_int, default=None, help="cell-bootstrap draws (default: the plan's)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("scaling_ladder", args)
     p, frac = exp.plan, exp.steps / exp.plan.stable_steps
     plan = replace(p, stable_steps=exp.steps, warmup_steps=exp.tc.warmup_steps, decay_steps=exp.tc.decay_steps,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
+import cli
 import reproduce
 from loop import LoopConfig, middle_span
 
@@ -22,13 +23,17 @@ def spans(n_layer: int) -> list[int]:
     return sorted(set(range(0, n_layer + 1, 2)) | {n_layer})
 
 
-def main(argv=None) -> dict:
+def build_parser():
     ap = common.parser(__doc__)
     ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
     ap.add_argument("--sparsity", nargs="+", default=None,
                     help="sparsity labels, or 'all' (default: the preset's ~85 %% column)")
-    ap.add_argument("--loops", type=int, default=2, help="passes over the span (SMELT: 2)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--loops", type=cli.positive_int, default=2, help="passes over the span (SMELT: 2)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     exp = common.Experiment("span_sweep", args)
     labels = args.sparsity or [None]
     if labels == ["all"]:

@@ -339,8 +339,8 @@ def test_presets_sparsity_labels_and_spans():
 
 
 def test_cli(capsys, tmp_path):
-    out = tmp_path / "rows.json"
-    budget.main(["--ladder", "tiny", "--ctx-len", "120", "--json", str(out)])
+    out = tmp_path / "ladder_tiny.json"
+    budget.main(["--ladder", "tiny", "--ctx-len", "120", "--out-dir", str(tmp_path)])
     text = capsys.readouterr().out
     assert "SMELT" in text and "4/4 cells within tolerance" in text and "document length 120.0 (given)" in text
     assert len(json.loads(out.read_text())) == 8

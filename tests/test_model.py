@@ -54,11 +54,46 @@ def test_few_row_projection_layout_matches_f_linear(shape):
         y = model_lib.linear(x, w)
     assert y.shape == ref.shape and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    lin = model_lib.Linear(48, 80)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    out = lin(x)                                   # grad enabled: exactly F.linear, and it trains
+    w.requires_grad_(True)
+    out = model_lib.linear(x, w)                   # grad enabled: exactly F.linear, and it trains
     assert torch.equal(out, ref) and out.requires_grad
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True))])
+def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
+    """The model is plain nn.Linear: `few_row_projections` is entered by forward_step only, routes every
+    attention / SwiGLU / head projection through model.linear, is removed afterwards, and gives the
+    logits of plain F.linear (SKINNY_ROWS = 0) to float rounding."""
+    import model as model_lib
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
+                        **kw)).eval()
+    projections = model_lib._projections(m)
+    assert all(type(p) is torch.nn.Linear for p in projections)
+    dense = sum(isinstance(b.mlp, model_lib.SwiGLU) for b in m.blocks)
+    assert len(projections) == 4 * len(m.blocks) + 3 * dense + 1
+    calls = []
+    real = model_lib.linear
+    monkeypatch.setattr(model_lib, "linear", lambda x, w: calls.append(w) or real(x, w))
+    idx = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        m(idx)
+    assert not calls                                               # the full forward never uses it
+    cache = m.new_cache(1, 8)
+    m.forward_step(idx[:, :5], cache)
+    assert {id(w) for w in calls} == {id(p.weight) for p in projections}
+    assert not any("forward" in p.__dict__ for p in projections)   # switched off again
+    step = m.forward_step(idx[:, 5:], cache)
+    monkeypatch.setattr(model_lib, "SKINNY_ROWS", 0)
+    cache0 = m.new_cache(1, 8)
+    m.forward_step(idx[:, :5], cache0)
+    torch.testing.assert_close(step, m.forward_step(idx[:, 5:], cache0), rtol=1e-5, atol=1e-5)
+    with model_lib.few_row_projections(m):                         # nested: the outer switch survives
+        with model_lib.few_row_projections(m):
+            pass
+        assert all("forward" in p.__dict__ for p in projections)
+    assert not any("forward" in p.__dict__ for p in projections)
 
 
 def test_one_row_projection_is_plain_f_linear_on_one_thread():

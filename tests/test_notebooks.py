@@ -1,13 +1,19 @@
-"""The teaching notebooks in notebooks/: each one executes without an error, and each is stored clean.
+"""The teaching notebooks in notebooks/: each one executes without an error, each is stored clean,
+and each has a current rendered copy with its figures in notebooks/rendered/.
 
 Every notebook runs top to bottom in a fresh python3 kernel with cwd = notebooks/ (their first code
 cell puts the repository root on sys.path), 180 s per cell at most. The notebooks use tiny shapes
 and each takes well under a minute on a 2-core CPU; notebooks 04 and 06 train a smoke-size model
 on `data.prepare("smoke")` (offline, cached under .cache/) in a scratch directory.
 
+The rendered copies (scripts/render_notebooks.py) are checked without executing anything: each
+records the sha256 of its source's cells, which must match the notebook in notebooks/ (and so must
+its cell sources), every code cell ran, none failed, and each notebook shows at least one figure.
+
 Skipped only when the notebook tooling (nbformat, nbclient, ipykernel) is not installed.
 """
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
+RENDERED = NB_DIR / "rendered"
 CELL_TIMEOUT_S = 180
+RENDER = "python scripts/render_notebooks.py"
+RENDERED_MAX_BYTES = 3 << 20   # all copies together: figures at 60 dpi keep them near 1 MB
 
 
 def _tooling():
@@ -66,3 +75,31 @@ def test_notebook_executes(path):
         pytest.fail(f"{path.name} failed:\n{e}", pytrace=False)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
+
+
+def test_rendered_copies_match_the_notebooks():
+    """One rendered copy per notebook, nothing else in notebooks/rendered/, and small."""
+    copies = sorted(p.name for p in RENDERED.glob("*.ipynb"))
+    assert copies == [p.name for p in NOTEBOOKS], f"rendered {copies} vs notebooks {[p.name for p in NOTEBOOKS]}: run {RENDER}"
+    total = sum(p.stat().st_size for p in RENDERED.iterdir())
+    assert total < RENDERED_MAX_BYTES, f"notebooks/rendered holds {total / 2**20:.1f} MiB: keep figures at low dpi"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_rendered_copy_is_current_and_shows_figures(path):
+    nbformat, _ = _tooling()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_notebooks
+    copy = RENDERED / path.name
+    assert copy.is_file(), f"no rendered copy of {path.name}: run {RENDER} {path.stem}"
+    src, out = nbformat.read(str(path), as_version=4), nbformat.read(str(copy), as_version=4)
+    meta = out.metadata.get(render_notebooks.KEY, {})
+    assert meta.get("source_sha256") == render_notebooks.source_sha256(src), (
+        f"{path.name} changed since its copy was rendered: run {RENDER} {path.stem}")
+    assert [(c.cell_type, c.source) for c in out.cells] == [(c.cell_type, c.source) for c in src.cells]
+    code = [c for c in out.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), f"{copy.name}: a code cell was not executed"
+    outputs = [o for c in code for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"], f"{copy.name} holds an error"
+    figures = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert figures, f"{copy.name} shows no figure"

@@ -543,7 +543,7 @@ def test_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "TokenData", lambda data_dir: fake)
     out = tmp_path / "out"
     report = probes.main(["--pair", "cell", runs["base"], runs["smelt"], "--tokens", "192", "--batch-size", "4",
-                          "--dyck-items", "1", "--draws", "50", "--out", str(out)])
+                          "--dyck-items", "1", "--draws", "50", "--out-dir", str(out)])
     saved = json.loads((out / "probes.json").read_text())
     assert saved["sample"]["tokens"] == 3 * 2 * 32 and list(saved["pairs"]) == ["cell"]
     assert saved["pairs"]["cell"]["baseline"]["cross_visit"] == {}

@@ -468,7 +468,7 @@ def _write_results(path, with_bad_row=False):
 def test_cli_writes_fits_tables_and_plots(tmp_path):
     res, out = tmp_path / "results.jsonl", tmp_path / "out"
     _write_results(res)
-    scaling.main(["--results", str(res), "--out", str(out), "--bootstrap", "0"])
+    scaling.main(["--results", str(res), "--out-dir", str(out), "--bootstrap", "0"])
     fits = json.loads((out / "coeffs.json").read_text())
     assert set(fits) == {"baseline", "smelt"}
     assert all(f["n_points"] == 72 and f["identified"] for f in fits.values())   # the S=0% cells are excluded

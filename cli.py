@@ -1,0 +1,175 @@
+"""The command-line conventions every entry point follows, in one place so they cannot drift.
+
+Every runnable file (reproduce.py, train.py, eval.py, scaling.py, budget.py, bench.py, probes.py,
+data.py, scripts/*.py) builds its parser with these helpers, and tests/test_cli.py checks each
+`--help` against the rules below and feeds every parser a table of bad values.
+
+  --out-dir DIR   where a command writes its files. The old spellings (--out; --json FILE for
+                  bench.py and budget.py) are kept as hidden aliases that print a deprecation
+                  line; they will be removed.
+  --device D      auto | cpu | cuda | cuda:N | mps, default auto wherever a command picks a
+                  device (auto: cuda when torch sees a GPU, else cpu). Checked when parsed: a
+                  typo fails before any work.
+  --preset NAME   a run size: smoke | tiny | small | medium | paper (DESIGN.md's table).
+                  reproduce.py and budget.py --ladder take all five; the experiment scripts
+                  take smoke | tiny | small (their per-point length is --steps: a medium-length
+                  sweep is `--preset small --steps N`; a paper-size sweep trains dozens of
+                  1B-parameter models, which is what reproduce.py --preset paper is for).
+                  data.py --preset and train.py --data name a corpus (smoke | tiny | small: the
+                  medium and paper plans train on the small corpus); train.py --preset names one
+                  of its three smoke models.
+  --help          shows every option's default (`HelpFormatter`): an option whose default is
+                  computed (None) says in its own help text what it defaults to.
+  counts          argparse refuses bad values before anything runs: `positive_int` for sizes,
+                  counts, steps and seeds-as-counts (--seeds, --jobs, --batch-size, --steps ...),
+                  `nonneg_int` where 0 has a documented meaning (--shots, --max-items 0 = all,
+                  --seed, --bootstrap 0 = skip), `positive_float` for lengths and budgets, and
+                  `choices` for every enumeration.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps a module docstring's layout as the description and appends "(default: X)" to every
+    option that has a default and does not already describe it ("default" in its help). Flags
+    (store_true) and options without a default (None: computed, and explained in the help) get
+    nothing appended, so no help line ever shows two defaults."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        d = action.default
+        if ("default" in help.lower() or d is None or d is argparse.SUPPRESS or not action.option_strings
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse._HelpAction, argparse._VersionAction))):
+            return help
+        shown = (" ".join(map(str, d)) or "none") if isinstance(d, (list, tuple)) else str(d)
+        return f"{help} (default: {shown.replace('%', '%%')})"
+
+
+def parser(description: str | None = None, **kw) -> argparse.ArgumentParser:
+    """An ArgumentParser with the project's HelpFormatter."""
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kw)
+
+
+# ----------------------------------------------------------------------------------------
+# Types: bad values are refused by argparse, naming the option and the rule
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if x != x or x in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return x
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, counts, steps, batch sizes, number of seeds or jobs)."""
+    n = _int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text}")
+    return n
+
+
+def nonneg_int(text: str) -> int:
+    """An integer >= 0 (shot counts, seeds, and counts where 0 has a documented meaning)."""
+    n = _int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer (>= 0), got {text}")
+    return n
+
+
+def int_range(lo: int, hi: int):
+    """An integer in [lo, hi]."""
+    def check(text: str) -> int:
+        n = _int(text)
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must lie in [{lo}, {hi}], got {text}")
+        return n
+    check.__name__ = f"int in [{lo}, {hi}]"
+    return check
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (lengths, FLOP budgets, learning rates)."""
+    x = _float(text)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number (> 0), got {text}")
+    return x
+
+
+def nonneg_float(text: str) -> float:
+    """A finite number >= 0."""
+    x = _float(text)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number (>= 0), got {text}")
+    return x
+
+
+def device(text: str) -> str:
+    """auto, or a device torch knows of a supported type: cpu, cuda, cuda:N, mps."""
+    if text == "auto":
+        return text
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda, cuda:N or mps, got {text!r}")
+    return text
+
+
+def resolve_device(name: str | None) -> str:
+    """auto (or None) -> "cuda" when torch sees a GPU, else "cpu"; anything else unchanged."""
+    if name in (None, "auto"):
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+# ----------------------------------------------------------------------------------------
+# The shared options
+
+class _Deprecated(argparse.Action):
+    """A hidden old spelling: stores into the new option's dest and says once what to use instead."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kw):
+        self.new = new
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(ap: argparse.ArgumentParser, flag: str, dest: str, new: str, **kw) -> None:
+    """A hidden old spelling `flag` that stores into `dest` (the new option's) and names `new` on use."""
+    ap.add_argument(flag, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS, **kw)
+
+
+def add_out_dir(ap: argparse.ArgumentParser, help: str, default: str | None = None,
+                old: tuple[str, ...] = ("--out",)) -> None:
+    """--out-dir DIR (dest out_dir), plus the hidden deprecated spellings `old` (same dest, same meaning)."""
+    ap.add_argument("--out-dir", default=default, metavar="DIR", help=help)
+    for flag in old:
+        deprecated_alias(ap, flag, "out_dir", "--out-dir")
+
+
+def add_device(ap: argparse.ArgumentParser, help: str = "where to run: auto (cuda when available, else cpu), "
+                                                          "cpu, cuda, cuda:N or mps") -> None:
+    """--device, default auto, checked when parsed; resolve with `resolve_device`."""
+    ap.add_argument("--device", type=device, default="auto", help=help)

@@ -1,0 +1,145 @@
+"""Render the teaching notebooks with their outputs, so a reader sees every figure without running anything.
+
+  python scripts/render_notebooks.py                 # all of them (about 2 minutes on 2 CPU cores)
+  python scripts/render_notebooks.py 02_moe_routing_and_grouped_mm   # one
+  python scripts/render_notebooks.py --check         # stale or missing copies? (nothing runs; exit 1 if any)
+
+notebooks/*.ipynb stay stored without outputs (small diffs, reviewable, no stale numbers beside
+edited code); this script executes each one top to bottom in a fresh python3 kernel (cwd
+notebooks/, the same way tests/test_notebooks.py runs them) and writes the executed copy to
+notebooks/rendered/NAME.ipynb, which GitHub and any notebook viewer display with its figures.
+Figures are PNG at 60 dpi (a matplotlibrc handed to the kernel), so the copies stay small.
+
+Each copy records in its metadata["looped_moe"] the sha256 of its source's cells (`source_sha256`)
+and the versions it was rendered with; tests/test_notebooks.py compares that hash and the cell
+sources with notebooks/NAME.ipynb, without executing anything, and fails with this command when a
+notebook changed and its copy was not re-rendered. Re-render after editing a notebook, or after a
+change to a module a notebook uses that changes what it shows.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import cli  # noqa: E402
+
+NB_DIR = ROOT / "notebooks"
+RENDERED = NB_DIR / "rendered"
+CELL_TIMEOUT_S = 300
+DPI = 60
+KEY = "looped_moe"   # the rendered copy's metadata entry
+
+
+def source_sha256(nb) -> str:
+    """sha256 of what a notebook says: its cells' types and sources, in order (outputs and metadata ignored)."""
+    cells = [[c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"])]
+             for c in nb["cells"]]
+    return hashlib.sha256(json.dumps(cells, ensure_ascii=False).encode()).hexdigest()
+
+
+def stale(path: Path, out_dir: Path = RENDERED) -> str | None:
+    """Why notebooks/NAME.ipynb's rendered copy is out of date, or None when it is current."""
+    import nbformat
+    copy = out_dir / path.name
+    if not copy.is_file():
+        return f"{copy.relative_to(ROOT) if copy.is_relative_to(ROOT) else copy} is missing"
+    want = source_sha256(nbformat.read(str(path), as_version=4))
+    got = nbformat.read(str(copy), as_version=4).metadata.get(KEY, {}).get("source_sha256")
+    return None if got == want else f"{copy.name} was rendered from another version of {path.name}"
+
+
+def render(path: Path, out_dir: Path = RENDERED) -> Path:
+    """Execute notebooks/NAME.ipynb in a fresh kernel and write the copy with its outputs to out_dir/NAME.ipynb."""
+    import matplotlib
+    import nbclient
+    import nbformat
+    import torch
+    nb = nbformat.read(str(path), as_version=4)
+    digest = source_sha256(nb)
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = Path(tmp) / "matplotlibrc"
+        rc.write_text(f"figure.dpi: {DPI}\nsavefig.dpi: {DPI}\n")
+        env = {"MATPLOTLIBRC": str(rc), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)   # the kernel inherits this process's environment
+        try:
+            nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=False,
+                                    record_timing=False, resources={"metadata": {"path": str(NB_DIR)}}).execute()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    nb.metadata[KEY] = {
+        "source": f"notebooks/{path.name}", "source_sha256": digest,
+        "rendered_by": "python scripts/render_notebooks.py",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "matplotlib": matplotlib.__version__},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / path.name
+    tmp_out = out.with_suffix(".ipynb.tmp")
+    nbformat.write(nb, str(tmp_out))
+    os.replace(tmp_out, out)
+    return out
+
+
+def build_parser():
+    ap = cli.parser(__doc__)
+    ap.add_argument("names", nargs="*", metavar="NOTEBOOK",
+                    help="notebooks to render, by file name or stem (default: every notebooks/*.ipynb)")
+    cli.add_out_dir(ap, "where the rendered copies go", default=str(RENDERED.relative_to(ROOT)), old=())
+    ap.add_argument("--check", action="store_true",
+                    help="execute nothing: list the copies that are missing or stale, exit 1 if any")
+    return ap
+
+
+def main(argv=None) -> list[Path]:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir = out_dir if out_dir.is_absolute() else ROOT / out_dir
+    every = sorted(NB_DIR.glob("*.ipynb"))
+    by_name = {p.name: p for p in every} | {p.stem: p for p in every}
+    unknown = [n for n in args.names if n not in by_name]
+    if unknown:
+        ap.error(f"no notebook {unknown}; notebooks: {[p.stem for p in every]}")
+    paths = [by_name[n] for n in args.names] or every
+    if args.check:
+        problems = [why for p in paths if (why := stale(p, out_dir))]
+        for why in problems:
+            print(why)
+        if problems:
+            raise SystemExit(f"{len(problems)} rendered notebook(s) out of date: run python scripts/render_notebooks.py")
+        print(f"all {len(paths)} rendered notebooks are current")
+        return []
+    import nbclient
+    written, failed = [], []
+    for p in paths:
+        print(f"rendering {p.name} ...", flush=True)
+        try:
+            written.append(render(p, out_dir))
+        except nbclient.exceptions.CellExecutionError as e:   # keep going: report every broken notebook
+            failed.append(p.name)
+            print(f"  FAILED, its copy is unchanged: {e.ename}: {e.evalue}", flush=True)
+            continue
+        print(f"  wrote {written[-1].relative_to(ROOT) if written[-1].is_relative_to(ROOT) else written[-1]} "
+              f"({written[-1].stat().st_size / 1024:.0f} KiB)", flush=True)
+    if failed:
+        raise SystemExit(f"{len(failed)} notebook(s) failed to run: {', '.join(failed)} "
+                         f"(run them in Jupyter, or `python -m pytest tests/test_notebooks.py`, for the traceback)")
+    return written
+
+
+if __name__ == "__main__":
+    main()
