@@ -320,6 +320,18 @@ def check_disk(plan: Plan, ladder: list[dict], out: Path, jobs: int) -> dict:
     return est
 
 
+def run_time_proxy(cfg: ModelConfig, ctx: float) -> float:
+    """A run's relative training time, to start the longest runs first (the workers then finish together)
+    and for the ETA: FLOPs per token (head included: the hardware runs it) times 1 + (executed / stored
+    layers - 1) / 2. The second factor is the work FLOP counts leave out (norms, residual adds, RoPE, the
+    MoE gather and scatter), which grows with layer visits: a tiny SMELT step costs 1.2-1.45x its
+    Baseline's at 0.91-0.94x the FLOPs (measured, tiny plan); FLOPs alone started SMELT's runs last and
+    left one core idle for the last ~2 minutes of the tiny job."""
+    import loop as looping
+    attn, _ = looping.executed_visits(cfg.n_layer, cfg.loop)
+    return budget.flops_per_token(cfg, ctx, include_head=True) * (1 + (attn / cfg.n_layer - 1) / 2)
+
+
 def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
     runs = plan_runs(out, ladder, plan)
     todo = []
@@ -330,7 +342,7 @@ def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> l
         tc = train_config(plan, r.seed)
         tc.flops_ctx = r.cell["ctx_len"]     # F at the document length the ladder was matched at
         todo.append((r.cell[r.arch], asdict(tc), str(data.dir), r.dir, meta))
-    cost = lambda job: budget.flops_per_token(ModelConfig.from_dict(job[0]), plan.block_size, include_head=True)
+    cost = lambda job: run_time_proxy(ModelConfig.from_dict(job[0]), plan.block_size)
     total = sum(cost(j) for j in todo)
     t0, state = time.time(), {"cost": 0.0}
     log(f"train: {len(todo)} runs, {jobs} at a time")
@@ -739,11 +751,15 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
         for r in plan_runs(out, [cell]):
             ms = read_jsonl(r.dir / "metrics.jsonl")
             c = colors[r.arch]
+            # a row logged for a validation step between two log intervals averages only a few batches:
+            # too noisy to draw as train CE (its validation loss is still drawn)
+            full = max((m.get("ce_steps", 1) for m in ms), default=1)
+            ms_ce = [m for m in ms if m.get("ce_steps", full) >= full / 4]
             for branch in sorted({m["branch"] for m in ms}, key=lambda b: -1 if b is None else b):
-                pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms if m["branch"] == branch]
+                pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms_ce if m["branch"] == branch]
                 if branch is not None:   # start the branch at its fork point on the stable curve
-                    fork = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms
-                            if m["branch"] is None and m["step"] == branch]
+                    before = [m for m in ms_ce if m["branch"] is None and m["step"] <= branch]
+                    fork = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in before[-1:]]
                     pts = fork + pts
                 if pts:
                     ax.plot(*zip(*pts), color=c, lw=1.4 if branch is None else 0.9, alpha=1.0 if branch is None
