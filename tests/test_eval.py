@@ -704,3 +704,16 @@ def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
     note = ev.plot_shot_sweep(res, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 0
     assert note == "At or below chance at every k (not drawn): flat, real0."
+
+
+def test_length_tilt_claim_needs_a_gain_not_a_loss():
+    """When SMELT is worse on average, each shape normalises a loss: a ratio below 1 then means the deficit is
+    smaller on long documents (the claim's direction, inverted), so the claim gets no verdict."""
+    import stats
+    fam = {"paper": 1.52, "n_contrasts": 3, "n_negative": 3, "why": None,
+           "long_short": stats.Interval(0.67, 0.39, 0.99, 3, 0.95, "bootstrap").to_dict()}
+    [c] = [c for c in ev.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "not resolved" and c["interval"] is None and "negative" in c["why"]
+    fam["n_negative"] = 0        # SMELT gains everywhere: the same interval is decided as usual
+    [c] = [c for c in ev.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "contradicted"
