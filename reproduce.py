@@ -3,24 +3,26 @@
   python reproduce.py [--preset smoke|tiny|small|medium|paper] [--out-dir DIR]
 
 Stages (each reads the JSON the previous one wrote; finished work is skipped on re-run):
-  1. data      data.prepare(preset): the offline multi-domain corpus, tokenised and packed.
-  2. ladder    budget.preset_baselines + budget.match: the Baseline / SMELT grid (scales x
-               sparsities), each SMELT matched to its Baseline on FLOPs, parameters and KV cache
-               (SMELT 3.2, Appendix A). Written to ladder.json with the three ratios per cell.
-  3. train     train.train for every run: WSD with decay branches (SMELT 3.1); both models of a
-               cell see identical token sequences. One results row per branch endpoint.
-  4. eval      eval.evaluate_run on each run's final checkpoint: validation loss by source,
-               domain and document length; the few-shot shot sweep; calibration (SMELT 5.1, 5.3).
-  5. scaling   scaling.analyse: separate loss surfaces per architecture, CE gain and TPP with
-               cell-bootstrap intervals, per-domain CE gain (SMELT 4, 5.2).
+  1. data      data.prepare(preset) (or a pack, --data-dir): the offline multi-domain corpus.
+  2. ladder    budget.ladder_cells at the data's measured document length (the function
+               `python budget.py --ladder` prints): each SMELT matched to its Baseline on FLOPs
+               without the head, parameters and KV cache (SMELT 3.2). Written to ladder.json.
+               The plan's cost (tokens, TPP, FLOPs, GPU minutes, disk) is printed before training.
+  3. train     train.train for every run (each cell at seed 0, the plan's `repeat` cell over
+               `train_seeds` seeds): WSD with decay branches (SMELT 3.1); both models of a cell and
+               seed see identical batches. One results row and one endpoint per branch.
+  4. eval      eval.evaluate_endpoint on every branch endpoint, then eval.downstream_report: win
+               counts, Appendix C averages and permutation tests, Sec. 5.3 families, Eq. 6-7.
+  5. scaling   scaling.analyse: separate surfaces per architecture; CE gain and TPP only from
+               identified fits, with cell-bootstrap intervals (SMELT 4, 5.2).
   6. probes    probes.probe_pairs on every matched pair, all domains held out (SMELT 6).
-  7. report    REPORT.md: every table and plot, and which of the paper's claims this run
-               reproduced, numbers side by side with the paper's.
+  7. report    REPORT.md: every table and plot, and every claim of the paper as reproduced /
+               contradicted / not resolved by its interval (stats.verdict).
 
-Presets. smoke: toy sizes, every stage, no download, ~2 minutes (the tests run it). tiny (the
-default): the real pipeline on the offline corpus, sized for <= 15 minutes on 2 CPU cores.
-small: one GPU, minutes. medium: one GPU, about an hour. paper: the Appendix A grid, for users
-with the hardware (days; the configs come from budget.py's reconstruction of Appendix A).
+Presets. smoke: toy sizes, every stage, no download, ~1 minute (the tests run it). tiny (the
+default): the real pipeline on the offline corpus, about 12-13 minutes on 2 CPU cores. small: one
+GPU, minutes. medium: one GPU, about an hour. paper: the Appendix A grid, for users with the
+hardware (days; the configs come from budget.py's reconstruction of Appendix A).
 """
 from __future__ import annotations
 
