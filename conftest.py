@@ -16,3 +16,45 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _process_state():
+    """What a test must leave as it found it: torch's dynamo / inductor config, threads, default
+    dtype, grad mode, the environment and the working directory."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    return {
+        "torch._dynamo.config": dynamo_config.get_config_copy(),
+        "torch._inductor.config": inductor_config.get_config_copy(),
+        "torch.get_num_threads()": torch.get_num_threads(),
+        "torch.get_default_dtype()": torch.get_default_dtype(),
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+        # pytest's own variable, and inductor's private ones (it sets them for its worker processes)
+        "os.environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("_TORCHINDUCTOR")},
+        "os.getcwd()": os.getcwd(),
+    }
+
+
+def _changes(before, after):
+    out = []
+    for name, old in before.items():
+        new = after[name]
+        if isinstance(old, dict):
+            keys = sorted(k for k in old.keys() | new.keys() if k not in old or k not in new or old[k] != new[k])
+            out += [f"{name}[{k!r}]: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in keys]
+        elif old != new:
+            out.append(f"{name}: {old!r} -> {new!r}")
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _leaves_process_state_as_found():
+    """Fails a test that changes process-wide state without restoring it (use torch's
+    `config.patch(...)`, pytest's monkeypatch.setenv / chdir, or try/finally). Autouse fixtures set
+    up first and tear down last, so a test's own monkeypatch has been undone when this looks."""
+    before = _process_state()
+    yield
+    changed = _changes(before, _process_state())
+    if changed:
+        pytest.fail("the test left process-wide state changed:\n  " + "\n  ".join(changed), pytrace=False)
