@@ -1,0 +1,28 @@
+"""Figure plumbing shared by every *_plots.py module: a headless pyplot and one way to save.
+
+The figures themselves live beside their idea's machinery (eval_plots.py, probe_plots.py,
+scaling_plots.py, train_plots.py); this file only makes matplotlib safe on a machine with no
+screen and writes PNGs the same way everywhere.
+"""
+from pathlib import Path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed), imported only when a figure is drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save(fig, path, dpi: int = 120, tight: bool = True, paths: list | None = None) -> str:
+    """Write `fig` to `path` (its folder made if missing), close it, and return the path as a string
+    (appended to `paths` when given)."""
+    if tight:
+        fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    if paths is not None:
+        paths.append(str(path))
+    return str(path)
