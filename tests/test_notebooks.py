@@ -12,8 +12,8 @@ its cell sources), every code cell ran, none failed, and each notebook shows at 
 
 Skipped only when the notebook tooling (nbformat, nbclient, ipykernel) is not installed.
 """
+import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,10 +69,14 @@ def test_notebook_executes(path):
     nb = nbformat.read(str(path), as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=False,
                                      resources={"metadata": {"path": str(NB_DIR)}})
+    env = dict(os.environ)
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError as e:
         pytest.fail(f"{path.name} failed:\n{e}", pytrace=False)
+    finally:   # older ipykernel / debugpy set PYDEVD_* variables in this process: put the environment back
+        os.environ.clear()
+        os.environ.update(env)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
 
@@ -86,9 +90,9 @@ def test_rendered_copies_match_the_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_rendered_copy_is_current_and_shows_figures(path):
+def test_rendered_copy_is_current_and_shows_figures(path, monkeypatch):
     nbformat, _ = _tooling()
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import render_notebooks
     copy = RENDERED / path.name
     assert copy.is_file(), f"no rendered copy of {path.name}: run {RENDER} {path.stem}"
