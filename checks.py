@@ -1,24 +1,17 @@
 """Bad input refused up front: config field types and ranges, config dicts with unknown keys, and
 JSON files that cannot be parsed, each with an error naming the field / key / file and line.
 
-Why (issue 16): a fuzz of 149 API inputs found 39 accepted although invalid and 17 ending in
-deep torch / numpy errors. Examples: `n_loops=nan` silently ran unlooped with F = nan,
-`tie_embeddings='no'` tied the embeddings (a non-empty string is truthy), `eps=0` with
-`beta2=0` produced NaN weights, and a truncated `config.json` gave a `JSONDecodeError` with no
-file name. The rules here are the ones ModelConfig, LoopConfig and TrainConfig apply at
-construction (their `validate` adds the field-specific ranges), and the one JSON reader that
-train.py, data.py and the CLIs use.
+  * `check_fields`: types come from each dataclass field's annotation, so a field added later is
+    type-checked without touching this file: "int" refuses floats (2.0 included) and booleans,
+    "float" refuses NaN, infinity and booleans, "bool" accepts only True / False, "str" only
+    strings, "list[int]" a list of ints; numpy scalars are stored as Python int / float.
+  * `from_dict`: unknown keys in a config dict (a typo such as "n_expert") are an error naming the key.
+  * `parse_json` / `read_json` / `require_keys`: JSON errors are `JSONFileError` (a ValueError)
+    whose message starts with `path:line:column`, as compilers print them.
 
-Design choices:
-  * Types come from each dataclass field's annotation, so a field added later is type-checked
-    without touching this file: "int" refuses floats (2.0 included: a size is a count) and
-    booleans (`True` is an int in Python), "float" refuses NaN, infinity and booleans, "bool"
-    accepts only True / False, "str" only strings, "list[int]" a list of ints. numpy scalars
-    are accepted and stored as Python int / float, so the config stays JSON-serialisable.
-  * Unknown keys in a config dict (a typo such as "n_expert") are an error naming the key:
-    silently dropping it would train another model than the file describes.
-  * JSON errors are `JSONFileError` (a ValueError) whose message starts with `path:line:column`
-    as compilers print them.
+ModelConfig, LoopConfig and TrainConfig apply these at construction (their `validate` adds the
+field-specific ranges); train.py, data.py, runfiles.py and the CLIs read JSON through them.
+Why, and the fuzz that found the gaps: docs/checks.md. Read next: loop.py, model.py.
 """
 from __future__ import annotations
 

@@ -743,10 +743,10 @@ def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: flo
 # ================================================================ endpoints and runs
 
 def _torch_load(path: Path) -> dict:
-    """A train.py torch file: its sha256 trailer checked first (train.file_digest: a flipped byte is a
+    """A train.py torch file: its sha256 trailer checked first (runfiles.file_digest: a flipped byte is a
     CheckpointError naming the file), then loaded weights-only."""
-    import train
-    train.file_digest(path)
+    import runfiles
+    runfiles.file_digest(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, pickle with code, not a torch file
@@ -843,10 +843,10 @@ def run_endpoints(run_dir: str | Path) -> list[dict]:
     res = run / "results.jsonl"
     if not res.is_file():
         raise FileNotFoundError(f"{res} not found: train.py writes one row per finished decay branch")
-    import train
+    import runfiles
     try:
-        rows = {int(r["branch_step"]): r for r in train.read_jsonl(res, ("branch_step",))}   # hash-checked
-    except train.CheckpointError as e:
+        rows = {int(r["branch_step"]): r for r in runfiles.read_jsonl(res, ("branch_step",))}   # hash-checked
+    except runfiles.CheckpointError as e:
         raise ValueError(str(e)) from None
     out = []
     for b, r in sorted(rows.items()):

@@ -305,14 +305,14 @@ def log_plan_cost(cost: dict) -> None:
 
 
 def check_disk(plan: Plan, ladder: list[dict], out: Path, jobs: int) -> dict:
-    """Print what training will keep on disk (train.plan_disk_estimate) and refuse, before any training,
+    """Print what training will keep on disk (checkpoint.plan_disk_estimate) and refuse, before any training,
     when the free space at `out` (plus what earlier invocations already wrote to out/runs) cannot hold it."""
     import shutil
-    import train
+    import checkpoint
     cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in plan_runs(out, ladder, plan)]
-    est = train.plan_disk_estimate(cfgs, train_config(plan), jobs)
+    est = checkpoint.plan_disk_estimate(cfgs, train_config(plan), jobs)
     done = sum(f.stat().st_size for f in (out / "runs").rglob("*") if f.is_file()) if (out / "runs").exists() else 0
-    free, fmt = shutil.disk_usage(out).free, train.format_bytes
+    free, fmt = shutil.disk_usage(out).free, checkpoint.format_bytes
     need = max(0, est["peak"] - done)
     log(f"disk: the {est['runs']} runs keep {fmt(est['final'])} when finished and up to {fmt(est['peak'])} while "
         f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
@@ -358,8 +358,8 @@ def stage_train(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> l
             f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
 
     rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done) for r in run_rows]
-    import train
-    train.atomic_write_text(out / "results.jsonl", "".join(train.jsonl_line(r) for r in rows))
+    import runfiles
+    runfiles.atomic_write_text(out / "results.jsonl", "".join(runfiles.jsonl_line(r) for r in rows))
     return rows
 
 
@@ -731,9 +731,9 @@ def budget_machine() -> str:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A run's hashed JSON-lines file (train.read_jsonl: each row checked), or [] when absent."""
-    import train
-    return train.read_jsonl(path) if path.exists() else []
+    """A run's hashed JSON-lines file (runfiles.read_jsonl: each row checked), or [] when absent."""
+    import runfiles
+    return runfiles.read_jsonl(path) if path.exists() else []
 
 
 def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, plan: Plan | None = None) -> Path:

@@ -706,11 +706,11 @@ REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
 
 def read_results(path: str) -> list[dict]:
     """train.py's results rows: each row's hash checked and the keys this module needs present
-    (train.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
-    import train
+    (runfiles.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
+    import runfiles
     try:
-        return train.read_jsonl(path, REQUIRED_KEYS)
-    except train.CheckpointError as e:
+        return runfiles.read_jsonl(path, REQUIRED_KEYS)
+    except runfiles.CheckpointError as e:
         raise ValueError(str(e)) from None
 
 

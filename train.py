@@ -1,82 +1,36 @@
 """Training: AdamW + warmup-stable-decay with decay branches, exact resume, DDP / FSDP2.
 
-What (SMELT Sec. 3.1 "Optimizer and schedule", Sec. 4.1). One call trains a *stable* run and
-all of its *decay branches*, and writes one results row per branch endpoint:
-  stable     linear warmup over `warmup_steps`, then a constant learning rate up to
-             `stable_steps`; the stable state is checkpointed at every branch step (a fork point).
-  branch b   for each b in `branch_steps`: start from the stable state after b steps and
-             cosine-decay the learning rate from its stable value to `min_lr_frac * lr` over
-             `decay_steps` more steps, i.e. the same number of extra tokens for every branch
-             (SMELT: six branches, each decaying over 10B tokens).
-  results    each endpoint is evaluated (token-weighted validation cross-entropy overall, per
-             source and per domain) and appended to RUN_DIR/results.jsonl with "D" (tokens seen,
-             decay included), F (budget.flops_per_token), C = F*D, S (sparsity, SMELT Eq. 1),
-             N (non-embedding parameters): the points scaling.py fits L(F, S, D) to.
-             wall_s is the training time to reach the endpoint (stable part included, eval excluded).
-             Its "endpoint" names the branch's weights: endpoints/branch_XXXXXXX.pt.
-RUN_DIR also holds config.json, metrics.jsonl (one JSON object per logged step), ckpt/ (full resume
-points, only while the run is unfinished), endpoints/ (one weights-only file per finished branch: a dict
-with "model", the GPT state_dict, and "meta", JSON with "model", "train", "branch", "step", "tokens",
-"wall_s") and ckpt.pt (a byte copy of the longest branch's endpoint: the model eval.py and probes.py load;
-`load_weights` reads any of them, hash checked).
-
-Design choices, and why:
-  * Decay data. SMELT decays on "fresh data not seen during the stable phase". Decay step j of
-    every branch reads training batch `stable_steps + j` (same seed): batches no stable step
-    reads, identical for all branches, so branches differ only in how long they trained stably.
-    For the last branch (b = stable_steps) this is simply the stream continuing.
-  * Loss normalisation. Cross-entropy is summed per micro-batch and divided by the number of
-    target tokens in the *global* batch (one all-reduce of a count per step), so the gradient is
-    the same however the batch is split over ranks and micro-batches (tested: 2 ranks == 1
-    process). The router's load-balancing loss is a per-micro-batch statistic (as in Switch /
-    Mixtral training) averaged over micro-batches and ranks: the one term that depends on the split.
-  * Weight decay on matrices only (attention, dense and expert weights, router, adapter A/B);
-    none on norm gains, biases, PLT gate vectors, embeddings or the loop-mixing matrices M
-    (decaying M would pull Loop Matrix away from its identity initialisation).
-  * Checkpoints hold the uncompiled GPT's state_dict, the optimizer state keyed by parameter
-    name (torch.distributed.checkpoint's full-state-dict layout, gathered by it under FSDP2:
-    one file resumes on 1 process, DDP or FSDP2), the step, RNG states as tensors and the
-    model + train config as JSON. Batches are a pure function of (seed, step), so the step is
-    the whole data position. Written atomically (temp file, fsync, os.replace); read with
-    torch.load(weights_only=True). On CPU a resumed run is bit-for-bit the uninterrupted one.
-  * Order and retention. Each branch runs as soon as the stable run reaches its fork point; the
-    stable run then resumes from the fork checkpoint (exact, as any resume). So a run holds at most
-    two full checkpoints at once (the fork point resuming needs + the one being written), not one per
-    branch, and none once it has finished (`needed_checkpoints`: a full checkpoint is 3x an endpoint
-    in fp32, and nothing after the run reads Adam state; adding a branch later re-runs the stable
-    phase, deterministically). `disk_estimate` replays this rule to size a run before it starts.
-  * Verifiable files (issue 16: 11 of 40 four-byte flips in a checkpoint loaded silently). Every torch
-    file ends with the sha256 of its bytes (`atomic_save`; torch.load ignores the trailer), checked by
-    `load_file` before loading; every results / metrics row carries the sha256 of its content
-    (`jsonl_line`, checked by `read_jsonl`, naming file and line). A partial last row (a crash during
-    an append) is cut on the next run; temp files of dead writers are removed at the next write; a
-    corrupt ckpt.pt is rebuilt from the endpoint it copies (`export_final`).
-  * One writer per run directory: an exclusive flock on RUN_DIR/.lock (released by the OS however
-    the process ends); a second trainer gets RunLockedError.
-  * Divergence: loss and gradient norm are checked every step (one host sync), before the
-    update; a non-finite value raises DivergenceError. A checkpoint is written only when every model
-    and optimizer tensor is finite (else DivergenceError), so "the last good checkpoint" is good.
-  * F in results rows follows SMELT's convention: no output head (budget.flops_per_token's default;
-    "F_with_head" is reported beside it and MFU uses it), at the effective *document* length
-    (SMELT 3.2: attention stays inside each document) that data.measured_doc_length measures on one
-    fixed sample of the training contexts, the same number the ladder was matched at; `flops_ctx`
-    > 0 overrides it.
-  * Multi-process: the same script under torchrun uses DDP (NCCL on CUDA, gloo on CPU), or
-    FSDP2 (`fully_shard` per block + root) with --fsdp; each rank takes its rows of the global
-    batch. Validation runs the same batches on every rank (FSDP needs all ranks in each forward).
-  * CUDA: bf16 autocast and torch.compile (flags); CPU: fp32, eager.
+SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stable* run and all of its
+*decay branches*, and writes one results row per branch:
+  stable     linear warmup over `warmup_steps`, then a constant learning rate up to `stable_steps`;
+             the stable state is checkpointed at every branch step (a fork point).
+  branch b   for each b in `branch_steps`: start from the stable state after b steps and cosine-decay
+             the learning rate to `min_lr_frac * lr` over `decay_steps` more steps (the same extra
+             tokens for every branch). Decay step j of every branch reads training batch
+             `stable_steps + j`: "fresh data not seen during the stable phase", the same for all branches.
+  results    each endpoint's validation cross-entropy (overall, per source, per domain) is appended to
+             RUN_DIR/results.jsonl with D (tokens seen), F (budget.flops_per_token, no output head, at
+             the measured document length), C = F*D, S (SMELT Eq. 1) and N: the points scaling.py fits
+             L(F, S, D) to. "endpoint" names the branch's weights, endpoints/branch_XXXXXXX.pt.
+Cross-entropy is summed per micro-batch and divided by the global batch's target count, so the gradient
+does not depend on how the batch is split; weight decay applies to matrices only. A non-finite loss or
+gradient norm raises DivergenceError before the update.
+RUN_DIR also holds config.json, metrics.jsonl (one row per logged step), ckpt/ (resume points, only while
+the run is unfinished) and ckpt.pt (a copy of the longest branch's endpoint, what eval.py and probes.py
+load; `load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
+CUDA: bf16 autocast and torch.compile; CPU: fp32, eager.
+Read first: model.py, budget.py; checkpoints and resume: checkpoint.py; file integrity: runfiles.py.
+Design notes: docs/train.md.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
 import random
 import re
-import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -93,9 +47,11 @@ from torch import Tensor
 import budget
 import cli
 import data as data_mod
-from checks import JSONFileError, check_fields, from_dict, parse_json, read_json, require_keys
+from checkpoint import Checkpoints, DivergenceError, endpoint_path, logged, save_kind
+from checks import check_fields, from_dict, read_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
+from runfiles import CheckpointError, RunLockedError, atomic_copy, file_digest, load_file, run_lock
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
@@ -110,10 +66,6 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 # Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
-TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps", "batch_size", "block_size",
-              "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")
-
-
 def _opt(default, help: str):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help})
@@ -197,13 +149,6 @@ class TrainConfig:
             bad("out_dir must be a non-empty path")
 
 
-class DivergenceError(RuntimeError):
-    """The loss or gradient norm became non-finite; the last checkpoint on disk is the last good one."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint (or run-directory record) cannot be read or belongs to another configuration."""
-
 
 # ----------------------------------------------------------------------------------------
 # Schedule and optimizer
@@ -256,279 +201,7 @@ class Objective(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
-# Verifiable files: content-hashed checkpoints, hashed JSON-lines rows, atomic writes, one writer
-
-class RunLockedError(RuntimeError):
-    """Another process is writing this run directory (it holds RUN_DIR/.lock)."""
-
-
-def _rng_state() -> dict[str, Tensor]:
-    np_state = np.random.get_state()
-    st = {"torch": torch.get_rng_state(),
-          "numpy": torch.from_numpy(np.append(np_state[1], np_state[2]).astype(np.int64)),
-          "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def _set_rng_state(st: dict[str, Tensor]) -> None:
-    torch.set_rng_state(st["torch"])
-    keys = st["numpy"].numpy()
-    np.random.set_state(("MT19937", keys[:-1].astype(np.uint32), int(keys[-1]), 0, 0.0))
-    random.setstate((3, tuple(int(v) for v in st["python"]), None))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
-
-
-# A torch file we write is torch.save's bytes followed by this trailer and the sha256 (hex) of those
-# bytes: torch.load ignores bytes after the zip archive, so the file stays an ordinary checkpoint, and
-# any changed byte (data, zip structure, pickle or trailer) fails the check. Hex digits cannot form the
-# zip end-of-directory signature, so the trailer can never be mistaken for part of the archive.
-HASH_TRAILER = b"\nlooped-moe-sha256:"
-_TRAILER_LEN = len(HASH_TRAILER) + 64 + 1
-_TMP = re.compile(r".+\.tmp(\d+)")
-
-
-class _HashingWriter:
-    """A write-only file wrapper that hashes what passes through it (torch.save streams into it)."""
-
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
-
-    def write(self, b) -> int:
-        self.sha.update(b)
-        return self.f.write(b)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _pid_alive(pid: int) -> bool:
-    if os.name != "posix":   # no safe liveness probe: treat as alive (the file is left alone)
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_tmp(directory: str | Path) -> list[Path]:
-    """Delete `*.tmpPID` files in `directory` left by writers that died (PID no longer running)."""
-    removed = []
-    d = Path(directory)
-    if not d.is_dir():
-        return removed
-    for p in d.iterdir():
-        m = _TMP.fullmatch(p.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
-
-
-def _atomic_write(path: str | Path, write) -> None:
-    """write(f) into PATH.tmpPID, fsync, os.replace: `path` is always a complete file or absent.
-    Stale temp files of dead writers in the same directory are removed first."""
-    path = Path(path)
-    remove_stale_tmp(path.parent)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_save(obj, path: str | Path) -> None:
-    """torch.save(obj) + sha256 trailer, written atomically (see _atomic_write)."""
-    def write(f):
-        w = _HashingWriter(f)
-        torch.save(obj, w)
-        f.write(HASH_TRAILER + w.sha.hexdigest().encode() + b"\n")
-    _atomic_write(path, write)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    _atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def file_digest(path: str | Path) -> str:
-    """Check a torch file's sha256 trailer against its content; returns the digest. Raises CheckpointError
-    naming the file when the trailer is missing (truncated, or not written by this code) or differs."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        tail = b""
-        if size >= _TRAILER_LEN:
-            f.seek(size - _TRAILER_LEN)
-            tail = f.read()
-        want = tail[len(HASH_TRAILER):-1]
-        if not (tail.startswith(HASH_TRAILER) and tail.endswith(b"\n")
-                and re.fullmatch(rb"[0-9a-f]{64}", want)):
-            raise CheckpointError(f"checkpoint {path} has no valid content hash at its end: it is truncated or "
-                                  f"corrupt (or was not written by train.py)")
-        f.seek(0)
-        sha, left = hashlib.sha256(), size - _TRAILER_LEN
-        while left:
-            chunk = f.read(min(left, 1 << 24))
-            if not chunk:
-                break
-            sha.update(chunk)
-            left -= len(chunk)
-    if sha.hexdigest().encode() != want:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: its sha256 differs from the one "
-                              f"recorded in the file")
-    return want.decode()
-
-
-def load_file(path: str | Path) -> dict:
-    """A torch file written by atomic_save: content hash checked, then torch.load(weights_only=True) on CPU.
-    Every failure is a CheckpointError naming the file."""
-    path = Path(path)
-    file_digest(path)
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-        meta = json.loads(ck["meta"])
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is truncated or "
-                              f"corrupt") from e
-    if not isinstance(ck.get("model"), dict) or not isinstance(meta, dict) or "model" not in meta:
-        raise CheckpointError(f"checkpoint {path} lacks 'model' weights or meta['model'] (not written by train.py?)")
-    return ck
-
-
-def _row_digest(content: dict) -> str:
-    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-ROW_HASH = "sha256"   # the key of a JSON-lines row's own hash
-
-
-def jsonl_line(row: dict) -> str:
-    """One JSON-lines row with ROW_HASH: the sha256 of its content as it reads back (canonical JSON)."""
-    content = json.loads(json.dumps(row))
-    content.pop(ROW_HASH, None)
-    return json.dumps({**content, ROW_HASH: _row_digest(content)}) + "\n"
-
-
-def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> list[dict]:
-    """The rows of a results.jsonl / metrics.jsonl, each checked against its hash (which is removed) and
-    for `keys`. Raises CheckpointError naming the file and line."""
-    path, rows = Path(path), []
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            row = parse_json(raw.decode(), path, n)
-            require_keys(row, (ROW_HASH, *keys), f"{path}:{n}")
-        except (JSONFileError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{e if isinstance(e, JSONFileError) else f'{path}:{n}: not text'}; "
-                                  f"delete that line to recompute it") from None
-        got = row.pop(ROW_HASH)
-        if got != _row_digest(row):
-            raise CheckpointError(f"{path}:{n}: row content differs from its sha256 (edited or corrupt); "
-                                  f"delete that line to recompute it")
-        rows.append(row)
-    return rows
-
-
-def repair_torn_tail(path: str | Path) -> bool:
-    """Cut a partial last line (an append interrupted by a crash: no final newline) from a JSON-lines file.
-    Only the run's writer (lock holder) calls this. Returns True if something was cut."""
-    path = Path(path)
-    if not path.exists():
-        return False
-    data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return False
-    keep = data[:data.rfind(b"\n") + 1]
-    atomic_write_text(path, keep.decode(errors="replace"))
-    print(f"{path}: removed a partial last row ({len(data) - len(keep)} bytes, an interrupted write)", flush=True)
-    return True
-
-
-@contextlib.contextmanager
-def run_lock(run_dir: str | Path):
-    """Hold an exclusive OS lock on RUN_DIR/.lock (fcntl.flock; msvcrt on Windows) for the block. The OS
-    drops it when the process exits however it exits, so a killed trainer never leaves a stale lock.
-    A second writer gets RunLockedError naming the holder's pid."""
-    path = Path(run_dir) / ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            if os.name == "nt":
-                import msvcrt
-                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-            else:
-                import fcntl
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-            except OSError:
-                holder = "unknown"
-            raise RunLockedError(f"run directory {Path(run_dir)} is in use by another trainer (pid {holder} holds "
-                                 f"{path}); wait for it to finish or use another directory") from None
-        if os.name != "nt":   # record the holder for the other writer's message
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-        yield path
-    finally:
-        os.close(fd)   # closing the descriptor releases the lock
-
-
-def _nonfinite(tree, prefix: str = "") -> list[str]:
-    """Names of floating-point tensors in a (nested) state dict holding NaN or infinity."""
-    if isinstance(tree, Tensor):
-        return [prefix] if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else []
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
-    return [n for k, v in items for n in _nonfinite(v, f"{prefix}.{k}" if prefix else str(k))]
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def config_diff(stored: dict, current: dict, prefix: str) -> list[str]:
-    """Readable differences between a stored and the current config ('model.n_layer: stored 2, this run 3')."""
-    a, b = _flat(stored, prefix), _flat(json.loads(json.dumps(current)), prefix)
-    return [f"{k}: stored {a.get(k)!r}, this run {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
-            if a.get(k) != b.get(k)]
-
-
-def _run_diff(rec: dict, model_cfg: ModelConfig, tc: TrainConfig) -> list[str]:
-    cur = asdict(tc)
-    return (config_diff(rec["model"], model_cfg.to_dict(), "model.")
-            + config_diff({k: rec["train"].get(k) for k in TRAJECTORY}, {k: cur[k] for k in TRAJECTORY}, "train."))
-
-
-def load_checkpoint(path: str | Path, model_cfg: ModelConfig, tc: TrainConfig) -> dict:
-    """Read a checkpoint (hash checked; no code runs: weights_only) and check it belongs to this model and
-    trajectory. Returns the dict with "meta" parsed."""
-    ck = load_file(path)
-    meta = json.loads(ck["meta"])
-    if "train" not in meta:
-        raise CheckpointError(f"checkpoint {path} lacks meta['train'] (not written by train.py?)")
-    diff = _run_diff(meta, model_cfg, tc)
-    if diff:
-        raise CheckpointError(f"checkpoint {path} does not match this run: " + "; ".join(diff))
-    return {**ck, "meta": meta}
-
+# A finished run's weights
 
 def _branches_of(run_dir: Path) -> list[int]:
     return TrainConfig.from_dict(read_json(run_dir / "config.json", keys=("train",))["train"]).branches
@@ -548,17 +221,10 @@ def export_final(run_dir: str | Path, branch: int | None = None) -> Path:
                 return dst
         except CheckpointError as e:
             print(f"{e}: rebuilding it from {src}", flush=True)
-    def copy(f):
-        with open(src, "rb") as s:
-            shutil.copyfileobj(s, f, 1 << 24)
-    _atomic_write(dst, copy)
+    atomic_copy(src, dst)
     if file_digest(dst) != want:   # the source changed under us (it should not: one writer per run)
         raise CheckpointError(f"{dst} does not match {src} after copying it")
     return dst
-
-
-def endpoint_path(run_dir: str | Path, branch: int) -> Path:
-    return Path(run_dir) / "endpoints" / f"branch_{branch:07d}.pt"
 
 
 def load_weights(path: str | Path) -> tuple[dict, dict]:
@@ -586,122 +252,6 @@ def load_weights(path: str | Path) -> tuple[dict, dict]:
                 path = path / "ckpt.pt"
     ck = load_file(path)
     return ck["model"], json.loads(ck["meta"])
-
-
-# Which full (resume) checkpoints a run keeps. One rule, used by the Trainer after every save and every
-# finished branch, and by disk_estimate's simulation.
-def needed_checkpoints(on_disk, pending) -> set[tuple[int | None, int]]:
-    """From the (branch or None for the stable run, step) checkpoints on disk, those resuming still needs:
-    for each pending branch (no results row yet), its own latest checkpoint, else the latest stable
-    checkpoint at or before its fork. A finished run needs none."""
-    on_disk = set(on_disk)
-    stable = [s for b, s in on_disk if b is None]
-    keep = set()
-    for b in pending:
-        own = [s for bb, s in on_disk if bb == b]
-        prior = [s for s in stable if s <= b]
-        if own:
-            keep.add((b, max(own)))
-        elif prior:
-            keep.add((None, max(prior)))
-    return keep
-
-
-# ----------------------------------------------------------------------------------------
-# Disk: what a run writes, estimated before it starts (pure functions)
-
-# Bytes a torch file costs beyond its tensors' data, measured with torch 2.13 (torch.save of dicts of
-# 10-1000 tensors): ~1.3 kB per file, 250-300 B per tensor (zip headers, 64-byte alignment, pickle).
-_FILE_BYTES = 1261 + _TRAILER_LEN
-_TENSOR_BYTES = 280
-_RNG_BYTES = 5056 + 625 * 8 * 2 + 3 * _TENSOR_BYTES   # torch, numpy and python generator states
-_METRICS_ROW_BYTES = 420   # one metrics.jsonl row with its hash (measured: 370-410 B)
-
-
-def logged(tc: TrainConfig, done: int, end: int) -> tuple[bool, bool]:
-    """(progress row, validation) after optimizer step `done` of a segment ending at `end`."""
-    return done % tc.log_interval == 0 or done == end, bool(tc.eval_interval and done % tc.eval_interval == 0)
-
-
-def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]:
-    """(full resume checkpoint, weights-only endpoint) file sizes for this model: fp32 weights, AdamW's two
-    fp32 moments + a step per parameter, RNG states, JSON meta. The parameter list comes from a GPT
-    built on the meta device (no memory allocated)."""
-    with torch.device("meta"):
-        gpt = GPT(model_cfg)
-    params = list(gpt.named_parameters())
-    weights = sum(p.numel() * 4 + _TENSOR_BYTES for _, p in params)
-    meta = len(json.dumps({"format": 2, "kind": "endpoint", "model": model_cfg.to_dict(), "train": asdict(tc),
-                           "step": 0, "branch": 0, "tokens": 0, "wall_s": 0.0, "run": {}})) + 100
-    endpoint = _FILE_BYTES + weights + meta
-    adam = sum(2 * (p.numel() * 4 + _TENSOR_BYTES) + 4 + _TENSOR_BYTES + 2 * (len(n) + 12) for n, p in params)
-    return endpoint + adam + _RNG_BYTES + 600, endpoint
-
-
-def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
-    """Bytes one train() run keeps on disk, replaying the Trainer's save / prune rules (save_kind,
-    needed_checkpoints, logged): "peak" (the most at any moment), "final" (after the run: endpoints, ckpt.pt,
-    logs), "written" (all bytes written, deleted files included), and the per-file sizes."""
-    tc = TrainConfig.from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
-    full, endpoint = checkpoint_bytes(model_cfg, tc)
-    row = len(json.dumps({"config": model_cfg.to_dict(), "train": asdict(tc)})) + len(json.dumps(
-        budget.dense_control(model_cfg).to_dict())) + 1500   # results row: configs, losses by source, hash
-    logs = 2 * len(json.dumps({"model": model_cfg.to_dict(), "train": asdict(tc)}, indent=2))  # config.json
-    ckpts: dict = {}
-    state = {"peak": 0, "written": logs, "kept": logs}   # kept: endpoints + logs
-
-    def now() -> int:
-        return state["kept"] + full * len(ckpts)
-
-    def write(n: int, key=None) -> None:
-        state["written"] += n
-        if key is None:
-            state["kept"] += n
-        else:
-            ckpts[key] = True
-        state["peak"] = max(state["peak"], now())
-
-    def prune(pending) -> None:
-        for key in set(ckpts) - needed_checkpoints(ckpts, pending):
-            del ckpts[key]
-
-    pending, s = list(tc.branches), 0
-    for b in tc.branches:
-        for branch, start, end in ((None, s, b), (b, b, b + tc.decay_steps)):
-            for done in range(start + 1, end + 1):
-                if any(logged(tc, done, end)):
-                    write(_METRICS_ROW_BYTES)
-                kind = save_kind(tc, branch, done, end)
-                if kind == "endpoint":
-                    write(endpoint)
-                elif kind == "full":
-                    write(full, (branch, done))
-                    prune(pending)
-        s = b
-        write(row)
-        pending.remove(b)
-        prune(pending)
-    write(endpoint)   # ckpt.pt
-    return {"peak": state["peak"], "final": now(), "written": state["written"], "full_checkpoint": full,
-            "endpoint": endpoint}
-
-
-def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int = 1) -> dict:
-    """disk_estimate over a set of runs trained `jobs` at a time: "final" is the sum of the runs' final
-    bytes; "peak" adds the `jobs` largest in-run surpluses (peak - final) on top of it, an upper bound
-    (it assumes every other run has already finished)."""
-    ests = [disk_estimate(c, tc) for c in model_cfgs]
-    final = sum(e["final"] for e in ests)
-    surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]
-    return {"final": final, "peak": final + sum(surplus), "written": sum(e["written"] for e in ests),
-            "runs": len(ests)}
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
 
 
 # ----------------------------------------------------------------------------------------
@@ -799,16 +349,39 @@ def check_device(device: str) -> None:
         raise ValueError(f"TrainConfig: device={device!r} but this machine has {torch.cuda.device_count()} GPU(s)")
 
 
-def save_kind(tc: TrainConfig, branch: int | None, done: int, end: int) -> str | None:
-    """What the Trainer writes after optimizer step `done` of a segment ending at `end` (the stable run's
-    segments end at fork points): "endpoint" at a branch's end, "full" (a resume checkpoint) at a fork point
-    and every ckpt_interval steps, else None. disk_estimate replays the same rule."""
-    if done == end:
-        return "full" if branch is None else "endpoint"
-    return "full" if tc.ckpt_interval and done % tc.ckpt_interval == 0 else None
+def select_device(tc: TrainConfig, d: Dist) -> tuple[torch.device, object]:
+    """(device, autocast context factory): tc.device ("auto": CUDA when present; cuda:LOCAL_RANK under torchrun),
+    TF32 matmuls on CUDA, bf16 autocast on CUDA (tc.dtype "auto") or when asked ("bf16"), else fp32."""
+    dev = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda" and d.world > 1:
+        dev = f"cuda:{d.local_rank}"
+    device = torch.device(dev)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and cuda)
+    return device, ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext)
 
 
-class Trainer:
+def wrap_parallel(objective: Objective, d: Dist, fsdp: bool, device: torch.device):
+    """(the module the training step calls, the DDP wrapper or None): FSDP2 (`fully_shard` per block + root)
+    with fsdp under torchrun, else DDP under torchrun, else the objective itself."""
+    if d.world > 1 and fsdp:
+        from torch.distributed.fsdp import fully_shard
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # router stats
+        for blk in objective.gpt.blocks:
+            fully_shard(blk)
+        fully_shard(objective)
+        return objective, None
+    if d.world > 1:
+        ddp = nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        return ddp, ddp
+    return objective, None
+
+
+class Trainer(Checkpoints):
     def __init__(self, model_cfg: ModelConfig, tc: TrainConfig, data, run_dir: str | Path, meta: dict | None = None):
         if not isinstance(model_cfg, ModelConfig) or not isinstance(tc, TrainConfig):
             raise ValueError(f"Trainer needs a ModelConfig and a TrainConfig, got {type(model_cfg).__name__} and "
@@ -827,33 +400,14 @@ class Trainer:
         self.model_cfg, self.tc, self.data = model_cfg, tc, data
         self.meta = dict(meta or {})
         self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
-        dev = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if dev == "cuda" and self.d.world > 1:
-            dev = f"cuda:{self.d.local_rank}"
-        self.device = torch.device(dev)
+        self.device, self.autocast = select_device(tc, self.d)
         cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.set_device(self.device)
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and cuda)
-        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16
-                         else contextlib.nullcontext)
         torch.manual_seed(tc.seed)
         random.seed(tc.seed)
         np.random.seed(tc.seed)
         self.gpt = GPT(model_cfg).to(self.device)
         self.objective = Objective(self.gpt)
-        self.ddp = None
-        model: nn.Module = self.objective
-        if self.d.world > 1 and tc.fsdp:
-            from torch.distributed.fsdp import fully_shard
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # router stats
-            for blk in self.gpt.blocks:
-                fully_shard(blk)
-            fully_shard(self.objective)
-        elif self.d.world > 1:
-            self.ddp = model = nn.parallel.DistributedDataParallel(
-                self.objective, device_ids=[self.device.index] if cuda else None, broadcast_buffers=False)
+        model, self.ddp = wrap_parallel(self.objective, self.d, tc.fsdp, self.device)
         self.opt = make_optimizer(self.gpt, tc)
         self.model = compile_model(model) if (tc.compile and cuda) else model   # static shapes, fresh per run
         self.tokens_per_step = tc.batch_size * tc.block_size
@@ -868,189 +422,6 @@ class Trainer:
         self.prefix = f"[{self.meta['run']}] " if self.meta.get("run") else ""   # names the run in every line
         self.at: tuple[int | None, int] | None = (None, 0)   # the state in memory: (branch or None, step)
         self.pending: list[int] = []                         # branches without a results row
-
-    # -- bookkeeping -------------------------------------------------------------------------
-
-    @staticmethod
-    def _phase(branch: int | None) -> str:
-        return "stable" if branch is None else f"branch{branch:07d}"
-
-    def _ckpt(self, branch: int | None, step: int) -> Path:
-        return self.ckpt_dir / f"{self._phase(branch)}_{step:07d}.pt"
-
-    def _ckpts(self, branch: int | None) -> dict[int, Path]:
-        """{step: path} of this phase's checkpoints on disk."""
-        return {int(p.stem[-7:]): p for p in self.ckpt_dir.glob(f"{self._phase(branch)}_{'[0-9]' * 7}.pt")}
-
-    def _all_ckpts(self) -> dict[tuple[int | None, int], Path]:
-        """{(branch or None, step): path} of every full checkpoint on disk."""
-        out = {}
-        for p in self.ckpt_dir.glob("*.pt"):
-            m = re.fullmatch(r"(?:stable|branch(\d{7}))_(\d{7})\.pt", p.name)
-            if m:
-                out[(None if m.group(1) is None else int(m.group(1)), int(m.group(2)))] = p
-        return out
-
-    def _last_good(self) -> str:
-        return str(max(self.ckpt_dir.glob("*.pt"), key=os.path.getmtime, default="none (no checkpoint yet)"))
-
-    def _barrier(self) -> None:
-        if self.d.world > 1:
-            dist.barrier()
-
-    def _append(self, name: str, row: dict, sync: bool = False) -> None:
-        """Append one hashed row (a single write of a whole line; results rows are fsynced)."""
-        if self.d.rank == 0:
-            with open(self.run_dir / name, "a") as f:
-                f.write(jsonl_line(row))
-                if sync:
-                    f.flush()
-                    os.fsync(f.fileno())
-
-    def _trim_metrics(self, branch: int | None, step: int) -> None:
-        """Before training a phase from `step`, drop its metrics rows logged after it (a crashed attempt's)."""
-        path = self.run_dir / "metrics.jsonl"
-        if self.d.rank != 0 or not path.exists():
-            return
-        rows = read_jsonl(path)
-        keep = [r for r in rows if not (r.get("branch") == branch and r.get("step", 0) > step)]
-        if len(keep) != len(rows):
-            atomic_write_text(path, "".join(jsonl_line(r) for r in keep))
-
-    def _prune(self, pending: list[int]) -> None:
-        """Delete the full checkpoints resuming no longer needs (needed_checkpoints); the directory too once empty."""
-        if self.d.rank == 0 and self.ckpt_dir.is_dir():
-            on_disk = self._all_ckpts()
-            for key in on_disk.keys() - needed_checkpoints(on_disk, pending):
-                on_disk[key].unlink(missing_ok=True)
-            remove_stale_tmp(self.ckpt_dir)
-            if not pending and not any(self.ckpt_dir.iterdir()):
-                self.ckpt_dir.rmdir()
-        self._barrier()   # other ranks list checkpoints next
-
-    # -- checkpoints -------------------------------------------------------------------------
-    def _names(self) -> list[str]:
-        """Parameter names ("gpt."-prefixed, as torch.distributed.checkpoint keys them) in optimizer order."""
-        names = {id(p): "gpt." + n for n, p in self.gpt.named_parameters()}
-        return [names[id(p)] for g in self.opt.param_groups for p in g["params"]]
-
-    def _state_dicts(self, optimizer: bool = True) -> tuple[dict, dict | None]:
-        """Full model and name-keyed optimizer state dicts (gathered from the shards under FSDP2)."""
-        if self.tc.fsdp and self.d.world > 1:   # collectives; the import is heavy, so only here
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                                 get_optimizer_state_dict)
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return (get_model_state_dict(self.objective, options=opts),
-                    get_optimizer_state_dict(self.objective, self.opt, options=opts) if optimizer else None)
-        msd = {"gpt." + k: v for k, v in self.gpt.state_dict().items()}
-        if not optimizer:
-            return msd, None
-        names, osd = self._names(), self.opt.state_dict()
-        return (msd, {"state": {names[i]: st for i, st in osd["state"].items()},
-                      "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]})
-
-    def _load_state_dicts(self, msd: dict, osd: dict | None) -> None:
-        if self.tc.fsdp and self.d.world > 1:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
-            set_model_state_dict(self.objective, msd, options=StateDictOptions(full_state_dict=True))
-            if osd is not None:
-                set_optimizer_state_dict(self.objective, self.opt, osd,
-                                         options=StateDictOptions(full_state_dict=True))
-            return
-        self.objective.load_state_dict(msd)
-        if osd is None:
-            return
-        index = {n: i for i, n in enumerate(self._names())}
-        self.opt.load_state_dict({"state": {index[n]: st for n, st in osd["state"].items()},
-                                  "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                                   for g in osd["param_groups"]]})
-
-    def _refuse_nonfinite(self, path: Path, step: int, msd: dict, osd: dict | None = None) -> None:
-        """Raise DivergenceError (on every rank) when a tensor about to be saved holds NaN / infinity: a
-        checkpoint on disk is always finite, so 'the last good checkpoint' is good."""
-        bad = _nonfinite(msd, "model") + (_nonfinite(osd, "optimizer") if osd is not None else [])
-        flag = torch.tensor([float(len(bad))])
-        if self.d.world > 1:
-            flag = flag.to(self.device)
-            dist.all_reduce(flag)
-        if float(flag) > 0:
-            raise DivergenceError(f"refusing to write {path} at step {step}: {int(float(flag))} model / optimizer "
-                                  f"tensors hold NaN or infinity ({', '.join(bad[:4]) or 'on another rank'}"
-                                  f"{', ...' if len(bad) > 4 else ''}); the last good checkpoint is "
-                                  f"{self._last_good()}")
-
-    def _meta(self, branch: int | None, step: int, kind: str) -> str:
-        run = {k: v for k, v in self.meta.items() if k != "control"}
-        return json.dumps({"format": 2, "kind": kind, "model": self.model_cfg.to_dict(), "train": asdict(self.tc),
-                           "step": step, "branch": branch, "tokens": step * self.tokens_per_step,
-                           "wall_s": self.wall, "run": run})
-
-    def save(self, branch: int | None, step: int) -> Path:
-        """A full resume checkpoint: weights, optimizer, step, RNG, meta (all ranks call this)."""
-        msd, osd = self._state_dicts()
-        path = self._ckpt(branch, step)
-        if self.ddp is not None:   # cheap guard that DDP keeps the replicas identical
-            fp = torch.stack([p.detach().double().abs().sum() for p in self.gpt.parameters()]).sum().view(1)
-            every = [torch.zeros_like(fp) for _ in range(self.d.world)]
-            dist.all_gather(every, fp)
-            if any(not torch.equal(f, fp) for f in every):
-                raise RuntimeError(f"DDP replicas differ at step {step}: checksums {[float(f) for f in every]}")
-        self._refuse_nonfinite(path, step, msd, osd)
-        if self.d.rank == 0:
-            self.ckpt_dir.mkdir(exist_ok=True)
-            atomic_save({"model": {k.removeprefix("gpt."): v for k, v in msd.items()}, "optimizer": osd,
-                         "step": step, "wall_s": self.wall, "rng": _rng_state(),
-                         "meta": self._meta(branch, step, "resume")}, path)
-        self._barrier()
-        return path
-
-    def save_endpoint(self, branch: int, step: int) -> Path:
-        """The branch's weights-only endpoint RUN_DIR/endpoints/branch_XXXXXXX.pt (all ranks call this)."""
-        msd, _ = self._state_dicts(optimizer=False)
-        path = endpoint_path(self.run_dir, branch)
-        self._refuse_nonfinite(path, step, msd)
-        if self.d.rank == 0:
-            path.parent.mkdir(exist_ok=True)
-            atomic_save({"model": {k.removeprefix("gpt."): v for k, v in msd.items()},
-                         "meta": self._meta(branch, step, "endpoint")}, path)
-        self._barrier()
-        return path
-
-    def load(self, path: Path) -> int:
-        """Resume from a full checkpoint; returns its step."""
-        ck = load_checkpoint(path, self.model_cfg, self.tc)
-        if "optimizer" not in ck or "rng" not in ck:
-            raise CheckpointError(f"checkpoint {path} holds no optimizer / RNG state: it is an endpoint, not a "
-                                  f"resume checkpoint")
-        try:
-            self._load_state_dicts({"gpt." + k: v for k, v in ck["model"].items()}, ck["optimizer"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path} does not load into this model: {e}") from e
-        _set_rng_state(ck["rng"])
-        self.wall = float(ck["wall_s"])
-        self.at = (ck["meta"]["branch"], int(ck["step"]))
-        return int(ck["step"])
-
-    def _load_endpoint(self, branch: int) -> bool:
-        """Load a finished branch's endpoint for its evaluation (crash between endpoint and results row).
-        False when there is none or it is damaged (then the branch is trained again)."""
-        path = endpoint_path(self.run_dir, branch)
-        if not path.exists():
-            return False
-        try:
-            ck = load_checkpoint(path, self.model_cfg, self.tc)
-            if ck["meta"]["step"] != branch + self.tc.decay_steps:
-                raise CheckpointError(f"checkpoint {path} ends at step {ck['meta']['step']}, this run's branch "
-                                      f"ends at {branch + self.tc.decay_steps}")
-            self._load_state_dicts({"gpt." + k: v for k, v in ck["model"].items()}, None)
-        except (CheckpointError, RuntimeError, KeyError) as e:
-            if self.d.rank == 0:
-                print(f"{e}; training branch {branch} again", flush=True)
-            return False
-        self.wall = float(ck["meta"]["wall_s"])
-        self.at = None   # weights only: no optimizer state to continue from
-        return True
 
     # -- one optimizer step ------------------------------------------------------------------
     def _sync_context(self, last_micro: bool):
@@ -1158,16 +529,6 @@ class Trainer:
         return evaluate(self.objective, self.data, self.micro, self.tc.block_size, self.tc.eval_tokens,
                         self.device, self.autocast)
 
-    def _results(self) -> list[dict]:
-        path = self.run_dir / "results.jsonl"
-        rows = read_jsonl(path, keys=("branch_step", "config", "train")) if path.exists() else []
-        for r in rows:
-            diff = _run_diff({"model": r["config"], "train": r["train"]}, self.model_cfg, self.tc)
-            if diff:
-                raise CheckpointError(f"{path} holds results of another configuration: {'; '.join(diff)}; "
-                                      f"use a new run directory")
-        return list({r["branch_step"]: r for r in rows if r["branch_step"] in self.tc.branches}.values())
-
     def _result_row(self, branch: int, ev: dict) -> dict:
         cfg, tc, meta = self.model_cfg, self.tc, dict(self.meta)
         control = meta.pop("control", None)
@@ -1196,22 +557,7 @@ class Trainer:
         evaluated, the stable run resumes from the fork checkpoint, and so on. Only the fork point of the
         next branch and the latest resume point are on disk at any time (needed_checkpoints), not every fork."""
         tc = self.tc
-        cfg_path = self.run_dir / "config.json"
-        if cfg_path.exists():
-            diff = _run_diff(read_json(cfg_path, keys=("model", "train")), self.model_cfg, tc)
-            if diff:
-                raise CheckpointError(f"{cfg_path} describes another run: {'; '.join(diff)}; use a new run directory")
-        data_dir = getattr(self.data, "dir", None) or getattr(self.data, "manifest", {}).get("preset")
-        self._barrier()
-        if self.d.rank == 0:
-            meta = {k: v for k, v in self.meta.items() if k != "control"}
-            atomic_write_text(cfg_path, json.dumps({"model": self.model_cfg.to_dict(), "train": asdict(tc),
-                                                    "data_dir": str(data_dir), "meta": meta}, indent=2))
-            for name in ("results.jsonl", "metrics.jsonl"):
-                repair_torn_tail(self.run_dir / name)
-            for d in (self.run_dir, self.ckpt_dir, self.run_dir / "endpoints"):   # a killed writer's temp files
-                remove_stale_tmp(d)
-        self._barrier()
+        self._open_run_dir()
         rows = self._results()
         done = {r["branch_step"] for r in rows}
         self.pending = [b for b in tc.branches if b not in done]
@@ -1242,35 +588,6 @@ class Trainer:
         self._prune([])
         self._barrier()
         return sorted(rows, key=lambda r: r["branch_step"])
-
-    def _reach_fork(self, b: int) -> None:
-        """Bring the model to the stable run after b steps (continuing in memory, or from the latest stable
-        checkpoint at or before b), saving the fork checkpoint at b."""
-        forks = {s: p for s, p in self._ckpts(None).items() if s <= b}
-        usable = self.at is not None and self.at[0] is None and self.at[1] <= b   # a fresh Trainer: (None, 0)
-        if forks and not (usable and self.at[1] >= max(forks)):
-            self.load(forks[max(forks)])
-        elif not usable:
-            raise CheckpointError(f"no stable checkpoint at or before step {b} in {self.ckpt_dir} and the model "
-                                  f"in memory has moved past it (was a checkpoint deleted during the run?); "
-                                  f"run again to restart from step 0")
-        s = self.at[1]
-        self._trim_metrics(None, s)
-        self.win_t, self.win_step = time.perf_counter(), s
-        if s < b:
-            self._train(s, b, None)
-
-    def _set_eta(self) -> None:
-        """Steps left (stable + decay) for the progress line's ETA."""
-        tc, forks = self.tc, self._ckpts(None)
-        need = [b for b in self.pending if not self._ckpts(b) and not endpoint_path(self.run_dir, b).exists()]
-        start = max((s for s in forks if need and s <= min(need)), default=0)
-        left = max(need, default=start) - start
-        for b in self.pending:
-            own = self._ckpts(b)
-            left += b + tc.decay_steps - (max(own) if own else b)
-        self.steps_left = left
-        self.win_t, self.win_step = time.perf_counter(), start
 
     def _export_final(self) -> None:
         """RUN_DIR/ckpt.pt: a copy of the longest branch's endpoint, the model eval.py and probes.py read

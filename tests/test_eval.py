@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import eval as ev
-import train as T
+import runfiles
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -395,7 +395,7 @@ def save_run(path, vocab_size=V, corrupt=False):
     if corrupt:
         (path / "ckpt.pt").write_bytes(b"not a checkpoint")
     else:
-        T.atomic_save({"model": model.state_dict(), "step": 7}, path / "ckpt.pt")
+        runfiles.atomic_save({"model": model.state_dict(), "step": 7}, path / "ckpt.pt")
     return model
 
 
@@ -408,7 +408,7 @@ def test_load_model_round_trip_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ev.load_model(tmp_path / "missing")
     save_run(tmp_path / "bad", corrupt=True)
-    with pytest.raises(T.CheckpointError, match="ckpt.pt has no valid content hash"):   # hash checked on load
+    with pytest.raises(runfiles.CheckpointError, match="ckpt.pt has no valid content hash"):   # hash checked on load
         ev.load_model(tmp_path / "bad")
     (tmp_path / "ok" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -482,7 +482,7 @@ def test_load_model_accepts_run_dir_endpoint_and_checkpoint(trained_run, tmp_pat
     ck = torch.load(end3, weights_only=True)
     full = trained_run / "ckpt" / "branch0000003_0000005.pt"
     full.parent.mkdir(exist_ok=True)
-    T.atomic_save({"model": ck["model"], "optimizer": {}, "step": 5, "meta": ck["meta"]}, full)
+    runfiles.atomic_save({"model": ck["model"], "optimizer": {}, "step": 5, "meta": ck["meta"]}, full)
     m2, meta2 = ev.load_model(full)
     idx = torch.randint(0, V, (1, 12))
     torch.testing.assert_close(m2(idx)[0], model(idx)[0])
@@ -495,11 +495,11 @@ def test_load_model_accepts_run_dir_endpoint_and_checkpoint(trained_run, tmp_pat
     other = tmp_path / "other_run"
     (other / "endpoints").mkdir(parents=True)
     (other / "config.json").write_text((trained_run / "config.json").read_text())
-    T.atomic_save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
+    runfiles.atomic_save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
                   other / "endpoints" / "branch_0000006.pt")
     assert ev.load_model(other / "endpoints" / "branch_0000006.pt")[1]["branch_step"] == 6
     # a lone file with no meta and no config.json beside it names what is missing
-    T.atomic_save({"model": ck["model"]}, tmp_path / "lone.pt")
+    runfiles.atomic_save({"model": ck["model"]}, tmp_path / "lone.pt")
     with pytest.raises(ValueError, match="no model config"):
         ev.load_model(tmp_path / "lone.pt")
     with pytest.raises(FileNotFoundError, match="endpoint file"):
@@ -516,7 +516,7 @@ def test_run_endpoints_finds_every_branch(trained_run, tmp_path):
     run2.mkdir()
     rows[0]["endpoint"] = "endpoints/branch_0000003.pt"
     rows[1].pop("endpoint")
-    (run2 / "results.jsonl").write_text("".join(T.jsonl_line(r) for r in rows))
+    (run2 / "results.jsonl").write_text("".join(runfiles.jsonl_line(r) for r in rows))
     with pytest.raises(FileNotFoundError, match="branch 3 finished"):
         ev.run_endpoints(run2)
     (run2 / "endpoints").mkdir()

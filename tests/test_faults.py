@@ -27,8 +27,10 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import checks
 import data as data_mod
+import runfiles
 import train as T
 from toys import tiny_model, tiny_train
 from model import GPT, ModelConfig
@@ -208,10 +210,10 @@ def test_damaged_results_rows_are_named(finished, tmp_path, fault, msg):
         del r["sha256"]
         lines[0] = json.dumps(r) + "\n"
     else:
-        lines[0] = T.jsonl_line({k: v for k, v in rows[0].items() if k not in ("config", "train")})
+        lines[0] = runfiles.jsonl_line({k: v for k, v in rows[0].items() if k not in ("config", "train")})
     (tmp_path / "results.jsonl").write_text("".join(lines))
-    with pytest.raises(T.CheckpointError, match=msg):
-        T.read_jsonl(tmp_path / "results.jsonl", keys=("branch_step", "config", "train"))
+    with pytest.raises(runfiles.CheckpointError, match=msg):
+        runfiles.read_jsonl(tmp_path / "results.jsonl", keys=("branch_step", "config", "train"))
 
 
 def test_torn_last_rows_are_cut_and_recomputed(finished, tmp_path):
@@ -227,7 +229,7 @@ def test_torn_last_rows_are_cut_and_recomputed(finished, tmp_path):
     again = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))
     drop = lambda rs: [{k: v for k, v in r.items() if k != "wall_s"} for r in rs]
     assert drop(again) == drop(rows)
-    assert len(T.read_jsonl(copy / "metrics.jsonl")) == len(T.read_jsonl(run / "metrics.jsonl"))
+    assert len(runfiles.read_jsonl(copy / "metrics.jsonl")) == len(runfiles.read_jsonl(run / "metrics.jsonl"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -243,19 +245,19 @@ def test_flipped_bytes_anywhere_in_a_checkpoint_are_caught(finished, tmp_path):
         b = bytearray(good)
         b[off] ^= 0xFF
         path.write_bytes(bytes(b))
-        with pytest.raises(T.CheckpointError, match=str(path)):
-            T.load_file(path)
-    for cut in (size - 1, size - T._TRAILER_LEN, size // 2, 10):   # truncated
+        with pytest.raises(runfiles.CheckpointError, match=str(path)):
+            runfiles.load_file(path)
+    for cut in (size - 1, size - runfiles._TRAILER_LEN, size // 2, 10):   # truncated
         path.write_bytes(good[:cut])
-        with pytest.raises(T.CheckpointError, match="truncated or corrupt"):
-            T.load_file(path)
+        with pytest.raises(runfiles.CheckpointError, match="truncated or corrupt"):
+            runfiles.load_file(path)
     path.write_bytes(good)
-    assert T.load_file(path)["model"].keys() == GPT(tiny_model()).state_dict().keys()
+    assert runfiles.load_file(path)["model"].keys() == GPT(tiny_model()).state_dict().keys()
     assert len(offsets) >= 100
     # a plain torch.save file (no hash) is refused; the trailer does not disturb plain torch.load
     torch.save({"model": {}, "meta": "{}"}, tmp_path / "plain.pt")
-    with pytest.raises(T.CheckpointError, match="no valid content hash"):
-        T.load_file(tmp_path / "plain.pt")
+    with pytest.raises(runfiles.CheckpointError, match="no valid content hash"):
+        runfiles.load_file(tmp_path / "plain.pt")
     assert torch.load(run / "ckpt.pt", weights_only=True)["model"].keys() == GPT(tiny_model()).state_dict().keys()
 
 
@@ -273,7 +275,7 @@ def test_corrupt_ckpt_pt_is_rebuilt_from_its_endpoint(finished, tmp_path):
         T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))   # and by re-running the run
         assert (copy / "ckpt.pt").read_bytes() == ep
     (copy / "endpoints" / "branch_0000006.pt").write_bytes(ep[:-5])  # the source itself damaged: named
-    with pytest.raises(T.CheckpointError, match="branch_0000006.pt"):
+    with pytest.raises(runfiles.CheckpointError, match="branch_0000006.pt"):
         T.export_final(copy)
 
 
@@ -284,7 +286,7 @@ def test_stale_temp_files_are_removed_at_the_next_write(tmp_path):
     live = tmp_path / "y.pt.tmp1"                                    # pid 1 runs: another writer's, kept
     for p in (*stale, live):
         p.write_bytes(b"half a checkpoint")
-    T.atomic_save({"model": {}, "meta": "{}"}, tmp_path / "x.pt")
+    runfiles.atomic_save({"model": {}, "meta": "{}"}, tmp_path / "x.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pt", "y.pt.tmp1"]
 
 
@@ -304,13 +306,13 @@ def test_non_finite_optimizer_state_is_never_saved(tmp_path, monkeypatch):
         return row
 
     monkeypatch.setattr(T.Trainer, "step", poisoned)
-    with pytest.raises(T.DivergenceError, match=r"refusing to write .*stable_0000003\.pt.*NaN or infinity.*"
+    with pytest.raises(checkpoint.DivergenceError, match=r"refusing to write .*stable_0000003\.pt.*NaN or infinity.*"
                                                 r"optimizer\.state\..*exp_avg_sq.*last good checkpoint is "
                                                 r".*stable_0000002\.pt"):
         T.train(tiny_model(), tiny_train(ckpt_interval=1), T.SyntheticData(64), str(tmp_path))
     assert os.listdir(tmp_path / "ckpt") == ["stable_0000002.pt"]
-    ck = T.load_file(tmp_path / "ckpt" / "stable_0000002.pt")
-    assert not T._nonfinite(ck["model"]) and not T._nonfinite(ck["optimizer"])
+    ck = runfiles.load_file(tmp_path / "ckpt" / "stable_0000002.pt")
+    assert not checkpoint._nonfinite(ck["model"]) and not checkpoint._nonfinite(ck["optimizer"])
 
 
 def test_non_finite_weights_are_never_saved_as_an_endpoint(tmp_path, monkeypatch):
@@ -324,7 +326,7 @@ def test_non_finite_weights_are_never_saved_as_an_endpoint(tmp_path, monkeypatch
         return row
 
     monkeypatch.setattr(T.Trainer, "step", poisoned)
-    with pytest.raises(T.DivergenceError, match=r"refusing to write .*branch_0000003\.pt.*tok_emb\.weight"):
+    with pytest.raises(checkpoint.DivergenceError, match=r"refusing to write .*branch_0000003\.pt.*tok_emb\.weight"):
         T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
     assert not (tmp_path / "endpoints" / "branch_0000003.pt").exists()
 
@@ -333,19 +335,19 @@ def test_non_finite_weights_are_never_saved_as_an_endpoint(tmp_path, monkeypatch
 # One writer per run directory; workers die with their parent
 
 def test_second_writer_is_refused_and_the_lock_dies_with_its_holder(tmp_path):
-    with T.run_lock(tmp_path):                                       # another writer, same process
-        with pytest.raises(T.RunLockedError, match=rf"{tmp_path} is in use by another trainer \(pid {os.getpid()}"):
+    with runfiles.run_lock(tmp_path):                                # another writer, same process
+        with pytest.raises(runfiles.RunLockedError, match=rf"{tmp_path} is in use by another trainer \(pid {os.getpid()}"):
             T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {ROOT!r})
-        import train
-        with train.run_lock({str(tmp_path)!r}):
+        import runfiles
+        with runfiles.run_lock({str(tmp_path)!r}):
             print("locked", flush=True)
             time.sleep(120)""")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(T.RunLockedError, match=f"pid {holder.pid}"):
+        with pytest.raises(runfiles.RunLockedError, match=f"pid {holder.pid}"):
             T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
         os.kill(holder.pid, signal.SIGKILL)                          # killed: the OS drops its lock
         holder.wait()
@@ -463,7 +465,7 @@ def test_crash_anywhere_resumes_bit_for_bit(finished, tmp_path, n):
 def test_disk_estimate_within_20_percent_of_a_real_run(tmp_path, monkeypatch):
     cfg, tc = tiny_model(), tiny_train(ckpt_interval=2)
     seen = []
-    write = T._atomic_write
+    write = runfiles._atomic_write
 
     def du():
         return sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file() and f.name != ".lock")
@@ -472,12 +474,12 @@ def test_disk_estimate_within_20_percent_of_a_real_run(tmp_path, monkeypatch):
         write(path, fn)
         seen.append(du())
 
-    monkeypatch.setattr(T, "_atomic_write", measured)
+    monkeypatch.setattr(runfiles, "_atomic_write", measured)
     T.train(cfg, tc, T.SyntheticData(64), str(tmp_path))
-    est = T.disk_estimate(cfg, tc)
+    est = checkpoint.disk_estimate(cfg, tc)
     assert abs(est["final"] / du() - 1) < 0.2, (est, du())
     assert abs(est["peak"] / max(seen) - 1) < 0.2, (est, max(seen))
     assert abs(est["endpoint"] / (tmp_path / "ckpt.pt").stat().st_size - 1) < 0.05
     assert est["peak"] >= 2 * est["full_checkpoint"]       # a fork point + the next one being written
-    plan = T.plan_disk_estimate([cfg, cfg], tc, jobs=1)
+    plan = checkpoint.plan_disk_estimate([cfg, cfg], tc, jobs=1)
     assert plan["final"] == 2 * est["final"] and plan["peak"] == 2 * est["final"] + est["peak"] - est["final"]

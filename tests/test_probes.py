@@ -10,7 +10,7 @@ import torch
 
 import data
 import probes
-import train as T
+import runfiles
 import stats
 from loop import LoopConfig
 from model import GPT, ModelConfig
@@ -536,7 +536,7 @@ def test_cli(tmp_path, monkeypatch):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data"),
                                                    "train": {"block_size": 32}}))
-        T.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
+        runfiles.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
         runs[name] = str(d)
     fake = fake_data()
     fake.tokenizer()                                                  # built before data is swapped out

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import budget
+import checkpoint
 import data as data_mod
+import runfiles
 import train as T
 from toys import tiny_model, tiny_train
 from loop import LoopConfig
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_jsonl(path):
-    return T.read_jsonl(path)   # each row checked against its sha256
+    return runfiles.read_jsonl(path)   # each row checked against its sha256
 
 
 def strip_timing(rows):
@@ -161,7 +163,7 @@ def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight)
                                            "results.jsonl"]
     assert sorted(os.listdir(run_dir / "endpoints")) == ["branch_0000003.pt", "branch_0000006.pt"]
     for r in rows:
-        ep = T.load_checkpoint(run_dir / r["endpoint"], cfg, tc)
+        ep = checkpoint.load_checkpoint(run_dir / r["endpoint"], cfg, tc)
         assert r["endpoint"] == f"endpoints/branch_{r['branch_step']:07d}.pt" and set(ep) == {"model", "meta"}
         assert ep["meta"]["kind"] == "endpoint" and ep["meta"]["model"] == cfg.to_dict()
         assert ep["meta"]["branch"] == r["branch_step"] and ep["meta"]["step"] == r["branch_step"] + 2
@@ -211,11 +213,11 @@ def test_resume_after_crash_is_bit_for_bit(straight, tmp_path):
 def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
     _, run_dir, _ = straight
     src = run_dir / "endpoints" / "branch_0000003.pt"
-    with pytest.raises(T.CheckpointError, match=r"model\.d_model: stored 32, this run 48") as e:
-        T.load_checkpoint(src, tiny_model(d_model=48), tiny_train())
+    with pytest.raises(runfiles.CheckpointError, match=r"model\.d_model: stored 32, this run 48") as e:
+        checkpoint.load_checkpoint(src, tiny_model(d_model=48), tiny_train())
     assert str(src) in str(e.value)
-    with pytest.raises(T.CheckpointError, match=r"train\.lr: stored 0\.01, this run 0\.02"):
-        T.load_checkpoint(src, tiny_model(), tiny_train(lr=0.02))
+    with pytest.raises(runfiles.CheckpointError, match=r"train\.lr: stored 0\.01, this run 0\.02"):
+        checkpoint.load_checkpoint(src, tiny_model(), tiny_train(lr=0.02))
     # a run interrupted after branch 3, its one checkpoint (the fork branch 6 needs) then truncated:
     # resuming names that file
     run = tmp_path / "run"
@@ -223,17 +225,17 @@ def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
         T.train(tiny_model(), tiny_train(), CrashingData(3, 64), str(run))
     bad = run / "ckpt" / "stable_0000003.pt"
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
-    with pytest.raises(T.CheckpointError, match="truncated or corrupt") as e:
+    with pytest.raises(runfiles.CheckpointError, match="truncated or corrupt") as e:
         T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(run))
     assert str(bad) in str(e.value)
-    with pytest.raises(T.CheckpointError, match=r"config\.json.*model\.n_layer: stored 4, this run 3"):
+    with pytest.raises(runfiles.CheckpointError, match=r"config\.json.*model\.n_layer: stored 4, this run 3"):
         T.train(tiny_model(n_layer=3, loop=LoopConfig(start=1, length=1, n_loops=2)), tiny_train(),
                 T.SyntheticData(64), str(run))
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
     path = tmp_path / "c.pt"
-    T.atomic_save({"x": torch.ones(3)}, path)
+    runfiles.atomic_save({"x": torch.ones(3)}, path)
 
     def dying_save(obj, f):
         f.write(b"PK\x03\x04 half a checkpoint")
@@ -241,7 +243,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(OSError, match="disk full"):
-        T.atomic_save({"x": torch.zeros(3)}, path)
+        runfiles.atomic_save({"x": torch.zeros(3)}, path)
     monkeypatch.undo()
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(3))
     assert os.listdir(tmp_path) == ["c.pt"]
@@ -261,11 +263,11 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(T.Objective, "forward", poisoned)
     tc = tiny_train(stable_steps=4, branch_steps=[4], ckpt_interval=1)
-    with pytest.raises(T.DivergenceError, match=r"non-finite loss nan .* optimizer step 3 .*stable_0000002\.pt"):
+    with pytest.raises(checkpoint.DivergenceError, match=r"non-finite loss nan .* optimizer step 3 .*stable_0000002\.pt"):
         T.train(tiny_model(), tc, T.SyntheticData(64), str(tmp_path))
     ck = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert ck == ["stable_0000002.pt"]                              # superseded step 1 removed, no step 3
-    good = T.load_checkpoint(tmp_path / "ckpt" / "stable_0000002.pt", tiny_model(), tc)
+    good = checkpoint.load_checkpoint(tmp_path / "ckpt" / "stable_0000002.pt", tiny_model(), tc)
     assert all(torch.isfinite(v).all() for v in good["model"].values())
     monkeypatch.undo()                                              # the same run dir then resumes and finishes
     rows = T.train(tiny_model(), tc, T.SyntheticData(64), str(tmp_path))
@@ -359,7 +361,7 @@ def test_torchrun_two_ranks_match_one_process(runs, mode):
     assert not (out / "ckpt").exists()                              # no resume checkpoint survives the run
     if mode == "fsdp":   # a 2-rank FSDP resume checkpoint (gathered full state) resumes in one process
         path = d / "fsdp-crashed" / "ckpt" / "stable_0000002.pt"
-        tc = T.TrainConfig.from_dict({**json.loads(T.load_file(path)["meta"])["train"], "fsdp": False})
+        tc = T.TrainConfig.from_dict({**json.loads(runfiles.load_file(path)["meta"])["train"], "fsdp": False})
         trainer = T.Trainer(tiny_model(aux_loss_coef=0.0), tc, T.SyntheticData(64), d / f"{mode}-resume")
         assert trainer.load(path) == 2
         assert trainer.opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0

@@ -1,0 +1,498 @@
+"""Checkpoints: what a training run saves, keeps and reads back to resume it exactly (SMELT Sec. 3.1, 4.1).
+
+A full resume checkpoint (RUN_DIR/ckpt/stable_SSSSSSS.pt, branchBBBBBBB_SSSSSSS.pt) holds the uncompiled
+GPT's state_dict, the optimizer state keyed by parameter name (torch.distributed.checkpoint's full-state
+layout, gathered under FSDP2: one file resumes on 1 process, DDP or FSDP2), the step, RNG states as tensors
+and the model + train config as JSON meta. A weights-only endpoint (RUN_DIR/endpoints/branch_BBBBBBB.pt)
+holds "model" and "meta" ("model", "train", "branch", "step", "tokens", "wall_s"). Batches are a pure
+function of (seed, step), so the step is the whole data position; on CPU a resumed run is bit for bit the
+uninterrupted one. Nothing non-finite is saved (DivergenceError), so the last checkpoint is a good one.
+
+Retention (`needed_checkpoints`): each pending branch needs only its own latest checkpoint or the latest
+stable one at or before its fork, so a run holds at most two full checkpoints at once and none once it
+has finished. `disk_estimate` replays the Trainer's save / prune rules (`save_kind`, `logged`) to size a
+run before it starts. Files are written and verified by runfiles.py (read it first); the Trainer in
+train.py inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoint.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import budget
+import runfiles
+from checks import read_json
+from model import GPT, ModelConfig
+from runfiles import (CheckpointError, atomic_save, atomic_write_text, jsonl_line, load_file, read_jsonl,
+                      remove_stale_tmp, repair_torn_tail)
+
+# `TrainConfig` in annotations is train.TrainConfig, not imported: train.py imports this module.
+
+# Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
+TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps", "batch_size", "block_size",
+              "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")
+
+
+class DivergenceError(RuntimeError):
+    """The loss or gradient norm became non-finite; the last checkpoint on disk is the last good one."""
+
+
+# ----------------------------------------------------------------------------------------
+# What a checkpoint holds, and whether it belongs to this run
+
+def _rng_state() -> dict[str, Tensor]:
+    np_state = np.random.get_state()
+    st = {"torch": torch.get_rng_state(),
+          "numpy": torch.from_numpy(np.append(np_state[1], np_state[2]).astype(np.int64)),
+          "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict[str, Tensor]) -> None:
+    torch.set_rng_state(st["torch"])
+    keys = st["numpy"].numpy()
+    np.random.set_state(("MT19937", keys[:-1].astype(np.uint32), int(keys[-1]), 0, 0.0))
+    random.setstate((3, tuple(int(v) for v in st["python"]), None))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def _nonfinite(tree, prefix: str = "") -> list[str]:
+    """Names of floating-point tensors in a (nested) state dict holding NaN or infinity."""
+    if isinstance(tree, Tensor):
+        return [prefix] if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return [n for k, v in items for n in _nonfinite(v, f"{prefix}.{k}" if prefix else str(k))]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_diff(stored: dict, current: dict, prefix: str) -> list[str]:
+    """Readable differences between a stored and the current config ('model.n_layer: stored 2, this run 3')."""
+    a, b = _flat(stored, prefix), _flat(json.loads(json.dumps(current)), prefix)
+    return [f"{k}: stored {a.get(k)!r}, this run {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)]
+
+
+def _run_diff(rec: dict, model_cfg: ModelConfig, tc: TrainConfig) -> list[str]:
+    cur = asdict(tc)
+    return (config_diff(rec["model"], model_cfg.to_dict(), "model.")
+            + config_diff({k: rec["train"].get(k) for k in TRAJECTORY}, {k: cur[k] for k in TRAJECTORY}, "train."))
+
+
+def load_checkpoint(path: str | Path, model_cfg: ModelConfig, tc: TrainConfig) -> dict:
+    """Read a checkpoint (hash checked; no code runs: weights_only) and check it belongs to this model and
+    trajectory. Returns the dict with "meta" parsed."""
+    ck = load_file(path)
+    meta = json.loads(ck["meta"])
+    if "train" not in meta:
+        raise CheckpointError(f"checkpoint {path} lacks meta['train'] (not written by train.py?)")
+    diff = _run_diff(meta, model_cfg, tc)
+    if diff:
+        raise CheckpointError(f"checkpoint {path} does not match this run: " + "; ".join(diff))
+    return {**ck, "meta": meta}
+
+
+def endpoint_path(run_dir: str | Path, branch: int) -> Path:
+    return Path(run_dir) / "endpoints" / f"branch_{branch:07d}.pt"
+
+
+# ----------------------------------------------------------------------------------------
+# What a run writes, when, and what it keeps (the Trainer follows these; disk_estimate replays them)
+
+def save_kind(tc: TrainConfig, branch: int | None, done: int, end: int) -> str | None:
+    """What the Trainer writes after optimizer step `done` of a segment ending at `end` (the stable run's
+    segments end at fork points): "endpoint" at a branch's end, "full" (a resume checkpoint) at a fork point
+    and every ckpt_interval steps, else None. disk_estimate replays the same rule."""
+    if done == end:
+        return "full" if branch is None else "endpoint"
+    return "full" if tc.ckpt_interval and done % tc.ckpt_interval == 0 else None
+
+
+def logged(tc: TrainConfig, done: int, end: int) -> tuple[bool, bool]:
+    """(progress row, validation) after optimizer step `done` of a segment ending at `end`."""
+    return done % tc.log_interval == 0 or done == end, bool(tc.eval_interval and done % tc.eval_interval == 0)
+
+
+# Which full (resume) checkpoints a run keeps. One rule, used by the Trainer after every save and every
+# finished branch, and by disk_estimate's simulation.
+def needed_checkpoints(on_disk, pending) -> set[tuple[int | None, int]]:
+    """From the (branch or None for the stable run, step) checkpoints on disk, those resuming still needs:
+    for each pending branch (no results row yet), its own latest checkpoint, else the latest stable
+    checkpoint at or before its fork. A finished run needs none."""
+    on_disk = set(on_disk)
+    stable = [s for b, s in on_disk if b is None]
+    keep = set()
+    for b in pending:
+        own = [s for bb, s in on_disk if bb == b]
+        prior = [s for s in stable if s <= b]
+        if own:
+            keep.add((b, max(own)))
+        elif prior:
+            keep.add((None, max(prior)))
+    return keep
+
+
+# ----------------------------------------------------------------------------------------
+# The Trainer's side: naming, saving, loading and pruning its checkpoints, resuming
+
+class Checkpoints:
+    """The Trainer's checkpoint side (train.Trainer inherits it): naming, pruning, saving, loading.
+
+    Uses the Trainer's gpt, objective, opt, ddp, d (rank, world), device, tc, model_cfg, meta, wall,
+    tokens_per_step, run_dir, ckpt_dir, pending and at ((branch or None, step) of the state in memory), and
+    its _train (to reach a fork point). Rank 0 writes; every rank calls save / save_endpoint (FSDP2 gathers
+    the full state with collectives).
+    """
+
+    # -- the run directory -------------------------------------------------------------------
+    @staticmethod
+    def _phase(branch: int | None) -> str:
+        return "stable" if branch is None else f"branch{branch:07d}"
+
+    def _ckpt(self, branch: int | None, step: int) -> Path:
+        return self.ckpt_dir / f"{self._phase(branch)}_{step:07d}.pt"
+
+    def _ckpts(self, branch: int | None) -> dict[int, Path]:
+        """{step: path} of this phase's checkpoints on disk."""
+        return {int(p.stem[-7:]): p for p in self.ckpt_dir.glob(f"{self._phase(branch)}_{'[0-9]' * 7}.pt")}
+
+    def _all_ckpts(self) -> dict[tuple[int | None, int], Path]:
+        """{(branch or None, step): path} of every full checkpoint on disk."""
+        out = {}
+        for p in self.ckpt_dir.glob("*.pt"):
+            m = re.fullmatch(r"(?:stable|branch(\d{7}))_(\d{7})\.pt", p.name)
+            if m:
+                out[(None if m.group(1) is None else int(m.group(1)), int(m.group(2)))] = p
+        return out
+
+    def _last_good(self) -> str:
+        return str(max(self.ckpt_dir.glob("*.pt"), key=os.path.getmtime, default="none (no checkpoint yet)"))
+
+    def _barrier(self) -> None:
+        if self.d.world > 1:
+            dist.barrier()
+
+    def _append(self, name: str, row: dict, sync: bool = False) -> None:
+        """Append one hashed row (a single write of a whole line; results rows are fsynced)."""
+        if self.d.rank == 0:
+            with open(self.run_dir / name, "a") as f:
+                f.write(jsonl_line(row))
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
+
+    def _open_run_dir(self) -> None:
+        """Check RUN_DIR/config.json describes this run (CheckpointError if not) and write it; cut torn last
+        rows and a killed writer's temp files (rank 0; all ranks call this)."""
+        tc = self.tc
+        cfg_path = self.run_dir / "config.json"
+        if cfg_path.exists():
+            diff = _run_diff(read_json(cfg_path, keys=("model", "train")), self.model_cfg, tc)
+            if diff:
+                raise CheckpointError(f"{cfg_path} describes another run: {'; '.join(diff)}; use a new run directory")
+        data_dir = getattr(self.data, "dir", None) or getattr(self.data, "manifest", {}).get("preset")
+        self._barrier()
+        if self.d.rank == 0:
+            meta = {k: v for k, v in self.meta.items() if k != "control"}
+            atomic_write_text(cfg_path, json.dumps({"model": self.model_cfg.to_dict(), "train": asdict(tc),
+                                                    "data_dir": str(data_dir), "meta": meta}, indent=2))
+            for name in ("results.jsonl", "metrics.jsonl"):
+                repair_torn_tail(self.run_dir / name)
+            for d in (self.run_dir, self.ckpt_dir, self.run_dir / "endpoints"):   # a killed writer's temp files
+                remove_stale_tmp(d)
+        self._barrier()
+
+    def _trim_metrics(self, branch: int | None, step: int) -> None:
+        """Before training a phase from `step`, drop its metrics rows logged after it (a crashed attempt's)."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.d.rank != 0 or not path.exists():
+            return
+        rows = read_jsonl(path)
+        keep = [r for r in rows if not (r.get("branch") == branch and r.get("step", 0) > step)]
+        if len(keep) != len(rows):
+            atomic_write_text(path, "".join(jsonl_line(r) for r in keep))
+
+    def _prune(self, pending: list[int]) -> None:
+        """Delete the full checkpoints resuming no longer needs (needed_checkpoints); the directory too once empty."""
+        if self.d.rank == 0 and self.ckpt_dir.is_dir():
+            on_disk = self._all_ckpts()
+            for key in on_disk.keys() - needed_checkpoints(on_disk, pending):
+                on_disk[key].unlink(missing_ok=True)
+            remove_stale_tmp(self.ckpt_dir)
+            if not pending and not any(self.ckpt_dir.iterdir()):
+                self.ckpt_dir.rmdir()
+        self._barrier()   # other ranks list checkpoints next
+
+    # -- saving and loading the training state -----------------------------------------------
+    def _names(self) -> list[str]:
+        """Parameter names ("gpt."-prefixed, as torch.distributed.checkpoint keys them) in optimizer order."""
+        names = {id(p): "gpt." + n for n, p in self.gpt.named_parameters()}
+        return [names[id(p)] for g in self.opt.param_groups for p in g["params"]]
+
+    def _state_dicts(self, optimizer: bool = True) -> tuple[dict, dict | None]:
+        """Full model and name-keyed optimizer state dicts (gathered from the shards under FSDP2)."""
+        if self.tc.fsdp and self.d.world > 1:   # collectives; the import is heavy, so only here
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_optimizer_state_dict)
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return (get_model_state_dict(self.objective, options=opts),
+                    get_optimizer_state_dict(self.objective, self.opt, options=opts) if optimizer else None)
+        msd = {"gpt." + k: v for k, v in self.gpt.state_dict().items()}
+        if not optimizer:
+            return msd, None
+        names, osd = self._names(), self.opt.state_dict()
+        return (msd, {"state": {names[i]: st for i, st in osd["state"].items()},
+                      "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]})
+
+    def _load_state_dicts(self, msd: dict, osd: dict | None) -> None:
+        if self.tc.fsdp and self.d.world > 1:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+            set_model_state_dict(self.objective, msd, options=StateDictOptions(full_state_dict=True))
+            if osd is not None:
+                set_optimizer_state_dict(self.objective, self.opt, osd,
+                                         options=StateDictOptions(full_state_dict=True))
+            return
+        self.objective.load_state_dict(msd)
+        if osd is None:
+            return
+        index = {n: i for i, n in enumerate(self._names())}
+        self.opt.load_state_dict({"state": {index[n]: st for n, st in osd["state"].items()},
+                                  "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                                   for g in osd["param_groups"]]})
+
+    def _refuse_nonfinite(self, path: Path, step: int, msd: dict, osd: dict | None = None) -> None:
+        """Raise DivergenceError (on every rank) when a tensor about to be saved holds NaN / infinity: a
+        checkpoint on disk is always finite, so 'the last good checkpoint' is good."""
+        bad = _nonfinite(msd, "model") + (_nonfinite(osd, "optimizer") if osd is not None else [])
+        flag = torch.tensor([float(len(bad))])
+        if self.d.world > 1:
+            flag = flag.to(self.device)
+            dist.all_reduce(flag)
+        if float(flag) > 0:
+            raise DivergenceError(f"refusing to write {path} at step {step}: {int(float(flag))} model / optimizer "
+                                  f"tensors hold NaN or infinity ({', '.join(bad[:4]) or 'on another rank'}"
+                                  f"{', ...' if len(bad) > 4 else ''}); the last good checkpoint is "
+                                  f"{self._last_good()}")
+
+    def _meta(self, branch: int | None, step: int, kind: str) -> str:
+        run = {k: v for k, v in self.meta.items() if k != "control"}
+        return json.dumps({"format": 2, "kind": kind, "model": self.model_cfg.to_dict(), "train": asdict(self.tc),
+                           "step": step, "branch": branch, "tokens": step * self.tokens_per_step,
+                           "wall_s": self.wall, "run": run})
+
+    def save(self, branch: int | None, step: int) -> Path:
+        """A full resume checkpoint: weights, optimizer, step, RNG, meta (all ranks call this)."""
+        msd, osd = self._state_dicts()
+        path = self._ckpt(branch, step)
+        if self.ddp is not None:   # cheap guard that DDP keeps the replicas identical
+            fp = torch.stack([p.detach().double().abs().sum() for p in self.gpt.parameters()]).sum().view(1)
+            every = [torch.zeros_like(fp) for _ in range(self.d.world)]
+            dist.all_gather(every, fp)
+            if any(not torch.equal(f, fp) for f in every):
+                raise RuntimeError(f"DDP replicas differ at step {step}: checksums {[float(f) for f in every]}")
+        self._refuse_nonfinite(path, step, msd, osd)
+        if self.d.rank == 0:
+            self.ckpt_dir.mkdir(exist_ok=True)
+            atomic_save({"model": {k.removeprefix("gpt."): v for k, v in msd.items()}, "optimizer": osd,
+                         "step": step, "wall_s": self.wall, "rng": _rng_state(),
+                         "meta": self._meta(branch, step, "resume")}, path)
+        self._barrier()
+        return path
+
+    def save_endpoint(self, branch: int, step: int) -> Path:
+        """The branch's weights-only endpoint RUN_DIR/endpoints/branch_XXXXXXX.pt (all ranks call this)."""
+        msd, _ = self._state_dicts(optimizer=False)
+        path = endpoint_path(self.run_dir, branch)
+        self._refuse_nonfinite(path, step, msd)
+        if self.d.rank == 0:
+            path.parent.mkdir(exist_ok=True)
+            atomic_save({"model": {k.removeprefix("gpt."): v for k, v in msd.items()},
+                         "meta": self._meta(branch, step, "endpoint")}, path)
+        self._barrier()
+        return path
+
+    def load(self, path: Path) -> int:
+        """Resume from a full checkpoint; returns its step."""
+        ck = load_checkpoint(path, self.model_cfg, self.tc)
+        if "optimizer" not in ck or "rng" not in ck:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer / RNG state: it is an endpoint, not a "
+                                  f"resume checkpoint")
+        try:
+            self._load_state_dicts({"gpt." + k: v for k, v in ck["model"].items()}, ck["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path} does not load into this model: {e}") from e
+        _set_rng_state(ck["rng"])
+        self.wall = float(ck["wall_s"])
+        self.at = (ck["meta"]["branch"], int(ck["step"]))
+        return int(ck["step"])
+
+    def _load_endpoint(self, branch: int) -> bool:
+        """Load a finished branch's endpoint for its evaluation (crash between endpoint and results row).
+        False when there is none or it is damaged (then the branch is trained again)."""
+        path = endpoint_path(self.run_dir, branch)
+        if not path.exists():
+            return False
+        try:
+            ck = load_checkpoint(path, self.model_cfg, self.tc)
+            if ck["meta"]["step"] != branch + self.tc.decay_steps:
+                raise CheckpointError(f"checkpoint {path} ends at step {ck['meta']['step']}, this run's branch "
+                                      f"ends at {branch + self.tc.decay_steps}")
+            self._load_state_dicts({"gpt." + k: v for k, v in ck["model"].items()}, None)
+        except (CheckpointError, RuntimeError, KeyError) as e:
+            if self.d.rank == 0:
+                print(f"{e}; training branch {branch} again", flush=True)
+            return False
+        self.wall = float(ck["meta"]["wall_s"])
+        self.at = None   # weights only: no optimizer state to continue from
+        return True
+
+    # -- resuming ----------------------------------------------------------------------------
+    def _reach_fork(self, b: int) -> None:
+        """Bring the model to the stable run after b steps (continuing in memory, or from the latest stable
+        checkpoint at or before b), saving the fork checkpoint at b."""
+        forks = {s: p for s, p in self._ckpts(None).items() if s <= b}
+        usable = self.at is not None and self.at[0] is None and self.at[1] <= b   # a fresh Trainer: (None, 0)
+        if forks and not (usable and self.at[1] >= max(forks)):
+            self.load(forks[max(forks)])
+        elif not usable:
+            raise CheckpointError(f"no stable checkpoint at or before step {b} in {self.ckpt_dir} and the model "
+                                  f"in memory has moved past it (was a checkpoint deleted during the run?); "
+                                  f"run again to restart from step 0")
+        s = self.at[1]
+        self._trim_metrics(None, s)
+        self.win_t, self.win_step = time.perf_counter(), s
+        if s < b:
+            self._train(s, b, None)
+
+    def _set_eta(self) -> None:
+        """Steps left (stable + decay) for the progress line's ETA."""
+        tc, forks = self.tc, self._ckpts(None)
+        need = [b for b in self.pending if not self._ckpts(b) and not endpoint_path(self.run_dir, b).exists()]
+        start = max((s for s in forks if need and s <= min(need)), default=0)
+        left = max(need, default=start) - start
+        for b in self.pending:
+            own = self._ckpts(b)
+            left += b + tc.decay_steps - (max(own) if own else b)
+        self.steps_left = left
+        self.win_t, self.win_step = time.perf_counter(), start
+
+    def _results(self) -> list[dict]:
+        """This run's results rows already on disk (finished branches); CheckpointError if another run's."""
+        path = self.run_dir / "results.jsonl"
+        rows = read_jsonl(path, keys=("branch_step", "config", "train")) if path.exists() else []
+        for r in rows:
+            diff = _run_diff({"model": r["config"], "train": r["train"]}, self.model_cfg, self.tc)
+            if diff:
+                raise CheckpointError(f"{path} holds results of another configuration: {'; '.join(diff)}; "
+                                      f"use a new run directory")
+        return list({r["branch_step"]: r for r in rows if r["branch_step"] in self.tc.branches}.values())
+
+
+# ----------------------------------------------------------------------------------------
+# Disk: what a run writes, estimated before it starts (pure functions)
+
+# A torch file's bytes beyond its tensors' data (zip headers, alignment, pickle; docs/checkpoint.md)
+_FILE_BYTES = 1261 + runfiles._TRAILER_LEN
+_TENSOR_BYTES = 280
+_RNG_BYTES = 5056 + 625 * 8 * 2 + 3 * _TENSOR_BYTES   # torch, numpy and python generator states
+_METRICS_ROW_BYTES = 420   # one metrics.jsonl row with its hash
+
+
+def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]:
+    """(full resume checkpoint, weights-only endpoint) file sizes for this model: fp32 weights, AdamW's two
+    fp32 moments + a step per parameter, RNG states, JSON meta. The parameter list comes from a GPT
+    built on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        gpt = GPT(model_cfg)
+    params = list(gpt.named_parameters())
+    weights = sum(p.numel() * 4 + _TENSOR_BYTES for _, p in params)
+    meta = len(json.dumps({"format": 2, "kind": "endpoint", "model": model_cfg.to_dict(), "train": asdict(tc),
+                           "step": 0, "branch": 0, "tokens": 0, "wall_s": 0.0, "run": {}})) + 100
+    endpoint = _FILE_BYTES + weights + meta
+    adam = sum(2 * (p.numel() * 4 + _TENSOR_BYTES) + 4 + _TENSOR_BYTES + 2 * (len(n) + 12) for n, p in params)
+    return endpoint + adam + _RNG_BYTES + 600, endpoint
+
+
+def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
+    """Bytes one train() run keeps on disk, replaying the Trainer's save / prune rules (save_kind,
+    needed_checkpoints, logged): "peak" (the most at any moment), "final" (after the run: endpoints, ckpt.pt,
+    logs), "written" (all bytes written, deleted files included), and the per-file sizes."""
+    tc = type(tc).from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
+    full, endpoint = checkpoint_bytes(model_cfg, tc)
+    row = len(json.dumps({"config": model_cfg.to_dict(), "train": asdict(tc)})) + len(json.dumps(
+        budget.dense_control(model_cfg).to_dict())) + 1500   # results row: configs, losses by source, hash
+    logs = 2 * len(json.dumps({"model": model_cfg.to_dict(), "train": asdict(tc)}, indent=2))  # config.json
+    ckpts: dict = {}
+    state = {"peak": 0, "written": logs, "kept": logs}   # kept: endpoints + logs
+
+    def now() -> int:
+        return state["kept"] + full * len(ckpts)
+
+    def write(n: int, key=None) -> None:
+        state["written"] += n
+        if key is None:
+            state["kept"] += n
+        else:
+            ckpts[key] = True
+        state["peak"] = max(state["peak"], now())
+
+    def prune(pending) -> None:
+        for key in set(ckpts) - needed_checkpoints(ckpts, pending):
+            del ckpts[key]
+
+    pending, s = list(tc.branches), 0
+    for b in tc.branches:
+        for branch, start, end in ((None, s, b), (b, b, b + tc.decay_steps)):
+            for done in range(start + 1, end + 1):
+                if any(logged(tc, done, end)):
+                    write(_METRICS_ROW_BYTES)
+                kind = save_kind(tc, branch, done, end)
+                if kind == "endpoint":
+                    write(endpoint)
+                elif kind == "full":
+                    write(full, (branch, done))
+                    prune(pending)
+        s = b
+        write(row)
+        pending.remove(b)
+        prune(pending)
+    write(endpoint)   # ckpt.pt
+    return {"peak": state["peak"], "final": now(), "written": state["written"], "full_checkpoint": full,
+            "endpoint": endpoint}
+
+
+def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int = 1) -> dict:
+    """disk_estimate over a set of runs trained `jobs` at a time: "final" is the sum of the runs' final
+    bytes; "peak" adds the `jobs` largest in-run surpluses (peak - final) on top of it, an upper bound
+    (it assumes every other run has already finished)."""
+    ests = [disk_estimate(c, tc) for c in model_cfgs]
+    final = sum(e["final"] for e in ests)
+    surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]
+    return {"final": final, "peak": final + sum(surplus), "written": sum(e["written"] for e in ests),
+            "runs": len(ests)}
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
