@@ -559,3 +559,13 @@ def test_analyse_rejects_bad_rows_naming_the_row(tmp_path):
     del bad[5]["sparsity_label"]
     with pytest.raises(ValueError, match=r"rows\[5\] misses keys \['sparsity_label'\]"):
         scaling_analysis.analyse(bad, str(tmp_path))
+
+
+def test_scaling_py_reads_alone():
+    """scaling.py (Eq. 2-5 and the fit) imports neither the analysis, its tables and figures, nor
+    matplotlib: the layout's import chain stays short and free of cycles."""
+    import subprocess
+    import sys
+    code = ("import sys, scaling; bad = [m for m in ('scaling_analysis', 'scaling_tables', 'scaling_plots', "
+            "'matplotlib', 'train', 'torch') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
