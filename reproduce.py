@@ -13,7 +13,7 @@ Stages (each reads the JSON the previous one wrote; finished work is skipped on 
                seed see identical batches. One results row and one endpoint per branch.
   4. eval      eval.evaluate_endpoint on every branch endpoint, then eval.downstream_report: win
                counts, Appendix C averages and permutation tests, Sec. 5.3 families, Eq. 6-7.
-  5. scaling   scaling.analyse: separate surfaces per architecture; CE gain and TPP only from
+  5. scaling   scaling_analysis.analyse: separate surfaces per architecture; CE gain and TPP only from
                identified fits, with cell-bootstrap intervals (SMELT 4, 5.2).
   6. probes    probes.probe_pairs on every matched pair, all domains held out (SMELT 6).
   7. report    REPORT.md: every table and plot, and every claim of the paper as reproduced /
@@ -415,9 +415,9 @@ def stage_eval(plan: Plan, ladder: list[dict], data, out: Path, jobs: int) -> di
 
 
 def stage_scaling(plan: Plan, rows: list[dict], out: Path) -> dict:
-    import scaling
+    import scaling_analysis
     try:
-        return scaling.analyse(rows, str(out / "scaling"), n_boot=plan.bootstrap, n_jobs=2)
+        return scaling_analysis.analyse(rows, str(out / "scaling"), n_boot=plan.bootstrap, n_jobs=2)
     except (ValueError, RuntimeError) as e:
         log(f"scaling fits failed: {e}")
         return {"error": str(e)}

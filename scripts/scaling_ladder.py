@@ -5,7 +5,7 @@
 The same stages as reproduce.py (reproduce.stage_data, stage_ladder, stage_train, plot_curves,
 stage_scaling), with the training length of a script: --steps stable steps per run (default
 smoke 30, tiny 40, small 600) and decay branches forked at the plan's fractions of it.
-scaling.analyse fits separate loss surfaces L(F, S, D) per architecture and reports the
+scaling_analysis.analyse fits separate loss surfaces L(F, S, D) per architecture and reports the
 compute-efficiency gain and TPP. Writes ladder.json, results.jsonl, runs/, figures/curves.png,
 scaling/ (coefficients, tables, plots) and results.json; downstream.py and probe_runs.py take
 this directory with --ladder.

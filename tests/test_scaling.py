@@ -1,5 +1,5 @@
-"""Tests for scaling.py: the SMELT Eq. 2 fit, frontier (Eqs. 3-5), paper tables, Chinchilla peer
-fit, cell bootstrap, per-subset fits, I/O and bad inputs.  CPU only, a few seconds each."""
+"""Tests for scaling.py and scaling_analysis.py: the SMELT Eq. 2 fit, frontier (Eqs. 3-5), paper tables,
+Chinchilla peer fit, cell bootstrap, per-subset fits, I/O and bad inputs.  CPU only, a few seconds each."""
 import csv
 import json
 import math
@@ -14,9 +14,11 @@ import pytest
 from scipy.optimize import minimize, minimize_scalar
 
 import scaling
+import scaling_analysis
 from scaling import (PAPER_BASELINE, PAPER_BUDGETS, PAPER_CE_GAIN_PCT, PAPER_SMELT, PAPER_SPARSITIES,
-                     PAPER_TPP_1E21, Coeffs, Points, ce_gain, cell_bootstrap, fit, fit_result, fit_subsets,
-                     frontier_loss, huber_objective, loss, optimal_flops_per_token, quartile_gains, tpp)
+                     PAPER_TPP_1E21, Coeffs, Points, ce_gain, fit, fit_result, frontier_loss, huber_objective, loss,
+                     optimal_flops_per_token, tpp)
+from scaling_analysis import cell_bootstrap, fit_subsets, quartile_gains
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "chinchilla_fig4_points.csv")
 SCALES = (1e8, 2e8, 6e8, 1.6e9)            # active params of the paper's four scales
@@ -219,7 +221,7 @@ def test_per_subset_fit_recovers_intercepts_with_shared_exponents():
     for k, co in truth.items():
         np.testing.assert_allclose(as_array(fits[k]), as_array(co), rtol=1e-6)
     ref = {k: Coeffs(co.E + 0.01, 1.2 * co.A, co.K, co.a, co.b, co.c) for k, co in truth.items()}
-    gains = scaling.subset_ce_gains(fits, ref, 1e21, 0.95)
+    gains = scaling_analysis.subset_ce_gains(fits, ref, 1e21, 0.95)
     for k in truth:
         assert 0.05 < gains[k] < 0.9
         assert gains[k] == pytest.approx(ce_gain(truth[k], ref[k], 1e21, 0.95), rel=1e-6)
@@ -329,13 +331,13 @@ LONG_NUMBER = re.compile(r"\d{9,}")
 @pytest.fixture(scope="module")
 def good_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("good")
-    return scaling.analyse(_rows(), str(out), n_boot=12, n_jobs=2), out
+    return scaling_analysis.analyse(_rows(), str(out), n_boot=12, n_jobs=2), out
 
 
 @pytest.fixture(scope="module")
 def bad_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bad")
-    return scaling.analyse(_rows(F_span=1.5, D_span=1.5), str(out), n_boot=12, n_jobs=2), out
+    return scaling_analysis.analyse(_rows(F_span=1.5, D_span=1.5), str(out), n_boot=12, n_jobs=2), out
 
 
 def test_analyse_on_an_identifiable_surface(good_report):
@@ -395,11 +397,11 @@ def test_s0_control_is_selected_by_cell(good_report):
     assert not any(c.endswith("/S=0%") for c in cells["smelt"]) and "S=0%" not in rep["sparsity"]
     assert rep["unmatched_cells"] == [] and rep["bootstrap"]["pair"]["n_draws"] == 12
     rows = _rows(F_span=2, D_span=2, sources=0)
-    fitted, control = scaling.split_control(rows)
+    fitted, control = scaling_analysis.split_control(rows)
     assert {r["sparsity_label"] for r in control} == {"S=0%"} and len(control) == 48
     assert {(r["arch"], r["S"]) for r in control} == {("baseline", 0.0), ("smelt", 0.06)}
     assert all(r["S"] >= 0.85 for r in fitted)
-    assert scaling.split_control(rows, include_dense=True) == (rows, [])
+    assert scaling_analysis.split_control(rows, include_dense=True) == (rows, [])
     import budget                                       # the label budget.py's presets give the control
     assert budget.PAPER_POOLS[0][0] == scaling.CONTROL_LABEL
 
@@ -417,16 +419,16 @@ def test_budgets_inside_the_data_unless_marked(good_report):
     fits = {a: Coeffs(*(rep["fits"][a][k] for k in "EAKabc")) for a in ("smelt", "baseline")}
     rg = {a: rep["fits"][a]["ranges"] for a in fits}
     for C in (1e10, 1e25):
-        cell = scaling.gain_cell(fits["smelt"], fits["baseline"], C, 0.95, rg["smelt"], rg["baseline"],
+        cell = scaling_analysis.gain_cell(fits["smelt"], fits["baseline"], C, 0.95, rg["smelt"], rg["baseline"],
                                  ("smelt", "baseline"))
         assert cell["extrapolated"] and any(w.startswith(f"smelt: budget C = {C:.3g} outside") for w in cell["extrapolation"])
     much_better = replace(fits["smelt"], A=fits["smelt"].A / 5, K=fits["smelt"].K / 5)
-    cell = scaling.gain_cell(much_better, fits["baseline"], hi, 0.95, rg["smelt"], rg["baseline"], ("smelt", "baseline"))
+    cell = scaling_analysis.gain_cell(much_better, fits["baseline"], hi, 0.95, rg["smelt"], rg["baseline"], ("smelt", "baseline"))
     assert cell["gain"] > 0 and any(w.startswith("baseline: C_ref") for w in cell["extrapolation"])
 
 
 def test_analyse_given_budgets_outside_the_data_are_marked(tmp_path):
-    rep = scaling.analyse(_rows(sources=0), str(tmp_path), n_boot=0, budgets=[1e10, 1e19, 1e25])
+    rep = scaling_analysis.analyse(_rows(sources=0), str(tmp_path), n_boot=0, budgets=[1e10, 1e19, 1e25])
     assert rep["budget_source"] == "given"
     by_C = defaultdict(list)
     for c in rep["gains"]["cells"]:
@@ -439,16 +441,16 @@ def test_analyse_given_budgets_outside_the_data_are_marked(tmp_path):
 
 def test_interval_rules():
     """No interval from too few surviving draws, from a majority of failed draws, or past -9999 %."""
-    ok = scaling.Bootstrap(np.zeros((20, 1, 1)), np.zeros((20, 1, 1)), n_draws=20, n_failed=0)
+    ok = scaling_analysis.Bootstrap(np.zeros((20, 1, 1)), np.zeros((20, 1, 1)), n_draws=20, n_failed=0)
     draws = np.linspace(0.0, 0.2, 20)
-    iv = scaling._interval(0.1, draws, ok, 12, scaling.RULES)
+    iv = scaling_analysis._interval(0.1, draws, ok, 12, scaling.RULES)
     assert iv["interval"]["lo"] == pytest.approx(np.percentile(draws, 2.5)) and iv["failed_share"] == 0.0
     few = replace(ok, n_draws=29, n_failed=9)
-    assert scaling._interval(0.1, draws[:9], few, 12, scaling.RULES)["interval"] is None
+    assert scaling_analysis._interval(0.1, draws[:9], few, 12, scaling.RULES)["interval"] is None
     most = replace(ok, n_draws=50, n_failed=30)
-    out = scaling._interval(0.1, draws, most, 12, scaling.RULES)
+    out = scaling_analysis._interval(0.1, draws, most, 12, scaling.RULES)
     assert out["interval"] is None and "60 %" in out["interval_why"] and out["failed_share"] == 0.6
-    wild = scaling._interval(0.1, np.r_[-1e6 * np.ones(5), draws], replace(ok, n_draws=25), 12, scaling.RULES)
+    wild = scaling_analysis._interval(0.1, np.r_[-1e6 * np.ones(5), draws], replace(ok, n_draws=25), 12, scaling.RULES)
     assert wild["interval"] is None and "-9999" in wild["interval_why"]
 
 
@@ -485,7 +487,7 @@ def test_read_results_names_the_bad_line(tmp_path):
     res = tmp_path / "results.jsonl"
     _write_results(res, with_bad_row=True)
     with pytest.raises(ValueError, match=r"results.jsonl:193: missing key"):
-        scaling.read_results(str(res))
+        scaling_analysis.read_results(str(res))
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -541,7 +543,7 @@ def test_bad_inputs_raise_or_warn():
 
 def test_analyse_rejects_bad_rows_naming_the_row(tmp_path):
     with pytest.raises(ValueError, match="rows must be a non-empty list"):
-        scaling.analyse([], str(tmp_path))
+        scaling_analysis.analyse([], str(tmp_path))
     rows = _rows(F_span=2, D_span=2, control=False, sources=0)
     cases = [("S", -0.2, r"rows\[3\] \(baseline .* S~8.%\): S = -0.2 must lie in \[0, 1\)"),
              ("S", float("nan"), r"rows\[3\] .*: S = nan is not a finite number"),
@@ -552,8 +554,18 @@ def test_analyse_rejects_bad_rows_naming_the_row(tmp_path):
         bad = [dict(r) for r in rows]
         bad[3][key] = value
         with pytest.raises(ValueError, match=msg):
-            scaling.analyse(bad, str(tmp_path))
+            scaling_analysis.analyse(bad, str(tmp_path))
     bad = [dict(r) for r in rows]
     del bad[5]["sparsity_label"]
     with pytest.raises(ValueError, match=r"rows\[5\] misses keys \['sparsity_label'\]"):
-        scaling.analyse(bad, str(tmp_path))
+        scaling_analysis.analyse(bad, str(tmp_path))
+
+
+def test_scaling_py_reads_alone():
+    """scaling.py (Eq. 2-5 and the fit) imports neither the analysis, its tables and figures, nor
+    matplotlib: the layout's import chain stays short and free of cycles."""
+    import subprocess
+    import sys
+    code = ("import sys, scaling; bad = [m for m in ('scaling_analysis', 'scaling_tables', 'scaling_plots', "
+            "'matplotlib', 'train', 'torch') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -1,0 +1,631 @@
+"""From train.py's results rows to the scaling report (SMELT Sections 4.3 and 5.2).
+
+`analyse` is the pipeline's scaling stage (reproduce.stage_scaling, `python scaling.py --results`):
+* rows -> fit data: `check_rows`, `split_control` (the S = 0 control cells, rows labelled
+  scaling.CONTROL_LABEL, are left out of the fits as in SMELT 4.3), `to_points`; CE gains compare
+  only the cells both architectures have.
+* one Eq. 2 surface per architecture (`scaling.fit_result`), and nothing derived from a fit that
+  is not identified (`scaling.identify`): it is reported as "not identified (why)".
+* budgets: the data's own compute window (its geometric midpoint and log-quartiles), not the
+  paper's 1e20-1e22; a gain or TPP whose frontier point leaves the data is flagged extrapolated
+  (`frontier_extrapolation`, `gain_cell`).
+* `cell_bootstrap`: the paper's brackets; resample grid cells, refit both surfaces, a draw whose
+  refit is not identified counts as failed; intervals are the draws' 2.5 / 97.5 percentiles.
+* SMELT 5.2: per-domain / per-source intercept fits with the aggregate exponents (`fit_subsets`),
+  their CE gains, and the gain by Baseline-loss quartile (`quartile_gains`).
+It writes coeffs.json, tables.json, tables.md (scaling_tables.py) and the figures (scaling_plots.py).
+
+Read first: scaling.py.  Why the budgets, flags and interval rules are as they are: docs/scaling.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+import scaling_plots
+import stats
+from scaling import (CONTROL_LABEL, GAIN_FLOOR, RULES, S_ROUNDING, Coeffs, FitResult, Points, Rules, ce_gain,
+                     check_budget, check_points, data_ranges, fit, fit_result, optimal_flops_per_token, short_num, tpp)
+from scaling_tables import format_table, markdown, pct_text, tpp_text, why_text
+
+
+# ----------------------------------------------------------------------------- results rows -> arrays
+REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
+
+
+def read_results(path: str) -> list[dict]:
+    """train.py's results rows: each row's hash checked and the keys this module needs present
+    (runfiles.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
+    import runfiles
+    try:
+        return runfiles.read_jsonl(path, REQUIRED_KEYS)
+    except runfiles.CheckpointError as e:
+        raise ValueError(str(e)) from None
+
+
+def check_rows(rows: Sequence[dict]) -> None:
+    """Every row a dict with REQUIRED_KEYS, F, D, val_loss finite and > 0, S finite in [0, 1) (control
+    cells: [-0.5, 1));
+    the error names the row (index, arch, scale, sparsity label) and the field."""
+    if not isinstance(rows, (list, tuple)) or not rows:
+        raise ValueError("rows must be a non-empty list of results rows (dicts)")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ValueError(f"rows[{i}] is not a dict: {type(r).__name__}")
+        missing = [k for k in REQUIRED_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"rows[{i}] misses keys {missing}")
+        where = f"rows[{i}] ({r['arch']} {r['scale']} {r['sparsity_label']})"
+        for k in ("F", "S", "D", "val_loss"):
+            v = r[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{where}: {k} = {v!r} is not a finite number")
+        for k in ("F", "D", "val_loss"):
+            if r[k] <= 0:
+                raise ValueError(f"{where}: {k} = {r[k]!r} must be > 0")
+        # a control cell's looped model may measure S slightly below 0 (matching moves its FLOPs by up to
+        # 4 %); control rows are not fitted (unless include_dense), so only sparse rows need S in [0, 1)
+        lo = -0.5 if r["sparsity_label"] == CONTROL_LABEL else -S_ROUNDING
+        if not lo <= r["S"] < 1:
+            raise ValueError(f"{where}: S = {r['S']!r} must lie in [{0 if lo > -0.5 else lo}, 1) (a fraction)")
+
+
+def cell_id(row: dict) -> str:
+    return f"{row['scale']}/{row['sparsity_label']}"
+
+
+def to_points(rows: Sequence[dict], losses: Sequence[float] | None = None) -> Points:
+    """Rows -> Points; `losses` overrides row["val_loss"] (per-subset fits)."""
+    L = [r["val_loss"] for r in rows] if losses is None else losses
+    cell = np.array([cell_id(r) for r in rows])
+    F, S, D, L = check_points([r["F"] for r in rows], [r["S"] for r in rows], [r["D"] for r in rows], L)
+    return Points(F, S, D, L, cell)
+
+
+def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
+    """Per-subset Points from row[key] = {subset: loss} ("val_loss_by_source" / "_by_domain")."""
+    by: dict[str, list] = defaultdict(list)
+    for r in rows:
+        for name, value in (r.get(key) or {}).items():
+            by[name].append((r, value))
+    return {name: to_points([r for r, _ in rv], [v for _, v in rv]) for name, rv in sorted(by.items())}
+
+
+def split_control(rows: Sequence[dict], include_dense: bool = False) -> tuple[list[dict], list[dict]]:
+    """(rows to fit, control rows left out): the control is every row whose sparsity_label is
+    CONTROL_LABEL, for both architectures, whatever S it measures (OWNERS.md).  include_dense
+    keeps them in the fit (and returns no control rows)."""
+    control = [r for r in rows if r["sparsity_label"] == CONTROL_LABEL]
+    if include_dense:
+        return list(rows), []
+    return [r for r in rows if r["sparsity_label"] != CONTROL_LABEL], control
+
+
+# ----------------------------------------------------------------------------- cell bootstrap (SMELT 4.3's brackets)
+@dataclass
+class Bootstrap:
+    gain: np.ndarray | None  # (n_ok, nC, nS) CE gain of target over reference (None: one surface)
+    tpp: np.ndarray          # (n_ok, n_surfaces, nS) TPP at tpp_C, [target, reference]
+    n_draws: int = 0
+    n_failed: int = 0        # draws dropped: a refit raised, was not identified, or gave a non-finite number
+    failures: dict = field(default_factory=dict)   # "surface: reason key" -> count
+
+    @property
+    def failed_share(self) -> float:
+        return self.n_failed / self.n_draws if self.n_draws else 1.0
+
+    @staticmethod
+    def interval(draws: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+        q = 50 * (1 - level)
+        return np.percentile(draws, q, axis=0), np.percentile(draws, 100 - q, axis=0)
+
+
+def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
+    """Worker: refit every surface on each resample in `draws` (each a list of cell ids); a draw
+    fails if a refit raises, is not identified (`identify`) or gives a non-finite gain / TPP."""
+    surfaces, names, draws, C, S, tpp_C, init, fit_opts = args
+    index = [defaultdict(list) for _ in surfaces]            # cell id -> point indices, per surface
+    for idx, p in zip(index, surfaces):
+        for i, c in enumerate(p.cell):
+            idx[c].append(i)
+    gains, tpps, failed = [], [], Counter()
+    for cells in draws:
+        fits, reason = [], None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")                   # a weak resample is expected, not news
+            for p, idx, co, name in zip(surfaces, index, init, names):
+                q = p.take(np.concatenate([idx[c] for c in cells]))
+                try:
+                    r = fit_result(q.F, q.S, q.D, q.L, init=[co], **fit_opts)
+                except ValueError as e:
+                    reason = f"{name}: refit impossible ({str(e).split(':')[0]})"
+                    break
+                if r.why:
+                    reason = f"{name}: {r.why[0].split(':')[0]}"
+                    break
+                if set(r.fixed) != set(fit_opts.get("fixed", {})):     # b pinned: the resample has one S
+                    reason = f"{name}: sparsity range"
+                    break
+                fits.append(r.coeffs)
+            if reason is None:
+                g = ce_gain(fits[0], fits[1], C[:, None], S[None, :]) if len(fits) == 2 else None   # (nC, nS)
+                t = np.array([tpp(f, tpp_C, S) for f in fits])                                      # (n_surf, nS)
+                if not (np.isfinite(t).all() and (g is None or np.isfinite(g).all())):
+                    reason = "non-finite gain or TPP"
+        if reason is None:
+            gains.append(g); tpps.append(t)
+        else:
+            failed[reason] += 1
+    return gains, tpps, failed
+
+
+def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1e21, n_draws: int = 2000,
+                   seed: int = 0, n_jobs: int = 2, init: tuple | None = None,
+                   names: tuple[str, str] = ("target", "reference"), **fit_opts) -> Bootstrap:
+    """SMELT 4.3 brackets: resample grid cells (all of a cell's points move together) with
+    replacement, the same cells for both surfaces, refit both, and record the CE gain at every
+    (C, S) and both surfaces' TPP at (tpp_C, S).  ref=None bootstraps one surface (TPP only).
+    Each refit starts from `init` (default: the full-data fits) plus the best `n_starts` (default 4)
+    grid starts.  A draw whose refit raises or is not identified is counted in n_failed (by reason
+    in `failures`) and dropped.  Draws are generated up front: the result does not depend on n_jobs."""
+    if n_draws < 1:
+        raise ValueError(f"n_draws must be >= 1; got {n_draws}")
+    surfaces = [target] if ref is None else [target, ref]
+    cells = sorted(set(target.cell))
+    if ref is not None and set(ref.cell) != set(cells):
+        raise ValueError(f"target and reference must cover the same cells; differ in "
+                         f"{sorted(set(ref.cell) ^ set(cells))}")
+    C, S = (np.atleast_1d(x).astype(float) for x in check_budget(C, S))
+    if init is None:
+        init = tuple(fit(p.F, p.S, p.D, p.L, **{k: v for k, v in fit_opts.items() if k == "fixed"})
+                     for p in surfaces)
+    fit_opts.setdefault("n_starts", 4)
+    rng = np.random.default_rng(seed)
+    draws = [[cells[i] for i in rng.integers(0, len(cells), len(cells))] for _ in range(n_draws)]
+    chunks = np.array_split(np.arange(n_draws), max(1, min(n_draws, 4 * n_jobs)))     # contiguous: order kept
+    args = [(surfaces, names, [draws[i] for i in ch], C, S, tpp_C, init, fit_opts) for ch in chunks]
+    if n_jobs > 1:
+        with ProcessPoolExecutor(max_workers=n_jobs) as pool:
+            parts = list(pool.map(_bootstrap_chunk, args))
+    else:
+        parts = [_bootstrap_chunk(a) for a in args]
+    gains = [g for p in parts for g in p[0]]
+    tpps = [t for p in parts for t in p[1]]
+    failures = sum((p[2] for p in parts), Counter())
+    n_failed = sum(failures.values())
+    if n_failed:
+        warnings.warn(f"{n_failed} of {n_draws} bootstrap draws failed to refit to identified surfaces "
+                      f"and were dropped: {dict(failures)}", stacklevel=2)
+    nS, nC = len(S), len(C)
+    gain = None if ref is None else (np.array(gains) if gains else np.empty((0, nC, nS)))
+    return Bootstrap(gain, np.array(tpps) if tpps else np.empty((0, len(surfaces), nS)), n_draws, n_failed,
+                     dict(failures))
+
+
+# ----------------------------------------------------------------------------- per-subset fits (SMELT 5.2)
+def fit_subsets(subsets: Mapping[str, Points], shared: Coeffs, **opts) -> dict[str, Coeffs]:
+    """Per subset (domain or source), fit only (E, A, K); the exponents (a, b, c) stay those of
+    the aggregate fit `shared`, since one subset is too little data for all six."""
+    pinned = {"a": shared.a, "b": shared.b, "c": shared.c}
+    opts.setdefault("n_starts", 4)                    # three free intercepts, started from `shared`: easy
+    return {name: fit(p.F, p.S, p.D, p.L, fixed=pinned, init=[shared], **opts) for name, p in subsets.items()}
+
+
+def subset_ce_gains(target: Mapping[str, Coeffs], ref: Mapping[str, Coeffs], C: float,
+                    S: float) -> dict[str, float]:
+    """CE gain (Eq. 5) per subset present in both fits (SMELT uses C = 1e21, S ~ 95 %); a subset whose
+    intercept fit is degenerate (A or K at 0: no frontier) is left out with a warning."""
+    out = {}
+    for k in target:
+        if k in ref:
+            try:
+                out[k] = float(ce_gain(target[k], ref[k], C, S))
+            except ValueError as e:
+                warnings.warn(f"CE gain for subset {k!r} left out: {e}")
+    return out
+
+
+def quartile_gains(gain: Mapping[str, float], baseline_losses: Sequence[Mapping[str, float]],
+                   n_groups: int = 4) -> np.ndarray:
+    """SMELT 5.2 'by Baseline loss': in each matched pair (one dict source -> Baseline loss), rank the
+    sources by loss and split them into n_groups near-equal groups (39 -> 10, 10, 10, 9; Q1 = lowest
+    loss); average the per-source gains within each group, then over pairs.  -> (n_groups,)"""
+    per_pair = []
+    for losses in baseline_losses:
+        names = sorted((s for s in losses if s in gain), key=lambda s: losses[s])
+        if len(names) < n_groups:
+            raise ValueError(f"{len(names)} sources with a gain cannot fill {n_groups} groups")
+        per_pair.append([np.mean([gain[s] for s in grp]) for grp in np.array_split(np.array(names), n_groups)])
+    if not per_pair:
+        raise ValueError("no Baseline per-source losses to rank")
+    return np.mean(per_pair, axis=0)
+
+
+# ----------------------------------------------------------------------------- extrapolation flags and intervals
+def frontier_extrapolation(co: Coeffs, C: float, S: float, ranges: Mapping, who: str) -> list[str]:
+    """Why the frontier point of `co` at budget C is an extrapolation of its data (`ranges` from
+    FitResult.ranges): C outside the data's compute, or the compute-optimal F* or D* = C / F*
+    outside the data's F or D.  [] when inside."""
+    out = []
+    F = float(optimal_flops_per_token(co, C, S))
+    for k, v, name in (("C", C, "budget C"), ("F", F, "optimal F*"), ("D", C / F, "optimal D*")):
+        lo, hi = ranges[k]
+        if not lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9):
+            out.append(f"{who}: {name} = {short_num(v)} outside its data's {k} ({short_num(lo)} to {short_num(hi)})")
+    return out
+
+
+def gain_cell(target: Coeffs, ref: Coeffs, C: float, S: float, rt: Mapping, rr: Mapping,
+              names: tuple[str, str]) -> dict:
+    """One CE gain (Eq. 5) with its extrapolation flags: {"gain" (fraction or None below GAIN_FLOOR),
+    "pct" (percent or None), "C_ref", "extrapolated", "extrapolation" [reasons]}."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = float(ce_gain(target, ref, C, S))
+    C_ref = C / (1 - g) if g < 1 else math.inf
+    why = frontier_extrapolation(target, C, S, rt, names[0])
+    if math.isinf(C_ref):
+        why.append(f"{names[1]}: never reaches {names[0]}'s frontier loss (below its floor E)")
+    else:
+        why += [w.replace("budget C", "C_ref") for w in frontier_extrapolation(ref, C_ref, S, rr, names[1])]
+    ok = g >= GAIN_FLOOR
+    return {"gain": g if ok else None, "pct": 100 * g if ok else None,
+            "C_ref": C_ref if ok and math.isfinite(C_ref) else None,
+            "extrapolated": bool(why), "extrapolation": why}
+
+
+def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: int, rules: Rules,
+              fraction: bool = True) -> dict:
+    """Bootstrap fields for one cell: {"interval": stats.Interval dict or None, "interval_why",
+    "n_draws", "n_failed", "failed_share"}.  Percentiles of the draws that refit."""
+    out = {"interval": None, "interval_why": None, "n_draws": bs.n_draws, "n_failed": bs.n_failed,
+           "failed_share": bs.failed_share}
+    n_ok = len(draws)
+    if point is None:
+        out["interval_why"] = "the point estimate lies below -9999 %"
+    elif n_ok < rules.min_ok_draws:
+        out["interval_why"] = f"only {n_ok} of {bs.n_draws} draws refit to identified surfaces (< {rules.min_ok_draws})"
+    elif bs.failed_share > rules.max_failed_share:
+        out["interval_why"] = (f"{100 * bs.failed_share:.0f} % of the draws failed (> "
+                               f"{100 * rules.max_failed_share:.0f} %): the survivors are a biased subsample")
+    else:
+        lo, hi = (float(x) for x in Bootstrap.interval(draws))
+        if fraction and lo < GAIN_FLOOR:
+            out["interval_why"] = f"lower bound {pct_text(lo)} %: beyond -9999 % the interval carries no information"
+        else:
+            out["interval"] = stats.Interval(float(point), lo, hi, n_units, 0.95, "cell bootstrap (refit)").to_dict()
+    return out
+
+
+# ----------------------------------------------------------------------------- analyse
+def _fit_entry(res: FitResult | None, p: Points | None, why: list[str], cells: list[str]) -> dict:
+    """What the report may print about one architecture: data facts always, coefficients only when
+    identified."""
+    e = {"identified": res is not None and not why, "why": list(why), "n_points": 0 if p is None else len(p.L),
+         "cells": cells}
+    if p is not None:
+        e["ranges"] = {k: list(v) for k, v in data_ranges(p.F, p.S, p.D).items()}
+    if e["identified"]:
+        co = res.coeffs
+        e.update(asdict(co))
+        e.update(se={k: v for k, v in res.se.items()}, gamma=co.a * co.c / (co.a + co.c), rmse_nats=res.rmse,
+                 objective=res.objective, converged=res.converged, fixed=dict(res.fixed))
+    return e
+
+
+def _subset_report(by_arch, fits, cols, C, target, ref, rules) -> tuple[dict, dict, list[str]]:
+    """SMELT 5.2 on the rows' per-domain and per-source losses: intercept fits with the aggregate
+    exponents (each must pass `identify`), CE gain at budget C for every sparsity column with
+    extrapolation flags, and the Baseline-loss quartiles at the middle sparsity column."""
+    report, md = {}, []
+    quart = {"available": False, "why": ["no per-source losses in the rows"]}
+    labs = list(cols)
+    for key in ("val_loss_by_domain", "val_loss_by_source"):
+        sub = {a: subset_points(by_arch[a], key) for a in (target, ref)}
+        names = sorted(set(sub[target]) & set(sub[ref]))
+        if not names:
+            continue
+        sf, rg, not_fitted = {target: {}, ref: {}}, {target: {}, ref: {}}, {}
+        for name in names:
+            try:
+                for a in (target, ref):
+                    p, sh = sub[a][name], fits[a]
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        r = fit_result(p.F, p.S, p.D, p.L, fixed={"a": sh.a, "b": sh.b, "c": sh.c},
+                                       init=[sh], n_starts=4, rules=rules)
+                    if r.why:
+                        raise ValueError(f"{a}: " + "; ".join(r.why))
+                    sf[a][name], rg[a][name] = r.coeffs, r.ranges
+            except ValueError as e:
+                not_fitted[name] = str(e)
+        ok = [n for n in names if n not in not_fitted]
+        gains = {n: {lab: gain_cell(sf[target][n], sf[ref][n], C, s, rg[target][n], rg[ref][n], (target, ref))
+                     for lab, s in cols.items()} for n in ok}
+        report[key] = {"budget": C, "gains": gains, "not_fitted": not_fitted}
+        what = key.removeprefix("val_loss_by_")
+        if ok:
+            md.append(format_table(f"CE gain (%) of {target} over {ref} by {what} at C = {C:.2e}", ok, labs,
+                                   [[pct_text(gains[n][lab]["gain"]) + ("†" if gains[n][lab]["extrapolated"] else "")
+                                     for lab in labs] for n in ok]))
+        if not_fitted:
+            md.append(f"Not fitted ({what}): " + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()) + "\n")
+        if key == "val_loss_by_source":
+            lab = labs[len(labs) // 2]
+            g = {n: gains[n][lab]["gain"] for n in ok}
+            losses = [r[key] for r in by_arch[ref] if r.get(key)]
+            quart = {"available": False, "sparsity_label": lab, "budget": C}
+            if any(v is None for v in g.values()):
+                quart["why"] = ["a per-source gain lies below -9999 %"]
+            elif len(g) < 4:
+                quart["why"] = [f"{len(g)} per-source gains cannot fill 4 groups"]
+            else:
+                try:
+                    q = quartile_gains(g, losses)
+                except ValueError as e:                      # a pair ranks fewer than 4 of these sources
+                    quart["why"] = [str(e)]
+                    continue
+                quart.update(available=True, why=[], gain=q.tolist(), pct=(100 * q).tolist(),
+                             extrapolated=any(gains[n][lab]["extrapolated"] for n in ok))
+                md.append(format_table(f"CE gain (%) by Baseline-loss quartile ({lab}, C = {C:.2e})", ["CE gain"],
+                                       [f"Q{i + 1}" for i in range(len(q))],
+                                       [[pct_text(x) + ("†" if quart["extrapolated"] else "") for x in q]]))
+    return report, quart, md
+
+
+@dataclass
+class _Grid:
+    """analyse's rows grouped per architecture (matched cells only, when both archs are there)."""
+    archs: list                 # every architecture in the rows, control cells included
+    by_arch: dict               # arch -> rows to fit
+    pts: dict                   # arch -> Points to fit (archs with rows only)
+    control: dict               # arch -> Points of its control cells (drawn, never fitted)
+    cols: dict                  # sparsity label -> mean measured S (the table columns, by S)
+    S: np.ndarray               # cols' values
+    n_control_rows: int
+    had_rows: set               # archs with rows to fit before the cells were matched
+    unmatched: list             # cells only one of target / ref has (left out)
+    pair: bool                  # both target and ref have rows
+
+
+def _group(rows: Sequence[dict], include_dense: bool, target: str, ref: str) -> _Grid:
+    """Split off the control cells, keep the cells both target and ref have, and make Points."""
+    fit_rows, control_rows = split_control(rows, include_dense)
+    archs = sorted({r["arch"] for r in fit_rows} | {r["arch"] for r in control_rows})
+    by_arch = {a: [r for r in fit_rows if r["arch"] == a] for a in archs}
+    unmatched = []
+    pair = target in archs and ref in archs
+    if pair:                                                # CE gains compare cells both archs have
+        ct, cr = ({cell_id(r) for r in by_arch[a]} for a in (target, ref))
+        unmatched = sorted(ct ^ cr)
+        for a in (target, ref):
+            by_arch[a] = [r for r in by_arch[a] if cell_id(r) in ct & cr]
+    pts = {a: to_points(rs) for a, rs in by_arch.items() if rs}
+    # control points are only drawn (hollow), never fitted: a looped control's slightly negative S is clipped
+    control = {a: to_points([{**r, "S": max(float(r["S"]), 0.0)} for r in rs])
+               for a in archs if (rs := [r for r in control_rows if r["arch"] == a])}
+    by_label: dict[str, list] = defaultdict(list)
+    for a, rs in by_arch.items():
+        for r in rs:
+            by_label[str(r["sparsity_label"])].append(max(float(r["S"]), 0.0))
+    cols = dict(sorted(((k, float(np.mean(v))) for k, v in by_label.items()), key=lambda kv: kv[1]))
+    return _Grid(archs, by_arch, pts, control, cols, np.array(list(cols.values())), len(control_rows),
+                 {r["arch"] for r in fit_rows}, unmatched, pair)
+
+
+def _fit_all(g: _Grid, target: str, ref: str, rules: Rules) -> tuple[dict, dict]:
+    """Fit each architecture (b pinned to 0 when it has one sparsity label): (FitResults, why)."""
+    results, why = {}, {}
+    for a in g.archs:
+        p = g.pts.get(a)
+        if p is None:
+            why[a] = ([f"no rows to fit: no cell shared with {ref if a == target else target}"] if a in g.had_rows else
+                      [f"no rows to fit: only {CONTROL_LABEL} control cells"] if a in g.control else ["no rows to fit"])
+            continue
+        fixed = {"b": 0.0} if len({r["sparsity_label"] for r in g.by_arch[a]}) == 1 else {}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results[a] = fit_result(p.F, p.S, p.D, p.L, fixed=fixed, rules=rules)
+            why[a] = results[a].why
+        except ValueError as e:
+            why[a] = [f"fit impossible: {e}"]
+    return results, why
+
+
+def _budgets(g: _Grid, budgets: Sequence[float] | None, target: str, ref: str) -> dict:
+    """The CE-gain budgets: given, or the data's compute window (overlap of the two architectures'
+    C ranges) at its geometric midpoint and log-quartiles; TPP at the middle one."""
+    span_archs = [a for a in ((target, ref) if g.pair else g.archs) if a in g.pts]
+    window = None
+    if span_archs:
+        lo = max(float((g.pts[a].F * g.pts[a].D).min()) for a in span_archs)
+        hi = min(float((g.pts[a].F * g.pts[a].D).max()) for a in span_archs)
+        window = (lo, hi) if lo <= hi else None
+    if budgets is None:
+        source = "data"
+        budgets = [] if window is None else [window[0] ** 0.75 * window[1] ** 0.25, math.sqrt(window[0] * window[1]),
+                                             window[0] ** 0.25 * window[1] ** 0.75]
+    else:
+        source = "given"
+        budgets = [float(b) for b in budgets]
+        if not budgets or not all(math.isfinite(b) and b > 0 for b in budgets):
+            raise ValueError(f"budgets must be positive finite FLOPs; got {budgets}")
+    budgets = sorted(budgets)
+    tpp_C = budgets[len(budgets) // 2] if budgets else None
+    return dict(budgets=budgets, budget_source=source, compute_window=None if window is None else list(window),
+                tpp_budget=tpp_C)
+
+
+def _bootstraps(g: _Grid, fits: dict, results: dict, budgets: list, Cgrid: np.ndarray, tpp_C: float | None,
+                both: bool, n_boot: int, seed: int, n_jobs: int, target: str, ref: str, rules: Rules) -> dict:
+    """name -> (Bootstrap, surfaces): both surfaces ("pair") when both are identified, else each
+    identified one alone (TPP only)."""
+    boots: dict[str, tuple] = {}
+    if n_boot > 0 and budgets and g.cols:
+        Cb = np.concatenate([budgets, Cgrid])
+        if both:
+            boots["pair"] = (cell_bootstrap(g.pts[target], g.pts[ref], Cb, g.S, tpp_C=tpp_C, n_draws=n_boot, seed=seed,
+                                            n_jobs=n_jobs, init=(fits[target], fits[ref]), names=(target, ref),
+                                            fixed=results[target].fixed, rules=rules), (target, ref))
+        for a in sorted(fits):
+            if not (both and a in (target, ref)):
+                boots[a] = (cell_bootstrap(g.pts[a], None, Cb, g.S, tpp_C=tpp_C, n_draws=n_boot, seed=seed,
+                                           n_jobs=n_jobs, init=(fits[a],), names=(a, ""), fixed=results[a].fixed,
+                                           rules=rules), (a,))
+    return boots
+
+
+def _gain_cells(g: _Grid, fits: dict, ranges: dict, why: dict, budgets: list, boots: dict, both: bool,
+                no_boot: dict, target: str, ref: str, rules: Rules) -> dict:
+    """report["gains"]: the CE gain (Eq. 5) at every (budget, sparsity column) with its interval."""
+    gains = {"available": False, "why": [], "target": target, "ref": ref, "cells": []}
+    if not g.pair:
+        gains["why"] = [f"needs rows of both {target!r} and {ref!r}"]
+    elif not both:
+        gains["why"] = [f"{a} {why_text(why[a])}" for a in (target, ref) if a not in fits]
+    elif not budgets:
+        gains["why"] = ["the two architectures' compute ranges do not overlap: no budget inside both"]
+    else:
+        gains["available"] = True
+        bs = boots["pair"][0] if "pair" in boots else None
+        for i, C in enumerate(budgets):
+            for j, (lab, s) in enumerate(g.cols.items()):
+                cell = {"budget": C, "sparsity_label": lab, "S": s,
+                        **gain_cell(fits[target], fits[ref], C, s, ranges[target], ranges[ref], (target, ref))}
+                cell.update(no_boot if bs is None else
+                            _interval(cell["gain"], bs.gain[:, i, j], bs,
+                                      len(set(g.pts[target].cell)), rules))
+                iv = cell["interval"]
+                cell["text"] = (pct_text(cell["gain"]) + (f" [{pct_text(iv['lo'])}, {pct_text(iv['hi'])}]" if iv
+                                                          else "") + ("†" if cell["extrapolated"] else ""))
+                gains["cells"].append(cell)
+    return gains
+
+
+def _tpp_cells(g: _Grid, a: str, fits: dict, ranges: dict, why: dict, tpp_C: float | None, boots: dict,
+               both: bool, no_boot: dict, target: str, ref: str, rules: Rules) -> dict:
+    """report["tpp"][a]: TPP of one architecture at the middle budget, per sparsity column."""
+    t = {"available": False, "why": [], "budget": tpp_C, "cells": []}
+    if a not in fits:
+        t["why"] = [why_text(why[a])]
+    elif tpp_C is None:
+        t["why"] = ["no budget inside the data"]
+    else:
+        t["available"] = True
+        if both and a in (target, ref) and "pair" in boots:
+            bs, k = boots["pair"][0], (target, ref).index(a)
+        elif a in boots:
+            bs, k = boots[a][0], 0
+        else:
+            bs = k = None
+        for j, (lab, s) in enumerate(g.cols.items()):
+            v = float(tpp(fits[a], tpp_C, s))
+            cell = {"sparsity_label": lab, "S": s, "tpp": v,
+                    "extrapolation": frontier_extrapolation(fits[a], tpp_C, s, ranges[a], a)}
+            cell["extrapolated"] = bool(cell["extrapolation"])
+            cell.update(no_boot if bs is None else _interval(v, bs.tpp[:, k, j], bs, len(set(g.pts[a].cell)),
+                                                             rules, fraction=False))
+            iv = cell["interval"]
+            cell["text"] = (tpp_text(v) + (f" [{tpp_text(iv['lo'])}, {tpp_text(iv['hi'])}]" if iv else "")
+                            + ("†" if cell["extrapolated"] else ""))
+            t["cells"].append(cell)
+    return t
+
+
+def _gain_curve(g: _Grid, fits: dict, ranges: dict, Cgrid: np.ndarray, boots: dict, nB: int, target: str,
+                ref: str, rules: Rules) -> dict:
+    """ce_gain.png's data: the CE gain in % along Cgrid per column, its extrapolation flags and the
+    bootstrap band when the pair bootstrap has enough draws."""
+    cells = [[gain_cell(fits[target], fits[ref], C, s, ranges[target], ranges[ref], (target, ref))
+              for s in g.S] for C in Cgrid]
+    pct = np.array([[np.nan if c["gain"] is None else 100 * c["gain"] for c in row] for row in cells])
+    ext = np.array([[c["extrapolated"] for c in row] for row in cells])
+    gain_plot = {"C": Cgrid, "pct": pct, "extrapolated": ext}
+    if "pair" in boots:
+        bs = boots["pair"][0]
+        if len(bs.gain) >= rules.min_ok_draws and bs.failed_share <= rules.max_failed_share:
+            lo, hi = Bootstrap.interval(bs.gain[:, nB:, :])
+            gain_plot.update(band=(100 * lo, 100 * hi), failed_share=bs.failed_share)
+    return gain_plot
+
+
+def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int = 2, seed: int = 0,
+            include_dense: bool = False, budgets: Sequence[float] | None = None,
+            target: str = "smelt", ref: str = "baseline", rules: Rules = RULES) -> dict:
+    """Fit every architecture in `rows` (train.py's results rows), decide whether each fit is
+    identified, and only from identified fits derive CE gains (target over ref), TPP, bootstrap
+    intervals, per-subset gains and quartiles.  Writes coeffs.json, tables.json, tables.md and the
+    plots to `out`, and returns (the report prints from it without further checks):
+
+      control_label, include_dense, n_rows, n_control_rows, unmatched_cells   (which rows were fitted)
+      fits[arch]     identified, why, n_points, cells, ranges {F, D, C, one_minus_S: [lo, hi]};
+                     only when identified: E A K a b c, se {a, b, c}, gamma, rmse_nats, objective,
+                     converged, fixed
+      sparsity       {label: mean measured S} (the columns), budgets, budget_source ("data" | "given"),
+                     compute_window [lo, hi] (both archs' C overlap) or None, tpp_budget
+      gains          {available, why, target, ref, cells: [{budget, sparsity_label, S, gain, pct, C_ref,
+                     extrapolated, extrapolation, interval (stats.Interval dict) | None, interval_why,
+                     n_draws, n_failed, failed_share, text}]}
+      tpp[arch]      {available, why, budget, cells: [{sparsity_label, S, tpp, extrapolated,
+                     extrapolation, interval, interval_why, n_draws, n_failed, failed_share, text}]}
+      bootstrap      {n_draws, n_failed, failed_share, failures {reason: count}} per bootstrap run
+                     ("pair" for target+ref, or an arch name), {} when none ran
+      subsets, quartiles, figures, tables_md
+    """
+    check_rows(rows)
+    if target == ref:
+        raise ValueError(f"target and ref must differ; both are {target!r}")
+    os.makedirs(out, exist_ok=True)
+    g = _group(rows, include_dense, target, ref)
+    results, why = _fit_all(g, target, ref, rules)
+    fits = {a: r.coeffs for a, r in results.items() if not why[a]}
+    ranges = {a: r.ranges for a, r in results.items()}
+    report: dict = {"control_label": CONTROL_LABEL, "include_dense": include_dense, "n_rows": len(rows),
+                    "n_control_rows": g.n_control_rows, "unmatched_cells": g.unmatched,
+                    "fits": {a: _fit_entry(results.get(a), g.pts.get(a), why[a],
+                                           sorted({cell_id(r) for r in g.by_arch[a]})) for a in g.archs},
+                    "sparsity": g.cols}
+    report.update(_budgets(g, budgets, target, ref))
+    budgets, tpp_C = report["budgets"], report["tpp_budget"]
+    window = report["compute_window"]
+
+    both = g.pair and target in fits and ref in fits
+    Cgrid = np.geomspace(window[0], window[1], 40) if (both and window is not None) else np.empty(0)
+    boots = _bootstraps(g, fits, results, budgets, Cgrid, tpp_C, both, n_boot, seed, n_jobs, target, ref, rules)
+    report["bootstrap"] = {k: {"surfaces": list(s), "n_draws": b.n_draws, "n_failed": b.n_failed,
+                               "failed_share": b.failed_share, "failures": b.failures} for k, (b, s) in boots.items()}
+    no_boot = {"interval": None, "interval_why": "no bootstrap (n_boot = 0)" if n_boot <= 0 else "no bootstrap",
+               "n_draws": 0, "n_failed": 0, "failed_share": None}
+    gains = report["gains"] = _gain_cells(g, fits, ranges, why, budgets, boots, both, no_boot, target, ref, rules)
+    report["tpp"] = {a: _tpp_cells(g, a, fits, ranges, why, tpp_C, boots, both, no_boot, target, ref, rules)
+                     for a in g.archs}
+
+    md_sub = []                      # per-subset gains and quartiles (SMELT 5.2): only from two identified surfaces
+    if gains["available"]:
+        report["subsets"], report["quartiles"], md_sub = _subset_report(g.by_arch, fits, g.cols, tpp_C, target, ref,
+                                                                         rules)
+    else:
+        report["subsets"] = {}
+        report["quartiles"] = {"available": False, "why": gains["why"] or ["no CE gain"]}
+    gain_plot = (_gain_curve(g, fits, ranges, Cgrid, boots, len(budgets), target, ref, rules)
+                 if gains["available"] and len(Cgrid) else None)
+    report["figures"] = scaling_plots.figures(out, g.pts, g.control, fits, why, g.cols, gain_plot, (target, ref))
+
+    md = markdown(report, g.cols, md_sub, target, ref)
+    report["tables_md"] = "tables.md"
+    with open(os.path.join(out, "coeffs.json"), "w") as f:
+        json.dump(report["fits"], f, indent=2)
+    with open(os.path.join(out, "tables.json"), "w") as f:
+        json.dump(report, f, indent=2, default=float)
+    with open(os.path.join(out, "tables.md"), "w") as f:
+        f.write(md)
+    return report
