@@ -1,65 +1,27 @@
 """Parameter / FLOP / KV-cache accounting, compute-equivalent sparsity, budget matching, ladders.
 
-SMELT (Sec. 3.2) compares a looped MoE transformer with an unlooped Baseline while holding three
-budgets fixed: per-token training FLOPs, total non-embedding parameters and KV cache. This file
-counts all three for any `ModelConfig` and searches the looped configuration that matches them.
+SMELT (Sec. 3.2) compares a looped MoE transformer with an unlooped Baseline at equal per-token
+training FLOPs, total non-embedding parameters and KV cache. This file counts all three for any
+`ModelConfig` (exactly what model.py / loop.py / moe.py build; the tests count the built modules)
+and searches the looped configuration that matches them.
 
-Counting (exactly what model.py / loop.py / moe.py allocate; tests compare with the modules):
-  * blocks    = per layer: attn_norm + mlp_norm gains (2D), wq/wo (D x q each, q = n_head*head_dim),
-                wk/wv (D x kv each, kv = n_kv_head*head_dim), feed-forward (dense SwiGLU 3*D*d_ff, or
-                MoE router E*D + experts 3*E*D*d_ff); loop adapters on span layers (A: L*rank*d_in,
-                B: L*d_out*rank, M: L*L for matrix/softmax; q,k,v,o and, for dense blocks, gate,up,down);
-                PLT kv_gate (n_head*D) per span layer when kv_window > 0; one PLTInject per loop >= 2
-                ("add" 0, "norm_half" 2D, "norm_gate" 27D); the final norm (D). Stored once: a loop
-                stores no new weights except its adapters and gates.
-  * active    = blocks with top_k experts instead of the pool (router kept: it scores every expert;
-                SMELT Appendix A's "Active params" counts it the same way).
-  * embedding = V*D; head = V*D (0 when tied).
-FLOPs per token (training, forward + backward), `convention="smelt"` (default):
-  * 6 FLOPs per weight per token (2 forward, 4 backward) for every weight a token passes through on
-    each *executed* visit (loop.plan): attention projections, norm gains, the router, the top_k experts,
-    adapters (LoRA: its own pair; Loop Matrix / Softmax: all L pairs and one row of M), kv gates, PLT
-    re-injection; with include_head=True also the output head once (6*V*D, also when tied).
-  * attention scores: QK^T and PV are two matmuls of q * keys multiply-adds, 4*q*keys FLOPs forward,
-    x3 with backward = 12*q*keys per attention visit, where keys = ctx/2, the mean number of visible
-    keys under a causal mask at document length ctx. So 6*q*ctx per attention visit. ctx is the
-    *document* length: with segment masks a token attends only inside its document (SMELT 3.2).
-    A PLT window visit adds 12*q*keys_w with keys_w = mean over positions of min(t, w).
-  * The head. SMELT's F excludes it: its 200M example (1.33e9 FLOPs, 0.209B active) leaves ~6% for
-    attention and no room for a 1280 x V head (tested). So the SMELT convention's default is
-    include_head=False, and matching, S, C and TPP use it everywhere; the head-inclusive count is
-    reported beside it (ladder column F+head, results rows' F_with_head, MFU). Counting the head
-    would let a narrower SMELT (smaller head) buy body FLOPs: at tiny widths +6-13 % more than
-    its Baseline while the head-inclusive ratio read ~1.0 (the behaviour before this convention).
-  * `convention="howtoloop"`: How-to-Loop's accounting (its Fig. 1 / Table 1): norm gains not counted,
-    attention 7*q*ctx per visit (i.e. 14*q*keys), head 6*V*D. Reproduces 967,311,360 weights, 1.07e21
-    FLOPs and the 1.1/2.1/4.3 % adapter overheads (tests).
-KV cache: 2 * n_kv_head * head_dim * bytes per executed attention visit and token; with PLT KV sharing
-(kv_window = w) a span layer holds loop 1's cache plus (r-1) rings of min(w, ctx) slots, amortised over
-the stated ctx_len (required then). Equals GPT.new_cache(B, T).nbytes() / (B*T) (tested).
+  * One function per sub-layer (attention, norm, dense SwiGLU, router, routed and shared experts,
+    adapters, PLT gates, embedding, head) gives (parameters stored, weights a token passes per
+    visit); `_sublayers` says how many of each are stored and how many run (loop.plan), and the
+    parameter and FLOP totals are both sums over that one table.
+  * count_params: "blocks" (layers + final norm, stored once: a loop adds only adapters and gates),
+    "active" (top_k experts instead of the pool), "embedding", "head" (0 when tied).
+  * flops_per_token: 6 per weight passed on every executed visit, plus attention scores 12*q*ctx/2
+    per attention visit at the *document* length ctx. SMELT's F leaves the output head out (its
+    200M example); include_head=True is the full count; convention="howtoloop": How-to-Loop's.
+  * kv_bytes_per_token: 2 * n_kv_head * head_dim * bytes per executed attention visit.
+  * sparsity: SMELT Eq. 1, S = 1 - (F/F0) N0/N against the fully-active control (`dense_control`).
+  * match: keep depth, top_k, the loop and the shared experts; search d_model, d_ff and heads (numpy
+    grid, experts solved in closed form) for the least max(|F-1|/4%, |N-1|/1%, |KV-1|/4%).
+  * ladder_cells / ladder: Baseline and matched SMELT (r passes over the middle span) per preset cell.
 
-Sparsity (SMELT Eq. 1): S = 1 - (F/F0) * N0/N against the fully-active control (`dense_control`:
-the unlooped Baseline at the same scale with n_experts = top_k). N counts blocks (non-embedding).
-
-Matching (`match`, SMELT 3.2): keep physical depth, top_k, vocab, and the loop; search hardware-aligned
-d_model, per-expert width d_ff, head_dim, n_kv_head and n_head (numpy over the whole grid); for each
-candidate the expert count that best restores total parameters is solved in closed form (parameters
-are linear in E). Objective: the worst mismatch measured in tolerances, max(|F-1|/4%, |N-1|/1%,
-|KV-1|/4%) (SMELT Table 3.2), compared in steps of `resolution` (0.1 tolerance); within the best
-step, the candidate whose shape (d_ff/D, q/D, head_dim, n_kv_head) stays closest to the Baseline's
-wins, which narrows D and adds experts as the paper does. ~0.05 s per match. Nothing within
-tolerance -> warnings.warn, and the report says so.
-
-Ladders (`python budget.py --ladder smoke|tiny|small|paper`): Baseline and matched SMELT (middle half
-x2) for every cell of a preset grid, matched at the *measured* document length of the preset's
-prepared data (data.measured_doc_length; the main job calls the same `ladder_cells` on the same data,
-so both print the same ladder). Each grid has S = 0 control cells (label "S=0%": every expert active)
-beside its sparse cells, as SMELT's grid does. The paper grid rebuilds Appendix A: expert width and head geometry
-solved from its parameter columns (they reproduce every published count), vocab 128,256 (unstated;
-irrelevant once the head is excluded), FLOPs without the head at a document length of 833 tokens
-(read off the 200M example; the paper's own 600M and 1.6B SMELT configs then reproduce their
-published F ratios to 0.001, see the tests). The table prints the published SMELT D, E, F and KV
-ratios next to ours.
+Formulas in full, conventions and measured figures: docs/budget.md. Read before: model.py, loop.py,
+moe.py. Read next: train.py (what a run costs), scaling.py (S, C and TPP in the fits).
 """
 from __future__ import annotations
 
@@ -129,26 +91,102 @@ def plan_of(cfg: ModelConfig, loop: LoopConfig | None = None) -> Plan:
 
 
 def _widths(cfg: ModelConfig) -> dict:
-    return dict(d=cfg.d_model, nh=cfg.n_head, nkv=cfg.n_kv_head, hd=cfg.hd, ff=cfg.d_ff, E=cfg.n_experts)
+    return dict(d=cfg.d_model, nh=cfg.n_head, nkv=cfg.n_kv_head, hd=cfg.hd, ff=cfg.d_ff, E=cfg.n_experts,
+                sh=cfg.n_shared_experts)
 
 
-# The three formulas below take python ints (exact counts) or numpy arrays (the match grid).
+# ----------------------------------------------------------------------------------------
+# One count per sub-layer: (parameters of one, weights one token passes through per visit; each
+# costs 6 training FLOPs). Python ints give exact counts, numpy arrays the whole match grid.
 
-def _params(p: Plan, d, nh, nkv, hd, ff, E) -> dict:
-    q, kv = nh * hd, nkv * hd
-    attn = 2 * d * q + 2 * d * kv
-    ffn = E * d + 3 * E * d * ff if p.moe else 3 * d * ff
-    ffn_active = E * d + 3 * p.top_k * d * ff if p.moe else ffn
-    mix = p.n_loops ** 2 if p.adapter in ("matrix", "softmax") else 0
-    ad_attn = p.n_loops * p.rank * (4 * d + 2 * q + 2 * kv) + 4 * mix
-    ad_mlp = 0 if p.moe else p.n_loops * p.rank * 3 * (d + ff) + 3 * mix
-    out = dict(attention=p.n_layer * attn, ffn=p.n_layer * ffn, norms=(2 * p.n_layer + 1) * d,
-               adapters=p.adapter_layers * (ad_attn + ad_mlp), kv_gates=p.window_layers * nh * d,
-               plt=p.n_inject * {"add": 0, "norm_half": 2, "norm_gate": 27}[p.inject] * d)
+def _attention(d, q, kv):                # wq, wo (D x q) and wk, wv (D x kv)
+    return 2 * d * q + 2 * d * kv, 2 * d * q + 2 * d * kv
+
+
+def _norm(d, counted):                   # an RMSNorm gain; counted=0: How-to-Loop counts no norm FLOPs
+    return d, counted * d
+
+
+def _swiglu(d, ff):                      # dense SwiGLU: gate, up (D x d_ff) and down (d_ff x D)
+    return 3 * d * ff, 3 * d * ff
+
+
+def _router(d, E):                       # W_r (E x D) scores every expert: all of it is active
+    return E * d, E * d
+
+
+def _routed_experts(d, ff, E, top_k):    # E SwiGLU experts stored, top_k of them passed
+    return 3 * E * d * ff, 3 * top_k * d * ff
+
+
+def _shared_experts(d, ff, n_shared):    # moe.MoE's always-active SwiGLU experts of width d_ff
+    return 3 * n_shared * d * ff, 3 * n_shared * d * ff
+
+
+def _adapters(p: Plan, shapes):
+    """Loop adapters of the projections (d_in, d_out): L pairs A (rank x d_in), B (d_out x rank) each and,
+    for Loop Matrix / Softmax, M (L x L); a visit passes its own pair (LoRA) or all L and one row of M."""
+    pairs = sum(p.rank * (d_in + d_out) for d_in, d_out in shapes)
+    mix = len(shapes) if p.adapter in ("matrix", "softmax") else 0
+    passed = 1 if p.adapter == "lora" else p.n_loops
+    return p.n_loops * pairs + mix * p.n_loops ** 2, passed * pairs + mix * p.n_loops
+
+
+def _kv_gate(d, nh):                     # PLT KV sharing's gate (n_head x D) on a span layer
+    return nh * d, nh * d
+
+
+def _plt_inject(d, inject: str, counted):
+    """PLT re-injection of one loop >= 2: "add" nothing; "norm_half" two gains; "norm_gate" those and the
+    gate, down (2D x R), up (R x D) and its bias (D), R = loop.GATE_RANK."""
+    gains = {"add": 0, "norm_half": 2, "norm_gate": 2}[inject]
+    gate = 2 * d * looping.GATE_RANK + looping.GATE_RANK * d + d if inject == "norm_gate" else 0
+    return gains * d + gate, gains * counted * d + gate
+
+
+def _embedding(vocab, d):                # the input table: a lookup, no matmul
+    return vocab * d, 0
+
+
+def _head(vocab, d, tied: bool):         # the output projection: FLOPs also when tied to the embedding
+    return 0 if tied else vocab * d, vocab * d
+
+
+def _sublayers(p: Plan, d, nh, nkv, hd, ff, E, sh, counted=1) -> dict:
+    """{sub-layer: (instances stored, visits executed per token, (parameters, weights passed) of one)}."""
+    q, kv, L = nh * hd, nkv * hd, p.n_layer
+    subs = {"attention": (L, p.attn_visits, _attention(d, q, kv)),
+            "attn_norm": (L, p.attn_visits, _norm(d, counted)),
+            "mlp_norm": (L, p.mlp_visits, _norm(d, counted)),
+            "final_norm": (1, 1, _norm(d, counted)),
+            "attn_adapters": (p.adapter_layers, p.adapter_attn_visits,
+                              _adapters(p, [(d, q), (d, kv), (d, kv), (q, d)])),   # q, k, v, o
+            "kv_gates": (p.window_layers, p.window_visits, _kv_gate(d, nh)),
+            "plt": (p.n_inject, p.n_inject, _plt_inject(d, p.inject, counted))}
+    if p.moe:   # MoE layers carry no adapters
+        subs.update(router=(L, p.mlp_visits, _router(d, E)),
+                    experts=(L, p.mlp_visits, _routed_experts(d, ff, E, p.top_k)),
+                    shared_experts=(L, p.mlp_visits, _shared_experts(d, ff, sh)))
+    else:
+        subs.update(swiglu=(L, p.mlp_visits, _swiglu(d, ff)),
+                    mlp_adapters=(p.adapter_layers, p.adapter_mlp_visits,
+                                  _adapters(p, [(d, ff), (d, ff), (ff, d)])))      # gate, up, down
+    return subs
+
+
+GROUPS = {"attention": ("attention",), "ffn": ("swiglu", "router", "experts", "shared_experts"),
+          "norms": ("attn_norm", "mlp_norm", "final_norm"), "adapters": ("attn_adapters", "mlp_adapters"),
+          "kv_gates": ("kv_gates",), "plt": ("plt",)}   # param_breakdown's groups
+
+
+def _params(p: Plan, d, nh, nkv, hd, ff, E, sh) -> dict:
+    subs = _sublayers(p, d, nh, nkv, hd, ff, E, sh)
+    out = {g: sum(subs[s][0] * subs[s][2][0] for s in names if s in subs) for g, names in GROUPS.items()}
     out["blocks"] = sum(out.values())
-    out["active"] = out["blocks"] - p.n_layer * (ffn - ffn_active)
-    out["embedding"] = p.vocab * d
-    out["head"] = 0 if p.tied else p.vocab * d
+    n, (stored, passed) = (subs["experts"][0], subs["experts"][2]) if p.moe else (0, (0, 0))
+    out["active"] = out["blocks"] - n * (stored - passed)     # less the pool's experts a token skips
+    out["embedding"] = _embedding(p.vocab, d)[0]
+    out["head"] = _head(p.vocab, d, p.tied)[0]
     return out
 
 
@@ -157,20 +195,12 @@ def _window_keys(w: int, ctx: float) -> float:
     return ctx / 2 if w >= ctx else w - w * w / (2 * ctx)
 
 
-def _flops(p: Plan, ctx: float, convention: str, include_head: bool, d, nh, nkv, hd, ff, E):
-    q, kv = nh * hd, nkv * hd
-    norm = 1 if convention == "smelt" else 0                  # How-to-Loop counts no norm gains
-    per = 1 if p.adapter == "lora" else p.n_loops              # pairs a visit passes through
-    row = p.n_loops if p.adapter in ("matrix", "softmax") else 0
-    ffn_active = E * d + 3 * p.top_k * d * ff if p.moe else 3 * d * ff
-    inject = {"add": 0, "norm_half": 2 * norm, "norm_gate": 25 + 2 * norm}[p.inject] * d
-    w = (p.attn_visits * (2 * d * q + 2 * d * kv + norm * d) + p.mlp_visits * (ffn_active + norm * d)
-         + p.adapter_attn_visits * (per * p.rank * (4 * d + 2 * q + 2 * kv) + 4 * row)
-         + p.adapter_mlp_visits * (per * p.rank * 3 * (d + ff) + 3 * row)
-         + p.window_visits * nh * d + p.n_inject * inject + norm * d)
+def _flops(p: Plan, ctx: float, convention: str, include_head: bool, d, nh, nkv, hd, ff, E, sh):
+    counted = 1 if convention == "smelt" else 0              # How-to-Loop counts no norm gains
+    w = sum(visits * cost[1] for _, visits, cost in _sublayers(p, d, nh, nkv, hd, ff, E, sh, counted).values())
     keys = p.attn_visits * ctx / 2 + (p.window_visits * _window_keys(p.window, ctx) if p.window else 0)
-    coef = 12 if convention == "smelt" else 14
-    return 6 * w + coef * q * keys + (6 * p.vocab * d if include_head else 0)
+    coef = 12 if convention == "smelt" else 14               # attention-score FLOPs per (query width x key)
+    return 6 * w + coef * (nh * hd) * keys + (6 * _head(p.vocab, d, p.tied)[1] if include_head else 0)
 
 
 def _kv_slots(p: Plan, ctx: float | None) -> float:
@@ -336,29 +366,8 @@ def _near(center, step: int, band: float, span: int):
     return vals, ok
 
 
-def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> tuple[ModelConfig, dict]:
-    """The looped config matching base_cfg's FLOPs per token, blocks (total non-embedding parameters)
-    and KV cache, and a report {"flops_ratio", "params_ratio", "kv_ratio", "within_tolerance", ...}.
-
-    search: options of SEARCH_DEFAULTS (alignments, bands, tolerances, include_head, convention).
-    The report also holds the worst mismatch in tolerances, the base and matched FLOPs / blocks /
-    KV bytes per token, the number of candidates scored and the seconds taken, and a message.
-    """
-    t0 = time.perf_counter()
-    _check_cfg(base_cfg)
-    if not isinstance(loop, LoopConfig):
-        raise ValueError(f"match: loop must be a loop.LoopConfig, got {type(loop).__name__}")
-    loop.validate(base_cfg.n_layer)
-    _check_ctx(base_cfg, ctx_len)
-    o = _search_options(base_cfg, search)
-    tol, conv, head = o["tolerances"], o["convention"], o["include_head"]
-    b = base_cfg
-    pb, ps = plan_of(b), plan_of(b, loop)
-    F_b = float(_flops(pb, ctx_len, conv, head, **_widths(b)))
-    N_b = float(_params(pb, **_widths(b))["blocks"])
-    kv_b = b.n_kv_head * b.hd * _kv_slots(pb, ctx_len)
-
-    # head geometry: KV depends only on (n_kv_head, head_dim); keep the pairs that can match it
+def _head_pairs(b: ModelConfig, o: dict, ps: Plan, ctx_len: float, kv_b: float):
+    """(head_dim, n_kv_head) candidates, flattened: KV depends only on them, so keep the pairs that match it."""
     m_hd = o["head_dim_multiple"]
     hds = (np.array(sorted(set(o["head_dims"])), dtype=float) if o["head_dims"] else
            np.union1d(np.arange(math.ceil(o["hd_range"][0] * b.hd / m_hd), math.floor(o["hd_range"][1] * b.hd / m_hd) + 1)
@@ -369,12 +378,15 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
     if not HD.size:
         raise ValueError(f"match: no valid head_dim candidates (even, >= min_head_dim={o['min_head_dim']})")
     kv_err = np.abs(KVH * HD * _kv_slots(ps, ctx_len) / kv_b - 1)
-    keep = kv_err <= tol["kv"] + 1e-12
+    keep = kv_err <= o["tolerances"]["kv"] + 1e-12
     if not keep.any():
         keep = kv_err <= kv_err.min() * (1 + 1e-9) + 1e-12
-    HD, KVH = HD[keep], KVH[keep]
+    return HD[keep], KVH[keep]
 
-    # d_model grid x head pairs; then n_head and d_ff offsets around the Baseline's proportions
+
+def _grid(b: ModelConfig, o: dict, HD, KVH):
+    """d_model grid x head pairs; then n_head and d_ff offsets around the Baseline's proportions:
+    candidate arrays (D, n_head, n_kv_head, head_dim, d_ff)."""
     m_d = o["d_multiple"]
     ds = np.arange(math.ceil(o["d_range"][0] * b.d_model / m_d), math.floor(o["d_range"][1] * b.d_model / m_d) + 1) * m_d
     if not ds.size:
@@ -391,31 +403,14 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
     ff_center = b.d_ff / b.d_model * D
     ff, ok_f = _near(ff_center, m_ff, o["ff_band"], int(o["ff_band"] * ff_center.max() / m_ff) + 1)
     r, c = np.nonzero(ok_f)
-    D, hd, nkv, nh, ff = D[r], hd[r], nkv[r], nh[r], ff[r, c]
+    return D[r], nh[r], nkv[r], hd[r], ff[r, c]
 
-    # expert count: blocks are linear in E -> solve, try the two neighbouring multiples
-    if ps.moe:
-        rest = _params(ps, D, nh, nkv, hd, ff, 0)["blocks"]
-        per = _params(ps, D, nh, nkv, hd, ff, 1)["blocks"] - rest
-        m_e = o["expert_multiple"]
-        e_star = (N_b - rest) / per / m_e
-        E = np.concatenate([np.floor(e_star), np.ceil(e_star)]) * m_e
-        E = np.maximum(E, math.ceil(b.top_k / m_e) * m_e)
-        D, nh, nkv, hd, ff = (np.concatenate([a, a]) for a in (D, nh, nkv, hd, ff))
-    else:
-        E = np.zeros_like(D)
-    F = _flops(ps, ctx_len, conv, head, D, nh, nkv, hd, ff, E) / F_b
-    N = _params(ps, D, nh, nkv, hd, ff, E)["blocks"] / N_b
-    KV = nkv * hd * _kv_slots(ps, ctx_len) / kv_b
-    worst = np.maximum.reduce([np.abs(F - 1) / tol["flops"], np.abs(N - 1) / tol["params"], np.abs(KV - 1) / tol["kv"]])
-    shape = (np.abs(np.log(ff / (b.d_ff / b.d_model * D)))
-             + np.abs(np.log(nh * hd / D / (b.n_head * b.hd / b.d_model)))
-             + np.abs(np.log(hd / b.hd)) + np.abs(np.log(nkv / b.n_kv_head)))
-    best = np.lexsort((shape, np.floor(worst / o["resolution"] + 1e-9)))[0]
 
-    cfg = replace(b, d_model=int(D[best]), n_head=int(nh[best]), n_kv_head=int(nkv[best]), head_dim=int(hd[best]),
-                  d_ff=int(ff[best]), n_experts=int(E[best]), loop=loop)
-    # recount through the scalar path: the report never trusts the grid arithmetic alone
+def _match_report(b: ModelConfig, cfg: ModelConfig, ctx_len: float, o: dict, base: tuple, candidates: int,
+                  t0: float) -> dict:
+    """The match report, recounted through the scalar path; base: the Baseline's (F, blocks, KV)."""
+    tol, conv, head = o["tolerances"], o["convention"], o["include_head"]
+    F_b, N_b, kv_b = base
     Fm = flops_per_token(cfg, ctx_len, conv, head)
     Nm = count_params(cfg)["blocks"]
     kvm = cfg.n_kv_head * cfg.hd * _kv_slots(plan_of(cfg), ctx_len)
@@ -427,7 +422,7 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
     rep["within_tolerance"] = all(errs[k] <= tol[k] + 1e-12 for k in errs)
     rep.update(worst=max(errs[k] / tol[k] for k in errs), tolerances=tol, ctx_len=ctx_len, convention=conv,
                include_head=head, flops=(F_b, Fm), params=(N_b, Nm),
-               kv_bytes_bf16=(4 * kv_b, 4 * kvm), candidates=int(D.size),
+               kv_bytes_bf16=(4 * kv_b, 4 * kvm), candidates=candidates,
                seconds=time.perf_counter() - t0)
     if rep["within_tolerance"]:
         rep["message"] = "matched within tolerance"
@@ -435,8 +430,57 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
         rep["message"] = (f"no candidate within tolerance (flops {tol['flops']:.0%}, params {tol['params']:.0%}, "
                           f"kv {tol['kv']:.0%}); best: flops x{rep['flops_ratio']:.3f}, params "
                           f"x{rep['params_ratio']:.3f}, kv x{rep['kv_ratio']:.3f}")
-        warnings.warn(f"match: {rep['message']}", RuntimeWarning, stacklevel=2)
-    return cfg, rep
+        warnings.warn(f"match: {rep['message']}", RuntimeWarning, stacklevel=3)
+    return rep
+
+
+def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> tuple[ModelConfig, dict]:
+    """The looped config matching base_cfg's FLOPs per token, blocks (total non-embedding parameters)
+    and KV cache, and a report {"flops_ratio", "params_ratio", "kv_ratio", "within_tolerance", ...}.
+
+    search: options of SEARCH_DEFAULTS (alignments, bands, tolerances, include_head, convention).
+    The report also holds the worst mismatch in tolerances, the base and matched FLOPs / blocks /
+    KV bytes per token, the number of candidates scored and the seconds taken, and a message.
+    Depth, top_k, vocab and n_shared_experts are the Baseline's; the loop is `loop`.
+    """
+    t0 = time.perf_counter()
+    _check_cfg(base_cfg)
+    if not isinstance(loop, LoopConfig):
+        raise ValueError(f"match: loop must be a loop.LoopConfig, got {type(loop).__name__}")
+    loop.validate(base_cfg.n_layer)
+    _check_ctx(base_cfg, ctx_len)
+    o = _search_options(base_cfg, search)
+    tol, conv, head = o["tolerances"], o["convention"], o["include_head"]
+    b, sh = base_cfg, base_cfg.n_shared_experts
+    pb, ps = plan_of(b), plan_of(b, loop)
+    F_b = float(_flops(pb, ctx_len, conv, head, **_widths(b)))
+    N_b = float(_params(pb, **_widths(b))["blocks"])
+    kv_b = b.n_kv_head * b.hd * _kv_slots(pb, ctx_len)
+    D, nh, nkv, hd, ff = _grid(b, o, *_head_pairs(b, o, ps, ctx_len, kv_b))
+
+    # expert count: blocks are linear in E -> solve, try the two neighbouring multiples
+    if ps.moe:
+        rest = _params(ps, D, nh, nkv, hd, ff, 0, sh)["blocks"]
+        per = _params(ps, D, nh, nkv, hd, ff, 1, sh)["blocks"] - rest
+        m_e = o["expert_multiple"]
+        e_star = (N_b - rest) / per / m_e
+        E = np.concatenate([np.floor(e_star), np.ceil(e_star)]) * m_e
+        E = np.maximum(E, math.ceil(b.top_k / m_e) * m_e)
+        D, nh, nkv, hd, ff = (np.concatenate([a, a]) for a in (D, nh, nkv, hd, ff))
+    else:
+        E = np.zeros_like(D)
+    F = _flops(ps, ctx_len, conv, head, D, nh, nkv, hd, ff, E, sh) / F_b
+    N = _params(ps, D, nh, nkv, hd, ff, E, sh)["blocks"] / N_b
+    KV = nkv * hd * _kv_slots(ps, ctx_len) / kv_b
+    worst = np.maximum.reduce([np.abs(F - 1) / tol["flops"], np.abs(N - 1) / tol["params"], np.abs(KV - 1) / tol["kv"]])
+    shape = (np.abs(np.log(ff / (b.d_ff / b.d_model * D)))
+             + np.abs(np.log(nh * hd / D / (b.n_head * b.hd / b.d_model)))
+             + np.abs(np.log(hd / b.hd)) + np.abs(np.log(nkv / b.n_kv_head)))
+    best = np.lexsort((shape, np.floor(worst / o["resolution"] + 1e-9)))[0]
+
+    cfg = replace(b, d_model=int(D[best]), n_head=int(nh[best]), n_kv_head=int(nkv[best]), head_dim=int(hd[best]),
+                  d_ff=int(ff[best]), n_experts=int(E[best]), loop=loop)
+    return cfg, _match_report(b, cfg, ctx_len, o, (F_b, N_b, kv_b), int(D.size), t0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -532,9 +576,7 @@ def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
             for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
 
 
-# Dense bf16 peak of one H200 (as H100 SXM: 989 TFLOP/s, no sparsity) and the MFU the cost estimates state.
-# 30 % is what a compiled small MoE step should reach on Hopper and has not been measured yet (no GPU has
-# run this code); gpu_check.sh measures it, and the estimate scales as 1 / MFU.
+# Dense bf16 peak of one H200 (as H100 SXM) and the MFU the estimates assume (why 30 %: docs/budget.md).
 H200_PEAK_FLOPS = 989e12
 ASSUMED_MFU = 0.30
 
@@ -555,9 +597,9 @@ def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float, peak_flops: float 
             "gpu_minutes": Fh * tokens / (peak_flops * mfu) / 60}
 
 
-def smelt_loop(n_layer: int, n_loops: int = 2) -> LoopConfig:
-    """SMELT's loop: the middle half of the stack, twice."""
-    start, length = middle_span(n_layer)
+def smelt_loop(n_layer: int, n_loops: int = 2, span_fraction: float = 0.5) -> LoopConfig:
+    """SMELT's loop: the middle span (loop.middle_span's fraction of the stack: half), n_loops passes (2)."""
+    start, length = middle_span(n_layer, span_fraction)
     return LoopConfig(start=start, length=length, n_loops=n_loops)
 
 
@@ -573,39 +615,47 @@ def _row(scale, label, arch, cfg, ctx, control) -> dict:
                 kv_bytes=kv_bytes_per_token(cfg, 2, ctx))
 
 
-def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, **search) -> list[dict]:
+def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, n_loops: int = 2,
+                 span_fraction: float = 0.5, n_shared_experts: int = 0, **search) -> list[dict]:
     """Every cell of a preset's grid: {"scale", "sparsity_label", "ctx_len", "baseline", "smelt" (ModelConfig
     dicts), "match" (budget.match's report)}, SMELT matched to its Baseline at document length ctx_len.
 
     The one ladder builder: `ladder` (budget.py --ladder) and the main job (reproduce.py) both call it,
     so the same preset and data give the same configs. vocab_size: the data's (the head is not in F,
-    so the match does not depend on it).
+    so the match does not depend on it). SMELT loops smelt_loop(n_layer, n_loops, span_fraction);
+    every Baseline (and so its SMELT) gets n_shared_experts shared experts.
     """
     cells = []
     for scale, label, base in preset_baselines(preset):
         if vocab_size is not None:
             base = replace(base, vocab_size=vocab_size)
+        if n_shared_experts:
+            base = replace(base, n_shared_experts=n_shared_experts)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
-            cfg, rep = match(base, smelt_loop(base.n_layer), ctx_len, **{**PRESETS[preset].get("search", {}),
-                                                                          **search})
+            cfg, rep = match(base, smelt_loop(base.n_layer, n_loops, span_fraction), ctx_len,
+                             **{**PRESETS[preset].get("search", {}), **search})
         cells.append({"scale": scale, "sparsity_label": label, "ctx_len": float(ctx_len),
                       "baseline": base.to_dict(), "smelt": cfg.to_dict(), "match": rep})
     return cells
 
 
-def ladder(preset: str, ctx_len: float | None = None, **search) -> list[dict]:
+def ladder(preset: str, ctx_len: float | None = None, n_loops: int = 2, span_fraction: float = 0.5,
+           n_shared_experts: int = 0, **search) -> list[dict]:
     """Baseline and matched SMELT table rows for every cell of a preset's grid (scales x sparsities).
 
     ctx_len: document length for FLOPs (default: `preset_doc_length(preset)`, the measured document
     length of the preset's prepared data; the paper's PAPER_DOC_LEN for the paper grid). FLOPs leave
-    the output head out (SMELT's convention); rows also give the head-inclusive count.
+    the output head out (SMELT's convention); rows also give the head-inclusive count. n_loops,
+    span_fraction, n_shared_experts: as ladder_cells.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     ctx = preset_doc_length(preset) if ctx_len is None else ctx_len
     rows = []
-    for i, cell in enumerate(ladder_cells(preset, ctx, **search)):
+    cells = ladder_cells(preset, ctx, n_loops=n_loops, span_fraction=span_fraction,
+                         n_shared_experts=n_shared_experts, **search)
+    for i, cell in enumerate(cells):
         base, cfg, rep = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"]), cell["match"]
         scale, label = cell["scale"], cell["sparsity_label"]
         control = dense_control(base)
@@ -649,6 +699,13 @@ def format_ladder(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _fraction(text: str) -> float:
+    x = cli.positive_float(text)
+    if x > 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = cli.parser("Budget accounting and SMELT budget matching (see the module docstring).")
     ap.add_argument("--ladder", choices=list(PRESETS), help="print the matched Baseline/SMELT grid of a preset")
@@ -656,6 +713,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx-len", type=cli.positive_float, default=None, help="document length for attention FLOPs "
                     "(default: measured on the preset's prepared data, the paper's 833 for --ladder paper; "
                     "with --config, the config's block_size)")
+    ap.add_argument("--loops", type=cli.positive_int, default=2, help="SMELT's passes over its looped span (r)")
+    ap.add_argument("--span-fraction", type=_fraction, default=0.5, help="SMELT's looped share of the stack, "
+                    "placed in the middle (loop.middle_span)")
+    ap.add_argument("--shared-experts", type=cli.nonneg_int, default=0, help="shared experts per MoE layer, "
+                    "Baseline and SMELT alike")
     cli.add_out_dir(ap, "also write the ladder rows to DIR/ladder_PRESET.json (default: print only)", old=())
     cli.deprecated_alias(ap, "--json", "json", "--out-dir DIR (writes DIR/ladder_PRESET.json)")
     return ap
@@ -676,7 +738,8 @@ def main(argv: list[str] | None = None) -> None:
                           "kv_bytes_per_token_bf16": kv_bytes_per_token(cfg, 2, ctx)}, indent=2))
     if args.ladder:
         t0 = time.perf_counter()
-        rows = ladder(args.ladder, args.ctx_len)
+        rows = ladder(args.ladder, args.ctx_len, n_loops=args.loops, span_fraction=args.span_fraction,
+                      n_shared_experts=args.shared_experts)
         src = "given" if args.ctx_len else ("the paper's" if PRESETS[args.ladder]["data"] is None
                                             else f"measured on the {PRESETS[args.ladder]['data']} data")
         print(f"preset {args.ladder}: FLOPs per token without the output head at document length "

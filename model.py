@@ -78,6 +78,7 @@ class ModelConfig:
     d_ff: int = 192                 # dense SwiGLU width, or per-expert width
     n_experts: int = 0              # 0 -> dense feed-forward
     top_k: int = 8
+    n_shared_experts: int = 0       # always-active dense SwiGLU experts of width d_ff per MoE layer (moe.py)
     loop: LoopConfig = field(default_factory=LoopConfig)
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
@@ -123,6 +124,8 @@ class ModelConfig:
             bad(f"n_experts must be >= 0, got {self.n_experts}")
         if self.n_experts > 0 and not 1 <= self.top_k <= self.n_experts:
             bad(f"top_k must satisfy 1 <= top_k <= n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
+        if self.n_shared_experts < 0 or (self.n_shared_experts and not self.n_experts):
+            bad(f"n_shared_experts must be >= 0, with n_experts > 0; got {self.n_shared_experts}, n_experts={self.n_experts}")
         if self.attn_backend not in ("auto", "sdpa", "flex", "math"):
             bad(f"attn_backend must be auto|sdpa|flex|math, got {self.attn_backend!r}")
         if self.moe_impl not in MOE_IMPLS:
@@ -486,7 +489,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.n_experts > 0:
-            self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.router_renormalize, cfg.moe_impl)
+            self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.router_renormalize, cfg.moe_impl,
+                           cfg.n_shared_experts)
         else:
             self.mlp = SwiGLU(cfg, layer)
 

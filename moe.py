@@ -1,64 +1,25 @@
 """Mixture-of-Experts feed-forward: top-k router, grouped matmul, dropless SwiGLU experts.
 
-SMELT (Sec. 3.1) routes every token to its top-8 experts in every MoE layer. This file holds
-the one MoE layer used by model.py, the router with its auxiliary losses, and the grouped
-matrix multiply the experts run on.
+SMELT (Sec. 3.1) routes every token to its top-k experts in every MoE layer. This file holds the MoE
+layer model.py uses, its router with the auxiliary losses, and the grouped matmul the experts run on.
 
-Router. logits = x W_r (no bias); p = softmax(logits) over n_experts; the top-k experts are
-kept and their probabilities renormalised to sum to one (Mixtral's choice; `renormalize=False`
-gives Qwen-MoE's unnormalised weights). Renormalising keeps the size of the MoE write
-independent of the pool size, which matters here because budget matching changes n_experts
-between the Baseline and SMELT at the same scale.
-  * load-balancing loss (Switch Transformer): n_experts * sum_e f_e * P_e, where f_e is the
-    fraction of routed (token, slot) pairs sent to expert e and P_e the mean router
-    probability of e; equals 1 for a perfectly balanced router.
-  * router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
-Both are *returned* (`RouterStats`) with the tokens per expert and the chosen ids; the model
-adds them to the training loss with coefficients from its config. Nothing is kept in module
-state. Routing is dropless: every (token, slot) pair is computed; there is no capacity.
+  * Router: p = softmax(x W_r); the top-k kept and renormalised to sum to one (Mixtral;
+    `renormalize=False`: Qwen-MoE's raw weights). Load-balancing loss (Switch Transformer)
+    n_experts * sum_e f_e P_e (1 when balanced) and z-loss (ST-MoE) mean logsumexp(logits)^2,
+    returned in `RouterStats`, never kept in module state. Dropless: no capacity.
+  * Shared experts (`n_shared`, default 0; DeepSeek-MoE / Qwen-MoE without a gate): dense SwiGLUs of
+    the expert width that every token passes through, added to the routed experts' output.
+  * Grouped matmul: the (token, slot) rows sorted by expert; `grouped_mm(x, w, group_sizes)` multiplies
+    block g by w[g]. One contract, checked against `grouped_mm_reference` (split + cat):
+      "loop"    CPU eager: torch.mm(out=) per group, hand-written backward (a custom op when compiled)
+      "torch"   torch._grouped_mm: fused and sync-free in bf16 on Hopper / B200
+      "padded"  static shapes, nothing read back: groups padded to tiles, one bmm (compiled, other CUDA)
+      "auto"    torch where it is fused, padded on other CUDA or when compiling, else loop
+  * bf16: the experts compute in the autocast dtype (`compute_dtype`), the output in the input's.
+  * `MoE.forward_reference`: the per-token, per-expert loop that defines the layer's output.
 
-Grouped matmul. The (token, slot) rows are sorted by expert so expert g owns a contiguous
-block of rows; `grouped_mm(x, w, group_sizes)` multiplies block g by w[g]. Four implementations,
-one contract (`grouped_mm_reference`, torch.split + cat, is the slow, obvious one the tests
-compare every other against):
-
-  "loop"    CPU eager training (fastest measured there): a loop of `torch.mm(..., out=slice)`
-            over the groups in forward, the same for dx and dW in a hand-written backward.
-            Autograd over a Python loop of slices allocates a full-size gradient for every slice
-            in backward (~20x a dense layer on CPU); writing each block into a preallocated
-            output and computing each expert's weight gradient directly costs only the useful
-            FLOPs plus one small call per expert. The per-expert views come from one `split` /
-            `unbind` each (8-36 % faster per grouped_mm on CPU at 16-64 experts). It reads the
-            group sizes on the host (`tolist`): free on a CPU, a device sync on a GPU. Under
-            `torch.compile` it runs as a `torch.library` custom op (one opaque call).
-  "torch"   `torch._grouped_mm`: one fused kernel, no host sync, on CUDA compute capability 9.0
-            (Hopper: H100 / H200) and 10.0 (B200) in bf16. On any other GPU torch falls back to a
-            per-group loop that copies the offsets to the host, so "auto" does not pick it there.
-  "padded"  static shapes, no host sync, no Triton source: every group is padded to whole tiles
-            of M rows (M ~ a quarter of the mean group, a multiple of 8), the tiles go through
-            one `bmm` with each tile's expert weight gathered (`index_select`), and the rows are
-            gathered back. The tile count N // M + G bounds sum_g ceil(n_g / M) for every
-            routing, so no shape depends on the data; the price is at most G * M / N = 1/4
-            extra FLOPs and a gathered weight copy of ~5x the expert weights per call. This is
-            what runs under `torch.compile` off Hopper (and on CUDA without the fused kernel):
-            one graph, nothing read back. On a CPU it is slower than the loop: compiled, the
-            padded layer took 1.44-1.51x the eager loop's time (bench.py moe, 1 thread, three
-            runs on a shared 2-core EPYC: 368-1129 ms vs 254-748 ms), so CPU training keeps
-            the loop (train.py does not compile on CPU).
-  "auto"    torch on CUDA bf16 with the fused kernel; padded on other CUDA and whenever
-            compiling; loop in CPU eager code.
-
-bf16 autocast. The residual stream stays fp32 under autocast, so the experts would see fp32
-inputs and `torch.mm(out=)` would bypass autocast. `MoE` therefore casts the gathered rows and
-both expert weights to the autocast dtype itself (`compute_dtype`): under autocast the experts
-really compute in bf16 (and take the fused kernel on Hopper), outside it they compute in the
-input dtype. The combined output is accumulated in the input dtype.
-
-Host syncs. The training path reads nothing back: tokens per expert come from a
-`scatter_add_` (torch.bincount's output length depends on the data: a sync and a graph break),
-and with "padded" or "torch" every shape is static. tests/test_compile.py counts `.tolist` /
-`.item` calls of the compiled MoE step (zero) and checks the one-graph compile.
-bench.py moe times the paths training takes (autocast on CUDA, compiled fallback vs eager loop).
+Design notes and measured timings: docs/moe.md. Read next: model.py (Block picks MoE or SwiGLU),
+then budget.py (what an MoE layer costs).
 """
 from __future__ import annotations
 
@@ -213,8 +174,8 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype | None, d_i
 def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") -> Tensor:
     """x (N, d_in) rows sorted by group, w (G, d_in, d_out), group_sizes (G,) summing to N -> (N, d_out).
 
-    impl: "loop", "torch" (torch._grouped_mm), "padded", "reference", or "auto" (see the module
-    docstring for what each costs and where "auto" uses it).
+    impl: "loop", "torch" (torch._grouped_mm), "padded", "reference", or "auto" (the module docstring
+    says where "auto" uses each; docs/moe.md what each costs).
     """
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_mm: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
@@ -245,12 +206,8 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 class _WeightedSwiGLU(torch.autograd.Function):
     """h = silu(g) * u * w for gu = [g | u] (N, 2F) and per-row routing weights w (N,).
 
-    Applying the routing weight here, on the F-wide activation, instead of on the D-wide expert
-    output, and writing both halves of the gradient into one (N, 2F) buffer (no chunk/cat in
-    backward) cut the MoE layer's elementwise time roughly in half on CPU (bench.py moe). The
-    backward makes ten passes over (N, F) with four temporaries, written in place where it can
-    (d silu / dg = s (1 + g - silu)): 15-41 % faster than the plain thirteen-pass version
-    (32k rows of F = 128 on CPU: 103-112 -> 75-95 ms on 1 thread, 71-77 -> 45-48 ms on 2).
+    The weight is applied on the F-wide activation and the backward writes both halves of the
+    gradient into one (N, 2F) buffer, in place where it can (timings: docs/moe.md).
     """
 
     @staticmethod
@@ -327,25 +284,37 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Dropless top-k SwiGLU experts. forward(x (B,T,D)) -> (y (B,T,D), RouterStats)."""
+    """Dropless top-k SwiGLU experts, plus n_shared always-active ones.
+
+    forward(x (B,T,D)) -> (y (B,T,D), RouterStats).
+    """
+    RESIDUAL_OUT = ("w_out", "shared_w_out")   # write into the residual stream: depth-scaled init (model.py)
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int,
-                 renormalize: bool = True, impl: str = "auto"):
+                 renormalize: bool = True, impl: str = "auto", n_shared: int = 0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE: need 1 <= top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
         if impl not in IMPLS:
             raise ValueError(f"MoE: impl must be one of {'|'.join(IMPLS)}, got {impl!r}")
-        self.n_experts, self.top_k, self.d_ff, self.impl = n_experts, top_k, d_ff, impl
+        if isinstance(n_shared, bool) or not isinstance(n_shared, int) or n_shared < 0:
+            raise ValueError(f"MoE: n_shared (shared experts) must be an int >= 0, got {n_shared!r}")
+        self.n_experts, self.top_k, self.d_ff, self.impl, self.n_shared = n_experts, top_k, d_ff, impl, n_shared
         self.router = Router(d_model, n_experts, top_k, renormalize)
         self.w_in = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_ff))   # [gate | up] fused
         self.w_out = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        if n_shared:   # laid out like the routed experts; none created when off (same parameters, same RNG)
+            self.shared_w_in = nn.Parameter(torch.empty(n_shared, d_model, 2 * d_ff))
+            self.shared_w_out = nn.Parameter(torch.empty(n_shared, d_ff, d_model))
+        else:
+            self.shared_w_in = self.shared_w_out = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """N(0, std) for a standalone layer; GPT.init_weights re-initialises it with depth scaling."""
-        for p in (self.router.weight, self.w_in, self.w_out):
-            nn.init.normal_(p, 0.0, std)
+        for p in (self.router.weight, self.w_in, self.w_out, self.shared_w_in, self.shared_w_out):
+            if p is not None:
+                nn.init.normal_(p, 0.0, std)
 
     def experts(self, x_sorted: Tensor, counts: Tensor, w_sorted: Tensor) -> Tensor:
         """Routing-weighted SwiGLU of rows already sorted by expert: (N*k, D), (N*k,) -> (N*k, D).
@@ -356,6 +325,14 @@ class MoE(nn.Module):
         dt = x_sorted.dtype
         gu = grouped_mm(x_sorted, self.w_in.to(dt), counts, self.impl)                 # (N*k, 2F)
         return grouped_mm(weighted_swiglu(gu, w_sorted.to(dt)), self.w_out.to(dt), counts, self.impl)
+
+    def shared_experts(self, x_ND: Tensor) -> Tensor:
+        """Sum of the n_shared SwiGLUs, (N, D) -> (N, D), in x's dtype: one SwiGLU of width n_shared * d_ff."""
+        S, D, F2 = self.shared_w_in.shape
+        w_in = self.shared_w_in.to(x_ND.dtype).transpose(0, 1).reshape(D, S * F2)    # (D, S*2F)
+        g, u = (x_ND @ w_in).view(-1, S, F2).chunk(2, dim=-1)                         # (N, S, F) each
+        h = (F.silu(g) * u).reshape(-1, S * F2 // 2)                                  # (N, S*F)
+        return h @ self.shared_w_out.to(x_ND.dtype).reshape(S * F2 // 2, D)
 
     def kernels(self, x_BTD: Tensor) -> tuple[str, str]:
         """The grouped-matmul implementations forward(x_BTD) uses here, for w_in and w_out (autocast included)."""
@@ -369,11 +346,12 @@ class MoE(nn.Module):
         flat = idx.flatten()                                           # (N*k,) expert of each pair
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k                                    # source row of each sorted pair
-        # index_select, not x[token]: its backward is an index_add (measured 45 -> 25 ms fwd+bwd on CPU
-        # for 32k rows of 256), where indexing's backward is a slower accumulating index_put
         xc = x.to(compute_dtype(x))                                    # bf16 under autocast (see the docstring)
+        # index_select, not x[token]: its backward is an index_add, faster than indexing's index_put
         y_sorted = self.experts(xc.index_select(0, token), counts, w.flatten()[order])  # (N*k, D), weighted
         y = torch.zeros_like(x).index_add_(0, token, y_sorted.to(x.dtype))
+        if self.n_shared:
+            y = y + self.shared_experts(xc).to(x.dtype)
         stats = RouterStats(aux, z, counts, idx.view(B, T, -1), w.view(B, T, -1))
         return y.view(B, T, D), stats
 
@@ -387,4 +365,7 @@ class MoE(nn.Module):
                 e = idx[n, j]
                 gate, up = (x[n] @ self.w_in[e]).chunk(2)
                 y[n] += w[n, j].to(x.dtype) * ((F.silu(gate) * up) @ self.w_out[e])
+            for s in range(self.n_shared):   # shared experts: every token, weight 1
+                gate, up = (x[n] @ self.shared_w_in[s]).chunk(2)
+                y[n] += (F.silu(gate) * up) @ self.shared_w_out[s]
         return y.view_as(x_BTD)

@@ -348,3 +348,107 @@ def test_cli(capsys, tmp_path):
     cfg_file.write_text(budget.preset_baselines("tiny")[0][2].to_json())
     budget.main(["--config", str(cfg_file)])
     assert "flops_per_token" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------- one count per sub-layer
+
+def _group_of(name: str) -> str:
+    """param_breakdown's group of a GPT parameter, read off its module path."""
+    if name.startswith("tok_emb."):
+        return "embedding"
+    if name.startswith("lm_head."):
+        return "head"
+    if "adapters" in name:
+        return "adapters"
+    if "kv_gate" in name:
+        return "kv_gates"
+    if name.startswith("plt."):
+        return "plt"
+    if "norm" in name:
+        return "norms"
+    return {"attn": "attention", "mlp": "ffn"}[name.split(".")[2]]
+
+
+SPREAD = {   # dense, MoE, looped, shared experts, GQA / MHA / MQA, tied and untied heads, adapters, PLT
+    "dense_gqa": small(),
+    "dense_mha_tied": replace(small(tied=True), n_kv_head=4),
+    "moe": small(4),
+    "moe_mqa_looped": replace(small(4, LOOPS["mid_x2"]), n_kv_head=1),
+    "moe_shared": small(4, n_shared_experts=1),
+    "moe_shared2_looped_tied": small(6, LOOPS["lora_x3"], True, n_shared_experts=2),
+    "dense_matrix_adapters": small(loop=LOOPS["matrix_x3"]),
+    "dense_softmax_per_layer": small(loop=LOOPS["softmax_per_layer"], tied=True),
+    "moe_shared_plt_window": small(4, LOOPS["plt_gate_window_lora"], n_shared_experts=1),
+    "dense_plt_half": small(loop=LOOPS["plt_norm_half"]),
+}
+
+
+@pytest.mark.parametrize("name", SPREAD)
+def test_count_params_equals_the_built_model_group_by_group(name):
+    cfg = SPREAD[name]
+    model = GPT(cfg)
+    built = {}
+    for n, p in model.named_parameters():
+        built[_group_of(n)] = built.get(_group_of(n), 0) + p.numel()
+    b, c = budget.param_breakdown(cfg), budget.count_params(cfg)
+    for g in ("attention", "ffn", "norms", "adapters", "kv_gates", "plt", "embedding", "head"):
+        assert b[g] == built.get(g, 0), g
+    assert c["embedding"] == built["embedding"] and c["head"] == built.get("head", 0)
+    assert c["blocks"] == sum(v for g, v in built.items() if g not in ("embedding", "head"))
+    idle = sum(p.numel() // cfg.n_experts * (cfg.n_experts - cfg.top_k) for n, p in model.named_parameters()
+               if n.endswith((".mlp.w_in", ".mlp.w_out")))       # the routed experts a token skips
+    assert c["active"] == c["blocks"] - idle
+
+
+def test_shared_experts_are_counted_active_and_executed():
+    base = small(4, LOOPS["mid_x2"])
+    shared = replace(base, n_shared_experts=2)
+    cb, cs = budget.count_params(base), budget.count_params(shared)
+    one = 3 * base.d_model * base.d_ff                              # one dense SwiGLU of the expert width
+    assert cs["blocks"] - cb["blocks"] == cs["active"] - cb["active"] == base.n_layer * 2 * one
+    mlp_visits = budget.plan_of(base).mlp_visits
+    for conv in budget.CONVENTIONS:
+        for head in (True, False):
+            assert (budget.flops_per_token(shared, 12, conv, head) - budget.flops_per_token(base, 12, conv, head)
+                    == 6 * mlp_visits * 2 * one)
+    assert budget.kv_bytes_per_token(shared) == budget.kv_bytes_per_token(base)
+    assert budget.dense_control(shared).n_shared_experts == 2        # S is measured with the shared experts kept
+    with pytest.raises(ValueError, match="n_shared_experts"):
+        small(n_shared_experts=1)                                   # dense: no routed experts to sit beside
+    with pytest.raises(ValueError, match="n_shared_experts"):
+        small(4, n_shared_experts=-1)
+
+
+def test_match_keeps_the_shared_experts():
+    base = replace(budget.preset_baselines("tiny")[-1][2], n_shared_experts=1)
+    loop = budget.smelt_loop(base.n_layer)
+    cfg, rep = budget.match(base, loop, 100, **budget.PRESETS["tiny"]["search"])
+    assert cfg.n_shared_experts == 1
+    assert_matched(base, loop, cfg, rep)
+    assert rep["params_ratio"] == budget.count_params(cfg)["blocks"] / budget.count_params(base)["blocks"]
+    GPT(cfg)
+
+
+def test_ladder_knobs_flow_from_the_caller():
+    assert budget.smelt_loop(8) == budget.smelt_loop(8, 2, 0.5) == LoopConfig(2, 4, 2)
+    assert budget.smelt_loop(8, n_loops=3, span_fraction=0.75) == LoopConfig(1, 6, 3)
+    default = budget.ladder_cells("smoke", 40)
+    explicit = budget.ladder_cells("smoke", 40, n_loops=2, span_fraction=0.5, n_shared_experts=0)
+    for a, b in zip(default, explicit):
+        assert a["baseline"] == b["baseline"] and a["smelt"] == b["smelt"]
+    for cell in budget.ladder_cells("smoke", 40, n_loops=3, span_fraction=0.75, n_shared_experts=1):
+        base, cfg = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"])
+        assert cfg.loop == budget.smelt_loop(base.n_layer, 3, 0.75)
+        assert base.n_shared_experts == cfg.n_shared_experts == 1
+    rows = budget.ladder("smoke", 40, n_loops=3, span_fraction=0.75, n_shared_experts=1)
+    assert {r["loop"] for r in rows if r["arch"] == "SMELT"} == {"1-3 x3"}
+
+
+def test_cli_loop_knobs(capsys):
+    budget.main(["--ladder", "smoke", "--ctx-len", "40", "--loops", "3", "--span-fraction", "0.75",
+                 "--shared-experts", "1"])
+    assert "1-3 x3" in capsys.readouterr().out
+    for flag, value in (("--span-fraction", "1.5"), ("--loops", "0"), ("--shared-experts", "-1")):
+        with pytest.raises(SystemExit):
+            budget.build_parser().parse_args([flag, value])
+        assert flag in capsys.readouterr().err

@@ -220,3 +220,91 @@ def test_padded_moe_step_reads_nothing_back_where_the_loop_does():
         return f
     assert count_host_reads(step("padded")) == 0   # router counts, sort, pad, bmm, combine: all on the device
     assert count_host_reads(step("loop")) > 0      # the loop reads group sizes (free on CPU, a sync on GPU)
+
+
+# ---------------------------------------------------------------- shared experts
+
+def _shared_moe(n_shared, E=6, k=2, D=32, Fd=16, seed=0):
+    torch.manual_seed(seed)
+    m = MoE(D, Fd, E, k, n_shared=n_shared)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return m
+
+
+@pytest.mark.parametrize("n_shared", [1, 3])
+@pytest.mark.parametrize("impl", ["loop", "padded"])
+def test_shared_experts_match_per_token_loop_values_and_grads(n_shared, impl):
+    m = _shared_moe(n_shared)
+    m.impl = impl
+    assert m.shared_w_in.shape == (n_shared, 32, 32) and m.shared_w_out.shape == (n_shared, 16, 32)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    dy = torch.randn(2, 5, 32)
+    grads = []
+    for fn in (lambda t: m(t)[0], m.forward_reference):
+        m.zero_grad()
+        x.grad = None
+        (fn(x) * dy).sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    torch.testing.assert_close(m(x)[0], m.forward_reference(x), rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_shared_experts_add_dense_swiglus_to_the_routed_output():
+    m = _shared_moe(2)
+    routed = MoE(32, 16, 6, 2)
+    routed.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("shared_")})
+    x = torch.randn(3, 4, 32)
+    swiglu = sum(torch.nn.functional.silu(x @ w[:, :16]) * (x @ w[:, 16:]) @ wo
+                 for w, wo in zip(m.shared_w_in, m.shared_w_out))
+    torch.testing.assert_close(m(x)[0], routed(x)[0] + swiglu, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_experts_off_by_default_and_declared_for_the_init():
+    torch.manual_seed(0)
+    plain = MoE(16, 8, 4, 2)
+    torch.manual_seed(0)
+    off = MoE(16, 8, 4, 2, n_shared=0)
+    assert [n for n, _ in off.named_parameters()] == ["w_in", "w_out", "router.weight"]
+    for a, b in zip(plain.parameters(), off.parameters()):
+        assert torch.equal(a, b)                                # no new parameter, same RNG draws
+    assert off.shared_w_in is None and off.shared_w_out is None
+    on = MoE(16, 8, 4, 2, n_shared=1)
+    assert MoE.RESIDUAL_OUT == ("w_out", "shared_w_out")
+    assert all(isinstance(getattr(on, n), torch.nn.Parameter) for n in MoE.RESIDUAL_OUT)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="n_shared"):
+            MoE(16, 8, 4, 2, n_shared=bad)
+
+
+def test_shared_experts_compute_in_bf16_under_autocast():
+    m = _shared_moe(1, E=4)
+    x = torch.randn(2, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = m(x)
+    y32, _ = m(x)
+    assert y.dtype == torch.float32
+    assert 0 < (y - y32).abs().max() < 0.05 * y32.abs().max()   # bf16 rounding, nothing more
+
+
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_shared_experts_match_transformers_qwen2_moe_block(n_shared):
+    """Qwen2-MoE gates its shared expert with sigmoid(x w_g): a zero w_g gives 1/2 exactly, so its down
+    projection doubled gives our ungated sum; n_shared experts of width F are one of width n_shared * F."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    m = _shared_moe(n_shared, E=8, k=2, D=32, Fd=16)
+    cfg = transformers.Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                                      norm_topk_prob=True, shared_expert_intermediate_size=16 * n_shared)
+    hf = Qwen2MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        hf.gate.weight.copy_(m.router.weight)
+        hf.experts.gate_up_proj.copy_(m.w_in.transpose(1, 2))     # ours (E, D, 2F) = [gate | up]
+        hf.experts.down_proj.copy_(m.w_out.transpose(1, 2))       # ours (E, F, D)
+        hf.shared_expert.gate_proj.weight.copy_(torch.cat([w[:, :16].t() for w in m.shared_w_in]))
+        hf.shared_expert.up_proj.weight.copy_(torch.cat([w[:, 16:].t() for w in m.shared_w_in]))
+        hf.shared_expert.down_proj.weight.copy_(2 * torch.cat(list(m.shared_w_out)).t())
+        hf.shared_expert_gate.weight.zero_()
+    x = torch.randn(3, 5, 32)
+    torch.testing.assert_close(m(x)[0], hf(x), rtol=1e-5, atol=1e-5)
