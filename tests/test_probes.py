@@ -555,3 +555,54 @@ def test_cli(tmp_path, monkeypatch):
     assert dyck["skipped_k"] == [1, 2, 4, 8] and dyck["n_prompts"] == 0 and "error" in dyck
     assert {c["id"]: c["verdict"] for c in saved["claims"]}["dyck_demo_rises"] == "not resolved"
     assert all(os.path.exists(p) for p in report["figures"])
+
+
+# ----------------------------------------------------------------------------------------
+# The quantity registry: one place per quantity
+
+def test_registry_reads_exactly_what_the_accumulator_writes(pairs_result):
+    written = set(pairs_result["pairs"]["p0"]["smelt"]["units"]["quantities"])
+    read = {d for q in probe_claims.QUANTITIES.values() for d in q.reads}
+    assert read == written
+    assert probe_claims.COS_STAGES == ("update", *probes.STAGES)
+    assert set(pairs_result["pair_intervals"]) == {n for n, _ in probe_claims.panels()}
+
+
+def test_one_registry_row_reaches_intervals_claims_and_figure(pairs_result, tmp_path, monkeypatch):
+    """A quantity registered in one place (a row of probe_claims.QUANTITIES) gets its per-pair intervals
+    (what probe_pairs stores as "pair_intervals"), its claim in claims() and its own panel in Fig. 23."""
+    row = probe_claims.Quantity(
+        ("cos_V",), lambda m, _: 1 - float(m.sum()) / m.size,
+        claim=probe_claims.Claim("v_moves", ">", 0.0, "Fig. 25", "1 - cross-visit cosine of V, visit {b} vs {a}",
+                                 "new", ("cos_V",)),
+        panel=probe_claims.Panel("i", "1 - V cosine, {vb} vs {va}", hline=0.0))
+    monkeypatch.setitem(probe_claims.QUANTITIES, "v_distance", row)
+    s0 = pairs_result["pairs"]["p0"]["smelt"]["summary"]
+    ivs = probe_claims.panel_intervals(pairs_result, n_draws=50)
+    assert set(ivs["v_distance"]) == {"p0", "p1"}
+    assert ivs["v_distance"]["p0"]["mean"] == pytest.approx(1 - s0["cos_V"], rel=1e-6)
+    cs = probe_claims.claims(pairs_result, n_draws=50)
+    ids = [c["id"] for c in cs]
+    assert ids.index("v_moves") == ids.index("sink_shrinks") + 1          # after the held-out claims, before Dyck
+    c = cs[ids.index("v_moves")]
+    assert c["what"] == "1 - cross-visit cosine of V, visit 2 vs 1" and set(c["per_pair"]) == {"p0", "p1"}
+    assert c["verdict"] == stats.verdict(c["interval"], ">", 0.0) and set(c["parts"]) == {"cos_V"}
+    figs = []
+    monkeypatch.setattr(probe_plots, "_save", lambda fig, path, paths=None, tight=True: figs.append(fig) or path)
+    probe_plots.plot_grid(pairs_result, str(tmp_path / "grid.png"), n_draws=50)
+    titles = [ax.get_title() for ax in figs[0].axes if ax.get_title()]
+    assert len(titles) == 9 and titles[-1] == "(i) 1 - V cosine, v2 vs v1" and len(figs[0].axes) == 12
+    probe_plots.plots.pyplot().close(figs[0])
+
+
+def test_labels_say_visit_v_plus_1_beyond_two_visits(pairs_result):
+    assert probe_claims.visit_words(2) == {"a": "1", "b": "2", "va": "v1", "vb": "v2"}
+    assert probe_claims.visit_words(3)["b"] == "v+1"
+    r = json.loads(json.dumps(pairs_result))
+    by = {c["id"]: c["what"] for c in probe_claims.claims(r, n_draws=10)}
+    assert by["update_ratio"] == "visit-2 / visit-1 norm of the full update Δx"      # r = 2: as before
+    assert by["sink_shrinks"] == "attention-sink mass in the looped span, visit 2 minus visit 1"
+    r["pairs"]["p0"]["smelt"]["per_visit"]["L1.v3"] = {**r["pairs"]["p0"]["smelt"]["per_visit"]["L1.v2"], "visit": 3}
+    by = {c["id"]: c["what"] for c in probe_claims.claims(r, n_draws=10)}
+    assert by["update_ratio"] == "visit-v+1 / visit-v norm of the full update Δx"
+    assert by["sink_shrinks"] == "attention-sink mass in the looped span, visit v+1 minus visit v"
