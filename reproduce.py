@@ -425,6 +425,7 @@ def stage_scaling(plan: Plan, rows: list[dict], out: Path) -> dict:
 
 def stage_probes(plan: Plan, ladder: list[dict], data, out: Path) -> dict:
     """SMELT 6 on every matched pair (probes.probe_pairs), one held-out sample over all domains."""
+    import probe_plots
     import probes
     path = out / "probes.json"
     if path.exists():
@@ -435,7 +436,7 @@ def stage_probes(plan: Plan, ladder: list[dict], data, out: Path) -> dict:
     log(f"probes: {len(pairs)} matched pairs, {plan.probe_tokens} held-out tokens over every domain")
     res = probes.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
     largest = cell_key(ladder[-1]["scale"], ladder[-1]["sparsity_label"])   # the per-pair figures: largest cell
-    res["figures"] = probes.plot_pairs(res, str(out / "figures" / "probes"), detail=[largest])
+    res["figures"] = probe_plots.plot_pairs(res, str(out / "figures" / "probes"), detail=[largest])
     write_json(path, res)
     return res
 
@@ -665,14 +666,14 @@ def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
 
 
 def probe_claims(prb: dict) -> list[dict]:
-    """probes.claims with a verdict that needs both intervals: held-out sampling (bootstrap over document
+    """probe_claims.claims with a verdict that needs both intervals: held-out sampling (bootstrap over document
     groups, the mean over pairs) and training (a t-interval over the pairs, seed replicates included)."""
-    import probes
+    import probe_claims
     import stats
     if not prb.get("pairs"):
         return []
     out = []
-    for c in probes.claims(prb):
+    for c in probe_claims.claims(prb):
         v1 = stats.verdict(c["interval"], c["direction"], c["value"])
         v2 = stats.verdict(c.get("across_pairs"), c["direction"], c["value"])
         c["verdict"] = v1 if v1 == v2 else "not resolved"

@@ -1,13 +1,13 @@
-"""SMELT Section 6: what the second visit computes, on every matched pair. probes.probe_pairs + claims.
+"""SMELT Section 6: what the second visit computes, on every matched pair (probes.probe_pairs, probe_claims).
 
   python scripts/probe_runs.py --preset smoke|tiny|small [--runs BASELINE LOOPED | --ladder DIR] [--tokens N]
 
 The pairs: --runs (one pair), --ladder (every cell of a scaling_ladder / reproduce output), or the
 preset's Baseline and matched SMELT trained here. probes.probe_pairs runs every model on one
 held-out sample that spans every domain of the data (--tokens in all, equal shares, default the
-plan's probe_tokens) and the Dyck case study on each SMELT model; probes.claims gives each Section 6
+plan's probe_tokens) and the Dyck case study on each SMELT model; probe_claims.claims gives each Section 6
 claim as a paired quantity with a 95 % bootstrap interval over held-out document groups and a
-three-state verdict (stats.verdict). Figures from probes.plot_pairs (Fig. 23 over the pairs,
+three-state verdict (stats.verdict). Figures from probe_plots.plot_pairs (Fig. 23 over the pairs,
 Appendix D's sink profiles, the largest pair's Fig. 21-28/30 and Dyck Fig. 27).
 Writes probes.json, results.json (one row per claim), table.md and figures/.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
+import probe_plots
 import probes
 import reproduce
 
@@ -53,7 +54,7 @@ def main(argv=None) -> dict:
     pairs = pairs_of(exp)
     res = probes.probe_pairs(pairs, exp.load_data(), tokens, exp.plan.block_size, args.batch_size,
                              dyck_items=args.dyck_items, seed=args.seed, n_draws=args.draws, log=common.log)
-    res["figures"] = probes.plot_pairs(res, str(exp.out / "figures"))
+    res["figures"] = probe_plots.plot_pairs(res, str(exp.out / "figures"))
     reproduce.write_json(exp.out / "probes.json", res)
     rows = [{"claim": c["id"], "figure": c["figure"], "claim_is": f"{c['direction']} {c['value']:g}",
              "mean": None if c["interval"] is None else c["interval"]["mean"],

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import data
+import dyck_probe
+import probe_claims
+import probe_plots
 import probes
 import runfiles
 import stats
@@ -366,7 +369,7 @@ def enc512():
 
 def test_dyck_prompts_honour_k_and_mark_demonstration_answers():
     enc = enc512()
-    P = probes.dyck_prompts(enc, 192, ks=(1, 2, 4, 8), n_items=3)
+    P = dyck_probe.dyck_prompts(enc, 192, ks=(1, 2, 4, 8), n_items=3)
     assert P["ks"] == [1, 2, 4] and P["skipped_k"] == [8]              # k = 8 cannot fit 192 tokens
     by_item = {}
     for p in P["prompts"]:
@@ -376,7 +379,7 @@ def test_dyck_prompts_honour_k_and_mark_demonstration_answers():
         demo_text = "".join(enc.decode([p["tokens"][i]]) for i in p["demo"])
         assert set(demo_text) <= set(" )]}>") and demo_text.strip()    # only demonstration-answer brackets
         answer = [enc.decode([t]) for t in p["answer"]]
-        assert len(p["targets"]) == 3 and all(a in probes.CLOSERS for a in answer)
+        assert len(p["targets"]) == 3 and all(a in dyck_probe.CLOSERS for a in answer)
         assert [p["tokens"][t + 1] for t in p["targets"]] == p["answer"]   # each target predicts its bracket
         by_item.setdefault(p["item"], []).append(p)
     assert len(by_item) == 3
@@ -388,13 +391,13 @@ def test_dyck_prompts_honour_k_and_mark_demonstration_answers():
         assert all(enc.decode(p["tokens"]).startswith(first_demo) for p in ps)
         demo1 = "".join(enc.decode([ps[0]["tokens"][i]]) for i in ps[0]["demo"])
         assert {enc.decode([t]) for t in ps[0]["answer"]} <= set(demo1)
-    assert probes.dyck_prompts(enc, 48)["prompts"] == []
+    assert dyck_probe.dyck_prompts(enc, 48)["prompts"] == []
 
 
 def test_dyck_case_study_mechanics():
     enc = enc512()
     m = tiny_model(vocab_size=512, block_size=192)
-    out = probes.dyck_case_study(m, enc, ks=(1, 2, 4), n_items=2)
+    out = dyck_probe.dyck_case_study(m, enc, ks=(1, 2, 4), n_items=2)
     assert out["ks"] == [1, 2, 4] and set(out["by_k"]) == {"1", "2", "4"} and out["n_prompts"] == 6
     assert out["visits"] == [1, 2] and out["layers"] == [1, 2]
     E = torch.tensor(out["ablation_effect"])                            # (span layers, heads)
@@ -408,14 +411,14 @@ def test_dyck_case_study_mechanics():
         assert row["n"] == 2 and len(row["bos_mass"]) == 2
     # the ablation is "zero the head's slice of W_O's input": zeroing W_O's columns gives the same effect
     L, h = out["head"]["layer"], out["head"]["head"]
-    P = probes.dyck_prompts(enc, 192, ks=(1, 2, 4), n_items=2)
+    P = dyck_probe.dyck_prompts(enc, 192, ks=(1, 2, 4), n_items=2)
     m2 = tiny_model(vocab_size=512, block_size=192)
     with torch.no_grad():
         m2.blocks[L].attn.wo.weight[:, h * 8:(h + 1) * 8] = 0
-    again = probes.dyck_case_study(m2, enc, prompts=P)
+    again = dyck_probe.dyck_case_study(m2, enc, prompts=P)
     assert out["selection_k"] == 4                                     # the head is chosen on the k = 4 prompts
     assert again["selection_loss"] - out["selection_loss"] == pytest.approx(out["head"]["effect"], abs=1e-5)
-    every = probes.dyck_case_study(m, enc, prompts=P, select_k=None)   # or on every prompt
+    every = dyck_probe.dyck_case_study(m, enc, prompts=P, select_k=None)   # or on every prompt
     assert every["selection_k"] is None and every["selection_loss"] == pytest.approx(out["clean_loss"])
     ex = out["example"]
     assert ex["k"] == 4 and len(ex["attention"]) == 2 and len(ex["attention"][0]) == 3
@@ -452,7 +455,7 @@ def test_probe_pairs_result(pairs_result):
 
 
 def test_claims(pairs_result):
-    cs = probes.claims(pairs_result, n_draws=200)
+    cs = probe_claims.claims(pairs_result, n_draws=200)
     ids = [c["id"] for c in cs]
     assert ids == ["update_ratio", "attn_write_ratio", "moe_write_ratio", "norm_ratio", "update_cosine",
                    "q_stabler_than_v", "k_stabler_than_v", "top8_overlap", "expert_overlap", "sink_shrinks",
@@ -465,7 +468,7 @@ def test_claims(pairs_result):
         assert iv.mean == pytest.approx(np.mean([x.mean for x in c["per_pair"].values()]), abs=1e-9), c["id"]
         pick = min if c["direction"] == ">" else max
         assert c["weakest"].mean == pytest.approx(pick(x.mean for x in c["per_pair"].values()), abs=1e-9)
-        json.dumps(probes.claim_json(c))
+        json.dumps(probe_claims.claim_json(c))
     by = {c["id"]: c for c in cs}
     s0 = pairs_result["pairs"]["p0"]["smelt"]["summary"]
     assert by["update_ratio"]["per_pair"]["p0"].mean == pytest.approx(s0["ratio_update"], rel=1e-6)
@@ -488,7 +491,7 @@ def test_claim_intervals_on_a_known_effect(pairs_result):
         K = np.array(q["sink"]["sum"])
         K[:, :, 1] = K[:, :, 0] + np.where(np.arange(len(K)) % 2 == 0, 0.5, -0.5)[:, None] * np.array(q["sink"]["count"])[:, None]
         q["sink"]["sum"] = K.tolist()
-    by = {c["id"]: c for c in probes.claims(r, n_draws=300)}
+    by = {c["id"]: c for c in probe_claims.claims(r, n_draws=300)}
     iv = by["update_ratio"]["interval"]
     assert (iv.mean, iv.lo, iv.hi) == pytest.approx((2.0, 2.0, 2.0)) and by["update_ratio"]["verdict"] == "reproduced"
     assert by["sink_shrinks"]["interval"].lo < 0 < by["sink_shrinks"]["interval"].hi
@@ -499,14 +502,14 @@ def test_claims_refuse_pairs_on_different_units(pairs_result):
     r = json.loads(json.dumps(pairs_result))
     r["pairs"]["p1"]["smelt"]["units"]["keys"][0] = ["elsewhere", 0]
     with pytest.raises(ValueError, match="same held-out units"):
-        probes.claims(r, n_draws=10)
+        probe_claims.claims(r, n_draws=10)
 
 
 def test_figures(pairs_result, tmp_path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    paths = probes.plot_pairs(pairs_result, str(tmp_path), detail=["p1"])
+    paths = probe_plots.plot_pairs(pairs_result, str(tmp_path), detail=["p1"])
     names = {os.path.relpath(p, tmp_path) for p in paths}
     assert {"fig23_grid.png", "fig56_sink_profiles.png"} <= names
     for n in ("p1",):
@@ -516,13 +519,13 @@ def test_figures(pairs_result, tmp_path):
     assert all(os.path.getsize(p) > 0 for p in paths)
     # heat maps are scaled to their data, not to a fixed 0-1
     fig, ax = plt.subplots()
-    im = probes._heat(ax, [[0.031, 0.034], [0.029, 0.036]], "magma")
+    im = probe_plots._heat(ax, [[0.031, 0.034], [0.029, 0.036]], "magma")
     assert im.get_clim() == pytest.approx((0.029, 0.036))
-    im = probes._heat(ax, [[0.01, -0.02]], "RdBu_r", symmetric=True)
+    im = probe_plots._heat(ax, [[0.01, -0.02]], "RdBu_r", symmetric=True)
     assert im.get_clim() == pytest.approx((-0.02, 0.02))
     # sink profile: visits 1 and 2 in the span, unlooped layers named as such, never a "visit 0"
     e = pairs_result["pairs"]["p0"]
-    probes._sink_profile(ax, e["smelt"], e["baseline"])
+    probe_plots._sink_profile(ax, e["smelt"], e["baseline"])
     labels = ax.get_legend_handles_labels()[1]
     assert labels == ["Baseline", "SMELT, unlooped layers", "SMELT visit 1 (looped span)", "SMELT visit 2 (looped span)"]
     plt.close(fig)
@@ -552,3 +555,54 @@ def test_cli(tmp_path, monkeypatch):
     assert dyck["skipped_k"] == [1, 2, 4, 8] and dyck["n_prompts"] == 0 and "error" in dyck
     assert {c["id"]: c["verdict"] for c in saved["claims"]}["dyck_demo_rises"] == "not resolved"
     assert all(os.path.exists(p) for p in report["figures"])
+
+
+# ----------------------------------------------------------------------------------------
+# The quantity registry: one place per quantity
+
+def test_registry_reads_exactly_what_the_accumulator_writes(pairs_result):
+    written = set(pairs_result["pairs"]["p0"]["smelt"]["units"]["quantities"])
+    read = {d for q in probe_claims.QUANTITIES.values() for d in q.reads}
+    assert read == written
+    assert probe_claims.COS_STAGES == ("update", *probes.STAGES)
+    assert set(pairs_result["pair_intervals"]) == {n for n, _ in probe_claims.panels()}
+
+
+def test_one_registry_row_reaches_intervals_claims_and_figure(pairs_result, tmp_path, monkeypatch):
+    """A quantity registered in one place (a row of probe_claims.QUANTITIES) gets its per-pair intervals
+    (what probe_pairs stores as "pair_intervals"), its claim in claims() and its own panel in Fig. 23."""
+    row = probe_claims.Quantity(
+        ("cos_V",), lambda m, _: 1 - float(m.sum()) / m.size,
+        claim=probe_claims.Claim("v_moves", ">", 0.0, "Fig. 25", "1 - cross-visit cosine of V, visit {b} vs {a}",
+                                 "new", ("cos_V",)),
+        panel=probe_claims.Panel("i", "1 - V cosine, {vb} vs {va}", hline=0.0))
+    monkeypatch.setitem(probe_claims.QUANTITIES, "v_distance", row)
+    s0 = pairs_result["pairs"]["p0"]["smelt"]["summary"]
+    ivs = probe_claims.panel_intervals(pairs_result, n_draws=50)
+    assert set(ivs["v_distance"]) == {"p0", "p1"}
+    assert ivs["v_distance"]["p0"]["mean"] == pytest.approx(1 - s0["cos_V"], rel=1e-6)
+    cs = probe_claims.claims(pairs_result, n_draws=50)
+    ids = [c["id"] for c in cs]
+    assert ids.index("v_moves") == ids.index("sink_shrinks") + 1          # after the held-out claims, before Dyck
+    c = cs[ids.index("v_moves")]
+    assert c["what"] == "1 - cross-visit cosine of V, visit 2 vs 1" and set(c["per_pair"]) == {"p0", "p1"}
+    assert c["verdict"] == stats.verdict(c["interval"], ">", 0.0) and set(c["parts"]) == {"cos_V"}
+    figs = []
+    monkeypatch.setattr(probe_plots, "_save", lambda fig, path, paths=None, tight=True: figs.append(fig) or path)
+    probe_plots.plot_grid(pairs_result, str(tmp_path / "grid.png"), n_draws=50)
+    titles = [ax.get_title() for ax in figs[0].axes if ax.get_title()]
+    assert len(titles) == 9 and titles[-1] == "(i) 1 - V cosine, v2 vs v1" and len(figs[0].axes) == 12
+    probe_plots.plots.pyplot().close(figs[0])
+
+
+def test_labels_say_visit_v_plus_1_beyond_two_visits(pairs_result):
+    assert probe_claims.visit_words(2) == {"a": "1", "b": "2", "va": "v1", "vb": "v2"}
+    assert probe_claims.visit_words(3)["b"] == "v+1"
+    r = json.loads(json.dumps(pairs_result))
+    by = {c["id"]: c["what"] for c in probe_claims.claims(r, n_draws=10)}
+    assert by["update_ratio"] == "visit-2 / visit-1 norm of the full update Δx"      # r = 2: as before
+    assert by["sink_shrinks"] == "attention-sink mass in the looped span, visit 2 minus visit 1"
+    r["pairs"]["p0"]["smelt"]["per_visit"]["L1.v3"] = {**r["pairs"]["p0"]["smelt"]["per_visit"]["L1.v2"], "visit": 3}
+    by = {c["id"]: c["what"] for c in probe_claims.claims(r, n_draws=10)}
+    assert by["update_ratio"] == "visit-v+1 / visit-v norm of the full update Δx"
+    assert by["sink_shrinks"] == "attention-sink mass in the looped span, visit v+1 minus visit v"

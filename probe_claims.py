@@ -1,0 +1,341 @@
+"""Section 6's claims from probe results: one registry of quantities, their intervals and verdicts.
+
+`QUANTITIES` is the single place a probe quantity is registered: which per-unit sums of
+`probes.ProbeAccumulator` it reads, how it is formed from their means, the paper claim it tests
+(if any) and its Fig. 23 panel (if any). The claims (`claimed`), the Fig. 23 panels (`panels`) and
+the per-pair intervals are all derived from it, so a new probe (say a logit lens) needs its sums in
+the accumulator and one row here.
+
+  Sec. 6.1, Fig. 21     experts shared between visits against random routing (k^2 / n).
+  Sec. 6.2, Fig. 23-24  update norm ratios (visit v+1 / visit v) and same-layer update cosines.
+  Sec. 6.3, Fig. 25-26  Q and K against V cosines; top-8 attended-token overlap against the control.
+  Sec. 6.4, Fig. 27-30  sink mass falls on the next visit; the Dyck head's BOS and demonstration mass.
+
+Every interval is a percentile bootstrap over held-out document groups (`stats.bootstrap_interval`),
+the same draws for every pair; the Dyck claims resample prompts. `claims` gives each claim with its
+`stats.verdict`. Works from the probes.json dict alone (no model). Read probes.py first; the figures
+are in probe_plots.py; the reasoning behind each choice is in docs/probe_claims.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+import stats
+
+_EPS = 1e-8   # as probes.EPS: guards a unit with a zero count
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A paper claim "quantity direction value"; `what` may name the visits as {a} / {b} (see visit_words)."""
+    id: str
+    direction: str
+    value: float
+    figure: str
+    what: str
+    paper: str
+    parts: tuple[str, ...] = ()   # the two sides reported beside it (quantities of the registry)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A panel of Fig. 23 (ordered by letter); `ref` is a quantity drawn beside it in grey."""
+    letter: str
+    title: str
+    ref: str | None = None
+    ref_label: str | None = None
+    hline: float | None = None   # a reference line (1 for a norm ratio)
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """reads: per-unit sums in a result's "units" block; fn(*their pooled means, meta) -> float."""
+    reads: tuple[str, ...]
+    fn: Callable
+    experts: bool = False        # needs an MoE (meta["top_k"] > 0)
+    claim: Claim | None = None
+    panel: Panel | None = None
+
+
+def _ratio(m) -> float:
+    """Mean over cross-visit pairs (layer, v -> v+1) of visit v+1 / visit v token-averaged norm: m (pairs, 2)."""
+    return float((m[:, 1] / m[:, 0]).sum()) / len(m)
+
+
+def _mean(m) -> float:
+    return float(m.sum()) / m.size
+
+
+def _one(name: str, **kw) -> Quantity:
+    return Quantity((name,), lambda m, _: _mean(m), **kw)
+
+
+def _gap(a: str, b: str, **kw) -> Quantity:
+    return Quantity((a, b), lambda x, y, _: _mean(x) - _mean(y), **kw)
+
+
+def _norm_ratio(name: str, **kw) -> Quantity:
+    return Quantity((name,), lambda m, _: _ratio(m), **kw)
+
+
+def _ratio_claim(cid: str, letter: str, what: str, title: str, paper: str = "> 1 in all 16 cells") -> dict:
+    return dict(claim=Claim(cid, ">", 1.0, f"Fig. 23{letter}", f"visit-{{b}} / visit-{{a}} norm of {what}", paper),
+                panel=Panel(letter, f"norm ratio {{vb}}/{{va}}: {title}", hline=1.0))
+
+
+_CONTROL = "other-head control"
+COS_STAGES = ("update", "resid", "X", "Q", "K", "V", "PV", "O")   # "update" and probes.STAGES, in that order
+
+# name -> Quantity, in Section 6's order (the order of the claims)
+QUANTITIES: dict[str, Quantity] = {
+    "ratio_update": _norm_ratio("ratio_update", **_ratio_claim(
+        "update_ratio", "e", "the full update Δx", "update Δx", "1.2-3.5x, > 1 in all 16 cells")),
+    "ratio_attn_write": _norm_ratio("ratio_attn_write", **_ratio_claim(
+        "attn_write_ratio", "f", "the attention write", "attention write")),
+    "ratio_mlp_write": _norm_ratio("ratio_mlp_write", **_ratio_claim(
+        "moe_write_ratio", "g", "the MoE write", "MoE write")),
+    "ratio_attn_norm": _norm_ratio("ratio_attn_norm"),
+    "ratio_mlp_norm": _norm_ratio("ratio_mlp_norm"),
+    "ratio_norm": Quantity(("ratio_attn_norm", "ratio_mlp_norm"), lambda a, m, _: (_ratio(a) + _ratio(m)) / 2,
+                           **_ratio_claim("norm_ratio", "h", "the RMSNorm outputs", "RMSNorm output")),
+    "ucos_same": _one("ucos_same", panel=Panel("d", "update cosine, same layer", "ucos_other",
+                                               "non-matching cross-visit pairs")),
+    "ucos_other": _one("ucos_other"),
+    "ucos_gap": _gap("ucos_same", "ucos_other", claim=Claim(
+        "update_cosine", ">", 0.0, "Fig. 24", "update cosine: same layer across visits minus non-matching "
+        "cross-visit pairs", "0.56 vs 0.16 (1.6B)", ("ucos_same", "ucos_other"))),
+    **{f"cos_{s}": _one(f"cos_{s}") for s in COS_STAGES},
+    "cos_Q_minus_V": _gap("cos_Q", "cos_V", claim=Claim(
+        "q_stabler_than_v", ">", 0.0, "Fig. 25", "cross-visit cosine of Q minus that of V",
+        "Q 0.89-0.93 vs V 0.65-0.74", ("cos_Q", "cos_V"))),
+    "cos_K_minus_V": _gap("cos_K", "cos_V", claim=Claim(
+        "k_stabler_than_v", ">", 0.0, "Fig. 25", "cross-visit cosine of K minus that of V",
+        "K 0.89-0.93 vs V 0.65-0.74", ("cos_K", "cos_V"))),
+    "top1_same": _one("top1_same"),
+    "top1_control": _one("top1_control"),
+    "top1_gap": _gap("top1_same", "top1_control"),
+    "top8_same": _one("top8_same", panel=Panel("a", "top-8 attended-token overlap", "top8_control", _CONTROL)),
+    "top8_control": _one("top8_control"),
+    "top8_gap": _gap("top8_same", "top8_control", claim=Claim(
+        "top8_overlap", ">", 0.0, "Fig. 26b", "top-8 attended-token overlap across visits minus the other-head "
+        "control", "0.56-0.66 vs 0.28-0.34", ("top8_same", "top8_control"))),
+    "mass_same": _one("mass_same", panel=Panel("b", "attention-mass overlap", "mass_control", _CONTROL)),
+    "mass_control": _one("mass_control"),
+    "mass_gap": _gap("mass_same", "mass_control"),
+    "expert_frac": Quantity(("expert_overlap",), lambda m, meta: _mean(m) / meta["top_k"], experts=True,
+                            panel=Panel("c", "expert-set overlap / k", "expert_random_frac", "random routing k/n")),
+    "expert_random_frac": Quantity(("expert_overlap",), lambda m, meta: meta["top_k"] / meta["n_experts"],
+                                   experts=True),
+    "expert_gap": Quantity(("expert_overlap",), lambda m, meta: _mean(m) - meta["top_k"] ** 2 / meta["n_experts"],
+                           experts=True, claim=Claim(
+        "expert_overlap", ">", 0.0, "Fig. 21", "experts shared between visits minus random routing (k^2/n)",
+        "2-3 of 8 at S~97 %, far above random", ("expert_frac", "expert_random_frac"))),
+    "sink_v1": Quantity(("sink",), lambda m, _: _mean(m[:, 0])),   # the earlier visit of each pair
+    "sink_v2": Quantity(("sink",), lambda m, _: _mean(m[:, 1])),   # the later one
+    "sink_change": Quantity(("sink",), lambda m, _: _mean(m[:, 1] - m[:, 0]), claim=Claim(
+        "sink_shrinks", "<", 0.0, "Fig. 28/30, App. D", "attention-sink mass in the looped span, visit {b} minus "
+        "visit {a}", "visit 2 below visit 1 throughout the span", ("sink_v1", "sink_v2"))),
+}
+
+# (id, mass, direction, value, figure, what, the paper): per prompt, visit 2 minus visit 1 of the Dyck head
+DYCK_CLAIMS = [
+    ("dyck_bos_falls", "bos", "<", 0.0, "Fig. 27", "Dyck head's BOS mass at the targets, visit 2 minus visit 1",
+     "0.60 -> 0.02 (1.6B, k = 4)"),
+    ("dyck_demo_rises", "demo", ">", 0.0, "Fig. 27",
+     "Dyck head's demonstration-answer mass at the targets, visit 2 minus visit 1", "0.24 -> 0.85 (1.6B, k = 4)"),
+]
+
+
+def claimed() -> list[tuple[str, Claim]]:
+    """(quantity, claim) for every registered quantity with a claim, in registry order."""
+    return [(n, q.claim) for n, q in QUANTITIES.items() if q.claim is not None]
+
+
+def panels() -> list[tuple[str, Panel]]:
+    """(quantity, panel) of Fig. 23, in panel-letter order."""
+    return sorted(((n, q.panel) for n, q in QUANTITIES.items() if q.panel is not None), key=lambda x: x[1].letter)
+
+
+def visit_words(n_visits: int) -> dict[str, str]:
+    """How a label names the visits a cross-visit quantity compares: 1 and 2 at r = 2; v and v+1 (every
+    consecutive pair of a layer's visits, averaged) at r > 2. Keys: a, b (numbers), va, vb (short forms)."""
+    if n_visits <= 2:
+        return {"a": "1", "b": "2", "va": "v1", "vb": "v2"}
+    return {"a": "v", "b": "v+1", "va": "v", "vb": "v+1"}
+
+
+def max_visits(result: dict) -> int:
+    """The most visits any SMELT model of a `probes.probe_pairs` result makes to a layer (r)."""
+    return max((d["visit"] for e in result["pairs"].values() for d in e["smelt"]["per_visit"].values()), default=1)
+
+
+def aggregate(result: dict) -> dict:
+    """Each numeric summary quantity of the SMELT and Baseline models, averaged over pairs (point estimates)."""
+    out = {}
+    for arch in ("smelt", "baseline"):
+        keys = {k for e in result["pairs"].values() for k, v in e[arch]["summary"].items() if isinstance(v, float)}
+        for k in sorted(keys):
+            xs = [e[arch]["summary"].get(k) for e in result["pairs"].values()]
+            xs = [x for x in xs if x is not None]
+            out[f"{arch}/{k}"] = sum(xs) / len(xs) if xs else None
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Quantities with intervals (units: held-out document groups, the same for every pair)
+
+class _Cell:
+    """One SMELT result's per-unit sums, each quantity a (units, values + 1 count) matrix, for fast bootstrap draws."""
+
+    def __init__(self, res: dict, keys: list | None = None):
+        u = res["units"]
+        own = [tuple(k) if isinstance(k, list) else k for k in u["keys"]]
+        order = list(range(len(own)))
+        if keys is not None:
+            pos = {k: i for i, k in enumerate(own)}
+            if set(pos) != set(keys):
+                raise ValueError("probe results of different pairs were not taken on the same held-out units")
+            order = [pos[k] for k in keys]
+        self.keys = [own[i] for i in order]
+        self.cols: dict[str, tuple[np.ndarray, tuple]] = {}
+        for name, q in u["quantities"].items():
+            s = np.asarray(q["sum"], dtype=float)[order]
+            count = np.asarray(q["count"], dtype=float)[order][:, None]
+            self.cols[name] = (np.concatenate([s.reshape(len(order), -1), count], 1), s.shape[1:])
+        cfg = res.get("config", {})
+        self.meta = {"top_k": cfg.get("top_k", 0) if cfg.get("n_experts") else 0, "n_experts": cfg.get("n_experts", 0)}
+        self._memo: dict = {}   # every bootstrap uses the same seed, hence the same draws: compute each once
+
+    def value(self, name: str, w: np.ndarray | None = None) -> float | None:
+        """Quantity `name` on units weighted by w (bootstrap multiplicities; None: every unit once);
+        None when the model does not have it (no experts, one head, no loop)."""
+        key = (name, None if w is None else w.tobytes())
+        if key in self._memo:
+            return self._memo[key]
+        q = QUANTITIES[name]
+        if any(d not in self.cols for d in q.reads) or (q.experts and not self.meta["top_k"]):
+            out = None
+        else:
+            means = []
+            for d in q.reads:
+                M, shape = self.cols[d]
+                v = M.sum(0) if w is None else w @ M
+                means.append(v[:-1].reshape(shape) / max(v[-1], _EPS))
+            out = q.fn(*means, self.meta)
+        self._memo[key] = out
+        return out
+
+
+def _cells(result: dict) -> tuple[list[str], list[_Cell]]:
+    names = result.get("order") or list(result["pairs"])
+    cells, keys = [], None
+    for n in names:
+        c = _Cell(result["pairs"][n]["smelt"], keys)
+        keys = keys or c.keys
+        cells.append(c)
+    return names, cells
+
+
+def _interval(n_units: int, stat: Callable[[np.ndarray | None], float], n_draws: int, seed: int) -> stats.Interval:
+    """stats.bootstrap_interval over units: stat gets the multiplicity of each unit in a draw."""
+    iv = stats.bootstrap_interval(np.arange(n_units), lambda a: stat(np.bincount(a.astype(int), minlength=n_units)),
+                                  n_draws=n_draws, seed=seed)
+    return stats.Interval(stat(None), iv.lo, iv.hi, iv.n, iv.level, "bootstrap over held-out document groups")
+
+
+def pair_intervals(result: dict, quantity: str, n_draws: int = 1000, seed: int = 0,
+                   _cells_of: tuple | None = None) -> dict[str, stats.Interval]:
+    """{pair name: Interval of `quantity` on its SMELT model} (pairs that lack the quantity are left out)."""
+    names, cells = _cells_of or _cells(result)
+    out = {}
+    for n, c in zip(names, cells):
+        if c.value(quantity) is not None:
+            out[n] = _interval(len(c.keys), lambda w, c=c: c.value(quantity, w), n_draws, seed)
+    return out
+
+
+def panel_intervals(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | None = None) -> dict:
+    """pair_intervals of every Fig. 23 quantity, as JSON: {quantity: {pair: Interval dict}}."""
+    cells = _cells_of or _cells(result)
+    return {q: {n: iv.to_dict() for n, iv in pair_intervals(result, q, n_draws, seed, cells).items()}
+            for q, _ in panels()}
+
+
+# ----------------------------------------------------------------------------------------
+# Claims
+
+def claims(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | None = None) -> list[dict]:
+    """Section 6's claims on a `probes.probe_pairs` result, each a paired quantity with intervals.
+
+    Each dict: id, figure, what, paper, direction ('>' | '<') and value (the claim is "quantity
+    direction value"), interval (stats.Interval of the quantity averaged over pairs, bootstrap over
+    held-out document groups resampled jointly for all pairs; prompts for Dyck), per_pair
+    {name: Interval}, weakest (Interval of the least favourable pair: "in every cell"),
+    across_pairs (t-interval over the pairs' point estimates), parts (the two sides, averaged over
+    pairs), unit, and verdict = stats.verdict(interval, direction, value). Quantities no pair has
+    (a dense pair has no expert overlap) give interval None: not resolved.
+    """
+    names, cells = _cells_of or _cells(result)
+    U = len(cells[0].keys) if cells else 0
+    words = visit_words(max_visits(result))
+    out = []
+    for q, cl in claimed():
+        have = [(n, c) for n, c in zip(names, cells) if c.value(q) is not None]
+        d = {"id": cl.id, "quantity": q, "figure": cl.figure, "what": cl.what.format(**words), "paper": cl.paper,
+             "direction": cl.direction, "value": cl.value,
+             "unit": f"held-out document groups (n = {U}), resampled jointly for all pairs",
+             "pairs": [n for n, _ in have]}
+        if have:
+            pick = min if cl.direction == ">" else max
+            d["interval"] = _interval(U, lambda w: float(np.mean([c.value(q, w) for _, c in have])), n_draws, seed)
+            d["weakest"] = _interval(U, lambda w: float(pick([c.value(q, w) for _, c in have])), n_draws, seed)
+            d["per_pair"] = {n: _interval(U, lambda w, c=c: c.value(q, w), n_draws, seed) for n, c in have}
+            d["across_pairs"] = stats.mean_interval([c.value(q) for _, c in have])
+            d["parts"] = {p: float(np.mean([c.value(p) for _, c in have])) for p in cl.parts}
+        else:
+            d.update(interval=None, weakest=None, per_pair={}, across_pairs=None, parts={})
+        d["verdict"] = stats.verdict(d["interval"], cl.direction, cl.value)
+        out.append(d)
+    out += _dyck_claims(result, n_draws, seed)
+    return out
+
+
+def _dyck_claims(result: dict, n_draws: int, seed: int) -> list[dict]:
+    """Visit-2 minus visit-1 mass of each pair's Dyck head, per prompt (the unit), averaged over pairs."""
+    dy = {n: e["dyck"] for n, e in result["pairs"].items() if e.get("dyck", {}).get("mass")
+          and len(e["dyck"]["visits"]) >= 2}
+    out = []
+    for cid, m, sign, value, fig, what, paper in DYCK_CLAIMS:
+        d = {"id": cid, "quantity": f"dyck_{m}_change", "figure": fig, "what": what, "paper": paper,
+             "direction": sign, "value": value, "pairs": list(dy), "interval": None, "weakest": None,
+             "per_pair": {}, "across_pairs": None, "parts": {}}
+        if dy:
+            keys = [tuple(k) for k in next(iter(dy.values()))["prompt_keys"]]
+            if any([tuple(k) for k in v["prompt_keys"]] != keys for v in dy.values()):
+                raise ValueError("Dyck case studies of different pairs used different prompts")
+            M = np.array([v["mass"][m] for v in dy.values()])[:, :, :2]   # (pairs, prompts, visits 1-2)
+            diff = M[:, :, 1] - M[:, :, 0]
+            d["unit"] = f"Dyck prompts (n = {len(keys)}: items x k)"
+            d["interval"] = _interval(len(keys), lambda w: float(diff.mean(0) @ w / w.sum()) if w is not None
+                                      else float(diff.mean()), n_draws, seed)
+            pick = np.min if sign == ">" else np.max
+            d["weakest"] = _interval(len(keys), lambda w: float(pick(diff @ w / w.sum())) if w is not None
+                                     else float(pick(diff.mean(1))), n_draws, seed)
+            d["per_pair"] = {n: _interval(len(keys), lambda w, i=i: float(diff[i] @ w / w.sum()) if w is not None
+                                          else float(diff[i].mean()), n_draws, seed) for i, n in enumerate(dy)}
+            d["across_pairs"] = stats.mean_interval(diff.mean(1))
+            d["parts"] = {"visit 1": float(M[:, :, 0].mean()), "visit 2": float(M[:, :, 1].mean())}
+        d["verdict"] = stats.verdict(d["interval"], sign, value)
+        out.append(d)
+    return out
+
+
+def claim_json(c: dict) -> dict:
+    """A claim with its Intervals as dicts (for probes.json)."""
+    iv = lambda x: None if x is None else x.to_dict()
+    return {**c, "interval": iv(c["interval"]), "weakest": iv(c["weakest"]), "across_pairs": iv(c["across_pairs"]),
+            "per_pair": {n: iv(x) for n, x in c["per_pair"].items()}}
+
