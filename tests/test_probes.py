@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import data
+import tokenizer
 import probes
 import train as T
 import stats
@@ -311,7 +312,7 @@ class FakeData:
         self.vocab = vocab
 
     def tokenizer(self):
-        return data.get_tokenizer(self.vocab)
+        return tokenizer.get_tokenizer(self.vocab)
 
     def val_doc_lengths(self, source):
         return self.lengths[source]
@@ -360,7 +361,7 @@ ENC = None
 
 def enc512():
     global ENC
-    ENC = ENC or data.get_tokenizer(512)
+    ENC = ENC or tokenizer.get_tokenizer(512)
     return ENC
 
 
