@@ -108,6 +108,7 @@ import torch.nn.functional as F
 
 import cli
 import data as data_mod
+import tokenizer
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks" / "bigbench"
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -930,7 +931,7 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
         log(f"{label}: val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens "
             f"({time.perf_counter() - t0:.1f} s)")
     if enc is None:
-        enc = data_mod.get_tokenizer(model.cfg.vocab_size)
+        enc = tokenizer.get_tokenizer(model.cfg.vocab_size)
     result["tasks"] = {}
     names = resolve_tasks(tasks)
     for i, name in enumerate(names, 1):

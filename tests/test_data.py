@@ -1,4 +1,5 @@
-"""data.py: tokenizer, packing, deterministic/resumable batches, DDP slices, caching, validation.
+"""data.py, tokenizer.py, corpus.py: tokenizer, packing, deterministic/resumable batches, DDP slices,
+caching, validation.
 
 Everything runs on the smoke preset (on-disk stdlib + generated text, 512-token vocabulary):
 no network, about a second to prepare.
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+import corpus
 import data
+import tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -28,27 +31,27 @@ def td(smoke_dir) -> data.TokenData:
 
 
 def test_truncated_vocab_ids_and_round_trip():
-    enc = data.get_tokenizer(512)
+    enc = tokenizer.get_tokenizer(512)
     assert enc.n_vocab == 512 and enc.eot_token == 511
     text = "def f(x):\n    return x ** 2  # the square, naïve ünïcode ✓\n\nThe quick brown fox."
     ids = enc.encode_ordinary(text)
     assert max(ids) < 511 and enc.decode(ids) == text
-    assert enc.encode(data.EOT, allowed_special="all") == [511]
+    assert enc.encode(tokenizer.EOT, allowed_special="all") == [511]
     assert len(enc.encode_ordinary("the the the the")) < len("the the the the")  # merges are in use
-    byte_level = data.get_tokenizer(257)  # bytes only
+    byte_level = tokenizer.get_tokenizer(257)  # bytes only
     assert byte_level.encode_ordinary("ab") == [byte_level.encode_single_token(b"a"), byte_level.encode_single_token(b"b")]
     with pytest.raises(ValueError, match="vocab_size"):
-        data.get_tokenizer(100)
+        tokenizer.get_tokenizer(100)
 
 
 def test_embedded_merges_match_gpt2_when_cached():
-    """The 255 merges written in data.py equal GPT-2's own, and truncation keeps GPT-2 ids."""
-    tk = data.cache_root() / "tiktoken"
+    """The 255 merges written in tokenizer.py equal GPT-2's own, and truncation keeps GPT-2 ids."""
+    tk = tokenizer.cache_root() / "tiktoken"
     if not tk.exists() or len(list(tk.iterdir())) < 2:
         pytest.skip("GPT-2 BPE files not cached (run `python data.py --preset tiny` once)")
-    full = data.get_tokenizer(None)
+    full = tokenizer.get_tokenizer(None)
     assert full.n_vocab == 50257
-    small, mid = data.get_tokenizer(512), data.get_tokenizer(4096)
+    small, mid = tokenizer.get_tokenizer(512), tokenizer.get_tokenizer(4096)
     for i in range(511):
         assert small.decode_single_token_bytes(i) == full.decode_single_token_bytes(i)
     text = Path(data.__file__).read_text()[:20_000]
@@ -140,10 +143,10 @@ def test_corrupt_shard_is_named(smoke_dir, tmp_path):
 
 def test_missing_tool_skips_source_and_run_goes_on(tmp_path, monkeypatch, capsys):
     """A source whose package cannot be fetched is skipped with one line; its domain is recorded missing."""
-    bogus = data.Source("finance", "bogus_ledger", ("deb:no-such-package",), ("usr/share/doc/x/*",))
+    bogus = corpus.Source("finance", "bogus_ledger", ("deb:no-such-package",), ("usr/share/doc/x/*",))
     monkeypatch.setitem(data.PRESETS, "smoke", dataclasses.replace(data.PRESETS["smoke"], offline=False))
-    monkeypatch.setattr(data, "SOURCES", [s for s in data.SOURCES if s.packages[0] in ("stdlib", "generated")] + [bogus])
-    monkeypatch.setattr(data.shutil, "which", lambda name: None)  # as on a system without apt: nothing is downloaded
+    monkeypatch.setattr(corpus, "SOURCES", [s for s in corpus.SOURCES if s.packages[0] in ("stdlib", "generated")] + [bogus])
+    monkeypatch.setattr(corpus.shutil, "which", lambda name: None)  # as on a system without apt: nothing is downloaded
     manifest = data.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
     lines = [l for l in capsys.readouterr().out.splitlines() if "bogus_ledger" in l]
     assert len(lines) == 1 and "apt-get" in lines[0] and "no-such-package" in lines[0]
@@ -185,10 +188,10 @@ def test_val_doc_lengths(td):
 def test_html_and_clean_helpers():
     html = ('<html><head><title>x</title></head><body><div class="navheader">Prev Next</div>'
             "<h1>Title</h1><p>Some   text &amp; more</p><pre>  code\n    indented</pre></body></html>")
-    text = data.html_to_text(html)
+    text = corpus.html_to_text(html)
     assert "Prev" not in text and "Some text & more" in text and "    indented" in text
-    parts = data._clean("para one.\n\n" * 10_000)
-    assert len(parts) > 1 and all(len(p) <= data.MAX_DOC_CHARS for p in parts)
+    parts = corpus.clean("para one.\n\n" * 10_000)
+    assert len(parts) > 1 and all(len(p) <= corpus.MAX_DOC_CHARS for p in parts)
 
 
 def test_token_weighted_means_by_source_and_domain():

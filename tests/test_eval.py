@@ -448,7 +448,7 @@ def test_evaluate_run_compare_and_calibration(tmp_path):
 
 def test_cli_writes_eval_json_and_says_why_no_plot(tmp_path, capsys):
     pytest.importorskip("data")
-    save_run(tmp_path / "run", vocab_size=512)   # data.get_tokenizer(512) needs no download
+    save_run(tmp_path / "run", vocab_size=512)   # tokenizer.get_tokenizer(512) needs no download
     ev.main(["--run", str(tmp_path / "run"), "--tasks", "gen_copy", "dyck_languages", "--shots", "0", "1",
              "--seeds", "2", "--max-items", "3", "--val-tokens", "0"])
     out = json.loads((tmp_path / "run" / "eval.json").read_text())

