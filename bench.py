@@ -5,7 +5,7 @@ ratios, so a figure never depends on another machine's or another run's timing. 
 (from the issues) are printed beside the measurement; nothing here asserts.
 
   flex    (CUDA) flex attention against SDPA with the boolean block-diagonal causal mask on a
-          packed batch of documents, forward and backward through model.attend: largest
+          packed batch of documents, forward and backward through attention.attend: largest
           output and gradient differences, and the time of each (bf16, then fp32 differences).
   steps   (CUDA) the compiled training step (train.Objective, model.compile_model with
           fullgraph=True, bf16 autocast) of a dense, an MoE, a SMELT (MoE, middle half x2) and
@@ -20,7 +20,7 @@ ratios, so a figure never depends on another machine's or another run's timing. 
   decode  batch-1 time per generated token: unlooped model, sequential 2-loop middle span,
           PLT 2-loop middle span of the same width. Target: PLT <= 1.15x unlooped; sequential
           near the executed-depth ratio (executed / physical layers). On CPU each model is
-          also timed with model.few_row_projections' layout turned off (plain F.linear).
+          also timed with cpu_fast.few_row_projections' layout turned off (plain F.linear).
   train   training tokens/s of a preset's matched Baseline / SMELT pair (tiny on CPU, small on
           CUDA); time per token ratio vs FLOP ratio (target: within 15 %); the two models
           alternate steps. On CUDA compiled as train.py compiles, bf16 autocast, rows packed
@@ -53,8 +53,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import attention
 import cli
-import model as model_lib
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 from moe import MoE, compute_dtype
@@ -168,36 +168,36 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
 
 
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
-    """Median per-token time of greedy decoding, under both CPU projection layouts (model.few_row_projections).
+    """Median per-token time of greedy decoding, under both CPU projection layouts (cpu_fast.few_row_projections).
 
     Models and layouts take turns token by token (each decodes one token, then the next model
     does), so the machine's drift hits all alike; the figure is, per model, the median over reps
     of the median time per token. "skinny" is the default (few-row products as W x^T on CPU);
     "F.linear" turns that rule off. On CUDA only the default is timed (the rule never applies).
     """
-    import model as model_lib
+    import cpu_fast
     models = {}
     for name, cfg in decode_models().items():
         torch.manual_seed(0)
         models[name] = GPT(cfg).to(device, dtype).eval()
     idx = torch.randint(0, models["unlooped"].cfg.vocab_size, (1, prompt), device=device)
-    layouts = {"skinny": model_lib.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
+    layouts = {"skinny": cpu_fast.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
 
     def one_token(lay, name, state):
         def f():
-            model_lib.SKINNY_ROWS = layouts[lay]
+            cpu_fast.SKINNY_ROWS = layouts[lay]
             nxt = state["logits"].argmax(-1, keepdim=True)
             state["logits"] = models[name].forward_step(nxt, state["cache"])[:, -1]
         return f
 
     per_rep = []
-    default = model_lib.SKINNY_ROWS
+    default = cpu_fast.SKINNY_ROWS
     try:
         for rep in range(reps + 1):                                # rep 0 is the warm-up
             steps = {}
             for lay in layouts:
                 for name, m in models.items():
-                    model_lib.SKINNY_ROWS = layouts[lay]
+                    cpu_fast.SKINNY_ROWS = layouts[lay]
                     state = {"cache": m.new_cache(1, prompt + new_tokens)}
                     state["logits"] = m.forward_step(idx, state["cache"])[:, -1]     # prefill: not timed
                     steps[(lay, name)] = one_token(lay, name, state)
@@ -205,7 +205,7 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
             if rep:
                 per_rep.append(med)
     finally:
-        model_lib.SKINNY_ROWS = default
+        cpu_fast.SKINNY_ROWS = default
     med = {k: statistics.median(r[k] for r in per_rep) for k in per_rep[0]}
     depth = len(models["sequential_2loop"].plan) / models["unlooped"].cfg.n_layer
     res = {}
@@ -296,7 +296,7 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
                  time_it=True, iters=10) -> dict:
     """Flex attention vs SDPA with the boolean block-diagonal causal mask, forward and backward.
 
-    Both run through model.attend with the same packed document ids, as the model calls them
+    Both run through attention.attend with the same packed document ids, as the model calls them
     (on CUDA flex is the compiled kernel with a compiled block mask). Returns the largest
     absolute difference of the output and of dq, dk, dv, each relative to the largest SDPA
     value, and with time_it the median fwd+bwd time of each backend (masks built once, outside
@@ -315,7 +315,7 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
     def run(backend):
         for t in (q, k, v):
             t.grad = None
-        out, _ = model_lib.attend(q, k, v, pos, pos, doc, doc, 0, backend, masks=masks[backend])
+        out, _ = attention.attend(q, k, v, pos, pos, doc, doc, 0, backend, masks=masks[backend])
         (out * dy).sum().backward()
         return [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
 

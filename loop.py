@@ -1,47 +1,27 @@
 """Which layers run when: loop schedules, the 1/r residual scale, per-loop adapters, PLT inputs.
 
-A looped transformer runs some of its stored layers more than once per token. This file
-holds everything that decides *how* a stack of physical layers is executed; model.py only
-calls the layers in the order this file gives and never hard-codes a schedule.
+A looped transformer runs some stored layers more than once per token. This file decides how a
+stack of physical layers is executed; model.py calls the layers in the order given here.
 
-  * `LoopConfig`   -- the span [start, start + length) that repeats, the number of passes r,
-                      the schedule, which sub-layer repeats, adapters and PLT options.
-  * `middle_span`  -- SMELT Appendix A placement: m = L * fraction layers, floor((L - m) / 2)
-                      layers before them (looped layers 3-7, 4-9, 6-15, 8-22, 1-based, for
-                      L = 10, 12, 20, 30). `middle_third` is How-to-Loop's M = B - 2 floor(B/3).
-  * `schedule` / `plan` -- the execution order. "block" runs prelude, span x r, coda (SMELT;
-                      full-stack looping when the span is the whole stack); "per_layer" runs
-                      each span layer r times in a row (How-to-Loop's Per-Layer looping). Both
-                      perform exactly the same layer evaluations in a different order.
-  * 1/r residual scale (SMELT Sec. 3.1, Eq. 8-9): inside the span every *repeated* sub-layer
-    update is multiplied by 1/r, so r weight-tied, correlated updates do not inflate the
-    residual stream. With `part="attn"` only attention repeats (the MLP runs once, on the
-    last visit, unscaled); with `part="mlp"` only the MLP repeats (attention runs once, on the
-    first visit, unscaled).
-  * `LoopAdapter`  -- How-to-Loop Definition 1: a per-loop low-rank correction of a shared
-    projection. "lora": Delta W_l = B_l A_l. "matrix" (Loop Matrix): Delta W_l = sum_j M[l, j]
-    B_j A_j with a learned M initialised to the identity. "softmax" (Loop Softmax): rows of M
-    pass through a softmax (logits initialised to zero: a uniform mix). B starts at zero, so
-    an adapter is an exact no-op at initialisation and training starts from the shared model.
-  * `PLTInject`    -- Parallel Loop Transformer re-injection (How-to-Loop Definition 2): loop
-    l >= 2 at token n takes combine(e_n, h^(l-1)_(n-1)). "add" is original PLT; "norm_half"
-    RMS-normalises embedding and state separately and mixes 1/2-1/2; "norm_gate" adds the
-    low-rank sigmoid gate (W_down 8 x 2d, W_up d x 8 and bias zero-initialised, so it starts
-    at exactly 50/50). The state is 10-600x larger than the embedding in the paper's runs;
-    normalising both is what keeps the current token visible.
+  * `LoopConfig`: the span [start, start + length) that repeats, the number of passes r, the
+    schedule, which sub-layer repeats, adapters and PLT options. `middle_span` is SMELT's
+    placement (Appendix A: m = L * fraction layers, floor((L - m) / 2) before them);
+    `middle_third` is How-to-Loop's Middle looping (M = B - 2 floor(B/3)).
+  * `schedule` / `plan`: the execution order. "block" runs prelude, span x r, coda (SMELT;
+    full-stack looping when the span is the whole stack); "per_layer" runs each span layer r
+    times in a row (How-to-Loop's Per-Layer looping): the same evaluations in another order.
+  * 1/r residual scale (SMELT Sec. 3.1, Eq. 8-9): inside the span every repeated sub-layer
+    update is multiplied by 1/r. `part="attn"`: only attention repeats (the MLP runs once, on
+    the last visit, unscaled); `part="mlp"`: only the MLP repeats (attention once, first visit).
+  * `LoopAdapter` (How-to-Loop Definition 1): a per-loop low-rank correction of a shared
+    projection: "lora" Delta W_l = B_l A_l; "matrix" Delta W_l = sum_j M[l, j] B_j A_j (M = I at
+    init); "softmax" the rows of M through a softmax (uniform at init). B = 0: a no-op at init.
+  * `PLTInject` / `shift_states` (How-to-Loop Definition 2): loop l >= 2 at token n takes
+    combine(e_n, h^(l-1)_(n-1)): "add" (original PLT), "norm_half" (RMS-normalise both, 1/2-1/2)
+    or "norm_gate" (plus a low-rank sigmoid gate that starts at exactly 50/50). The shift never
+    crosses a document boundary (a document's first token gets h = 0).
 
-Design choices:
-  * The plan is a pure function of (n_layer, LoopConfig) and is recomputed, never mutated.
-  * Adapters on MoE blocks go on the four attention projections only. A per-expert adapter
-    would multiply the adapter count by n_experts (the expert pool is >90% of an MoE model's
-    weights at S >= 85%), and a shared low-rank adapter on the MoE path would act as an extra
-    always-on dense expert, changing the architecture rather than relaxing the weight tie.
-    Dense blocks get all seven projections (q, k, v, o, gate, up, down) as in the paper.
-  * PLT applies to the "block" schedule with both sub-layers repeating (the paper's setting);
-    other combinations raise at construction. `shift=False` gives the paper's unshifted
-    control (ordinary looping with the embedding re-injected; it decodes sequentially).
-  * PLT's shift never crosses a document boundary: a document's first token gets h = 0, as
-    at the start of a sequence.
+Read after model.py (it runs this plan); design choices (adapters on MoE blocks, PLT limits): docs/loop.md.
 """
 from __future__ import annotations
 
@@ -196,6 +176,8 @@ class LoopAdapter(nn.Module):
     Cost: L * rank * (d_in + d_out) (+ L^2), against L * d_in * d_out for separate loops.
     """
 
+    OWN_INIT = True   # B = 0 (and M = I or 0) make it a no-op at init: model.GPT.init_weights skips it
+
     def __init__(self, d_in: int, d_out: int, n_loops: int, rank: int, kind: str):
         super().__init__()
         self.kind = kind
@@ -250,6 +232,7 @@ class RMSNorm(nn.Module):
 
 class PLTInject(nn.Module):
     """combine(e, h) for one loop l >= 2; e and h are (..., D)."""
+    OWN_INIT = True   # the zero-initialised gate starts at exactly 50/50: model.GPT.init_weights skips it
 
     def __init__(self, d_model: int, inject: str):
         super().__init__()

@@ -4,52 +4,30 @@ SMELT (Sec. 3.1) and How to Loop share one template: token embedding, a stack of
 blocks (RMSNorm -> attention -> residual, RMSNorm -> feed-forward -> residual), a final
 RMSNorm and an untied output head. This file holds that template:
 
-  * `ModelConfig`: sizes, the feed-forward kind (n_experts = 0 -> dense SwiGLU) and a
-    `loop.LoopConfig` (default: no loop). Every rule is checked at construction, before any
-    allocation, with a ValueError naming the field.
-  * Attention: RoPE, grouped-query attention with `head_dim` independent of d_model / n_head
-    (budget matching changes head geometry), no biases, document masking for packed
-    contexts (SMELT 3.1: "segment-level attention masks"). CPU: `scaled_dot_product_attention`
-    with a boolean block-diagonal causal mask (flex attention has no CPU backward). CUDA:
-    flex attention with a block mask built from the document ids (skips masked tiles), except
-    for heads narrower than 16, which CUDA flex cannot run (`attention_kernel` holds the rule
-    and why "auto" falls back to SDPA there). Masks are built once per forward (`Ctx.masks`).
-  * torch.compile (`compile_model`): the training objective of every config (dense, MoE,
-    looped, PLT) compiles to one graph with `fullgraph=True` (tests/test_compile.py): no
-    data-dependent shapes, no host reads, the block mask and flex attention traced inside.
-  * Execution follows `loop.plan(n_layer, cfg.loop)`: each entry is one visit of one physical
-    layer with its residual scales (1/r inside a looped span, SMELT Eq. 8-9). The unlooped
-    model is the plan with one visit per layer. PLT (`loop.parallel`) runs the span's loops in
-    order over the whole sequence in training (How-to-Loop Algorithm 1) and, when decoding one
-    token, all loops of the span as one batched call over the shared weights (Algorithm 2).
-  * Decoding: `new_cache`, `forward_step` (prefill of many tokens or one-token steps) and
-    `generate`. Every attention visit keeps its own KV cache (KV grows with executed visits);
-    PLT with `kv_window = w` shares loop 1's cache and keeps a ring of w positions per later
-    loop. `forward_step` logits equal the full forward's (tested for every loop variant).
-  * Projections are plain nn.Linear without bias. One speed switch lives at the end of the file,
-    out of the model's way: `forward_step` (so `generate`) on CPU runs the attention, SwiGLU and
-    head projections under `few_row_projections`, where products of a few rows use the BLAS
-    layout this CPU runs fastest (W x^T). Same results to float rounding (tested); it is what
-    lets PLT's batched loops decode at about the unlooped model's time per token on CPU
-    (measurements in `few_row_projections` and the README's Benchmarks).
-  * One init function, `init_weights`: N(0, init_std) everywhere (embedding included: a small
-    embedding std keeps a tied head well scaled and avoids CPU denormals), output projections
-    scaled by 1/sqrt(2 * executed depth) (GPT-2's rule, counting visits, not stored layers).
+  * `ModelConfig`: sizes, the feed-forward kind (n_experts = 0 -> dense SwiGLU, else moe.MoE)
+    and a `loop.LoopConfig`; every rule is checked at construction with a ValueError naming the field.
+  * `Block`: one visit of one physical layer, with that visit's residual scales (1/r inside a
+    looped span, SMELT Eq. 8-9). `GPT` runs the visits of `loop.plan(n_layer, cfg.loop)` in
+    order; the unlooped model is the plan with one visit per layer. PLT (`loop.parallel`) runs
+    the span's loops in order in training (How-to-Loop Algorithm 1) and, decoding one token,
+    all loops as one batched call over the shared weights (Algorithm 2).
+  * Decoding: `new_cache`, `forward_step` (prefill or one-token steps; logits equal the full
+    forward's) and `generate`. On CPU forward_step runs under cpu_fast.few_row_projections.
+  * `init_weights`: N(0, init_std) everywhere; each module's `RESIDUAL_OUT` parameters get
+    std / sqrt(2 * executed depth) (GPT-2's rule, counting visits); `OWN_INIT` modules are skipped.
+  * `compile_model`: torch.compile for training (one graph per config, tests/test_compile.py).
 
-`forward` returns (logits, loss) with loss = cross-entropy + aux_loss_coef * load-balance loss
-+ z_loss_coef * router z-loss (the training objective; exactly the cross-entropy for dense
-models). `run` returns the full `Output` with the separate terms and per-visit router
-statistics; it also takes an optional `capture` dict that probes.py fills with per-visit
-activations. Nothing is stored in module state during forward.
+`forward` returns (logits, loss), loss = cross-entropy + aux_loss_coef * load-balance loss
++ z_loss_coef * router z-loss. `run` returns the full `Output` (separate terms, per-visit router
+statistics) and fills an optional `capture` dict for probes.py. Nothing is stored in module state.
+Read loop.py, attention.py and moe.py next; design notes and measurements: docs/model.md.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import types
-import weakref
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from numbers import Integral, Real
 
 import torch
@@ -58,7 +36,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import loop as looping
+from attention import KV, Attention, Cache, rope_table
 from checks import check_fields, from_dict
+from cpu_fast import few_row_projections
 from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
 from moe import IMPLS as MOE_IMPLS, MoE, RouterStats
 
@@ -155,308 +135,12 @@ class Output:
 
 
 # ----------------------------------------------------------------------------------------
-# Rotary embedding and attention kernels
-
-def rope_table(block_size: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    ang = torch.outer(torch.arange(block_size, dtype=torch.float32), inv)   # (T, hd/2)
-    return ang.cos(), ang.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, T, hd), cos/sin (T, hd/2): rotate (first half, second half) pairs (Llama layout)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[None, None], sin[None, None]
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).type_as(x)
-
-
-def build_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor | None,
-               window: int = 0) -> Tensor:
-    """Boolean (B|1, 1, T, S) mask, True = may attend: causal, same document, within window.
-
-    Positions are absolute token positions; a key position < 0 marks an empty cache slot.
-    """
-    m = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
-    if window:
-        m = m & (q_pos[:, None] - k_pos[None, :] < window)
-    m = m[None, None]
-    if q_doc is not None:
-        m = m & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
-    return m
-
-
-# Inductor's CUDA flex-attention kernel multiplies q k^T and p v with tl.dot, which needs
-# head dims >= 16 ("NYI: embedding dimension ... must be at least 16"). CPU flex accepts smaller.
-FLEX_MIN_HEAD_DIM = 16
-
-
-def attention_kernel(backend: str, device_type: str, head_dim: int, training_shape: bool, masked: bool) -> str:
-    """The kernel that runs one attention call: "flex", "sdpa" or "math" (the model-level head-dim rule).
-
-    backend is ModelConfig.attn_backend. "auto" takes flex attention on CUDA for full-sequence
-    attention with a document mask or window (it skips masked tiles) and SDPA everywhere else.
-    Heads narrower than FLEX_MIN_HEAD_DIM cannot run flex on CUDA. For them "auto" falls back to
-    SDPA with the boolean block-diagonal causal mask, and an explicit "flex" raises a ValueError
-    naming head_dim at the first CUDA call. Why a fallback rather than an error for "auto":
-    the rule belongs to one backend on one device, not to the model; budget matching may pick
-    any even head_dim, and the same config must train on CPU (where SDPA runs anyway) and on
-    any GPU. The fallback is exact (tested against flex) and costs only the mask's memory,
-    B x T x T booleans (32 MB at 32 x 1024), which is small at the sizes where such narrow
-    heads occur. The presets keep head_dim >= 16 so their GPU runs take flex. An explicit
-    "flex" is a request to measure flex, so silently running something else would be wrong.
-    """
-    if backend == "math":
-        return "math"
-    narrow = device_type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM
-    if backend == "flex":
-        if not training_shape:
-            raise ValueError("attn_backend='flex' supports full-sequence attention only (use sdpa for decoding)")
-        if narrow:
-            raise ValueError(f"attn_backend='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA (inductor's flex "
-                             f"kernel), got head_dim={head_dim}; use attn_backend='auto' (SDPA for such heads) "
-                             f"or a config with head_dim >= {FLEX_MIN_HEAD_DIM}")
-        return "flex"
-    if backend == "auto" and device_type == "cuda" and training_shape and masked and not narrow:
-        return "flex"
-    return "sdpa"
-
-
-_flex_compiled = None   # flex_attention compiled once per process for eager CUDA callers (validation)
-
-
-def _flex(q, k, v, doc: Tensor | None, window: int, masks: dict | None = None) -> Tensor:
-    """Flex attention with a block mask from document ids (training: S == T).
-
-    masks: the forward's cache of block masks (Ctx.masks), so a mask is built once per forward
-    and window, not once per attention visit. Inside torch.compile the mask construction and
-    flex_attention are traced into the caller's graph. Eager on CUDA (validation runs the
-    uncompiled model) the mask is built by create_block_mask's compiled path and the kernel is a
-    compiled flex_attention: the eager versions materialise B x H x T x T intermediates.
-    """
-    global _flex_compiled
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    B, H, T, _ = q.shape
-    compiling = torch.compiler.is_compiling()
-    bm = None if masks is None else masks.get(("flex", window))
-    if bm is None:
-        def mask_mod(b, h, qi, ki):
-            ok = ki <= qi
-            if doc is not None:
-                ok = ok & (doc[b, qi] == doc[b, ki])
-            if window:
-                ok = ok & (qi - ki < window)
-            return ok
-
-        bm = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device,
-                               _compile=q.is_cuda and not compiling)
-        if masks is not None:
-            masks[("flex", window)] = bm
-    gqa = k.shape[1] != H
-    if q.is_cuda and not compiling:
-        if _flex_compiled is None:
-            _flex_compiled = torch.compile(flex_attention, dynamic=False)
-        return _flex_compiled(q, k, v, block_mask=bm, enable_gqa=gqa)
-    return flex_attention(q, k, v, block_mask=bm, enable_gqa=gqa)
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None,
-           k_doc: Tensor | None, window: int, backend: str, want_probs: bool = False, masks: dict | None = None):
-    """q (B, H, T, hd), k/v (B, Hkv, S, hd) -> (out (B, H, T, hd), probs (B, H, T, S) or None).
-
-    masks: a per-forward dict where flex block masks are kept (Ctx.masks).
-    """
-    B, H, T, hd = q.shape
-    S = k.shape[2]
-    training_shape = S == T and k_doc is q_doc
-    kernel = "math" if want_probs else attention_kernel(backend, q.device.type, hd, training_shape,
-                                                         q_doc is not None or bool(window))
-    if kernel == "math":   # explicit softmax: probes read the probabilities
-        rep = H // k.shape[1]
-        kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        att = (q.float() @ kk.float().transpose(-1, -2)) / math.sqrt(hd)
-        att = att.masked_fill(~build_mask(q_pos, k_pos, q_doc, k_doc, window), float("-inf")).softmax(-1)
-        return (att @ vv.float()).type_as(q), (att if want_probs else None)
-    if kernel == "flex":
-        return _flex(q, k, v, q_doc, window, masks), None
-    gqa = k.shape[1] != H
-    if q_doc is None and not window and training_shape:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), None
-    if q_doc is None and not window and T == 1:   # one new token: every cached key is visible
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), None
-    mask = None if masks is None or not training_shape else masks.get(("bool", window))
-    if mask is None:
-        mask = build_mask(q_pos, k_pos, q_doc, k_doc, window)
-        if masks is not None and training_shape:
-            masks[("bool", window)] = mask
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa), None
-
-
-# ----------------------------------------------------------------------------------------
-# KV cache
-
-@dataclass
-class KV:
-    """One attention visit's cache. Full caches hold positions [0, max_len); rings hold the last w."""
-    k: Tensor                 # (B', Hkv, capacity, hd)
-    v: Tensor
-    ring: bool = False
-    pos: Tensor | None = None  # (capacity,) absolute position held in each ring slot, -1 = empty
-
-
-@dataclass
-class Cache:
-    kv: dict                   # slot name -> KV
-    batch_size: int
-    max_len: int
-    length: int = 0            # tokens held so far
-    plt_h: Tensor | None = None  # PLT: (r-1, B, D) span output of loops 1..r-1 at the previous token
-
-    def nbytes(self) -> int:
-        """Bytes of keys and values allocated (what budget.kv_bytes_per_token accounts for)."""
-        return sum(c.k.nbytes + c.v.nbytes for c in self.kv.values())
-
-    def repeat(self, n: int) -> "Cache":
-        """A new cache with every batch row repeated n times in a row (row b -> rows b*n .. b*n+n-1).
-
-        For scoring several continuations of one prefilled context (eval.score_options). Stacked
-        PLT caches (rows l*B + b) and ring caches are repeated per loop; ring positions are shared.
-        """
-        if n < 1:
-            raise ValueError(f"Cache.repeat: n must be >= 1, got {n}")
-        B = self.batch_size
-
-        def rep(t: Tensor) -> Tensor:   # (r*B, ...) -> (r*B*n, ...), loop-major as before
-            return t.view(-1, B, *t.shape[1:]).repeat_interleave(n, dim=1).reshape(-1, *t.shape[1:])
-
-        kv = {name: KV(rep(c.k), rep(c.v), c.ring, None if c.pos is None else c.pos.clone())
-              for name, c in self.kv.items()}
-        plt_h = None if self.plt_h is None else self.plt_h.repeat_interleave(n, dim=1)
-        return Cache(kv, B * n, self.max_len, self.length, plt_h)
-
-
-# ----------------------------------------------------------------------------------------
 # Blocks
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        D, H, Hkv, hd = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.hd
-        self.n_head, self.n_kv_head, self.hd, self.backend = H, Hkv, hd, cfg.attn_backend
-        self.wq = nn.Linear(D, H * hd, bias=False)
-        self.wk = nn.Linear(D, Hkv * hd, bias=False)
-        self.wv = nn.Linear(D, Hkv * hd, bias=False)
-        self.wo = nn.Linear(H * hd, D, bias=False)
-        lc = cfg.loop
-        looped = lc.active and lc.in_span(layer)
-        self.adapters = (make_adapters({"q": (D, H * hd), "k": (D, Hkv * hd), "v": (D, Hkv * hd),
-                                        "o": (H * hd, D)}, lc)
-                         if looped and lc.adapter != "none" else None)
-        # PLT KV sharing: later loops mix attention over loop 1's keys with a window of their own
-        self.window = lc.kv_window if looped else 0
-        if self.window:
-            self.kv_gate = nn.Linear(D, H, bias=False)   # zero-init: per-head gate starts at 1/2
-
-    def proj(self, name: str, lin: nn.Linear, x: Tensor, loop: int | None, n_loops: int) -> Tensor:
-        y = lin(x)
-        if self.adapters is not None:
-            if loop is None:   # stacked PLT batch: (r*B, T, d) -> loop dim first
-                xs = x.reshape(n_loops, -1, *x.shape[1:])
-                y = y + self.adapters[name](xs, None).reshape(y.shape)
-            else:
-                y = y + self.adapters[name](x, loop)
-        return y
-
-    def forward(self, x: Tensor, ctx: "Ctx", visit: Visit, loop: int | None) -> Tensor:
-        B, T, _ = x.shape
-        H, Hkv, hd, r = self.n_head, self.n_kv_head, self.hd, ctx.n_loops
-        q = self.proj("q", self.wq, x, loop, r).view(B, T, H, hd).transpose(1, 2)
-        k = self.proj("k", self.wk, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
-        v = self.proj("v", self.wv, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
-        cos, sin = ctx.cos, ctx.sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cap = ctx.capture.setdefault((visit.layer, visit.visit), {}) if ctx.capture is not None else None
-        if cap is not None:
-            cap.update(q=q, k=k, v=v)
-        if self.window and loop is None:
-            y = self._shared_kv_step(q, k, v, x, ctx, visit)
-        elif self.window and loop > 0:
-            y = self._shared_kv(q, k, v, x, ctx, visit)
-        else:
-            if self.window:   # loop 1 of a KV-sharing span: later loops read its keys
-                ctx.shared[visit.layer] = (k, v)
-            y, probs = self._attend_cached(q, k, v, ctx, visit, loop, cap is not None)
-            if cap is not None:   # (the KV-sharing paths mix two attentions: no single probability map)
-                cap["attn_probs"] = probs
-        y = y.transpose(1, 2).reshape(B, T, H * hd)                  # (B, T, H*hd): PV
-        out = self.proj("o", self.wo, y, loop, r)
-        if cap is not None:
-            cap.update(pv=y, o=out)
-        return out
-
-    def _attend_cached(self, q, k, v, ctx, visit, loop, want_probs):
-        if ctx.cache is None:
-            return attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, want_probs, ctx.masks)
-        kv, rows = ctx.slot(visit, loop)
-        p0, T = ctx.start, q.shape[2]
-        kv.k[rows, :, p0:p0 + T] = k
-        kv.v[rows, :, p0:p0 + T] = v
-        K, V = kv.k[rows, :, :p0 + T], kv.v[rows, :, :p0 + T]
-        k_pos = torch.arange(p0 + T, device=q.device)
-        return attend(q, K, V, ctx.q_pos, k_pos, None, None, 0, self.backend, want_probs)
-
-    def _mix(self, x, y_global, y_local):
-        g = torch.sigmoid(self.kv_gate(x)).transpose(1, 2)[..., None]  # (B, H, T, 1)
-        return g * y_global + (1 - g) * y_local
-
-    def _shared_kv(self, q, k, v, x, ctx, visit):
-        """Training / chunked decoding for a loop >= 2 with KV sharing (original PLT)."""
-        if ctx.cache is None:
-            k1, v1 = ctx.shared[visit.layer]
-            yg, _ = attend(q, k1, v1, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, masks=ctx.masks)
-            yl, _ = attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, self.window, "sdpa", masks=ctx.masks)
-            return self._mix(x, yg, yl)
-        p0, T = ctx.start, q.shape[2]
-        full, _ = ctx.slot(visit, 0)
-        K1, V1 = full.k[:, :, :p0 + T], full.v[:, :, :p0 + T]
-        yg, _ = attend(q, K1, V1, ctx.q_pos, torch.arange(p0 + T, device=q.device), None, None, 0, "sdpa")
-        ring, rows = ctx.slot(visit, visit.visit, ring=True)
-        yl = self._ring_attend(q, k, v, ring, rows, ctx)
-        return self._mix(x, yg, yl)
-
-    def _ring_attend(self, q, k, v, ring: KV, rows, ctx):
-        """Attend over (ring contents + new keys) within the window, then keep the last w in the ring."""
-        T = q.shape[2]
-        K = torch.cat([ring.k[rows], k], dim=2)
-        V = torch.cat([ring.v[rows], v], dim=2)
-        k_pos = torch.cat([ring.pos, ctx.q_pos])
-        y, _ = attend(q, K, V, ctx.q_pos, k_pos, None, None, self.window, "sdpa")
-        w = ring.k.shape[2]
-        keep = ctx.q_pos[-min(T, w):]
-        slots = keep % w
-        ring.k[rows, :, slots] = k[:, :, -len(keep):]
-        ring.v[rows, :, slots] = v[:, :, -len(keep):]
-        ctx.ring_pos_updates.append((ring, slots, keep))
-        return y
-
-    def _shared_kv_step(self, q, k, v, x, ctx, visit):
-        """Batched one-token PLT step with KV sharing: rows [0:B] are loop 1, the rest later loops."""
-        B = ctx.batch
-        full, _ = ctx.slot(visit, 0)
-        p0 = ctx.start
-        full.k[:, :, p0:p0 + 1] = k[:B]
-        full.v[:, :, p0:p0 + 1] = v[:B]
-        K1, V1 = full.k[:, :, :p0 + 1], full.v[:, :, :p0 + 1]
-        y1, _ = attend(q[:B], K1, V1, ctx.q_pos, torch.arange(p0 + 1, device=q.device), None, None, 0, "sdpa")
-        L1 = q.shape[0] // B - 1                                          # later loops
-        ql = q[B:].view(L1, B, *q.shape[1:]).permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, H, L1, hd)
-        yg = F.scaled_dot_product_attention(ql, K1, V1, enable_gqa=K1.shape[1] != ql.shape[1])
-        yg = yg.view(B, q.shape[1], L1, 1, -1).permute(2, 0, 1, 3, 4).flatten(0, 1)  # (L1*B, H, 1, hd)
-        ring, rows = ctx.slot(visit, None, ring=True)
-        yl = self._ring_attend(q[B:], k[B:], v[B:], ring, rows, ctx)
-        return torch.cat([y1, self._mix(x[B:], yg, yl)], dim=0)
-
-
 class SwiGLU(nn.Module):
+    RESIDUAL_OUT = ("down.weight",)                     # GPT.init_weights: depth-scaled std
+    DECODE_PROJECTIONS = ("gate", "up", "down")         # cpu_fast.few_row_projections
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         D, Fd = cfg.d_model, cfg.d_ff
@@ -486,7 +170,10 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, layer)
+        lc = cfg.loop
+        # the block picks the adapted layers, so attention.py needs no loop code
+        adapted = lc.active and lc.in_span(layer) and lc.adapter != "none"
+        self.attn = Attention(cfg, layer, partial(make_adapters, loop=lc) if adapted else None)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.n_experts > 0:
             self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.router_renormalize, cfg.moe_impl,
@@ -554,6 +241,86 @@ class Ctx:
 
 
 # ----------------------------------------------------------------------------------------
+# Argument checks (eager code only where they read the device)
+
+def _check_idx(cfg: ModelConfig, idx: Tensor, start: int = 0) -> None:
+    """Token ids: an integer (B, T) tensor within the vocabulary and the context."""
+    if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"idx must be an integer tensor of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
+    T = idx.shape[1]
+    if start + T > cfg.block_size:
+        raise ValueError(f"sequence of {start + T} tokens exceeds block_size={cfg.block_size}")
+    if idx.numel() and not torch.compiler.is_compiling():   # a host sync: checked in eager code only
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got min {lo}, max {hi}")
+
+
+def _check_run_args(cfg: ModelConfig, idx: Tensor, targets: Tensor | None, doc_ids: Tensor | None) -> None:
+    """The full forward's argument rules, each a ValueError naming the argument."""
+    _check_idx(cfg, idx)
+    B, T = idx.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"idx must hold at least one sequence of at least one token, got shape {(B, T)}")
+    if doc_ids is not None and doc_ids.shape != idx.shape:
+        raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}")
+    if doc_ids is not None and doc_ids.dtype not in _INT_DTYPES:
+        raise ValueError(f"doc_ids must be an integer tensor (document numbers), got {doc_ids.dtype}")
+    if targets is not None:
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        if targets.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+        if not torch.compiler.is_compiling():   # a host sync: checked in eager code only
+            bad = (targets < -1) | (targets >= cfg.vocab_size)
+            if bool(bad.any()):
+                raise ValueError(f"targets must lie in [0, vocab_size={cfg.vocab_size}) or be -1 (ignored), "
+                                 f"got {targets[bad][0].item()}")
+
+
+def _check_sampling(max_new_tokens, temperature, top_k) -> None:
+    """generate's sampling arguments, each a ValueError naming the argument."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, Real) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
+        raise ValueError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# Init roles: each module declares which of its parameters write into the residual stream
+
+# TEMPORARY, until moe.MoE declares RESIDUAL_OUT itself (the budget branch adds it): today's rule
+# scales MoE's "w_out"; delete this fallback after that merge.
+_RESIDUAL_OUT_FALLBACK = {MoE: ("w_out",)}
+
+
+def init_roles(model: nn.Module) -> tuple[set[str], set[str]]:
+    """(residual-output parameter names, names of parameters whose module owns their init).
+
+    A module's class attribute `RESIDUAL_OUT` names its own parameters (dotted, relative to it)
+    that get the depth-scaled std; `OWN_INIT = True` skips all of a module's parameters (it
+    initialises them at construction), a tuple skips just those. Names are relative to model.
+    """
+    residual, own = set(), set()
+    for prefix, m in model.named_modules():
+        pre = prefix + "." if prefix else ""
+        declared = getattr(m, "OWN_INIT", False)
+        if declared is True:
+            own.update(pre + n for n, _ in m.named_parameters())
+        elif declared:
+            own.update(pre + n for n in declared)
+        names = getattr(m, "RESIDUAL_OUT", None)
+        if names is None:
+            names = _RESIDUAL_OUT_FALLBACK.get(type(m), ())
+        residual.update(pre + n for n in names)
+    present = {n for n, _ in model.named_parameters()}   # a declared parameter may be optional (kv_gate)
+    return residual & present, own & present
+
+
+# ----------------------------------------------------------------------------------------
 # The model
 
 class GPT(nn.Module):
@@ -577,33 +344,24 @@ class GPT(nn.Module):
 
     # -- init ------------------------------------------------------------------------------
     def init_weights(self) -> None:
-        """N(0, init_std) for every matrix; residual-output projections / sqrt(2 * executed depth)."""
+        """N(0, init_std) for every matrix, 1 for RMSNorm gains; RESIDUAL_OUT / sqrt(2 * executed depth).
+
+        Each module names its residual-output parameters (`RESIDUAL_OUT`) and the ones it
+        initialises itself (`OWN_INIT`: True for the whole module, or a tuple of its parameters);
+        `init_roles` collects them. Parameters are drawn in named_parameters() order.
+        """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * len(self.plan))
+        residual, own = init_roles(self)
         for name, p in self.named_parameters():
-            if "adapters" in name or ".plt." in name or name.startswith("plt.") or "kv_gate" in name:
+            if name in own:
                 continue   # adapters / PLT gates own their init (zero where it must be a no-op)
             if p.dim() == 1:
                 nn.init.ones_(p)                                   # RMSNorm gains
-            elif name.endswith(("wo.weight", "down.weight", "w_out")):
+            elif name in residual:
                 nn.init.normal_(p, 0.0, out_std)
             else:
                 nn.init.normal_(p, 0.0, std)
-        for blk in self.blocks:
-            if blk.attn.window:
-                nn.init.zeros_(blk.attn.kv_gate.weight)
-
-    # -- checks ----------------------------------------------------------------------------
-    def _check_idx(self, idx: Tensor, start: int = 0) -> None:
-        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must be an integer tensor of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
-        T = idx.shape[1]
-        if start + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.cfg.block_size}")
-        if idx.numel() and not torch.compiler.is_compiling():   # a host sync: checked in eager code only
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.cfg.vocab_size:
-                raise ValueError(f"token ids must lie in [0, vocab_size={self.cfg.vocab_size}), got min {lo}, max {hi}")
 
     # -- full forward ------------------------------------------------------------------------
     def forward(self, idx: Tensor, targets: Tensor | None = None, doc_ids: Tensor | None = None):
@@ -613,24 +371,8 @@ class GPT(nn.Module):
     def run(self, idx: Tensor, targets: Tensor | None = None, doc_ids: Tensor | None = None,
             capture: dict | None = None) -> Output:
         """Full forward. capture: a dict that receives {(layer, visit): {name: tensor}} for probes."""
-        self._check_idx(idx)
+        _check_run_args(self.cfg, idx, targets, doc_ids)
         B, T = idx.shape
-        if B == 0 or T == 0:
-            raise ValueError(f"idx must hold at least one sequence of at least one token, got shape {(B, T)}")
-        if doc_ids is not None and doc_ids.shape != idx.shape:
-            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}")
-        if doc_ids is not None and doc_ids.dtype not in _INT_DTYPES:
-            raise ValueError(f"doc_ids must be an integer tensor (document numbers), got {doc_ids.dtype}")
-        if targets is not None:
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
-            if targets.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
-            if not torch.compiler.is_compiling():   # a host sync: checked in eager code only
-                bad = (targets < -1) | (targets >= self.cfg.vocab_size)
-                if bool(bad.any()):
-                    raise ValueError(f"targets must lie in [0, vocab_size={self.cfg.vocab_size}) or be -1 (ignored), "
-                                     f"got {targets[bad][0].item()}")
         pos = torch.arange(T, device=idx.device)
         ctx = Ctx(pos, self.rope_cos[:T], self.rope_sin[:T], doc_ids, self.cfg.loop.n_loops, B, capture=capture)
         x, router = self._body(self.tok_emb(idx), ctx, doc_ids)
@@ -731,7 +473,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def forward_step(self, idx: Tensor, cache: Cache) -> Tensor:
         """Append idx (B, T_new) to the cache and return logits (B, T_new, V)."""
-        self._check_idx(idx, cache.length)
+        _check_idx(self.cfg, idx, cache.length)
         B, T = idx.shape
         if B != cache.batch_size:
             raise ValueError(f"idx batch {B} does not match the cache's batch_size {cache.batch_size}")
@@ -741,7 +483,7 @@ class GPT(nn.Module):
         pos = torch.arange(p0, p0 + T, device=idx.device)
         ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None,
                   self.cfg.loop.n_loops, B, cache=cache, start=p0)
-        with few_row_projections(self):   # a CPU speed switch only (end of this file); same logits
+        with few_row_projections(self):   # a CPU speed switch only (cpu_fast.py); same logits
             x = self.tok_emb(idx)
             x = self._visits(x, ctx, self.plan, []) if self.plt is None else self._plt_step(x, ctx, cache)
             logits = self._head(x, None, []).logits
@@ -771,14 +513,8 @@ class GPT(nn.Module):
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
         """Sample max_new_tokens continuations of idx (B, T) with a KV cache; temperature 0 = greedy."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
-            raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, Real) \
-                or not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
-            raise ValueError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
-        self._check_idx(idx)
+        _check_sampling(max_new_tokens, temperature, top_k)
+        _check_idx(self.cfg, idx)
         B, T = idx.shape
         if B == 0 or T == 0:
             raise ValueError(f"generate: the prompt idx must hold at least one sequence of at least one token, "
@@ -813,112 +549,13 @@ class GPT(nn.Module):
 def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="inductor", fresh: bool = True) -> nn.Module:
     """torch.compile a training module (train.Objective, or DDP around it) the way train.py runs it.
 
-    dynamic=False: every distinct shape gets its own static graph. With the default (automatic
-    dynamic shapes) the second shape a process sees, e.g. the next run of the main job, would
-    be recompiled with symbolic sizes and slower kernels.
-    fresh=True: `torch._dynamo.reset()` first. The main job trains many runs in one process on
-    CUDA; each has its own shapes, so a run's graphs are never reused by the next, yet they
-    would all stay cached under the same code objects, and dynamo stops compiling a function
-    after `recompile_limit` (8) entries: run 9 of the small preset's 12 (and most of the paper
-    preset's 32) would train eagerly. Resetting per run keeps one run's entries (the training
-    graph, plus validation's compiled flex / block-mask helpers) far below the limit whatever
-    the ladder's size, instead of raising a global limit by a number that must track it, and
-    frees the finished run's graphs. The cost, recompiling a shape that a later run repeats
-    (none does in the main job), is mostly met by inductor's on-disk cache. The reset clears
-    every compiled function of the process, so it belongs where one training run owns the
-    process (train.Trainer), not in code that interleaves several compiled models.
-    fullgraph=True makes any graph break an error (tests/test_compile.py holds every config to
-    it); training leaves it off so an unforeseen break costs speed, not the run.
+    dynamic=False: every distinct shape gets its own static graph (automatic dynamic shapes would
+    recompile the next run's shapes symbolically, with slower kernels). fresh=True:
+    `torch._dynamo.reset()` first, so one process training many runs never reaches dynamo's
+    recompile limit (why per run: docs/model.md); it clears every compiled function of the process,
+    so it belongs where one training run owns the process (train.Trainer). fullgraph=True makes any
+    graph break an error (tests/test_compile.py); training leaves it off: a break costs speed, not the run.
     """
     if fresh:
         torch._dynamo.reset()
     return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)
-
-
-# ----------------------------------------------------------------------------------------
-# Decoding on CPU: the few-row projection layout (a speed switch; the model above never needs it)
-
-# Products with at most this many rows (batch-1 decoding; PLT's r stacked loops) run as
-# W @ x^T under `few_row_projections`. 0 turns the rule off (bench.py times both).
-SKINNY_ROWS = 16
-
-
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight^T, (..., d_in) -> (..., d_out): F.linear, except that in CPU inference a product of
-    1..SKINNY_ROWS rows runs as W @ x^T (a single row padded to two when torch has 2+ threads)."""
-    rows = x.numel() // x.shape[-1]
-    if (not 0 < rows <= SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()):
-        return F.linear(x, weight)
-    x_RD = x.reshape(rows, x.shape[-1])
-    if rows == 1:   # MKL's GEMV runs on one thread here; a two-column GEMM uses them all
-        if torch.get_num_threads() == 1:
-            return F.linear(x, weight)
-        x_RD = torch.cat([x_RD, x_RD])
-    y_RO = torch.mm(weight, x_RD.t())[:, :rows].t().contiguous()   # (rows, d_out), F.linear's layout
-    return y_RO.view(*x.shape[:-1], weight.shape[0])
-
-
-def _few_row_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    return linear(x, self.weight)
-
-
-# model -> [(projection, its few-row forward)]: weak keys, so a model's entry goes with the model
-_BOUND: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-
-
-def _projections(model: nn.Module) -> list[nn.Linear]:
-    """The matrices a decoded token passes: attention q/k/v/o, dense SwiGLU gate/up/down, the head."""
-    lins = []
-    for m in model.modules():
-        if isinstance(m, Attention):
-            lins += [m.wq, m.wk, m.wv, m.wo]
-        elif isinstance(m, SwiGLU):
-            lins += [m.gate, m.up, m.down]
-    head = getattr(model, "lm_head", None)
-    return lins + ([head] if head is not None else [])
-
-
-@contextlib.contextmanager
-def few_row_projections(model: nn.Module):
-    """Within this block, the model's projections (`_projections`) compute with `linear` on CPU.
-
-    Batch-1 decoding multiplies 1 row (the unlooped model) or r rows (PLT's stacked loops) by
-    weights that do not stay in cache. Measured per product with fp32 weights cycling through
-    48 matrices, torch 2.13 (MKL) on a 2-core AMD EPYC, 3072 x 512 weight:
-
-                               1 thread    2 threads
-      F.linear, 1 row            0.93 ms     0.97 ms   (GEMV: one thread either way)
-      F.linear, 2 rows           1.77 ms     1.97 ms
-      W @ x^T,  2 rows           0.84 ms     0.61 ms
-      W @ [x; x]^T (1 row)       1.09 ms     0.61 ms
-
-    So F.linear gave PLT's batched loops nothing (2 rows cost 2 rows), while W x^T does 2 rows
-    in about one row's time on either thread count (and beats F.linear up to 64 rows on 2
-    threads): a few rows run as W x^T. A single row is padded to two only with more than one
-    thread, where the GEMM's threads beat the one-thread GEMV; that speeds the unlooped model
-    as much as PLT, so the comparison stays like for like. With gradients, under torch.compile,
-    above SKINNY_ROWS rows or off CPU it is plain F.linear, and outside this block the model
-    is plain nn.Linear everywhere. A tied head (`tie_embeddings`) stays F.linear.
-
-    Mechanism: each projection gets an instance-level `forward` for the duration of the block,
-    removed on exit (also on error); a block nested inside another leaves the outer one's in
-    place. The list of projections is built once per model (`_BOUND`; entering costs ~10 us, not
-    the ~150 us of walking the modules every token; a projection swapped in later runs plain
-    F.linear: slower, same results). `forward_step` (and so `generate`, eval's
-    shared-context scoring) enters it.
-    """
-    pairs = _BOUND.get(model)
-    if pairs is None:   # built once per model: this runs for every decoded token
-        pairs = _BOUND[model] = [(m, types.MethodType(_few_row_forward, m)) for m in _projections(model)]
-    if not pairs or pairs[0][0].weight.device.type != "cpu":
-        yield model
-        return
-    mine = [(m, f) for m, f in pairs if "forward" not in m.__dict__]
-    for m, f in mine:
-        m.__dict__["forward"] = f
-    try:
-        yield model
-    finally:
-        for m, _ in mine:
-            m.__dict__.pop("forward", None)

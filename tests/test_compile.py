@@ -14,7 +14,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounter
 
-import model as model_lib
+import attention
 from loop import LoopConfig
 from model import GPT, ModelConfig, compile_model
 from train import Objective
@@ -143,7 +143,7 @@ def test_flex_path_traces_into_the_graph_and_builds_one_mask_per_forward(monkeyp
         ref = obj(idx, tgt, doc)[0]
         for _ in range(3):
             out = compiled(idx, tgt, doc)[0]
-    assert cc.frame_count == 1 and model_lib._flex_compiled is None
+    assert cc.frame_count == 1 and attention._flex_compiled is None
     torch.testing.assert_close(out, ref)
     calls = []
     real = fa.create_block_mask

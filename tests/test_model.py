@@ -43,19 +43,19 @@ def test_decode_equals_full_forward(kw):
 @pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (4, 4, 48), (2, 8, 48), (0, 48),
                                    "transposed"])
 def test_few_row_projection_layout_matches_f_linear(shape):
-    """model.linear (W x^T for 1..SKINNY_ROWS rows in CPU inference) equals the plain F.linear,
+    """cpu_fast.linear (W x^T for 1..SKINNY_ROWS rows in CPU inference) equals the plain F.linear,
     with F.linear's contiguous output, for empty and non-contiguous inputs too."""
-    import model as model_lib
+    import cpu_fast
     torch.manual_seed(0)
     x = torch.randn(48, 3).t() if shape == "transposed" else torch.randn(*shape)   # (3, 48), not contiguous
     w = torch.randn(80, 48)
     ref = torch.nn.functional.linear(x, w)
     with torch.no_grad():
-        y = model_lib.linear(x, w)
+        y = cpu_fast.linear(x, w)
     assert y.shape == ref.shape and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     w.requires_grad_(True)
-    out = model_lib.linear(x, w)                   # grad enabled: exactly F.linear, and it trains
+    out = cpu_fast.linear(x, w)                   # grad enabled: exactly F.linear, and it trains
     assert torch.equal(out, ref) and out.requires_grad
 
 
@@ -63,19 +63,20 @@ def test_few_row_projection_layout_matches_f_linear(shape):
                                 dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True))])
 def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
     """The model is plain nn.Linear: `few_row_projections` is entered by forward_step only, routes every
-    attention / SwiGLU / head projection through model.linear, is removed afterwards, and gives the
+    attention / SwiGLU / head projection through cpu_fast.linear, is removed afterwards, and gives the
     logits of plain F.linear (SKINNY_ROWS = 0) to float rounding."""
+    import cpu_fast
     import model as model_lib
     torch.manual_seed(0)
     m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
                         **kw)).eval()
-    projections = model_lib._projections(m)
+    projections = cpu_fast._projections(m)
     assert all(type(p) is torch.nn.Linear for p in projections)
     dense = sum(isinstance(b.mlp, model_lib.SwiGLU) for b in m.blocks)
     assert len(projections) == 4 * len(m.blocks) + 3 * dense + 1
     calls = []
-    real = model_lib.linear
-    monkeypatch.setattr(model_lib, "linear", lambda x, w: calls.append(w) or real(x, w))
+    real = cpu_fast.linear
+    monkeypatch.setattr(cpu_fast, "linear", lambda x, w: calls.append(w) or real(x, w))
     idx = torch.randint(0, 64, (1, 6))
     with torch.no_grad():
         m(idx)
@@ -85,12 +86,12 @@ def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
     assert {id(w) for w in calls} == {id(p.weight) for p in projections}
     assert not any("forward" in p.__dict__ for p in projections)   # switched off again
     step = m.forward_step(idx[:, 5:], cache)
-    monkeypatch.setattr(model_lib, "SKINNY_ROWS", 0)
+    monkeypatch.setattr(cpu_fast, "SKINNY_ROWS", 0)
     cache0 = m.new_cache(1, 8)
     m.forward_step(idx[:, :5], cache0)
     torch.testing.assert_close(step, m.forward_step(idx[:, 5:], cache0), rtol=1e-5, atol=1e-5)
-    with model_lib.few_row_projections(m):                         # nested: the outer switch survives
-        with model_lib.few_row_projections(m):
+    with cpu_fast.few_row_projections(m):                         # nested: the outer switch survives
+        with cpu_fast.few_row_projections(m):
             pass
         assert all("forward" in p.__dict__ for p in projections)
     assert not any("forward" in p.__dict__ for p in projections)
@@ -98,13 +99,13 @@ def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
 
 def test_one_row_projection_is_plain_f_linear_on_one_thread():
     """On one thread the 1-row product is not padded (the GEMV is the faster kernel there)."""
-    import model as model_lib
+    import cpu_fast
     x, w = torch.randn(1, 48), torch.randn(80, 48)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         with torch.no_grad():
-            assert torch.equal(model_lib.linear(x, w), torch.nn.functional.linear(x, w))
+            assert torch.equal(cpu_fast.linear(x, w), torch.nn.functional.linear(x, w))
     finally:
         torch.set_num_threads(threads)
 
@@ -225,6 +226,85 @@ def test_init_is_small_and_depth_scaled():
     assert abs(m.blocks[0].attn.wo.weight.std().item() - 0.02 / (2 * executed) ** 0.5) < 0.002
 
 
+def _name_rule_init(self):
+    """Frozen copy of GPT.init_weights before issue 22 (residual outputs chosen by name suffix)."""
+    import math
+    nn = torch.nn
+    std = self.cfg.init_std
+    out_std = std / math.sqrt(2 * len(self.plan))
+    for name, p in self.named_parameters():
+        if "adapters" in name or ".plt." in name or name.startswith("plt.") or "kv_gate" in name:
+            continue
+        if p.dim() == 1:
+            nn.init.ones_(p)
+        elif name.endswith(("wo.weight", "down.weight", "w_out")):
+            nn.init.normal_(p, 0.0, out_std)
+        else:
+            nn.init.normal_(p, 0.0, std)
+    for blk in self.blocks:
+        if blk.attn.window:
+            nn.init.zeros_(blk.attn.kv_gate.weight)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(n_experts=6, top_k=2), dict(tie_embeddings=True),
+    dict(loop=LoopConfig(start=1, length=2, n_loops=3)),
+    dict(loop=LoopConfig(start=1, length=2, n_loops=2, schedule="per_layer", part="attn")),
+    dict(loop=LoopConfig(start=1, length=2, n_loops=2, adapter="lora")),
+    dict(n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2, adapter="softmax")),
+    dict(loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True)),
+    dict(n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True, kv_window=3,
+                                              adapter="matrix")),
+])
+def test_init_by_declared_roles_equals_the_old_name_rule(kw, monkeypatch):
+    """Each module's RESIDUAL_OUT / OWN_INIT give bit-identical weights (and RNG state) to the suffix rule."""
+    with monkeypatch.context() as mp:
+        mp.setattr(GPT, "init_weights", _name_rule_init)
+        torch.manual_seed(3)
+        ref = GPT(tiny(**kw)).state_dict()
+        ref_next = torch.rand(4)
+    torch.manual_seed(3)
+    new = GPT(tiny(**kw)).state_dict()
+    assert new.keys() == ref.keys()
+    assert all(torch.equal(new[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(new[k], ref[k])]
+    assert torch.equal(torch.rand(4), ref_next)
+
+
+def test_residual_out_is_read_per_module_not_by_name():
+    """A module declaring an unusually named parameter in RESIDUAL_OUT gets the depth-scaled std;
+    an OWN_INIT module is left as it initialised itself."""
+    import model as model_lib
+
+    class Odd(torch.nn.Module):
+        RESIDUAL_OUT = ("back.to_stream",)
+
+        def __init__(self):
+            super().__init__()
+            self.w_in = torch.nn.Parameter(torch.empty(256, 256))
+            self.back = torch.nn.Module()
+            self.back.to_stream = torch.nn.Parameter(torch.empty(256, 256))
+
+    class Mine(torch.nn.Module):
+        OWN_INIT = True
+
+        def __init__(self):
+            super().__init__()
+            self.down = torch.nn.Parameter(torch.full((8, 8), 3.0))
+
+    torch.manual_seed(0)
+    m = GPT(tiny())
+    m.blocks[1].mlp, m.blocks[2].mlp = Odd(), Mine()
+    residual, own = model_lib.init_roles(m)
+    assert "blocks.1.mlp.back.to_stream" in residual and "blocks.1.mlp.w_in" not in residual
+    assert own == {"blocks.2.mlp.down"}
+    assert {"blocks.0.attn.wo.weight", "blocks.0.mlp.down.weight"} <= residual
+    m.init_weights()
+    out_std = 0.02 / (2 * len(m.plan)) ** 0.5
+    assert abs(m.blocks[1].mlp.back.to_stream.std().item() - out_std) < 0.1 * out_std
+    assert abs(m.blocks[1].mlp.w_in.std().item() - 0.02) < 0.002
+    assert torch.equal(m.blocks[2].mlp.down, torch.full((8, 8), 3.0))
+
+
 @pytest.mark.parametrize("kw,msg", [   # loops as dicts: LoopConfig(...) itself raises at construction
     (dict(n_head=4, n_kv_head=3), "n_head % n_kv_head"),
     (dict(n_experts=2, top_k=3), "top_k"),
@@ -265,7 +345,7 @@ def test_config_round_trips_through_json():
 # ---------------------------------------------------------------- head-dim rule, flex on CUDA
 
 def test_head_dim_rule_picks_sdpa_for_narrow_heads_on_cuda_and_names_the_field():
-    from model import FLEX_MIN_HEAD_DIM, attention_kernel
+    from attention import FLEX_MIN_HEAD_DIM, attention_kernel
     assert FLEX_MIN_HEAD_DIM == 16
     assert attention_kernel("auto", "cuda", 16, True, True) == "flex"
     assert attention_kernel("auto", "cuda", 8, True, True) == "sdpa"       # falls back, exact (tested below)
@@ -282,7 +362,7 @@ def test_head_dim_rule_picks_sdpa_for_narrow_heads_on_cuda_and_names_the_field()
 @pytest.mark.parametrize("preset", ["smoke", "tiny", "small", "medium", "paper"])
 def test_preset_ladders_keep_head_dim_at_least_16(preset):
     import budget
-    from model import FLEX_MIN_HEAD_DIM
+    from attention import FLEX_MIN_HEAD_DIM
     ctx = 0.9 * budget.PRESETS[preset]["block"]   # a document length (the data's is measured; none here)
     dims = {(r["scale"], r["arch"]): r["head_dim"] for r in budget.ladder(preset, ctx)}
     assert min(dims.values()) >= FLEX_MIN_HEAD_DIM, dims
@@ -310,7 +390,7 @@ def test_narrow_heads_keep_the_document_mask_on_the_sdpa_path():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 def test_cuda_flex_forward_and_backward_match_sdpa_on_the_document_mask(dtype, tol):
     """Flex attention (compiled kernel, compiled block mask) against SDPA with the boolean
-    block-diagonal causal mask: output and dq, dk, dv, with GQA, through model.attend.
+    block-diagonal causal mask: output and dq, dk, dv, with GQA, through attention.attend.
     The same comparison is the first figure of scripts/gpu_check.sh (bench.py flex)."""
     import bench
     r = bench.flex_vs_sdpa(torch.device("cuda"), B=2, H=4, Hkv=2, T=512, hd=64, dtype=dtype, mean_doc=100,
@@ -324,19 +404,19 @@ def test_cuda_flex_forward_and_backward_match_sdpa_on_the_document_mask(dtype, t
 def test_cuda_eager_flex_does_not_materialise_the_scores():
     """Validation runs the uncompiled model: its flex call must still be the compiled kernel with a
     compiled block mask. Eager flex would hold B x H x T x T fp32 scores (268 MB here)."""
+    import attention
     import bench
-    import model as model_lib
     dev = torch.device("cuda")
     B, H, T, hd = 8, 8, 1024, 64
     q, k, v = (torch.randn(B, H, T, hd, device=dev, dtype=torch.bfloat16) for _ in range(3))
     doc = bench.packed_doc_ids(B, T, 200).to(dev)
     pos = torch.arange(T, device=dev)
     with torch.no_grad():
-        model_lib.attend(q, k, v, pos, pos, doc, doc, 0, "flex", masks={})   # compiles
+        attention.attend(q, k, v, pos, pos, doc, doc, 0, "flex", masks={})   # compiles
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        model_lib.attend(q, k, v, pos, pos, doc, doc, 0, "flex", masks={})
+        attention.attend(q, k, v, pos, pos, doc, doc, 0, "flex", masks={})
         torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < B * H * T * T    # well under one byte per score
 

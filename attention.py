@@ -1,0 +1,338 @@
+"""Attention for the decoder: RoPE, grouped-query attention with document masks, KV caches.
+
+SMELT Sec. 3.1 and How to Loop share one attention: rotary position embedding (Llama's
+half-split layout), grouped-query attention with `head_dim` independent of d_model / n_head
+(budget matching changes head geometry), no biases, and document masking for packed contexts
+(SMELT 3.1: "segment-level attention masks").
+
+  * `rope_table`, `apply_rope`, `build_mask` (causal, same document, within a window).
+  * `attention_kernel` picks the kernel of one call: SDPA with a boolean block-diagonal causal
+    mask on CPU, flex attention with a block mask from the document ids on CUDA (it skips
+    masked tiles) except for heads narrower than 16, which CUDA flex cannot run; "math" is the
+    explicit softmax that probes read. `attend` runs it; masks are built once per forward.
+  * `KV`, `Cache`: every attention visit keeps its own KV cache (KV grows with executed
+    visits); PLT with `kv_window = w` shares loop 1's cache and keeps a ring of w positions
+    per later loop (How-to-Loop's KV sharing, mixed by a per-head gate).
+  * `Attention`: the sub-layer, with per-loop adapters on q/k/v/o inside a looped span
+    (loop.LoopAdapter, chosen by model.Block), PLT's batched one-token step and the
+    captures probes.py reads.
+
+Read model.py first (the block that calls this); design notes: docs/attention.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:   # annotations only: this file imports none of the project's modules
+    from typing import Callable
+
+    from loop import Visit
+    from model import Ctx, ModelConfig
+
+# ----------------------------------------------------------------------------------------
+# Rotary embedding and attention kernels
+
+def rope_table(block_size: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.outer(torch.arange(block_size, dtype=torch.float32), inv)   # (T, hd/2)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, T, hd), cos/sin (T, hd/2): rotate (first half, second half) pairs (Llama layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[None, None], sin[None, None]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).type_as(x)
+
+
+def build_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor | None,
+               window: int = 0) -> Tensor:
+    """Boolean (B|1, 1, T, S) mask, True = may attend: causal, same document, within window.
+
+    Positions are absolute token positions; a key position < 0 marks an empty cache slot.
+    """
+    m = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
+    if window:
+        m = m & (q_pos[:, None] - k_pos[None, :] < window)
+    m = m[None, None]
+    if q_doc is not None:
+        m = m & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+    return m
+
+
+# Inductor's CUDA flex-attention kernel multiplies q k^T and p v with tl.dot, which needs
+# head dims >= 16 ("NYI: embedding dimension ... must be at least 16"). CPU flex accepts smaller.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def attention_kernel(backend: str, device_type: str, head_dim: int, training_shape: bool, masked: bool) -> str:
+    """The kernel that runs one attention call: "flex", "sdpa" or "math" (the model-level head-dim rule).
+
+    backend is ModelConfig.attn_backend. "auto" takes flex attention on CUDA for full-sequence
+    attention with a document mask or window (it skips masked tiles) and SDPA everywhere else.
+    Heads narrower than FLEX_MIN_HEAD_DIM cannot run flex on CUDA: "auto" falls back to SDPA with
+    the boolean block-diagonal causal mask (exact, tested against flex), an explicit "flex" raises
+    a ValueError naming head_dim. Why a fallback for "auto" but an error for "flex": docs/attention.md.
+    """
+    if backend == "math":
+        return "math"
+    narrow = device_type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM
+    if backend == "flex":
+        if not training_shape:
+            raise ValueError("attn_backend='flex' supports full-sequence attention only (use sdpa for decoding)")
+        if narrow:
+            raise ValueError(f"attn_backend='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA (inductor's flex "
+                             f"kernel), got head_dim={head_dim}; use attn_backend='auto' (SDPA for such heads) "
+                             f"or a config with head_dim >= {FLEX_MIN_HEAD_DIM}")
+        return "flex"
+    if backend == "auto" and device_type == "cuda" and training_shape and masked and not narrow:
+        return "flex"
+    return "sdpa"
+
+
+_flex_compiled = None   # flex_attention compiled once per process for eager CUDA callers (validation)
+
+
+def _flex(q, k, v, doc: Tensor | None, window: int, masks: dict | None = None) -> Tensor:
+    """Flex attention with a block mask from document ids (training: S == T).
+
+    masks: the forward's cache of block masks (Ctx.masks), so a mask is built once per forward
+    and window, not once per attention visit. Inside torch.compile the mask construction and
+    flex_attention are traced into the caller's graph. Eager on CUDA (validation runs the
+    uncompiled model) the mask is built by create_block_mask's compiled path and the kernel is a
+    compiled flex_attention: the eager versions materialise B x H x T x T intermediates.
+    """
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    B, H, T, _ = q.shape
+    compiling = torch.compiler.is_compiling()
+    bm = None if masks is None else masks.get(("flex", window))
+    if bm is None:
+        def mask_mod(b, h, qi, ki):
+            ok = ki <= qi
+            if doc is not None:
+                ok = ok & (doc[b, qi] == doc[b, ki])
+            if window:
+                ok = ok & (qi - ki < window)
+            return ok
+
+        bm = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device,
+                               _compile=q.is_cuda and not compiling)
+        if masks is not None:
+            masks[("flex", window)] = bm
+    gqa = k.shape[1] != H
+    if q.is_cuda and not compiling:
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        return _flex_compiled(q, k, v, block_mask=bm, enable_gqa=gqa)
+    return flex_attention(q, k, v, block_mask=bm, enable_gqa=gqa)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None,
+           k_doc: Tensor | None, window: int, backend: str, want_probs: bool = False, masks: dict | None = None):
+    """q (B, H, T, hd), k/v (B, Hkv, S, hd) -> (out (B, H, T, hd), probs (B, H, T, S) or None).
+
+    masks: a per-forward dict where flex block masks are kept (Ctx.masks).
+    """
+    B, H, T, hd = q.shape
+    S = k.shape[2]
+    training_shape = S == T and k_doc is q_doc
+    kernel = "math" if want_probs else attention_kernel(backend, q.device.type, hd, training_shape,
+                                                         q_doc is not None or bool(window))
+    if kernel == "math":   # explicit softmax: probes read the probabilities
+        rep = H // k.shape[1]
+        kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        att = (q.float() @ kk.float().transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(~build_mask(q_pos, k_pos, q_doc, k_doc, window), float("-inf")).softmax(-1)
+        return (att @ vv.float()).type_as(q), (att if want_probs else None)
+    if kernel == "flex":
+        return _flex(q, k, v, q_doc, window, masks), None
+    gqa = k.shape[1] != H
+    if q_doc is None and not window and training_shape:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), None
+    if q_doc is None and not window and T == 1:   # one new token: every cached key is visible
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), None
+    mask = None if masks is None or not training_shape else masks.get(("bool", window))
+    if mask is None:
+        mask = build_mask(q_pos, k_pos, q_doc, k_doc, window)
+        if masks is not None and training_shape:
+            masks[("bool", window)] = mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa), None
+
+
+# ----------------------------------------------------------------------------------------
+# KV cache
+
+@dataclass
+class KV:
+    """One attention visit's cache. Full caches hold positions [0, max_len); rings hold the last w."""
+    k: Tensor                 # (B', Hkv, capacity, hd)
+    v: Tensor
+    ring: bool = False
+    pos: Tensor | None = None  # (capacity,) absolute position held in each ring slot, -1 = empty
+
+
+@dataclass
+class Cache:
+    kv: dict                   # slot name -> KV
+    batch_size: int
+    max_len: int
+    length: int = 0            # tokens held so far
+    plt_h: Tensor | None = None  # PLT: (r-1, B, D) span output of loops 1..r-1 at the previous token
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values allocated (what budget.kv_bytes_per_token accounts for)."""
+        return sum(c.k.nbytes + c.v.nbytes for c in self.kv.values())
+
+    def repeat(self, n: int) -> "Cache":
+        """A new cache with every batch row repeated n times in a row (row b -> rows b*n .. b*n+n-1).
+
+        For scoring several continuations of one prefilled context (eval.score_options). Stacked
+        PLT caches (rows l*B + b) and ring caches are repeated per loop; ring positions are shared.
+        """
+        if n < 1:
+            raise ValueError(f"Cache.repeat: n must be >= 1, got {n}")
+        B = self.batch_size
+
+        def rep(t: Tensor) -> Tensor:   # (r*B, ...) -> (r*B*n, ...), loop-major as before
+            return t.view(-1, B, *t.shape[1:]).repeat_interleave(n, dim=1).reshape(-1, *t.shape[1:])
+
+        kv = {name: KV(rep(c.k), rep(c.v), c.ring, None if c.pos is None else c.pos.clone())
+              for name, c in self.kv.items()}
+        plt_h = None if self.plt_h is None else self.plt_h.repeat_interleave(n, dim=1)
+        return Cache(kv, B * n, self.max_len, self.length, plt_h)
+
+
+# ----------------------------------------------------------------------------------------
+# The attention sub-layer
+
+class Attention(nn.Module):
+    RESIDUAL_OUT = ("wo.weight",)                       # GPT.init_weights: depth-scaled std
+    OWN_INIT = ("kv_gate.weight",)                      # zero-initialised here, skipped by GPT.init_weights
+    DECODE_PROJECTIONS = ("wq", "wk", "wv", "wo")       # cpu_fast.few_row_projections
+
+    def __init__(self, cfg: ModelConfig, layer: int,
+                 adapters: Callable[[dict[str, tuple[int, int]]], nn.ModuleDict] | None = None):
+        """adapters: None, or loop.make_adapters bound to cfg.loop (the block decides which layers get them)."""
+        super().__init__()
+        D, H, Hkv, hd = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.hd
+        self.n_head, self.n_kv_head, self.hd, self.backend = H, Hkv, hd, cfg.attn_backend
+        self.wq = nn.Linear(D, H * hd, bias=False)
+        self.wk = nn.Linear(D, Hkv * hd, bias=False)
+        self.wv = nn.Linear(D, Hkv * hd, bias=False)
+        self.wo = nn.Linear(H * hd, D, bias=False)
+        lc = cfg.loop
+        looped = lc.active and lc.in_span(layer)
+        self.adapters = (adapters({"q": (D, H * hd), "k": (D, Hkv * hd), "v": (D, Hkv * hd), "o": (H * hd, D)})
+                         if adapters is not None else None)
+        # PLT KV sharing: later loops mix attention over loop 1's keys with a window of their own
+        self.window = lc.kv_window if looped else 0
+        if self.window:
+            self.kv_gate = nn.Linear(D, H, bias=False)
+            nn.init.zeros_(self.kv_gate.weight)   # per-head gate starts at 1/2
+
+    def proj(self, name: str, lin: nn.Linear, x: Tensor, loop: int | None, n_loops: int) -> Tensor:
+        y = lin(x)
+        if self.adapters is not None:
+            if loop is None:   # stacked PLT batch: (r*B, T, d) -> loop dim first
+                xs = x.reshape(n_loops, -1, *x.shape[1:])
+                y = y + self.adapters[name](xs, None).reshape(y.shape)
+            else:
+                y = y + self.adapters[name](x, loop)
+        return y
+
+    def forward(self, x: Tensor, ctx: Ctx, visit: Visit, loop: int | None) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, hd, r = self.n_head, self.n_kv_head, self.hd, ctx.n_loops
+        q = self.proj("q", self.wq, x, loop, r).view(B, T, H, hd).transpose(1, 2)
+        k = self.proj("k", self.wk, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
+        v = self.proj("v", self.wv, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
+        cos, sin = ctx.cos, ctx.sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cap = ctx.capture.setdefault((visit.layer, visit.visit), {}) if ctx.capture is not None else None
+        if cap is not None:
+            cap.update(q=q, k=k, v=v)
+        if self.window and loop is None:
+            y = self._shared_kv_step(q, k, v, x, ctx, visit)
+        elif self.window and loop > 0:
+            y = self._shared_kv(q, k, v, x, ctx, visit)
+        else:
+            if self.window:   # loop 1 of a KV-sharing span: later loops read its keys
+                ctx.shared[visit.layer] = (k, v)
+            y, probs = self._attend_cached(q, k, v, ctx, visit, loop, cap is not None)
+            if cap is not None:   # (the KV-sharing paths mix two attentions: no single probability map)
+                cap["attn_probs"] = probs
+        y = y.transpose(1, 2).reshape(B, T, H * hd)                  # (B, T, H*hd): PV
+        out = self.proj("o", self.wo, y, loop, r)
+        if cap is not None:
+            cap.update(pv=y, o=out)
+        return out
+
+    def _attend_cached(self, q, k, v, ctx, visit, loop, want_probs):
+        if ctx.cache is None:
+            return attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, want_probs, ctx.masks)
+        kv, rows = ctx.slot(visit, loop)
+        p0, T = ctx.start, q.shape[2]
+        kv.k[rows, :, p0:p0 + T] = k
+        kv.v[rows, :, p0:p0 + T] = v
+        K, V = kv.k[rows, :, :p0 + T], kv.v[rows, :, :p0 + T]
+        k_pos = torch.arange(p0 + T, device=q.device)
+        return attend(q, K, V, ctx.q_pos, k_pos, None, None, 0, self.backend, want_probs)
+
+    def _mix(self, x, y_global, y_local):
+        g = torch.sigmoid(self.kv_gate(x)).transpose(1, 2)[..., None]  # (B, H, T, 1)
+        return g * y_global + (1 - g) * y_local
+
+    def _shared_kv(self, q, k, v, x, ctx, visit):
+        """Training / chunked decoding for a loop >= 2 with KV sharing (original PLT)."""
+        if ctx.cache is None:
+            k1, v1 = ctx.shared[visit.layer]
+            yg, _ = attend(q, k1, v1, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, masks=ctx.masks)
+            yl, _ = attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, self.window, "sdpa", masks=ctx.masks)
+            return self._mix(x, yg, yl)
+        p0, T = ctx.start, q.shape[2]
+        full, _ = ctx.slot(visit, 0)
+        K1, V1 = full.k[:, :, :p0 + T], full.v[:, :, :p0 + T]
+        yg, _ = attend(q, K1, V1, ctx.q_pos, torch.arange(p0 + T, device=q.device), None, None, 0, "sdpa")
+        ring, rows = ctx.slot(visit, visit.visit, ring=True)
+        yl = self._ring_attend(q, k, v, ring, rows, ctx)
+        return self._mix(x, yg, yl)
+
+    def _ring_attend(self, q, k, v, ring: KV, rows, ctx):
+        """Attend over (ring contents + new keys) within the window, then keep the last w in the ring."""
+        T = q.shape[2]
+        K = torch.cat([ring.k[rows], k], dim=2)
+        V = torch.cat([ring.v[rows], v], dim=2)
+        k_pos = torch.cat([ring.pos, ctx.q_pos])
+        y, _ = attend(q, K, V, ctx.q_pos, k_pos, None, None, self.window, "sdpa")
+        w = ring.k.shape[2]
+        keep = ctx.q_pos[-min(T, w):]
+        slots = keep % w
+        ring.k[rows, :, slots] = k[:, :, -len(keep):]
+        ring.v[rows, :, slots] = v[:, :, -len(keep):]
+        ctx.ring_pos_updates.append((ring, slots, keep))
+        return y
+
+    def _shared_kv_step(self, q, k, v, x, ctx, visit):
+        """Batched one-token PLT step with KV sharing: rows [0:B] are loop 1, the rest later loops."""
+        B = ctx.batch
+        full, _ = ctx.slot(visit, 0)
+        p0 = ctx.start
+        full.k[:, :, p0:p0 + 1] = k[:B]
+        full.v[:, :, p0:p0 + 1] = v[:B]
+        K1, V1 = full.k[:, :, :p0 + 1], full.v[:, :, :p0 + 1]
+        y1, _ = attend(q[:B], K1, V1, ctx.q_pos, torch.arange(p0 + 1, device=q.device), None, None, 0, "sdpa")
+        L1 = q.shape[0] // B - 1                                          # later loops
+        ql = q[B:].view(L1, B, *q.shape[1:]).permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, H, L1, hd)
+        yg = F.scaled_dot_product_attention(ql, K1, V1, enable_gqa=K1.shape[1] != ql.shape[1])
+        yg = yg.view(B, q.shape[1], L1, 1, -1).permute(2, 0, 1, 3, 4).flatten(0, 1)  # (L1*B, H, 1, hd)
+        ring, rows = ctx.slot(visit, None, ring=True)
+        yl = self._ring_attend(q[B:], k[B:], v[B:], ring, rows, ctx)
+        return torch.cat([y1, self._mix(x[B:], yg, yl)], dim=0)
