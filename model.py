@@ -292,11 +292,6 @@ def _check_sampling(max_new_tokens, temperature, top_k) -> None:
 # ----------------------------------------------------------------------------------------
 # Init roles: each module declares which of its parameters write into the residual stream
 
-# TEMPORARY, until moe.MoE declares RESIDUAL_OUT itself (the budget branch adds it): today's rule
-# scales MoE's "w_out"; delete this fallback after that merge.
-_RESIDUAL_OUT_FALLBACK = {MoE: ("w_out",)}
-
-
 def init_roles(model: nn.Module) -> tuple[set[str], set[str]]:
     """(residual-output parameter names, names of parameters whose module owns their init).
 
@@ -312,10 +307,7 @@ def init_roles(model: nn.Module) -> tuple[set[str], set[str]]:
             own.update(pre + n for n, _ in m.named_parameters())
         elif declared:
             own.update(pre + n for n in declared)
-        names = getattr(m, "RESIDUAL_OUT", None)
-        if names is None:
-            names = _RESIDUAL_OUT_FALLBACK.get(type(m), ())
-        residual.update(pre + n for n in names)
+        residual.update(pre + n for n in getattr(m, "RESIDUAL_OUT", ()))
     present = {n for n, _ in model.named_parameters()}   # a declared parameter may be optional (kv_gate)
     return residual & present, own & present
 
