@@ -92,9 +92,9 @@ from torch import Tensor
 
 import budget
 import cli
+import configs
 import data as data_mod
 from checks import JSONFileError, check_fields, from_dict, parse_json, read_json, require_keys
-from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
@@ -1299,26 +1299,13 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, run_dir: str | P
 # ----------------------------------------------------------------------------------------
 # CLI
 
-PRESETS = ("smoke-dense", "smoke-moe", "smoke-smelt")
-
-
-def preset_model(name: str, vocab_size: int) -> ModelConfig:
-    """Tiny named models for smoke runs (the reproduction's ladders live in budget.py / reproduce.py)."""
-    base = dict(vocab_size=vocab_size, block_size=64, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32)
-    moe = dict(n_experts=4, top_k=2)
-    kw = {"smoke-dense": {**base, "d_ff": 64}, "smoke-moe": {**base, **moe},   # smelt: middle half looped twice
-          "smoke-smelt": {**base, **moe, "loop": LoopConfig(*middle_span(4), n_loops=2)}}
-    if name not in kw:
-        raise ValueError(f"--preset must be one of {PRESETS}, got {name!r}")
-    return ModelConfig(**kw[name])
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser(__doc__.split("\n\n")[0])
     m = p.add_mutually_exclusive_group(required=True)
     m.add_argument("--model-json", help="path to a ModelConfig JSON (ModelConfig.to_dict())")
-    m.add_argument("--preset", choices=PRESETS, help="one of the smoke-size models (run-size presets are reproduce.py's)")
-    p.add_argument("--data", default="smoke", choices=[*data_mod.PRESETS, "synthetic"],
+    m.add_argument("--preset", choices=configs.MODEL_PRESETS,
+                   help="one of the smoke-size models (run-size presets are reproduce.py's)")
+    p.add_argument("--data", default="smoke", choices=[*configs.DATA_PRESETS, "synthetic"],
                    help="corpus preset for data.prepare, or random tokens")
     p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
     p.add_argument("--vocab-size", type=cli.positive_int, default=256, help="vocabulary of --data synthetic")
@@ -1359,7 +1346,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         data = data_mod.TokenData(data_dir)
     try:
         cfg = (ModelConfig.from_dict(read_json(a.model_json)) if a.model_json
-               else preset_model(a.preset, data.vocab_size))
+               else configs.preset_model(a.preset, data.vocab_size))
     except ValueError as e:
         raise ValueError(f"{a.model_json or '--preset ' + a.preset}: {e}") from e
     meta = {k: getattr(a, k) for k in ("arch", "scale", "sparsity_label") if getattr(a, k) is not None}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import configs
 import data
 
 
@@ -141,7 +142,8 @@ def test_corrupt_shard_is_named(smoke_dir, tmp_path):
 def test_missing_tool_skips_source_and_run_goes_on(tmp_path, monkeypatch, capsys):
     """A source whose package cannot be fetched is skipped with one line; its domain is recorded missing."""
     bogus = data.Source("finance", "bogus_ledger", ("deb:no-such-package",), ("usr/share/doc/x/*",))
-    monkeypatch.setitem(data.PRESETS, "smoke", dataclasses.replace(data.PRESETS["smoke"], offline=False))
+    monkeypatch.setitem(configs.DATA_PRESETS, "smoke",
+                        dataclasses.replace(configs.DATA_PRESETS["smoke"], offline=False))
     monkeypatch.setattr(data, "SOURCES", [s for s in data.SOURCES if s.packages[0] in ("stdlib", "generated")] + [bogus])
     monkeypatch.setattr(data.shutil, "which", lambda name: None)  # as on a system without apt: nothing is downloaded
     manifest = data.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
