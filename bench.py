@@ -224,7 +224,7 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256) -> 
     import configs
     import data as data_mod
     import train
-    cells = configs.preset_baselines(preset)
+    cells = budget.preset_baselines(preset)
     scale, label, base_cfg = cells[len(cells) // 2]
     s, m = middle_span(base_cfg.n_layer)
     ctx = base_cfg.block_size

@@ -468,6 +468,16 @@ def preset_doc_length(preset: str, data=None) -> float:
     return data_mod.measured_doc_length(data, p["block"])
 
 
+def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
+    """[(scale, sparsity label, Baseline ModelConfig)] for "tiny", "small" or "paper"."""
+    if preset not in configs.LADDERS:
+        raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
+    p = configs.LADDERS[preset]
+    return [(scale, label, ModelConfig(vocab_size=p["vocab"], block_size=p["block"], n_layer=L, d_model=d, n_head=nh,
+                                       n_kv_head=nkv, head_dim=hd, d_ff=ff, n_experts=E, top_k=p["top_k"]))
+            for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
+
+
 # Dense bf16 peak of one H200 (as H100 SXM: 989 TFLOP/s, no sparsity) and the MFU the cost estimates state.
 # 30 % is what a compiled small MoE step should reach on Hopper and has not been measured yet (no GPU has
 # run this code); gpu_check.sh measures it, and the estimate scales as 1 / MFU.
@@ -518,7 +528,7 @@ def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, **s
     so the match does not depend on it).
     """
     cells = []
-    for scale, label, base in configs.preset_baselines(preset):
+    for scale, label, base in preset_baselines(preset):
         if vocab_size is not None:
             base = replace(base, vocab_size=vocab_size)
         with warnings.catch_warnings():

@@ -4,16 +4,16 @@ A preset is a name for a size (DESIGN.md's table: smoke | tiny | small | medium 
 size means lives here as plain tables, so the code that uses them reads like its idea:
   * LADDERS       the Baseline grid of each run size (scales x expert pools, SMELT Appendix A for
                   `paper`) and budget.match's search options; budget.ladder_cells matches a SMELT to
-                  each Baseline (SMELT 3.2). preset_baselines builds the Baseline ModelConfigs.
+                  each Baseline (SMELT 3.2); budget.preset_baselines builds their ModelConfigs.
   * DATA_PRESETS  the corpus sizes data.prepare builds (smoke | tiny | small).
   * PLANS         what reproduce.py trains and evaluates per run size (WSD schedule, SMELT 3.1;
                   eval sizes; seeds), and the loop knobs the ladder is matched with: r = n_loops,
                   span_fraction (loop.middle_span), n_shared_experts; later stages read r from the runs.
-  * MODEL_PRESETS the three smoke models of `python train.py --preset`.
+  * SMOKE_MODELS  the three smoke models of `python train.py --preset` (train.preset_model).
   * SCRIPT_PRESETS, SWEEP_STEPS, SWEEP_EVAL_TOKENS  the sizes of the experiment scripts in scripts/.
   * plan_runs     what a plan expands to: every run (cell, arch, seed) and its directory, named by
                   cell_key / run_name; reproduce.py trains them, report.py and train_plots.py read them.
-Imports only model.py and loop.py, so every module may import it. Why each number is what it is:
+Plain tables that import nothing of the project, so any module may read them. Why each number is:
 docs/configs.md and the README's "The tiny plan". Read next: budget.py (the ladders matched),
 reproduce.py (the plans run).
 """
@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loop import LoopConfig, middle_span
-from model import ModelConfig
 
 # ----------------------------------------------------------------------------------------
 # Model ladders (SMELT Appendix A): the Baselines budget.ladder_cells matches a SMELT to
@@ -81,16 +79,6 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
     "paper": dict(scales=[(s, H, L, nh, 2, hd, F) for s, H, L, F, hd, nh in PAPER_SCALES], pools=PAPER_POOLS,
                   top_k=8, vocab=PAPER_VOCAB, block=4096, data=None),
 }
-
-
-def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
-    """[(scale, sparsity label, Baseline ModelConfig)] for "tiny", "small" or "paper"."""
-    if preset not in LADDERS:
-        raise ValueError(f"preset must be one of {sorted(LADDERS)}, got {preset!r}")
-    p = LADDERS[preset]
-    return [(scale, label, ModelConfig(vocab_size=p["vocab"], block_size=p["block"], n_layer=L, d_model=d, n_head=nh,
-                                       n_kv_head=nkv, head_dim=hd, d_ff=ff, n_experts=E, top_k=p["top_k"]))
-            for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
 
 
 # ----------------------------------------------------------------------------------------
@@ -231,18 +219,12 @@ def run_dirs(out: Path, ladder: list[dict]) -> list[tuple[dict, str, Path]]:
 # ----------------------------------------------------------------------------------------
 # Smoke models (`python train.py --preset NAME`) and the experiment scripts' sizes
 
-MODEL_PRESETS = ("smoke-dense", "smoke-moe", "smoke-smelt")
-
-
-def preset_model(name: str, vocab_size: int) -> ModelConfig:
-    """Tiny named models for smoke runs (the reproduction's ladders are LADDERS above)."""
-    base = dict(vocab_size=vocab_size, block_size=64, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32)
-    moe = dict(n_experts=4, top_k=2)
-    kw = {"smoke-dense": {**base, "d_ff": 64}, "smoke-moe": {**base, **moe},   # smelt: middle half looped twice
-          "smoke-smelt": {**base, **moe, "loop": LoopConfig(*middle_span(4), n_loops=2)}}
-    if name not in kw:
-        raise ValueError(f"--preset must be one of {MODEL_PRESETS}, got {name!r}")
-    return ModelConfig(**kw[name])
+SMOKE_MODEL_BASE = dict(block_size=64, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32)
+SMOKE_MODELS = {   # train.preset_model: SMOKE_MODEL_BASE with these fields; n_loops: the middle half looped
+    "smoke-dense": dict(d_ff=64),
+    "smoke-moe": dict(n_experts=4, top_k=2),
+    "smoke-smelt": dict(n_experts=4, top_k=2, n_loops=2),   # smelt: middle half looped twice
+}
 
 
 SCRIPT_PRESETS = ("smoke", "tiny", "small")

@@ -23,9 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import budget
 import configs
-from model import ModelConfig
 
 
 # ----------------------------------------------------------------------------------------
@@ -91,15 +89,12 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
     return out
 
 
-def probe_claims(prb: dict) -> list[dict]:
-    """probes.claims with a verdict that needs both intervals: held-out sampling (bootstrap over document
+def probe_claims(claims: list[dict]) -> list[dict]:
+    """probes.claims(prb) with a verdict that needs both intervals: held-out sampling (bootstrap over document
     groups, the mean over pairs) and training (a t-interval over the pairs, seed replicates included)."""
-    import probes
     import stats
-    if not prb.get("pairs"):
-        return []
     out = []
-    for c in probes.claims(prb):
+    for c in claims:
         v1 = stats.verdict(c["interval"], c["direction"], c["value"])
         v2 = stats.verdict(c.get("across_pairs"), c["direction"], c["value"])
         c["verdict"] = v1 if v1 == v2 else "not resolved"
@@ -107,7 +102,7 @@ def probe_claims(prb: dict) -> list[dict]:
     return out
 
 
-def _claim_rows(ts: dict, scal: dict, prb: dict, ev_sum: dict) -> list[list[str]]:
+def _claim_rows(ts: dict, scal: dict, pclaims: list[dict], ev_sum: dict) -> list[list[str]]:
     rows = []
     c = ts["cells"]
     rows.append(["SMELT has lower validation loss than its matched Baseline in every cell (Sec. 4.1)", "16 / 16",
@@ -119,7 +114,7 @@ def _claim_rows(ts: dict, scal: dict, prb: dict, ev_sum: dict) -> list[list[str]
                      "-0.019 / -0.022 nats at 200M, S~85 / 95 % (Table 3.3, one seed each)", _iv(r["diff"], 4),
                      r["verdict"]])
     rows.append(_ce_gain_claim(scal))
-    for c in probe_claims(prb):
+    for c in pclaims:
         iv = c["interval"].fmt(3) if c["interval"] else "no pair has it"
         tr = f"; over pairs {c['across_pairs'].fmt(3)}" if c.get("across_pairs") else ""
         rows.append([f"{c['what']} {c['direction']} {c['value']:g} ({c['figure']})", c["paper"], iv + tr,
@@ -193,6 +188,8 @@ def _section_summary(plan_name: str, summary: dict) -> list[str]:
 
 
 def _section_plan(plan: configs.Plan, ladder: list[dict], rows: list[dict], cost: dict) -> list[str]:
+    import budget   # here, not at the top: rendering markdown needs no model code
+    from model import ModelConfig
     n_runs = len(cost["runs"])
     params = [budget.count_params(ModelConfig.from_dict(c[a]))["blocks"] for c in ladder for a in ("baseline", "smelt")]
     active = [budget.count_params(ModelConfig.from_dict(c[a]))["active"] for c in ladder for a in ("baseline", "smelt")]
@@ -347,11 +344,10 @@ def visits_label(r: int | None) -> str:
     return f"visits 2-{r} (visit v+1 vs v)" if r else "later visits (visit v+1 vs v)"
 
 
-def _section_probes(prb: dict, out: Path, r: int | None = 2) -> list[str]:
+def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> list[str]:
     L = [f"## Probes of {visits_label(r)} (SMELT 6)", ""]
     if not prb.get("pairs"):
         return L + ["Not run (stage skipped).", ""]
-    cl = probe_claims(prb)
     L += [f"Every matched pair ({len(prb['pairs'])}, seed replicates included) on one held-out sample of "
           f"{prb['sample']['tokens']} tokens ({prb['sample']['units']} document groups) drawn equally from the "
           f"domains {', '.join(prb['sample']['domains'])}. Each quantity: its mean over pairs "
@@ -375,16 +371,18 @@ def _section_probes(prb: dict, out: Path, r: int | None = 2) -> list[str]:
 
 
 def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev_sum, scal, prb, summary: dict,
-                 ts: dict, cost: dict) -> Path:
+                 ts: dict, cost: dict, pclaims: list[dict] = ()) -> Path:
+    """REPORT.md from the stages' results; pclaims: probe_claims(probes.claims(prb)) ([] without probes)."""
+    pclaims = list(pclaims) if prb.get("pairs") else []
     L = _section_summary(plan_name, summary)
     L += _section_plan(plan, ladder, rows, cost)
     L += _section_ladder(ladder)
     L += _section_training(ts, rows, ladder)
     L += _section_scaling(scal, out)
     L += _section_downstream(ev_sum, out)
-    L += _section_probes(prb, out, loop_count(ladder))
+    L += _section_probes(prb, pclaims, out, loop_count(ladder))
     L += ["## Claims: reproduced, contradicted or not resolved", ""]
-    L += _md_table(["paper claim", "paper", "this run (95 % interval)", "verdict"], _claim_rows(ts, scal, prb, ev_sum))
+    L += _md_table(["paper claim", "paper", "this run (95 % interval)", "verdict"], _claim_rows(ts, scal, pclaims, ev_sum))
     L += [""]
     path = out / "REPORT.md"
     path.write_text("\n".join(L))

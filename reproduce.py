@@ -342,6 +342,14 @@ def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dic
     return res
 
 
+def probe_verdicts(prb: dict) -> list[dict]:
+    """The probe claims with their verdicts (report.probe_claims of probes.claims); [] without probes."""
+    if not prb.get("pairs"):
+        return []
+    import probes
+    return reporting.probe_claims(probes.claims(prb))
+
+
 # ----------------------------------------------------------------------------------------
 # Command line
 
@@ -409,7 +417,8 @@ def main(argv=None) -> Path:
     prb = timed("probes", stage_probes, plan, ladder, data, out) if "probes" not in args.skip else {}
     summary = reporting.run_summary(args.preset, stage_s, time.time() - t0)
     write_json(out / "summary.json", summary)
-    report = reporting.write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, summary, train_sum, cost)
+    report = reporting.write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, summary, train_sum, cost,
+                                    probe_verdicts(prb))
     log(f"done in {(time.time() - t0) / 60:.1f} min: {report}")
     return report
 

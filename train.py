@@ -95,6 +95,7 @@ import cli
 import configs
 import data as data_mod
 from checks import JSONFileError, check_fields, from_dict, parse_json, read_json, require_keys
+from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
@@ -1299,12 +1300,23 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, run_dir: str | P
 # ----------------------------------------------------------------------------------------
 # CLI
 
+PRESETS = tuple(configs.SMOKE_MODELS)
+
+
+def preset_model(name: str, vocab_size: int) -> ModelConfig:
+    """Tiny named models for smoke runs (configs.SMOKE_MODELS; the reproduction's ladders are configs.LADDERS)."""
+    if name not in configs.SMOKE_MODELS:
+        raise ValueError(f"--preset must be one of {PRESETS}, got {name!r}")
+    kw = {"vocab_size": vocab_size, **configs.SMOKE_MODEL_BASE, **configs.SMOKE_MODELS[name]}
+    r = kw.pop("n_loops", 1)
+    return ModelConfig(**kw, loop=LoopConfig(*middle_span(kw["n_layer"]), n_loops=r) if r > 1 else LoopConfig())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli.parser(__doc__.split("\n\n")[0])
     m = p.add_mutually_exclusive_group(required=True)
     m.add_argument("--model-json", help="path to a ModelConfig JSON (ModelConfig.to_dict())")
-    m.add_argument("--preset", choices=configs.MODEL_PRESETS,
-                   help="one of the smoke-size models (run-size presets are reproduce.py's)")
+    m.add_argument("--preset", choices=PRESETS, help="one of the smoke-size models (run-size presets are reproduce.py's)")
     p.add_argument("--data", default="smoke", choices=[*configs.DATA_PRESETS, "synthetic"],
                    help="corpus preset for data.prepare, or random tokens")
     p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
@@ -1346,7 +1358,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         data = data_mod.TokenData(data_dir)
     try:
         cfg = (ModelConfig.from_dict(read_json(a.model_json)) if a.model_json
-               else configs.preset_model(a.preset, data.vocab_size))
+               else preset_model(a.preset, data.vocab_size))
     except ValueError as e:
         raise ValueError(f"{a.model_json or '--preset ' + a.preset}: {e}") from e
     meta = {k: getattr(a, k) for k in ("arch", "scale", "sparsity_label") if getattr(a, k) is not None}

@@ -127,7 +127,7 @@ class Experiment:
     def cells(self) -> list[tuple[str, str, ModelConfig]]:
         vocab = self.load_data().vocab_size
         return [(s, lab, replace(c, vocab_size=vocab, block_size=self.plan.block_size))
-                for s, lab, c in configs.preset_baselines(self.plan.ladder)]
+                for s, lab, c in budget.preset_baselines(self.plan.ladder)]
 
     def base(self, scale: str | None = None, label: str | None = None) -> tuple[str, str, ModelConfig]:
         """A preset Baseline: default the deepest scale (most span/depth points) at S~85 % (the paper's

@@ -226,7 +226,7 @@ def test_match_presets_within_tolerance_and_buildable(preset):
             assert cfg.n_experts > base.n_experts                   # narrower, more experts (SMELT 3.2)
             assert cfg.hd >= 16 and base.hd >= 16                    # CUDA flex attention's minimum
             assert rep["params_ratio"] == budget.count_params(cfg)["blocks"] / budget.count_params(base)["blocks"]
-    for scale, label, base in configs.preset_baselines(preset):
+    for scale, label, base in budget.preset_baselines(preset):
         if preset == "tiny":
             model = GPT(base)
             c = budget.count_params(base)
@@ -235,7 +235,7 @@ def test_match_presets_within_tolerance_and_buildable(preset):
 
 def test_presets_have_s0_control_cells():
     for preset in ("smoke", "tiny", "small", "paper"):
-        cells = configs.preset_baselines(preset)
+        cells = budget.preset_baselines(preset)
         scales = {s for s, _, _ in cells}
         for scale in scales:   # every scale has its S = 0 control: every expert active, S measured 0
             ctl = [b for s, lab, b in cells if s == scale and lab == configs.CONTROL_LABEL]
@@ -294,14 +294,14 @@ def test_match_warns_when_nothing_fits():
     with pytest.warns(RuntimeWarning, match="no candidate within tolerance"):
         cfg, rep = budget.match(dense, LoopConfig(1, 2, 2), 256)
     assert not rep["within_tolerance"] and "no candidate" in rep["message"]
-    base = configs.preset_baselines("tiny")[0][2]
+    base = budget.preset_baselines("tiny")[0][2]
     with pytest.warns(RuntimeWarning):
         _, rep = budget.match(base, LoopConfig(1, 2, 2), 100, tolerances={"params": 1e-9})
     assert not rep["within_tolerance"]
 
 
 def test_bad_inputs_raise_clear_errors():
-    base = configs.preset_baselines("tiny")[0][2]
+    base = budget.preset_baselines("tiny")[0][2]
     loop = budget.smelt_loop(base.n_layer)
     for ctx in (0, -5, None, "256", 10_000, float("nan")):
         with pytest.raises(ValueError, match="ctx_len"):
@@ -327,12 +327,12 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="N0"):
         budget.sparsity(1.0, 1.0, 1.0, 0.0)
     with pytest.raises(ValueError, match="preset"):
-        configs.preset_baselines("huge")
+        budget.preset_baselines("huge")
 
 
 def test_presets_sparsity_labels_and_spans():
     for preset in ("tiny", "small"):
-        for scale, label, base in configs.preset_baselines(preset):
+        for scale, label, base in budget.preset_baselines(preset):
             s = budget.config_sparsity(base, DOC_LENGTHS[preset][-2])
             assert abs(100 * s - float(label[2:-1])) < 3.0, (scale, label, s)
             start, length = budget.middle_span(base.n_layer)
@@ -346,6 +346,6 @@ def test_cli(capsys, tmp_path):
     assert "SMELT" in text and "4/4 cells within tolerance" in text and "document length 120.0 (given)" in text
     assert len(json.loads(out.read_text())) == 8
     cfg_file = tmp_path / "config.json"
-    cfg_file.write_text(configs.preset_baselines("tiny")[0][2].to_json())
+    cfg_file.write_text(budget.preset_baselines("tiny")[0][2].to_json())
     budget.main(["--config", str(cfg_file)])
     assert "flops_per_token" in capsys.readouterr().out
