@@ -1,41 +1,22 @@
 """Performance benchmarks (not tests): attention, compiled training steps, MoE kernels, decode, MFU.
 
-Each benchmark measures the things it compares side by side in one process and prints the
-ratios, so a figure never depends on another machine's or another run's timing. Targets
-(from the issues) are printed beside the measurement; nothing here asserts.
-
-  flex    (CUDA) flex attention against SDPA with the boolean block-diagonal causal mask on a
-          packed batch of documents, forward and backward through attention.attend: largest
-          output and gradient differences, and the time of each (bf16, then fp32 differences).
-  steps   (CUDA) the compiled training step (train.Objective, model.compile_model with
-          fullgraph=True, bf16 autocast) of a dense, an MoE, a SMELT (MoE, middle half x2) and
-          a PLT config: compile seconds, graphs, step time, host syncs in a steady-state step
-          (torch.cuda sync debug mode), loss against the eager step, the MoE kernel "auto" took.
-  moe     MoE layer forward+backward at d_model 256, d_ff 128, 64 experts, top-8, 4096 tokens,
-          on the path training takes: fp32 eager on CPU (the "loop" kernel), and the compiled
-          static fallback ("padded") beside it; on CUDA the fp32 module under bf16 autocast,
-          eager and compiled, with torch._grouped_mm, the padded fallback and the loop. Against
-          a dense SwiGLU with the same active FLOPs (width top_k * d_ff = 1024) and the slow
-          split/cat reference. Target: MoE <= 1.5x dense.
-  decode  batch-1 time per generated token: unlooped model, sequential 2-loop middle span,
-          PLT 2-loop middle span of the same width. Target: PLT <= 1.15x unlooped; sequential
-          near the executed-depth ratio (executed / physical layers). On CPU each model is
-          also timed with cpu_fast.few_row_projections' layout turned off (plain F.linear).
-  train   training tokens/s of a preset's matched Baseline / SMELT pair (tiny on CPU, small on
-          CUDA); time per token ratio vs FLOP ratio (target: within 15 %); the two models
-          alternate steps. On CUDA compiled as train.py compiles, bf16 autocast, rows packed
-          with documents (so attention takes the flex path training takes), and MFU against
-          train.peak_flops (targets dense >= 45 %, SMELT MoE >= 40 %).
-
-Every figure goes to one JSON (--out-dir DIR: DIR/bench.json): the file is updated after each
-benchmark, keys already in it from an earlier call are kept (scripts/gpu_check.sh runs the
-benchmarks as separate time-limited steps into one file), and a benchmark that fails leaves
-{"error": ...} under its name while the others still run (exit status 1).
-
-Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the
-median of the timed rounds (torch.cuda.synchronize on GPU). Taking turns matters on a shared
-CPU: timing A's ten steps and then B's let the machine's drift decide the ratio (the train pair
-read 1.02-1.06 one after the other and 1.17-1.21 taking turns, in the same hour).
+Each benchmark measures what it compares side by side in one process and prints the ratios, so a
+figure never depends on another machine's or run's timing; targets are printed beside, nothing asserts.
+  flex    (CUDA) flex attention vs SDPA with the block-diagonal causal mask (attention.attend): output
+          and gradient differences, and the time of each.
+  steps   (CUDA) the compiled training step (train.Objective, model.compile_model) of a dense, an
+          MoE, a SMELT and a PLT config: compile seconds, graphs, step time, host syncs, loss vs eager.
+  moe     MoE layer forward+backward (d_model 256, d_ff 128, 64 experts, top-8, 4096 tokens) on the
+          path training takes, against a dense SwiGLU of the same active FLOPs. Target: <= 1.5x dense.
+  decode  batch-1 time per generated token: unlooped, sequential 2-loop and PLT 2-loop middle span.
+          Target: PLT <= 1.15x unlooped; sequential near the executed-depth ratio.
+  train   training tokens/s of a preset's matched Baseline / SMELT pair (configs.LADDERS; tiny on CPU,
+          small on CUDA): time per token vs FLOP ratio (target: within 15 %); MFU on CUDA.
+Every figure goes to one JSON (--out-dir DIR: DIR/bench.json), updated after each benchmark and merged
+with keys already there; a failing benchmark leaves {"error": ...} and the others still run (exit 1).
+Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the median
+of the timed rounds. Each benchmark in full, and why turns matter on a shared CPU: docs/bench.md.
+Read first: model.py, moe.py (what is measured).
 """
 from __future__ import annotations
 
@@ -240,6 +221,7 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256) -> 
     models are compiled (static shapes, as train.py) and the rows carry document ids.
     """
     import budget
+    import configs
     import data as data_mod
     import train
     cells = budget.preset_baselines(preset)
@@ -247,7 +229,7 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256) -> 
     s, m = middle_span(base_cfg.n_layer)
     ctx = base_cfg.block_size
     smelt_cfg, report = budget.match(base_cfg, LoopConfig(start=s, length=m, n_loops=2), ctx,
-                                     **budget.PRESETS[preset].get("search", {}))
+                                     **configs.LADDERS[preset].get("search", {}))
     res = {"cell": f"{scale}/{label}", "match": report, "batch_size": batch_size, "block_size": ctx}
     cuda = device.type == "cuda"
     doc = packed_doc_ids(batch_size, ctx, mean_doc).to(device) if cuda else None
@@ -438,12 +420,12 @@ def _update_json(path: str, key: str, value) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import budget
+    import configs
     ap = cli.parser(__doc__)
     ap.add_argument("which", nargs="*", metavar="{" + ",".join(BENCHMARKS) + "}",
                     help="benchmarks to run (default: moe, decode, train; on CUDA also flex and steps, first)")
     cli.add_device(ap)
-    ap.add_argument("--train-preset", default=None, choices=list(budget.PRESETS),
+    ap.add_argument("--train-preset", default=None, choices=list(configs.LADDERS),
                     help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
     ap.add_argument("--train-batch", type=cli.positive_int, default=None,
                     help="sequences per step in the train benchmark (default: 8 on CPU, 32 on CUDA)")

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 import cli
+import configs
 import loop as looping
 from loop import LoopConfig, middle_span
 from model import ModelConfig
@@ -484,62 +485,7 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
 
 
 # ----------------------------------------------------------------------------------------
-# Presets and ladders (SMELT Appendix A)
-
-# Appendix A's Baselines, rebuilt. The paper gives H, L, pool sizes, active/total parameters and S;
-# expert width and head geometry are solved from those columns (they reproduce every published
-# active/total count to the printed digits): (scale, H, L, expert d_ff, head_dim, n_head; n_kv_head = 2).
-PAPER_SCALES = [("100M", 672, 10, 544, 112, 6), ("200M", 1280, 12, 432, 128, 10),
-                ("600M", 1792, 20, 600, 128, 14), ("1.6B", 2304, 30, 768, 128, 18)]
-PAPER_POOLS = [("S=0%", 8), ("S~85%", 64), ("S~95%", 192), ("S~97%", 336)]
-PAPER_VOCAB = 128_256   # not stated by the paper; irrelevant to the ratios (head excluded, see below)
-# Document length at which our FLOPs reproduce the paper's 200M example (Baseline 1.33e9 FLOPs/token,
-# SMELT +2.9 %): packed 4096-token contexts with segment masks, attention at the document length.
-PAPER_DOC_LEN = 833
-# Published (SMELT Appendix A) for comparison only: Baseline S, SMELT H, experts, F ratio, KV ratio.
-PAPER_PUBLISHED = {
-    "100M": [(0.0, 576, 16, 1.081, 1.018), (86.0, 576, 96, 1.024, 0.964), (95.2, 576, 288, 1.031, 0.964), (97.2, 576, 504, 1.039, 0.964)],
-    "200M": [(0.0, 1056, 16, 1.039, 1.031), (84.3, 1056, 96, 1.021, 1.031), (94.6, 1056, 288, 1.029, 1.031), (96.9, 1056, 504, 1.037, 1.031)],
-    "600M": [(0.0, 1408, 16, 1.046, 1.031), (84.5, 1408, 96, 1.007, 1.031), (94.7, 1512, 288, 1.024, 0.984), (96.9, 1512, 504, 1.031, 0.984)],
-    "1.6B": [(0.0, 1848, 16, 1.022, 0.984), (84.5, 1848, 96, 1.000, 0.984), (94.7, 1848, 288, 1.004, 0.984), (96.9, 1848, 504, 1.008, 0.984)],
-}
-
-# Our presets (S labels: the Baseline's measured S, head excluded, at the data's document length).
-# tiny: a 2-core CPU (vocab 4096 = the data module's tiny tokenizer, 128-token contexts, top-2 of
-# 2 experts (the S = 0 control: every expert active) or 16 experts of width 2D -> S ~ 85 %);
-# small / medium: one GPU (top-4 of 4 / 32 / 96 experts of width D -> S = 0 / ~85 / ~95 %). Every depth gives a
-# middle-half span of >= 2 layers; every head_dim is >= 16 (CUDA flex attention's minimum).
-#               (scale, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff)
-TINY_SCALES = [("t64", 64, 4, 4, 2, 16, 128), ("t96", 96, 4, 6, 2, 16, 192)]
-SMALL_SCALES = [("s128", 128, 4, 4, 2, 32, 128), ("s160", 160, 6, 4, 2, 40, 160), ("s192", 192, 6, 6, 2, 32, 192)]
-MEDIUM_SCALES = [("s256", 256, 6, 4, 2, 64, 256), ("s384", 384, 8, 6, 2, 64, 384), ("s512", 512, 8, 8, 2, 64, 512)]
-SMOKE_SCALES = [("m48", 48, 4, 2, 2, 24, 48), ("m64", 64, 4, 4, 2, 16, 64)]
-CONTROL_LABEL = "S=0%"   # the sparsity label of the S = 0 control cells (a property of the cell, SMELT 3.1)
-# With few experts (the S = 0 cells: 2 -> 3 or 4 at tiny, 4 -> 6 at small) one expert is a large share
-# of the parameters, and the default +-25 % d_ff / query bands leave some cells outside SMELT's
-# tolerances at some document lengths. +-50 % bands (and, at tiny widths, 2-aligned d_model / d_ff)
-# match every cell at every document length from 40 to 128 (tiny) and 200 to 1024 (small) (tested); the
-# sparse cells barely move, since shape closeness to the Baseline breaks ties.
-WIDE_SEARCH = dict(ff_band=0.5, q_band=0.5)
-TINY_SEARCH = dict(WIDE_SEARCH, ff_multiple=2, d_multiple=2)
-PRESETS = {  # pools (label, experts), top_k, vocab, block_size, data preset whose document length F is measured at,
-             # budget.match search options
-    "smoke": dict(scales=SMOKE_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=512, block=64,
-                  data="smoke", search=TINY_SEARCH),
-    "tiny": dict(scales=TINY_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=4096, block=128,
-                 data="tiny", search=TINY_SEARCH),
-    # small: d 128-192 so that every run's three fp32 endpoints (and ckpt.pt, their copy) fit 10 GB in all
-    # and a run's ~30M tokens (the small corpus holds ~20M) give 5-25 tokens per dense-equivalent parameter;
-    # medium: d 256-512 (3.4B parameters over its runs, ~100 GB of endpoints)
-    "small": dict(scales=SMALL_SCALES, pools=[(CONTROL_LABEL, 4), ("S~85%", 32), ("S~95%", 96)], top_k=4,
-                  vocab=16384, block=1024, data="small", search=WIDE_SEARCH),
-    "medium": dict(scales=MEDIUM_SCALES, pools=[(CONTROL_LABEL, 4), ("S~85%", 32), ("S~95%", 96)], top_k=4,
-                   vocab=16384, block=1024, data="small", search=WIDE_SEARCH),
-    # the paper's grid at the paper's document length (its own data is internal): see PAPER_DOC_LEN
-    "paper": dict(scales=[(s, H, L, nh, 2, hd, F) for s, H, L, F, hd, nh in PAPER_SCALES], pools=PAPER_POOLS,
-                  top_k=8, vocab=PAPER_VOCAB, block=4096, data=None),
-}
-
+# Ladders (SMELT Appendix A; the preset tables are configs.LADDERS)
 
 def preset_doc_length(preset: str, data=None) -> float:
     """The document length a preset's ladder is matched at (and its runs' F is counted at).
@@ -548,13 +494,13 @@ def preset_doc_length(preset: str, data=None) -> float:
     measured effective document length of the preset's prepared training data at the preset's block
     size (data.measured_doc_length, the same number train.py puts in every results row); `data` is
     a TokenData (default: the preset's prepared data in the cache). The paper preset uses the
-    paper's own document length, PAPER_DOC_LEN, at which our accounting reproduces Appendix A.
+    paper's own document length, configs.PAPER_DOC_LEN, at which our accounting reproduces Appendix A.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    p = PRESETS[preset]
+    if preset not in configs.LADDERS:
+        raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
+    p = configs.LADDERS[preset]
     if p["data"] is None:
-        return float(PAPER_DOC_LEN)
+        return float(configs.PAPER_DOC_LEN)
     import data as data_mod
     if data is None:
         path = data_mod.default_data_dir(p["data"])
@@ -568,9 +514,9 @@ def preset_doc_length(preset: str, data=None) -> float:
 
 def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
     """[(scale, sparsity label, Baseline ModelConfig)] for "tiny", "small" or "paper"."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    p = PRESETS[preset]
+    if preset not in configs.LADDERS:
+        raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
+    p = configs.LADDERS[preset]
     return [(scale, label, ModelConfig(vocab_size=p["vocab"], block_size=p["block"], n_layer=L, d_model=d, n_head=nh,
                                        n_kv_head=nkv, head_dim=hd, d_ff=ff, n_experts=E, top_k=p["top_k"]))
             for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
@@ -634,7 +580,7 @@ def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, n_l
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
             cfg, rep = match(base, smelt_loop(base.n_layer, n_loops, span_fraction), ctx_len,
-                             **{**PRESETS[preset].get("search", {}), **search})
+                             **{**configs.LADDERS[preset].get("search", {}), **search})
         cells.append({"scale": scale, "sparsity_label": label, "ctx_len": float(ctx_len),
                       "baseline": base.to_dict(), "smelt": cfg.to_dict(), "match": rep})
     return cells
@@ -645,12 +591,12 @@ def ladder(preset: str, ctx_len: float | None = None, n_loops: int = 2, span_fra
     """Baseline and matched SMELT table rows for every cell of a preset's grid (scales x sparsities).
 
     ctx_len: document length for FLOPs (default: `preset_doc_length(preset)`, the measured document
-    length of the preset's prepared data; the paper's PAPER_DOC_LEN for the paper grid). FLOPs leave
+    length of the preset's prepared data; the paper's configs.PAPER_DOC_LEN for the paper grid). FLOPs leave
     the output head out (SMELT's convention); rows also give the head-inclusive count. n_loops,
     span_fraction, n_shared_experts: as ladder_cells.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    if preset not in configs.LADDERS:
+        raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
     ctx = preset_doc_length(preset) if ctx_len is None else ctx_len
     rows = []
     cells = ladder_cells(preset, ctx, n_loops=n_loops, span_fraction=span_fraction,
@@ -665,7 +611,7 @@ def ladder(preset: str, ctx_len: float | None = None, n_loops: int = 2, span_fra
                    flops_ratio_with_head=rep["flops_ratio_other_head"] if not rep["include_head"]
                    else rep["flops_ratio"], within_tolerance=rep["within_tolerance"], seconds=rep["seconds"])
         if preset == "paper":
-            pub = PAPER_PUBLISHED[scale][i % len(PAPER_POOLS)]
+            pub = configs.PAPER_PUBLISHED[scale][i % len(configs.PAPER_POOLS)]
             rows[-1]["paper_S"] = pub[0]
             row.update(paper_d_model=pub[1], paper_n_experts=pub[2], paper_flops_ratio=pub[3], paper_kv_ratio=pub[4])
         rows.append(row)
@@ -708,7 +654,7 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = cli.parser("Budget accounting and SMELT budget matching (see the module docstring).")
-    ap.add_argument("--ladder", choices=list(PRESETS), help="print the matched Baseline/SMELT grid of a preset")
+    ap.add_argument("--ladder", choices=list(configs.LADDERS), help="print the matched Baseline/SMELT grid of a preset")
     ap.add_argument("--config", help="print the accounting of a ModelConfig JSON file (e.g. a run's config.json)")
     ap.add_argument("--ctx-len", type=cli.positive_float, default=None, help="document length for attention FLOPs "
                     "(default: measured on the preset's prepared data, the paper's 833 for --ladder paper; "
@@ -740,8 +686,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         rows = ladder(args.ladder, args.ctx_len, n_loops=args.loops, span_fraction=args.span_fraction,
                       n_shared_experts=args.shared_experts)
-        src = "given" if args.ctx_len else ("the paper's" if PRESETS[args.ladder]["data"] is None
-                                            else f"measured on the {PRESETS[args.ladder]['data']} data")
+        src = "given" if args.ctx_len else ("the paper's" if configs.LADDERS[args.ladder]["data"] is None
+                                            else f"measured on the {configs.LADDERS[args.ladder]['data']} data")
         print(f"preset {args.ladder}: FLOPs per token without the output head at document length "
               f"{rows[0]['ctx_len']:.1f} ({src})\n")
         print(format_ladder(rows))

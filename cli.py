@@ -1,30 +1,23 @@
 """The command-line conventions every entry point follows, in one place so they cannot drift.
 
 Every runnable file (reproduce.py, train.py, eval.py, scaling.py, budget.py, bench.py, probes.py,
-data.py, scripts/*.py) builds its parser with these helpers, and tests/test_cli.py checks each
-`--help` against the rules below and feeds every parser a table of bad values.
-
-  --out-dir DIR   where a command writes its files. The old spellings (--out; --json FILE for
-                  bench.py and budget.py) are kept as hidden aliases that print a deprecation
-                  line; they will be removed.
-  --device D      auto | cpu | cuda | cuda:N | mps, default auto wherever a command picks a
-                  device (auto: cuda when torch sees a GPU, else cpu). Checked when parsed: a
-                  typo fails before any work.
-  --preset NAME   a run size: smoke | tiny | small | medium | paper (DESIGN.md's table).
-                  reproduce.py and budget.py --ladder take all five; the experiment scripts
-                  take smoke | tiny | small (their per-point length is --steps: a medium-length
-                  sweep is `--preset small --steps N`; a paper-size sweep trains dozens of
-                  1B-parameter models, which is what reproduce.py --preset paper is for).
-                  data.py --preset and train.py --data name a corpus (smoke | tiny | small: the
-                  medium and paper plans train on the small corpus); train.py --preset names one
-                  of its three smoke models.
-  --help          shows every option's default (`HelpFormatter`): an option whose default is
-                  computed (None) says in its own help text what it defaults to.
-  counts          argparse refuses bad values before anything runs: `positive_int` for sizes,
-                  counts, steps and seeds-as-counts (--seeds, --jobs, --batch-size, --steps ...),
-                  `nonneg_int` where 0 has a documented meaning (--shots, --max-items 0 = all,
-                  --seed, --bootstrap 0 = skip), `positive_float` for lengths and budgets, and
-                  `choices` for every enumeration.
+data.py, scripts/*.py) builds its parser with these helpers; tests/test_cli.py checks each `--help`
+against the rules below and feeds every parser a table of bad values.
+  --out-dir DIR   where a command writes its files. The old spellings (--out; --json FILE for bench.py
+                  and budget.py) are hidden aliases that print a deprecation line; they will be removed.
+  --device D      auto | cpu | cuda | cuda:N | mps, default auto wherever a command picks a device
+                  (auto: cuda when torch sees a GPU, else cpu). Checked when parsed: a typo fails first.
+  --preset NAME   a run size (configs.py): smoke | tiny | small | medium | paper for reproduce.py and
+                  budget.py --ladder; smoke | tiny | small for the experiment scripts (their length is
+                  --steps) and for the corpus of data.py --preset / train.py --data (the medium and
+                  paper plans train on the small corpus); train.py --preset names a smoke model.
+  --loops R       r, the loop count, where a command lets it be set (reproduce.py and the loop scripts).
+  --help          shows every option's default (`HelpFormatter`): an option whose default is computed
+                  (None) says in its own help text what it defaults to.
+  counts          argparse refuses bad values before anything runs: `positive_int` for sizes, counts,
+                  steps and seeds-as-counts, `nonneg_int` where 0 has a documented meaning (--shots,
+                  --max-items 0 = all, --seed, --bootstrap 0 = skip), `positive_float` for lengths and
+                  budgets, and `choices` for every enumeration. The reasons: docs/cli.md.
 """
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ import torch
 
 import cli
 import corpus
+import configs
 from checks import JSONFileError, read_json
 from corpus import FORMAT_VERSION
 from tokenizer import (GPT2_VOCAB, _atomic_write, _sha256, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
@@ -50,34 +51,15 @@ class CorruptDataError(RuntimeError):
     """A prepared file does not match the sha256 recorded in manifest.json."""
 
 
-# ----------------------------------------------------------------------------- presets, sources
-@dataclass(frozen=True)
-class Preset:
-    vocab_size: int
-    tokens_per_domain: int      # train + validation tokens aimed for in each domain
-    val_tokens_per_source: int  # held-out tokens per source (whole documents, at most 1/10 of them)
-    offline: bool               # only sources that need no download (stdlib, generated)
-
-
-PRESETS = {
-    "smoke": Preset(vocab_size=512, tokens_per_domain=150_000, val_tokens_per_source=4_096, offline=True),
-    "tiny": Preset(vocab_size=4096, tokens_per_domain=1_000_000, val_tokens_per_source=16_384, offline=False),
-    # small: ~20M tokens = 40 MB of uint16 shards, so a prepared set can be carried to a GPU box.
-    "small": Preset(vocab_size=16384, tokens_per_domain=4_000_000, val_tokens_per_source=32_768, offline=False),
-}
 
 
 def default_data_dir(preset: str, vocab_size: int | None = None) -> str:
     """The prepared dataset's directory; versioned by format and (non-default) vocabulary."""
-    vocab = vocab_size or _preset(preset).vocab_size
-    suffix = "" if vocab == PRESETS[preset].vocab_size else f"-vocab{vocab}"
+    vocab = vocab_size or configs.data_preset(preset).vocab_size
+    suffix = "" if vocab == configs.DATA_PRESETS[preset].vocab_size else f"-vocab{vocab}"
     return str(cache_root() / "data" / f"{preset}-v{FORMAT_VERSION}{suffix}")
 
 
-def _preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
-    return PRESETS[name]
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -103,7 +85,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
 def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = None, force: bool = False,
             cache_dir: str | None = None) -> dict:
     """Build (or reuse) the preset's dataset in out_dir; returns its manifest."""
-    cfg = _preset(preset)
+    cfg = configs.data_preset(preset)
     vocab = vocab_size or cfg.vocab_size
     out = Path(out_dir or default_data_dir(preset, vocab))
     cache = Path(cache_dir) if cache_dir else cache_root()
@@ -253,7 +235,7 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()) and not (dest / "PACK.json").exists():
         raise FileExistsError(f"{dest} is a non-empty folder without PACK.json: give a new or an existing pack folder")
-    vocab = vocab_size or _preset(preset).vocab_size
+    vocab = vocab_size or configs.data_preset(preset).vocab_size
     prepare(preset, vocab_size=vocab)
     root, src = cache_root(), Path(default_data_dir(preset, vocab))
     files = {src.relative_to(root) / "manifest.json": src / "manifest.json"}
@@ -503,7 +485,7 @@ def measure_bytes_per_token(data_dir: str, vocab_sizes: list[int]) -> dict[str, 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = cli.parser("Prepare the offline corpus (see the module docstring).")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+    ap.add_argument("--preset", choices=sorted(configs.DATA_PRESETS), default="tiny",
                     help="corpus size and vocabulary (the medium and paper reproductions use the small corpus)")
     cli.add_out_dir(ap, "output directory (default: <cache>/data/<preset>-v<format>)")
     ap.add_argument("--vocab-size", type=cli.int_range(257, GPT2_VOCAB), default=None,

@@ -56,7 +56,7 @@ PAPER_BUDGETS = (1e20, 1e21, 1e22)
 PAPER_CE_GAIN_PCT = {1e20: (10.0, 7.8, 6.8), 1e21: (18.0, 15.8, 14.7), 1e22: (23.5, 20.9, 19.6)}
 PAPER_TPP_1E21 = {"baseline": (56, 78, 91), "smelt": (56, 75, 86)}
 
-CONTROL_LABEL = "S=0%"  # the S = 0 control cells' sparsity_label (budget.PAPER_POOLS; tests pin the two equal)
+CONTROL_LABEL = "S=0%"  # the S = 0 control cells' sparsity_label (configs.PAPER_POOLS; tests pin the two equal)
 EXPONENTS = ("a", "b", "c")
 BOUNDS = {"a": (0.0, 4.0), "b": (-2.0, 4.0), "c": (0.0, 4.0)}   # exponents; e/alpha/kappa are free
 S_ROUNDING = 1e-9       # S in [-1e-9, 0) is rounding of an exact 0 (clipped); below that S is refused

@@ -46,6 +46,7 @@ from torch import Tensor
 
 import budget
 import cli
+import configs
 import data as data_mod
 from checkpoint import Checkpoints, DivergenceError, endpoint_path, logged, save_kind
 from checks import check_fields, from_dict, read_json
@@ -616,18 +617,16 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, run_dir: str | P
 # ----------------------------------------------------------------------------------------
 # CLI
 
-PRESETS = ("smoke-dense", "smoke-moe", "smoke-smelt")
+PRESETS = tuple(configs.SMOKE_MODELS)
 
 
 def preset_model(name: str, vocab_size: int) -> ModelConfig:
-    """Tiny named models for smoke runs (the reproduction's ladders live in budget.py / reproduce.py)."""
-    base = dict(vocab_size=vocab_size, block_size=64, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32)
-    moe = dict(n_experts=4, top_k=2)
-    kw = {"smoke-dense": {**base, "d_ff": 64}, "smoke-moe": {**base, **moe},   # smelt: middle half looped twice
-          "smoke-smelt": {**base, **moe, "loop": LoopConfig(*middle_span(4), n_loops=2)}}
-    if name not in kw:
+    """Tiny named models for smoke runs (configs.SMOKE_MODELS; the reproduction's ladders are configs.LADDERS)."""
+    if name not in configs.SMOKE_MODELS:
         raise ValueError(f"--preset must be one of {PRESETS}, got {name!r}")
-    return ModelConfig(**kw[name])
+    kw = {"vocab_size": vocab_size, **configs.SMOKE_MODEL_BASE, **configs.SMOKE_MODELS[name]}
+    r = kw.pop("n_loops", 1)
+    return ModelConfig(**kw, loop=LoopConfig(*middle_span(kw["n_layer"]), n_loops=r) if r > 1 else LoopConfig())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -635,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_mutually_exclusive_group(required=True)
     m.add_argument("--model-json", help="path to a ModelConfig JSON (ModelConfig.to_dict())")
     m.add_argument("--preset", choices=PRESETS, help="one of the smoke-size models (run-size presets are reproduce.py's)")
-    p.add_argument("--data", default="smoke", choices=[*data_mod.PRESETS, "synthetic"],
+    p.add_argument("--data", default="smoke", choices=[*configs.DATA_PRESETS, "synthetic"],
                    help="corpus preset for data.prepare, or random tokens")
     p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
     p.add_argument("--vocab-size", type=cli.positive_int, default=256, help="vocabulary of --data synthetic")

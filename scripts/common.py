@@ -2,33 +2,21 @@
 
 Every script in scripts/ is a thin composition of the library modules; what they all need lives
 here and nowhere else:
-
-  * `parser(doc)`      the common CLI (cli.py's conventions): --preset {smoke,tiny,small},
-                       --out-dir DIR, --steps N, --seed, --jobs, --threads.
-  * `Experiment`       one script run: the preset's plan (reproduce.PLANS: lr, batch, context, warmup),
-                       the prepared data (reproduce.stage_data), the training config for one sweep
-                       point, and helpers: `base` (a preset Baseline from budget.preset_baselines),
-                       `dense_base` (its dense twin, for the How-to-Loop experiments), `match`
-                       (budget.match without warning noise), `budgets` (parameters, FLOPs, KV and their
-                       ratios to a reference), `train_all` (train.train every config, `jobs` at a time,
-                       and return final validation losses), `finish` (results.json + table.md + print).
-  * `pair_runs`        the (Baseline, looped) run directories that downstream.py and probe_runs.py
-                       analyse: given with --runs, taken from a scaling_ladder / reproduce output
-                       with --ladder, or trained here.
-  * `load_trained`     a trained GPT from a run directory (eval.load_model).
-  * How to Loop (the howto_* scripts): `howto_loop` (their LoopConfig: no 1/r residual scale, which is
-                       SMELT's alone), `howto_flops` (the paper's FLOP accounting, head included), the
-                       fixed-compute plan (`compute_share_steps`, `Experiment.compute_tc`: same model, fewer
-                       tokens), the no-loop reference run with decay branches (`Experiment.curve_tc`) and its
-                       fitted curve (`fit_noloop_curve`, `tokens_to_reach`, `efficiency`: the token and FLOPs
-                       multipliers, or "not identified (why)"), bits per byte (`val_bytes_per_token` on the
-                       very targets the loss averages, `bits_per_byte`), and `howto_report` that adds them
-                       to a script's rows.
-
-Training length per sweep point (SWEEP_STEPS) is shorter than reproduce.py's stable phase: a sweep
-trains many configs, and each script should take seconds on smoke and a couple of minutes on tiny
-(2 CPU cores). Every config of a script sees identical batches (same seed, same step -> same batch).
-One decay branch per run, at the end of the stable phase, decaying over the plan's share of steps.
+  * `parser(doc)`    the common CLI (cli.py): --preset {smoke,tiny,small}, --out-dir, --steps, --seed,
+                     --jobs, --threads; sizes from configs.SCRIPT_PRESETS / SWEEP_STEPS / SWEEP_EVAL_TOKENS.
+  * `Experiment`     one script run: the preset's plan (configs.PLANS), its data, the TrainConfig of
+                     one sweep point, preset Baselines (`base`, `dense_base`), `match`, `budgets`,
+                     `train_all` (`jobs` at a time) and `finish` (results.json + table.md + print).
+  * `pair_runs`, `load_trained`  the (Baseline, looped) runs that downstream.py / probe_runs.py read.
+  * How to Loop (the howto_* scripts): `howto_loop` (no 1/r residual scale), `howto_flops` (its FLOP
+                     accounting, head included), the fixed-compute plan (`compute_share_steps`), the
+                     no-loop reference curve (`fit_noloop_curve`, `tokens_to_reach`, `efficiency`), bits
+                     per byte (`val_bytes_per_token`, `bits_per_byte`) and `howto_report`.
+  * `format_table`, `plot_lines`, `plot_bars`, `plot_compute_axis`  tables and figures (plots.py).
+A sweep point trains SWEEP_STEPS stable steps (shorter than reproduce.py's stable phase) with one
+decay branch at its end; every config of a script sees identical batches (same seed and step).
+Why the sizes are what they are, and each helper in full: docs/scripts.md. Read first: reproduce.py
+(the stages the scripts reuse) and the script of the experiment you care about.
 """
 from __future__ import annotations
 
@@ -52,23 +40,20 @@ import numpy as np  # noqa: E402
 
 import budget  # noqa: E402
 import cli  # noqa: E402
+import configs  # noqa: E402
 import loop as looping  # noqa: E402
+import plots  # noqa: E402
 import reproduce  # noqa: E402
 import stats  # noqa: E402
 import train as trainer  # noqa: E402
 from loop import LoopConfig  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
-PRESETS = ("smoke", "tiny", "small")
-SWEEP_STEPS = {"smoke": 30, "tiny": 40, "small": 600}          # stable steps of one sweep point
-EVAL_TOKENS = {"smoke": 1024, "tiny": 1024, "small": 16384}    # validation tokens per source
-
-
 def parser(doc: str, training: bool = True) -> argparse.ArgumentParser:
     """The arguments every script takes; scripts add their own. training=False leaves out the flags
     that only mean something to a script that trains (--steps, --seed, --jobs)."""
     ap = cli.parser(doc)
-    ap.add_argument("--preset", default="tiny", choices=PRESETS,
+    ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS,
                     help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU"
                          + (" (a medium-length sweep: --preset small --steps N)" if training else ""))
     cli.add_out_dir(ap, "output directory (default: runs/scripts/NAME_PRESET[_sSTEPS])")
@@ -96,7 +81,7 @@ class Experiment:
     name: str
     args: argparse.Namespace
     out: Path = field(init=False)
-    plan: reproduce.Plan = field(init=False)
+    plan: configs.Plan = field(init=False)
     steps: int = field(init=False)
     data: object = field(init=False, default=None)
     tc: trainer.TrainConfig = field(init=False)
@@ -106,8 +91,8 @@ class Experiment:
         a = self.args
         if a.steps is not None and a.steps < 1:
             raise SystemExit(f"--steps must be >= 1, got {a.steps}")
-        self.plan = reproduce.PLANS[a.preset]
-        self.steps = a.steps or SWEEP_STEPS[a.preset]
+        self.plan = configs.PLANS[a.preset]
+        self.steps = a.steps or configs.SWEEP_STEPS[a.preset]
         suffix = f"_s{a.steps}" if a.steps else ""
         self.out = Path(a.out_dir or ROOT / "runs" / "scripts" / f"{self.name}_{a.preset}{suffix}")
         self.out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +100,7 @@ class Experiment:
         self.tc = trainer.TrainConfig(
             lr=p.lr, warmup_steps=max(1, round(p.warmup_steps * frac)), stable_steps=self.steps,
             decay_steps=max(1, round(p.decay_steps * frac)), batch_size=p.batch_size, block_size=p.block_size,
-            eval_tokens=EVAL_TOKENS[a.preset], log_interval=max(1, self.steps // 4), seed=a.seed)
+            eval_tokens=configs.SWEEP_EVAL_TOKENS[a.preset], log_interval=max(1, self.steps // 4), seed=a.seed)
         cpus = 1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1)
         self.jobs = a.jobs or (cpus if a.preset == "tiny" else 1)
         threads = a.threads or (1 if a.preset == "smoke" else None)
@@ -282,17 +267,10 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def plot_lines(path: Path, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str,
                xlog: bool = False, ylog: bool = False) -> str:
     """One line per series {label: (xs, ys)}; returns the path written."""
-    plt = _pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, "o-", label=label)
@@ -306,12 +284,12 @@ def plot_lines(path: Path, series: dict[str, tuple[list, list]], xlabel: str, yl
         ax.set_yscale("log")
     if len(series) > 1:
         ax.legend(fontsize=7)
-    return _save(fig, path)
+    return plots.save(fig, path, dpi=110)
 
 
 def plot_bars(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> str:
     """A bar per label, y-axis zoomed to the values' range (losses differ in the second decimal)."""
-    plt = _pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.7 * len(labels) + 1.5), 3.5))
     ax.bar(range(len(values)), values, color="tab:blue")
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
@@ -319,16 +297,7 @@ def plot_bars(path: Path, labels: list[str], values: list[float], ylabel: str, t
     pad = 0.1 * (hi - lo) or 0.01 * abs(hi) or 0.01
     ax.set_ylim(lo - pad, hi + pad)
     ax.set(ylabel=ylabel, title=title)
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> str:
-    plt = _pyplot()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return plots.save(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------------------
@@ -356,7 +325,7 @@ def pair_runs(exp: Experiment) -> tuple[Path, Path]:
         return Path(a.runs[0]), Path(a.runs[1])
     if a.ladder:
         ladder = json.loads((Path(a.ladder) / "ladder.json").read_text())
-        (_, _, b), (_, _, s) = reproduce.run_dirs(Path(a.ladder), ladder[-1:])
+        (_, _, b), (_, _, s) = configs.run_dirs(Path(a.ladder), ladder[-1:])
         return b, s
     scale, label, base = exp.base()
     smelt, _ = exp.match(base, budget.smelt_loop(base.n_layer))
@@ -610,7 +579,7 @@ def howto_report(exp: Experiment, rows: list[dict], noloop: dict) -> dict:
 def plot_compute_axis(path: Path, curve: dict, runs: dict[str, tuple[list, list]], title: str) -> str:
     """Validation loss against training FLOPs: the no-loop runs (points), their fitted curve (a line, when
     identified) and each looped series {label: (compute, loss)} (markers)."""
-    plt = _pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     pts = curve["points"]
     ax.plot([p["compute"] for p in pts], [p["val_loss"] for p in pts], "ks", label="no loop (decay branches)")
@@ -625,4 +594,4 @@ def plot_compute_axis(path: Path, curve: dict, runs: dict[str, tuple[list, list]
     ax.set(xlabel="training FLOPs (How-to-Loop accounting, head included)", ylabel="validation loss (nats/token)",
            title=title)
     ax.legend(fontsize=6)
-    return _save(fig, path)
+    return plots.save(fig, path, dpi=110)

@@ -6,7 +6,7 @@ The pair: two run directories (--runs), the last cell of a scaling_ladder.py / r
 (--ladder), or, by default, the preset's Baseline and its matched SMELT trained here. Every finished
 decay branch of each run (eval.run_endpoints) goes through eval.evaluate_endpoint: validation loss
 overall, per source, per domain and per document-length bucket on the run's own data; the few-shot
-shot sweep (tasks / shots / seeds / items from reproduce.PLANS). eval.downstream_report then pairs
+shot sweep (tasks / shots / seeds / items from configs.PLANS). eval.downstream_report then pairs
 the endpoints branch by branch: win counts (SMELT 5.1), the shot sweep averaged over the pair where
 both models are above chance with the one-sided permutation test over demonstration seeds at the
 largest k (Appendix C), the normalised length shape of the loss gain and its long/short ratio

@@ -10,21 +10,12 @@ Dense base, full-stack span, r loops, the same stored weights throughout (PLT ga
   plt_add_kv      plt_add with KV sharing: later loops read loop 1's cache + a gated window of W
   plt_norm_half   RMSNorm(e) and RMSNorm(h) mixed 1/2-1/2
   plt_norm_gate   the paper's fix: separate RMSNorms and the low-rank sigmoid gate
-Every looped config is common.howto_loop: How-to-Loop has no 1/r residual scale (SMELT's), so the
-residual stream grows over loops as in the paper's runs.
-
-After training, the state-to-embedding RMS ratio per loop on held-out data, as How-to-Loop defines it
-("if the state's RMS is r times the embedding's": the state h^(l)_n that PLT re-injects beside e_n):
-e = the span's input on loop 1 (capture[(start, 0)]["x"], here the token embedding e_n), h^(l) = the
-span's output on loop l (capture[(last, l)]: "x" + "attn_write" + "mlp_write"), r_n = RMS(h^(l)_n) /
-RMS(e_n) per token; reported as the mean over held-out tokens with a Student-t interval
-(stats.mean_interval; tokens of one context are correlated, so the interval is a lower bound on the
-uncertainty) and the claim "10 < r < 600" (the paper's range) decided by common.range_verdict; beside
-it the same ratio of the untrained model (same seed), to show how much of it training produced (at
-initialisation the residual writes are small against the 0.02-std embedding: about 1x on loop 1).
-Also: bits per byte beside nats per token, and each looped run's token / FLOPs multipliers against
-the no-loop curve fitted to the no_loop run's decay branches (common.howto_report). Writes
-results.json, a table, howto_plt.png (loss per variant) and howto_plt_rms_ratio.png (the ratio per loop).
+Every looped config is common.howto_loop (no 1/r residual scale, as in the paper's runs).
+After training: the state-to-embedding RMS ratio per loop on held-out data, r_n = RMS(h^(l)_n) / RMS(e_n)
+(h^(l): the span's output on loop l), its mean over tokens with a t-interval, the claim "10 < r < 600"
+(common.range_verdict) and the same ratio of the untrained model; bits per byte and each looped run's
+token / FLOPs multipliers against the fitted no-loop curve (common.howto_report). Writes results.json,
+a table, howto_plt.png and howto_plt_rms_ratio.png. How the ratio is captured: docs/scripts.md.
 """
 from __future__ import annotations
 

@@ -2,27 +2,19 @@
 
   python scripts/howto_schedules.py --preset smoke|tiny|small [--loops 2 4] [--designs ...] [--scale S]
 
-Designs (common.howto_loop: How-to-Loop has no 1/r residual scale): full_stack (the whole stack r
-times, block schedule), per_layer (each layer r times in a row: the same evaluations in another
-order), middle_third (loop.middle_third: floor(B/3) unique blocks each side, the centre r times),
-attn_only / mlp_only (full stack, only that sub-layer repeats). Budgets:
-  weights  How-to-Loop: the base model itself with the loop added, trained on the same tokens (same
-           stored weights and data, r-fold FLOPs in the loop).
-  compute  How-to-Loop: the same model (same width, depth, weights) trained on fewer tokens, the share
-           howto_flops(no loop) / howto_flops(looped) (common.compute_share_steps: "two loops on half the
-           tokens", a bit more than half since the head runs once), so its training compute equals the
-           no-loop run's; compared along the compute axis (howto_schedules_compute.png).
+Designs (common.howto_loop: no 1/r residual scale): full_stack (the whole stack r times), per_layer
+(each layer r times in a row), middle_third (loop.middle_third: the centre third r times), attn_only /
+mlp_only (full stack, only that sub-layer repeats). Budgets:
+  weights  the base model with the loop added, trained on the same tokens (How-to-Loop).
+  compute  the same model trained on the token share howto_flops(no loop) / howto_flops(looped)
+           (common.compute_share_steps: "two loops on half the tokens"), compared along the compute axis.
   flops    OUR EXTENSION (not in the paper): budget.match narrows the looped model to the base's per-token
-           FLOPs (parameters and KV left free: a dense model has no experts to restore them), same tokens.
-           Labelled "flops_matched (ours)" / "extension (ours)" in every output.
-The no-loop base is the reference row, trained with decay branches at common.CURVE_FRACTIONS of its
-stable phase: those (tokens, loss) points give the fitted no-loop curve L(D) = E + A D^-alpha that every
-looped run's loss is inverted on (common.efficiency): tokens multiplier (the paper: 1.3-3.3x at 1B) and
-FLOPs multiplier (the paper: 6-37 % extra no-loop FLOPs), or "not identified (why)". Loss in nats per
-token and bits per byte (common.bits_per_byte, bytes of the same held-out targets). "F ratio" is per-token
-FLOPs over the no-loop's in How-to-Loop's accounting (head included), "F ratio (budget.match)" in the one
-budget.match matches on, "C ratio" the training compute (FLOPs x tokens) over the no-loop run's. Writes
-results.json, a table and howto_schedules_{weights,compute,flops}.png.
+           FLOPs, same tokens; labelled "flops_matched (ours)" / "extension (ours)" in every output.
+The no-loop base, trained with decay branches at common.CURVE_FRACTIONS, gives the fitted curve
+L(D) = E + A D^-alpha every looped run's loss is inverted on (common.efficiency): tokens multiplier
+(paper: 1.3-3.3x at 1B) and FLOPs multiplier (paper: 6-37 % extra), or "not identified (why)". Loss in
+nats per token and bits per byte. Writes results.json, a table and howto_schedules_{weights,compute,flops}.png.
+The columns (F ratio, F ratio (budget.match), C ratio) and each budget in full: docs/scripts.md.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
 import probe_plots
+import configs
 import probes
 import reproduce
 
@@ -29,8 +30,8 @@ def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
     a = exp.args
     if a.ladder and not a.runs:
         ladder = json.loads((Path(a.ladder) / "ladder.json").read_text())
-        dirs = reproduce.run_dirs(Path(a.ladder), ladder)
-        return [(reproduce.cell_key(c["scale"], c["sparsity_label"]), str(b), str(s))
+        dirs = configs.run_dirs(Path(a.ladder), ladder)
+        return [(configs.cell_key(c["scale"], c["sparsity_label"]), str(b), str(s))
                 for (c, _, b), (_, _, s) in zip(dirs[::2], dirs[1::2])]
     b, s = common.pair_runs(exp)
     return [("pair", str(b), str(s))]

@@ -2,7 +2,7 @@
 
   python scripts/scaling_ladder.py --preset smoke|tiny|small [--steps N] [--scales K] [--bootstrap B]
 
-The same stages as reproduce.py (reproduce.stage_data, stage_ladder, stage_train, plot_curves,
+The same stages as reproduce.py (reproduce.stage_data, stage_ladder, stage_train, train_plots.plot_curves,
 stage_scaling), with the training length of a script: --steps stable steps per run (default
 smoke 30, tiny 40, small 600) and decay branches forked at the plan's fractions of it.
 scaling_analysis.analyse fits separate loss surfaces L(F, S, D) per architecture and reports the
@@ -18,6 +18,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
 import reproduce
+import train_plots
 
 
 def build_parser():
@@ -38,7 +39,7 @@ def main(argv=None) -> dict:
     data = exp.load_data()
     ladder = reproduce.stage_ladder(plan, data, exp.out)
     results = reproduce.stage_train(plan, ladder, data, exp.out, exp.jobs)
-    reproduce.plot_curves(exp.out, ladder)
+    train_plots.plot_curves(exp.out, ladder)
     scal = reproduce.stage_scaling(plan, results, exp.out)
     rows = []
     for cell in ladder:

@@ -14,7 +14,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
 import cli
-import reproduce
+import configs
 from loop import LoopConfig, middle_span
 
 
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
             else:
                 start, length = middle_span(L, m / L)
                 cfg, rep = exp.match(base, LoopConfig(start=start, length=length, n_loops=args.loops))
-            specs.append((f"{reproduce.cell_key(scale, lab)}_span{m}", cfg,
+            specs.append((f"{configs.cell_key(scale, lab)}_span{m}", cfg,
                           {"control": control, "scale": scale, "sparsity_label": lab,
                            "arch": "baseline" if m == 0 else "looped"}))
             info.append({"scale": scale, "sparsity_label": lab, "span": m, "span_pct": 100 * m / L,

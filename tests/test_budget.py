@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import budget
+import configs
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -155,7 +156,7 @@ def test_sparsity_eq1_and_appendix_a_200m_baselines():
         cfg = paper_cfg(1280, 12, 432, 128, 10, E)
         c = budget.count_params(cfg)
         assert round(c["active"] / 1e9, 3) == active and round(c["blocks"] / 1e9, 2) == total
-        s = budget.config_sparsity(cfg, budget.PAPER_DOC_LEN, include_head=False)
+        s = budget.config_sparsity(cfg, configs.PAPER_DOC_LEN, include_head=False)
         assert round(100 * s, 1) == S
     ctl = budget.dense_control(paper_cfg(1280, 12, 432, 128, 10, 192, LoopConfig(4, 6, 2)))
     assert ctl.n_experts == 8 and ctl.top_k == 8 and not ctl.loop.active and ctl.d_model == 1280
@@ -177,11 +178,11 @@ def test_200m_example_leaves_the_head_out():
     Without the head our count gives both; a 1280 x 128,256 head alone would add 0.99e9 (+74 %)."""
     B = paper_cfg(1280, 12, 432, 128, 10, 192)
     S = paper_cfg(1056, 12, 352, 88, 12, 288, loop=budget.smelt_loop(12))
-    ctx = budget.PAPER_DOC_LEN
+    ctx = configs.PAPER_DOC_LEN
     assert round(budget.flops_per_token(B, ctx) / 1e9, 2) == 1.33          # default: no head
     assert round(100 * (budget.flops_per_token(S, ctx) / budget.flops_per_token(B, ctx) - 1), 1) == 2.9
     head = budget.flops_per_token(B, ctx, include_head=True) - budget.flops_per_token(B, ctx)
-    assert head == 6 * 1280 * budget.PAPER_VOCAB and head / 1.33e9 > 0.7   # no room for it in 1.33e9
+    assert head == 6 * 1280 * configs.PAPER_VOCAB and head / 1.33e9 > 0.7   # no room for it in 1.33e9
 
 
 @pytest.mark.parametrize("base,smelt,pub", PAPER_PAIRS)
@@ -189,7 +190,7 @@ def test_paper_configs_reproduce_published_ratios(base, smelt, pub):
     B = paper_cfg(*base)
     S = paper_cfg(*smelt, loop=budget.smelt_loop(base[1]))
     c = budget.count_params(S)
-    ctx = budget.PAPER_DOC_LEN
+    ctx = configs.PAPER_DOC_LEN
     F = budget.flops_per_token(S, ctx, include_head=False) / budget.flops_per_token(B, ctx, include_head=False)
     assert round(c["active"] / 1e9, 3) == pub[0] and round(c["blocks"] / 1e9, 2) == pub[1]
     assert abs(F - pub[2]) < 0.001
@@ -237,7 +238,7 @@ def test_presets_have_s0_control_cells():
         cells = budget.preset_baselines(preset)
         scales = {s for s, _, _ in cells}
         for scale in scales:   # every scale has its S = 0 control: every expert active, S measured 0
-            ctl = [b for s, lab, b in cells if s == scale and lab == budget.CONTROL_LABEL]
+            ctl = [b for s, lab, b in cells if s == scale and lab == configs.CONTROL_LABEL]
             assert len(ctl) == 1 and ctl[0].n_experts == ctl[0].top_k
             assert budget.config_sparsity(ctl[0], 64) == pytest.approx(0.0, abs=1e-12)
 
@@ -250,15 +251,15 @@ def test_ladder_and_main_job_share_one_builder(tmp_path):
     data_mod.prepare("smoke")
     d = data_mod.TokenData(data_mod.default_data_dir("smoke"))
     ctx = budget.preset_doc_length("smoke", d)
-    assert ctx == data_mod.measured_doc_length(d, budget.PRESETS["smoke"]["block"]) and 1 < ctx <= 64
+    assert ctx == data_mod.measured_doc_length(d, configs.LADDERS["smoke"]["block"]) and 1 < ctx <= 64
     rows = budget.ladder("smoke")
-    cells = reproduce.stage_ladder(reproduce.PLANS["smoke"], d, tmp_path)
+    cells = reproduce.stage_ladder(configs.PLANS["smoke"], d, tmp_path)
     smelts = [r for r in rows if r["arch"] == "SMELT"]
     assert len(cells) == len(smelts)
     for cell, row in zip(cells, smelts):
         assert cell["smelt"]["d_model"] == row["d_model"] and cell["smelt"]["n_experts"] == row["n_experts"]
         assert cell["ctx_len"] == pytest.approx(row["ctx_len"])
-    assert budget.preset_doc_length("paper") == budget.PAPER_DOC_LEN
+    assert budget.preset_doc_length("paper") == configs.PAPER_DOC_LEN
 
 
 def test_paper_ladder_every_cell_within_tolerance():
@@ -277,7 +278,7 @@ def test_paper_ladder_every_cell_within_tolerance():
                                   LoopConfig(4, 6, 2, parallel=True, kv_window=64), LoopConfig(4, 6, 2, part="attn")])
 def test_match_other_loop_specs_200m(loop):
     base = paper_cfg(1280, 12, 432, 128, 10, 192)
-    cfg, rep = budget.match(base, loop, budget.PAPER_DOC_LEN, include_head=False)
+    cfg, rep = budget.match(base, loop, configs.PAPER_DOC_LEN, include_head=False)
     assert_matched(base, loop, cfg, rep)
 
 

@@ -82,7 +82,7 @@ def test_help_follows_the_convention(name):
 def test_presets_are_one_set():
     """reproduce.py and budget.py --ladder take every run size; the scripts take the same three;
     the corpus presets (data.py --preset, train.py --data) are the sizes with their own corpus."""
-    import data
+    import configs
     runs = set(options(parser_of("reproduce"))["--preset"].choices)
     assert runs == RUN_PRESETS
     assert set(options(parser_of("budget"))["--ladder"].choices) == RUN_PRESETS
@@ -90,8 +90,8 @@ def test_presets_are_one_set():
     assert set(SCRIPTS) - set(sized) == {"render_notebooks"}          # the one tool that has no run size
     for name in sized:
         assert set(options(parser_of(name))["--preset"].choices) == {"smoke", "tiny", "small"}, name
-    assert set(options(parser_of("data"))["--preset"].choices) == set(data.PRESETS) == {"smoke", "tiny", "small"}
-    assert set(options(parser_of("train"))["--data"].choices) == set(data.PRESETS) | {"synthetic"}
+    assert set(options(parser_of("data"))["--preset"].choices) == set(configs.DATA_PRESETS) == {"smoke", "tiny", "small"}
+    assert set(options(parser_of("train"))["--data"].choices) == set(configs.DATA_PRESETS) | {"synthetic"}
 
 
 @pytest.mark.parametrize("name,argv", [("reproduce", []), ("probes", ["--pair", "p", "b", "s"]), ("data", []),
@@ -138,6 +138,7 @@ BAD = [  # (entry point, argv, the option the message must name, a fragment of t
     ("reproduce", ["--jobs", "0"], "--jobs", "positive"),
     ("reproduce", ["--preset", "huge"], "--preset", "invalid choice"),
     ("reproduce", ["--skip", "train"], "--skip", "invalid choice"),
+    ("reproduce", ["--loops", "0"], "--loops", "positive"),
     ("scaling", ["--bootstrap", "-1"], "--bootstrap", "non-negative"),
     ("scaling", ["--jobs", "0"], "--jobs", "positive"),
     ("scaling", ["--budgets", "1e21", "-1"], "--budgets", "positive"),

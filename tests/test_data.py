@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import corpus
+import configs
 import data
 import tokenizer
 
@@ -144,7 +145,8 @@ def test_corrupt_shard_is_named(smoke_dir, tmp_path):
 def test_missing_tool_skips_source_and_run_goes_on(tmp_path, monkeypatch, capsys):
     """A source whose package cannot be fetched is skipped with one line; its domain is recorded missing."""
     bogus = corpus.Source("finance", "bogus_ledger", ("deb:no-such-package",), ("usr/share/doc/x/*",))
-    monkeypatch.setitem(data.PRESETS, "smoke", dataclasses.replace(data.PRESETS["smoke"], offline=False))
+    monkeypatch.setitem(configs.DATA_PRESETS, "smoke",
+                        dataclasses.replace(configs.DATA_PRESETS["smoke"], offline=False))
     monkeypatch.setattr(corpus, "SOURCES", [s for s in corpus.SOURCES if s.packages[0] in ("stdlib", "generated")] + [bogus])
     monkeypatch.setattr(corpus.shutil, "which", lambda name: None)  # as on a system without apt: nothing is downloaded
     manifest = data.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))

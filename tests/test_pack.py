@@ -38,9 +38,10 @@ try:
     sys.exit("the network is reachable: this check would prove nothing")
 except OSError:
     pass
+import configs
 import reproduce
-reproduce.PLANS["smoke"] = replace(reproduce.PLANS["smoke"], warmup_steps=1, stable_steps=4, branch_steps=[4],
-                                   decay_steps=2, eval_tokens=256, scales=1)
+configs.PLANS["smoke"] = replace(configs.PLANS["smoke"], warmup_steps=1, stable_steps=4, branch_steps=[4],
+                                 decay_steps=2, eval_tokens=256, scales=1)
 reproduce.main(["--preset", "smoke", "--out-dir", sys.argv[1], "--data-dir", sys.argv[2], "--jobs", "1",
                 "--skip", "eval", "scaling", "probes"])
 """

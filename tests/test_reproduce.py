@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+import configs
 import reproduce
 import stats
 
@@ -26,7 +27,7 @@ def test_smoke_reproduction_end_to_end(smoke):
     ladder = json.loads((out / "ladder.json").read_text())
     assert len(ladder) == 4 and {c["sparsity_label"] for c in ladder} == {"S=0%", "S~85%"}
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    plan = reproduce.PLANS["smoke"]
+    plan = configs.PLANS["smoke"]
     n_runs = 2 * len(ladder) + 2 * (plan.train_seeds - 1)
     assert len(rows) == n_runs * len(plan.branch_steps)
     assert {r["arch"] for r in rows} == {"baseline", "smelt"}
@@ -43,7 +44,7 @@ def test_report_states_noise_and_verdicts(smoke):
     text = report.read_text()
     ts = json.loads((out / "training_summary.json").read_text())
     rep = ts["repeat"]
-    assert rep["seeds"] == reproduce.PLANS["smoke"].train_seeds
+    assert rep["seeds"] == configs.PLANS["smoke"].train_seeds
     iv = stats.paired_difference(rep["baseline"], rep["smelt"])
     assert rep["diff"]["mean"] == pytest.approx(iv.mean) and rep["verdict"] == stats.verdict(iv, "<")
     # every claims row ends in one of the three verdicts
@@ -63,3 +64,33 @@ def test_rerun_skips_finished_work(smoke):
     reproduce.main(["--preset", "smoke", "--out-dir", str(out), "--skip", "scaling"])
     assert time.time() - t0 < 60
     assert (out / "results.jsonl").read_text() == rows
+
+
+def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
+    """r, the span and shared experts come from one setting, the run plan (or --loops): the default plan
+    passes no knob to budget.ladder_cells (the SMELT ladder as before), another r is passed on, and the
+    report's labels read r from the matched configs."""
+    from dataclasses import replace
+
+    import budget
+    import report
+    plan = configs.PLANS["smoke"]
+    assert (plan.n_loops, plan.span_fraction, plan.n_shared_experts) == (2, 0.5, 0)
+    assert reproduce.loop_knobs(plan) == {}
+    assert reproduce.loop_knobs(replace(plan, n_loops=3, n_shared_experts=1)) == {"n_loops": 3, "n_shared_experts": 1}
+    seen = {}
+
+    def fake_cells(preset, ctx, vocab_size=None, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop")
+    monkeypatch.setattr(budget, "ladder_cells", fake_cells)
+    monkeypatch.setattr(budget, "preset_doc_length", lambda preset, data=None: 32.0)
+    data = type("D", (), {"vocab_size": 512})()
+    with pytest.raises(RuntimeError, match="stop"):
+        reproduce.stage_ladder(replace(plan, n_loops=3), data, tmp_path)
+    assert seen == {"n_loops": 3}
+    assert reproduce.build_parser().parse_args(["--loops", "3"]).loops == 3
+    assert report.visits_label(2) == "the second visit"
+    assert "visit v+1 vs v" in report.visits_label(3) and "2-3" in report.visits_label(3)
+    cell = {"smelt": {"loop": {"n_loops": 3}}}
+    assert report.loop_count([cell, cell]) == 3 and report.loop_count([]) is None

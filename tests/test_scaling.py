@@ -402,8 +402,8 @@ def test_s0_control_is_selected_by_cell(good_report):
     assert {(r["arch"], r["S"]) for r in control} == {("baseline", 0.0), ("smelt", 0.06)}
     assert all(r["S"] >= 0.85 for r in fitted)
     assert scaling_analysis.split_control(rows, include_dense=True) == (rows, [])
-    import budget                                       # the label budget.py's presets give the control
-    assert budget.PAPER_POOLS[0][0] == scaling.CONTROL_LABEL
+    import configs                                      # the label configs.py's ladders give the control
+    assert configs.PAPER_POOLS[0][0] == scaling.CONTROL_LABEL
 
 
 def test_budgets_inside_the_data_unless_marked(good_report):

@@ -1,0 +1,91 @@
+"""Learning curves of a reproduction's runs: train CE, decay branches, validation, branch endpoints.
+
+plot_curves draws one panel per ladder cell from each seed-0 run's metrics.jsonl (the stable run's
+train CE as a solid line, every WSD decay branch (SMELT 3.1) thinner from its fork point, validation
+during training dashed) and results.jsonl (each branch endpoint's validation loss a marker), with
+the corpus's unigram entropy and the 1.5-nat target beside them. reproduce.py and
+scripts/scaling_ladder.py call it after training. Figures are drawn with plots.py's helpers.
+Read first: train.py (what metrics.jsonl and results.jsonl hold), configs.plan_runs (the run dirs).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import configs
+import plots
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """A run's hashed JSON-lines file (runfiles.read_jsonl: each row checked), or [] when absent."""
+    import runfiles
+    return runfiles.read_jsonl(path) if path.exists() else []
+
+
+def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, plan: configs.Plan | None = None) -> Path:
+    """Learning curves from each seed-0 run's metrics.jsonl and results rows: the stable run's train CE
+    (mean over each logging window) solid, every decay branch thinner from its fork point, validation loss
+    during training dashed, each branch endpoint's validation loss a marker; one panel per cell, one legend."""
+    plt = plots.pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+    n = len(ladder)
+    cols = min(n, 4)
+    rows_ = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.0 * rows_ + 0.6), squeeze=False, sharey=True)
+    colors = {"baseline": "tab:blue", "smelt": "tab:red"}
+    lo, hi = math.inf, -math.inf
+    for ax, cell in zip(axes.flat, ladder):
+        for r in configs.plan_runs(out, [cell]):
+            ms = read_jsonl(r.dir / "metrics.jsonl")
+            c = colors[r.arch]
+            # a row logged for a validation step between two log intervals averages only a few batches:
+            # too noisy to draw as train CE (its validation loss is still drawn)
+            full = max((m.get("ce_steps", 1) for m in ms), default=1)
+            ms_ce = [m for m in ms if m.get("ce_steps", full) >= full / 4]
+            for branch in sorted({m["branch"] for m in ms}, key=lambda b: -1 if b is None else b):
+                pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms_ce if m["branch"] == branch]
+                if branch is not None:   # start the branch at its fork point on the stable curve
+                    before = [m for m in ms_ce if m["branch"] is None and m["step"] <= branch]
+                    fork = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in before[-1:]]
+                    pts = fork + pts
+                if pts:
+                    ax.plot(*zip(*pts), color=c, lw=1.4 if branch is None else 0.9, alpha=1.0 if branch is None
+                            else 0.75)
+                    lo, hi = min(lo, *(p[1] for p in pts)), max(hi, *(p[1] for p in pts))
+            val = [(m["tokens"], m["val_loss"]) for m in ms if m["branch"] is None and "val_loss" in m]
+            if val:
+                ax.plot(*zip(*val), color=c, ls="--", lw=1.0, marker=".", ms=4)
+            ends = [(x["D"], x["val_loss"]) for x in read_jsonl(r.dir / "results.jsonl")]
+            if ends:
+                ax.plot(*zip(*ends), ls="none", marker="o", ms=5, mfc="white", mec=c, mew=1.3)
+                lo = min(lo, *(e[1] for e in ends))
+        if entropy is not None:
+            ax.axhline(entropy, color="0.45", ls=":", lw=1)
+            ax.axhline(entropy - 1.5, color="0.7", ls=":", lw=1)
+        ax.set_title(f"{cell['scale']}  {cell['sparsity_label']}", fontsize=9)
+        ax.set_xlabel("training tokens (millions)", fontsize=8)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e6:g}"))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.25)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("loss (nats/token)", fontsize=8)
+    if math.isfinite(lo):
+        top = hi if entropy is None else max(min(hi, entropy + 1.0), entropy + 0.2)
+        axes[0, 0].set_ylim(lo - 0.1, top)
+    handles = [Line2D([], [], color="tab:blue", lw=1.4, label="Baseline"),
+               Line2D([], [], color="tab:red", lw=1.4, label="SMELT"),
+               Line2D([], [], color="k", lw=1.4, label="train CE, stable (window mean)"),
+               Line2D([], [], color="k", lw=0.9, alpha=0.75, label="train CE, decay branches"),
+               Line2D([], [], color="k", ls="--", marker=".", label="validation, stable"),
+               Line2D([], [], color="k", ls="none", marker="o", mfc="white", label="validation, branch endpoints")]
+    if entropy is not None:
+        handles += [Line2D([], [], color="0.45", ls=":", label=f"unigram entropy {entropy:.2f}"),
+                    Line2D([], [], color="0.7", ls=":", label="entropy - 1.5 nats")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.09 if rows_ == 1 else 0.05, 1, 1))
+    path = out / "figures" / "curves.png"
+    plots.save(fig, path, dpi=110, tight=False)
+    return path
