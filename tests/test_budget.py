@@ -423,7 +423,7 @@ def test_shared_experts_are_counted_active_and_executed():
 def test_match_keeps_the_shared_experts():
     base = replace(budget.preset_baselines("tiny")[-1][2], n_shared_experts=1)
     loop = budget.smelt_loop(base.n_layer)
-    cfg, rep = budget.match(base, loop, 100, **budget.PRESETS["tiny"]["search"])
+    cfg, rep = budget.match(base, loop, 100, **configs.LADDERS["tiny"]["search"])
     assert cfg.n_shared_experts == 1
     assert_matched(base, loop, cfg, rep)
     assert rep["params_ratio"] == budget.count_params(cfg)["blocks"] / budget.count_params(base)["blocks"]
