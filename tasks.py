@@ -269,8 +269,7 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
         for L, n in zip(lens, ns):
             if not 0 < n < L:
                 raise ValueError(f"continuation of {n} tokens does not fit a {L}-token sequence")
-        # the logits predicting each row's last M tokens (M: the longest continuation in the chunk);
-        # a row's continuation is the last n of them (positions before 0 are clamped and unused)
+        # logits predicting each row's last M tokens (M: the chunk's longest continuation); its own are the last n
         M = max(ns)
         pos = torch.tensor([[max(0, L - M - 1 + m) for m in range(M)] for L in lens], device=dev)   # (rows, M)
         logits = _logits_at(model, x, pos)                                                          # (rows, M, V)
@@ -359,8 +358,7 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
         if longest > block_size - 2:
             skipped += 1
             continue
-        # cut each context once, to fit its longest option: every option is scored after the same
-        # context, and both scoring paths below see identical sequences
+        # one cut per context, to fit its longest option: every option, on either scoring path, sees the same context
         seqs = [(truncate_left(head, block_size - max(len(t) for t in tails)), tails) for head, tails in seqs]
         used.append(i)
         for s, (head, tails) in enumerate(seqs):

@@ -422,8 +422,7 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
         iv = stats.Interval(**f["long_short"]) if f.get("long_short") else None
         why = f.get("why")
         if iv is not None and f.get("n_negative", 0) * 2 > f["n_contrasts"]:
-            # SMELT worse on average: each shape normalises a loss by a negative mean, so a ratio below 1
-            # says the *deficit* is smaller on long documents (the claim's direction, inverted): no verdict
+            # SMELT worse on average: the ratio then describes a deficit, not a gain (docs/wins.md): no verdict
             why, iv = (f"SMELT's mean gain is negative in {f['n_negative']} of {f['n_contrasts']} contrasts: the "
                        f"normalised shape describes a loss, not a gain (ratio {stats.Interval(**f['long_short']).fmt(2)})"), None
         claim("length tilt", "SMELT's gain tilts to long documents: long/short ratio > 1",
