@@ -1,7 +1,7 @@
 """The Dyck case study (SMELT Sec. 6.4, Fig. 27): which head closes brackets, and what it reads per visit.
 
 BIG-bench dyck_languages prompts with k in {1, 2, 4, 8} "Output:" demonstrations
-(`dyck_prompts`, built by eval.build_prompt, nested across k); the Dyck head is the head of the
+(`dyck_prompts`, built by tasks.build_prompt, nested across k); the Dyck head is the head of the
 looped span whose ablation (`ablate_head`: its slice of PV zeroed before W_O, on every visit)
 raises the target loss most; `dyck_case_study` then splits its attention at the three answer
 targets into BOS, demonstration-answer tokens and the rest, per visit. The paper (1.6B, k = 4):
@@ -56,14 +56,14 @@ def _char_spans_to_tokens(enc, tokens: list[int], text: str, spans: list[tuple[i
 
 def dyck_prompts(enc, block_size: int, ks: Sequence[int] = DYCK_KS, n_items: int = 8, n_targets: int = 3,
                  seed: int = 0, task=None) -> dict:
-    """Few-shot BIG-bench dyck_languages prompts (eval.build_prompt) at every k, nested across k.
+    """Few-shot BIG-bench dyck_languages prompts (tasks.build_prompt) at every k, nested across k.
 
     Returns {"prompts": [{"k", "item", "tokens", "targets" (positions whose next token is one of the gold
     answer's closing brackets), "answer" (those bracket tokens; a tokenizer may also give the answer
     space tokens, which are not targets), "demo" (positions of demonstration-answer tokens)}],
     "ks": the k values used, "skipped_k": those that cannot fit block_size}.
     """
-    import eval as ev
+    import tasks as ev   # build_prompt, load_bigbench
     task = task or ev.load_bigbench("dyck_languages")
     encode = getattr(enc, "encode_ordinary", None) or enc.encode
     items = task.items
@@ -112,7 +112,7 @@ def _dyck_build(enc, ev, items, cands, pool, used_ks, n_items, n_targets, block_
             for d in shown:                                          # each demonstration's answer characters
                 at = ctx.find(d.query + d.answer, cur)
                 if at < 0:
-                    raise ValueError("eval.build_prompt did not lay demonstrations out as query + answer")
+                    raise ValueError("tasks.build_prompt did not lay demonstrations out as query + answer")
                 s = at + len(d.query)
                 spans.append((s, s + len(d.answer)))
                 cur = s + len(d.answer)

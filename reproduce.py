@@ -279,10 +279,12 @@ def _eval_one(job: tuple) -> dict:
 
 def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int) -> dict:
     """SMELT 5 on every branch endpoint of every run: validation by source / domain / length, the few-shot
-    sweep; then the grid analysis (eval.downstream_report: win counts, Appendix C's above-chance averages
+    sweep; then the grid analysis (wins.downstream_report: win counts, Appendix C's above-chance averages
     and one-sided permutation tests over seeds, Section 5.3's three length families, the Eq. 6 calibration
     on every Baseline endpoint, the downstream claims with intervals) and its figures."""
     import eval as ev
+    import eval_plots
+    import wins
     (out / "eval").mkdir(exist_ok=True)
     eps = [e for r in configs.plan_runs(out, ladder, plan) for e in ev.run_endpoints(r.dir)]
     records, todo = {}, []
@@ -305,8 +307,8 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
     for (key, _), rec in zip(todo, res):
         records[key] = rec
     recs = list(records.values())
-    report = ev.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
-    figs = ev.plot_downstream(report, recs, out / "figures")
+    report = wins.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
+    figs = eval_plots.plot_downstream(report, recs, out / "figures")
     summary = {"report": report, "figures": figs, "n_endpoints": len(recs),
                "runs": {k: {"arch": v["arch"], "scale": v["scale"], "sparsity_label": v["sparsity_label"],
                             "seed": v.get("seed"), "branch_step": v.get("branch_step"),

@@ -6,7 +6,7 @@ The pair: two run directories (--runs), the last cell of a scaling_ladder.py / r
 (--ladder), or, by default, the preset's Baseline and its matched SMELT trained here. Every finished
 decay branch of each run (eval.run_endpoints) goes through eval.evaluate_endpoint: validation loss
 overall, per source, per domain and per document-length bucket on the run's own data; the few-shot
-shot sweep (tasks / shots / seeds / items from configs.PLANS). eval.downstream_report then pairs
+shot sweep (tasks / shots / seeds / items from configs.PLANS). wins.downstream_report then pairs
 the endpoints branch by branch: win counts (SMELT 5.1), the shot sweep averaged over the pair where
 both models are above chance with the one-sided permutation test over demonstration seeds at the
 largest k (Appendix C), the normalised length shape of the loss gain and its long/short ratio
@@ -21,15 +21,18 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
 import eval as ev
+import eval_plots
 import reproduce
 import stats
+import tasks
+import wins
 
 
 def build_parser():
     ap = common.parser(__doc__)
     common.add_pair_args(ap)
     ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
-                    choices=["all", "real", "generated", *ev.REAL_TASKS, *ev.GENERATED_TASKS],
+                    choices=["all", "real", "generated", *tasks.REAL_TASKS, *tasks.GENERATED_TASKS],
                     help="eval tasks or groups (default: the plan's)")
     ap.add_argument("--shots", type=cli.nonneg_int, nargs="+", default=None, help="shot counts k (default: the plan's)")
     ap.add_argument("--seeds", type=cli.positive_int, default=None, help="demonstration seeds (default: the plan's)")
@@ -56,7 +59,7 @@ def main(argv=None) -> dict:
             for r in recs:
                 r[key] = default
     reproduce.write_json(exp.out / "eval_endpoints.json", recs)
-    rep = ev.downstream_report(recs)
+    rep = wins.downstream_report(recs)
     rows = []
     for task, t in rep["icl"].items():
         for k in t["ks"]:
@@ -65,10 +68,10 @@ def main(argv=None) -> dict:
                          "looped_acc": r["smelt_all_cells"], "gain": r["smelt_all_cells"] - r["baseline_all_cells"],
                          "p": t["test"]["p"] if k == t["max_k"] else None,
                          "note": "" if r["cells_above"] else "at or below chance"})
-    wins = [{"metric": m, "wins": f"{w['wins']} / {w['n']}", "paper": w["paper"] or "-"}
-            for m, w in rep["wins"]["metrics"].items()]
+    win_rows = [{"metric": m, "wins": f"{w['wins']} / {w['n']}", "paper": w["paper"] or "-"}
+                for m, w in rep["wins"]["metrics"].items()]
     print("\nWins of the looped run over its Baseline, matched endpoint pairs\n" + common.format_table(
-        wins, [("metric", "metric", ""), ("looped better", "wins", ""), ("paper", "paper", "")]))
+        win_rows, [("metric", "metric", ""), ("looped better", "wins", ""), ("paper", "paper", "")]))
     claims = [{**c, "iv": stats.Interval(**c["interval"]).fmt(3) if c["interval"] else "-"} for c in rep["claims"]]
     print("\nClaims (interval over matched pairs; verdict by stats.verdict)\n" + common.format_table(
         claims, [("claim", "claim", ""), ("this run", "iv", ""), ("paper", "paper", ""), ("verdict", "verdict", ""),
@@ -78,7 +81,7 @@ def main(argv=None) -> dict:
         print("\nNormalised loss gain by document length (gain / mean gain)\n" + common.format_table(
             [{"bucket": int(b), "shape": v} for b, v in sorted(fam["shape"].items(), key=lambda kv: int(kv[0]))],
             [("<= tokens", "bucket", "d"), ("shape", "shape", ".2f")]))
-    figs = ev.plot_downstream(rep, recs, exp.out)
+    figs = eval_plots.plot_downstream(rep, recs, exp.out)
     for note in figs["notes"]:
         common.log(note)
     return exp.finish({"runs": {k: str(v) for k, v in runs.items()}, "rows": rows, "wins": rep["wins"],

@@ -1,4 +1,5 @@
-"""eval.py: option scoring, exact match = greedy decoding, truncation, statistics, length buckets, calibration."""
+"""eval.py, tasks.py, calibration.py, wins.py, eval_plots.py: option scoring, exact match = greedy decoding, truncation,
+statistics, length buckets, calibration, the grid."""
 import json
 import math
 import random
@@ -10,8 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+import calibration
 import eval as ev
+import eval_plots
 import runfiles
+import tasks
+import train as T
+import wins
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -46,7 +52,7 @@ class Successor(nn.Module):
 
 
 def mc_task(items, norm="token"):
-    return ev.Task("toy", "mc", items, rho=0.5, chance=0.5, category="toy", origin="generated", norm=norm)
+    return tasks.Task("toy", "mc", items, rho=0.5, chance=0.5, category="toy", origin="generated", norm=norm)
 
 
 # ---------------------------------------------------------------------------- scoring
@@ -54,9 +60,9 @@ def mc_task(items, norm="token"):
 def test_mc_picks_the_option_the_rigged_model_prefers():
     tok = CharTok()
     # "abc" -> the model prefers "d" then "e": option "de" wins over "xq" whichever is gold
-    items = [ev.Item("abc", "de", ["de", "xq"]), ev.Item("abc", "xq", ["de", "xq"]),
-             ev.Item("klm", "no", ["zz", "no"]), ev.Item("klm", "zz", ["zz", "no"])]
-    r = ev.evaluate_task(Successor(bos=0), tok, mc_task(items), k=0, block_size=64)
+    items = [tasks.Item("abc", "de", ["de", "xq"]), tasks.Item("abc", "xq", ["de", "xq"]),
+             tasks.Item("klm", "no", ["zz", "no"]), tasks.Item("klm", "zz", ["zz", "no"])]
+    r = tasks.evaluate_task(Successor(bos=0), tok, mc_task(items), k=0, block_size=64)
     assert r["acc"] == 0.5 and r["seeds"] == 1
     assert [r["per_item"][r["items"].index(i)] for i in range(4)] == [1, 0, 1, 0]
     assert r["centred"] == pytest.approx(0.0)   # rho = 0.5
@@ -65,37 +71,37 @@ def test_mc_picks_the_option_the_rigged_model_prefers():
 def test_length_normalisation_changes_the_pick():
     # successor tokens cost a = log(e^2 + V - 1) - 2 each, a wrong token b = log(e^2 + V - 1):
     # "defg" (4a ~ 10.5) loses to "x" (b ~ 4.6) on the sum, wins per token (2.6 < 4.6)
-    items = [ev.Item("abc", "defg", ["defg", "x"])]
-    assert ev.evaluate_task(Successor(), CharTok(), mc_task(items, "token"), 0, block_size=64)["acc"] == 1
-    assert ev.evaluate_task(Successor(), CharTok(), mc_task(items, "char"), 0, block_size=64)["acc"] == 1
-    assert ev.evaluate_task(Successor(), CharTok(), mc_task(items, "none"), 0, block_size=64)["acc"] == 0
+    items = [tasks.Item("abc", "defg", ["defg", "x"])]
+    assert tasks.evaluate_task(Successor(), CharTok(), mc_task(items, "token"), 0, block_size=64)["acc"] == 1
+    assert tasks.evaluate_task(Successor(), CharTok(), mc_task(items, "char"), 0, block_size=64)["acc"] == 1
+    assert tasks.evaluate_task(Successor(), CharTok(), mc_task(items, "none"), 0, block_size=64)["acc"] == 0
 
 
 def test_gold_loss_and_exact_match_on_the_rigged_model():
     m = 3.0
-    items = [ev.Item("abc", "de"), ev.Item("pq", "rz")]          # "de" all successors, "rz" not
-    t = ev.Task("toy", "gen", items, 0.0, None, "toy", "generated")
-    r = ev.evaluate_task(Successor(m), CharTok(), t, 0, block_size=64)
+    items = [tasks.Item("abc", "de"), tasks.Item("pq", "rz")]          # "de" all successors, "rz" not
+    t = tasks.Task("toy", "gen", items, 0.0, None, "toy", "generated")
+    r = tasks.evaluate_task(Successor(m), CharTok(), t, 0, block_size=64)
     a, b = math.log(math.exp(m) + V - 1) - m, math.log(math.exp(m) + V - 1)
     assert r["acc"] == 0.5 and r["gold_tokens"] == 4
     assert r["gold_loss"] == pytest.approx((3 * a + b) / 4, rel=1e-5)   # token-weighted micro average
 
 
 def test_demonstrations_vary_with_seed_and_are_batched():
-    items = [ev.Item(f"q{i} =", f" {i % 7}") for i in range(12)]
-    t = ev.Task("toy", "gen", items, 0.0, None, "toy", "generated")
+    items = [tasks.Item(f"q{i} =", f" {i % 7}") for i in range(12)]
+    t = tasks.Task("toy", "gen", items, 0.0, None, "toy", "generated")
     model = Successor()
-    r = ev.evaluate_task(model, CharTok(), t, k=3, seeds=4, max_items=5, block_size=128)
+    r = tasks.evaluate_task(model, CharTok(), t, k=3, seeds=4, max_items=5, block_size=128)
     assert r["seeds"] == 4 and r["n_items"] == 5 and len(r["acc_by_seed"]) == 4
     assert len(model.calls) == 1          # 20 prompts scored in one forward
-    prompts = {ev.build_prompt(items[0], [items[j] for j in random.Random(f"toy/{s}/0").sample(range(1, 12), 3)])[0]
+    prompts = {tasks.build_prompt(items[0], [items[j] for j in random.Random(f"toy/{s}/0").sample(range(1, 12), 3)])[0]
                for s in range(4)}
     assert len(prompts) > 1               # seeds change the choice / order of demonstrations
 
 
 def test_prompt_moves_trailing_space_into_the_continuation():
-    demo, item = ev.Item("\nQ: 1+1\nA: ", "2"), ev.Item("\nQ: 2+2\nA: ", "4", prefix="add:", sep="\n")
-    ctx, conts = ev.build_prompt(item, [demo])
+    demo, item = tasks.Item("\nQ: 1+1\nA: ", "2"), tasks.Item("\nQ: 2+2\nA: ", "4", prefix="add:", sep="\n")
+    ctx, conts = tasks.build_prompt(item, [demo])
     assert ctx == "add:\nQ: 1+1\nA: 2\n\nQ: 2+2\nA:" and conts == [" 4"]
 
 
@@ -112,13 +118,13 @@ def test_exact_match_equals_greedy_generation():
             continue
         greedy = tok.decode(out)
         if i % 2 == 0:
-            items.append((ev.Item(q, greedy), True))                     # the greedy answer itself
+            items.append((tasks.Item(q, greedy), True))                     # the greedy answer itself
         else:
             wrong = greedy[:2] + ("a" if greedy[2] != "a" else "b")      # differs in the last token
-            items.append((ev.Item(q, wrong), False))
+            items.append((tasks.Item(q, wrong), False))
     assert len(items) >= 4 and any(want for _, want in items)
-    t = ev.Task("toy", "gen", [it for it, _ in items], 0.0, None, "toy", "generated")
-    r = ev.evaluate_task(model, tok, t, 0, block_size=48)
+    t = tasks.Task("toy", "gen", [it for it, _ in items], 0.0, None, "toy", "generated")
+    r = tasks.evaluate_task(model, tok, t, 0, block_size=48)
     got = {i: c for i, c in zip(r["items"], r["per_item"])}
     assert [bool(got[i]) for i in range(len(items))] == [want for _, want in items]
 
@@ -142,16 +148,16 @@ def test_shared_context_scoring_equals_scoring_each_sequence(kw):
     torch.manual_seed(1)
     head = [0] + torch.randint(1, V, (12,)).tolist()
     tails = [torch.randint(1, V, (n,)).tolist() for n in (1, 3, 2, 5)]
-    shared = ev.score_options(m, head, tails, block_size=32)
-    each = ev.score_continuations(m, [(head + t, len(t)) for t in tails], block_size=32)
+    shared = tasks.score_options(m, head, tails, block_size=32)
+    each = tasks.score_continuations(m, [(head + t, len(t)) for t in tails], block_size=32)
     for (a, na, ga), (b, nb, gb) in zip(shared, each):
         assert na == nb and ga == gb and a == pytest.approx(b, rel=1e-5, abs=1e-5)
     long_head = head * 4                                   # 52 tokens: cut once, to fit the longest option
-    cut = ev.score_options(m, long_head, tails, block_size=32)
-    ref = ev.score_continuations(m, [(ev.truncate_left(long_head, 27) + t, len(t)) for t in tails], block_size=32)
+    cut = tasks.score_options(m, long_head, tails, block_size=32)
+    ref = tasks.score_continuations(m, [(tasks.truncate_left(long_head, 27) + t, len(t)) for t in tails], block_size=32)
     assert [c[0] for c in cut] == pytest.approx([r[0] for r in ref], rel=1e-5, abs=1e-5)
     with pytest.raises(ValueError, match="no room"):
-        ev.score_options(m, head, [[1] * 31], block_size=32)
+        tasks.score_options(m, head, [[1] * 31], block_size=32)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
@@ -162,7 +168,7 @@ def test_head_at_answer_positions_equals_full_logits(kw):
     m = _live_gpt(**kw)
     torch.manual_seed(2)
     reqs = [([0] + torch.randint(1, V, (L - 1,)).tolist(), n) for L, n in ((20, 5), (3, 1), (11, 2), (32, 7), (6, 5))]
-    fast = ev.score_continuations(m, reqs, block_size=32)
+    fast = tasks.score_continuations(m, reqs, block_size=32)
     assert len(m.norm_f._forward_hooks) == 0                   # the hook is gone afterwards
     for (toks, n), (nll, nn_, ok) in zip(reqs, fast):
         with torch.no_grad():
@@ -175,7 +181,7 @@ def test_head_at_answer_positions_equals_full_logits(kw):
 
 def test_mc_task_on_a_gpt_uses_shared_context_with_the_same_result():
     options = [" 0", " 11", " 222"]                     # options of different lengths: a padded batch
-    items = [ev.Item(f"q{i} =", options[i % 3], options=options, group="g") for i in range(9)]
+    items = [tasks.Item(f"q{i} =", options[i % 3], options=options, group="g") for i in range(9)]
     task = mc_task(items)
     m = _live_gpt(block_size=64)
 
@@ -188,39 +194,39 @@ def test_mc_task_on_a_gpt_uses_shared_context_with_the_same_result():
             return self.m(idx)
 
     for block in (64, 20):             # 64: every prompt fits; 20: contexts are cut (once, to fit the longest option)
-        a = ev.evaluate_task(m, CharTok(), task, k=2, seeds=3, block_size=block)
-        b = ev.evaluate_task(NoCache(), CharTok(), task, k=2, seeds=3, block_size=block)
+        a = tasks.evaluate_task(m, CharTok(), task, k=2, seeds=3, block_size=block)
+        b = tasks.evaluate_task(NoCache(), CharTok(), task, k=2, seeds=3, block_size=block)
         assert a["per_item_by_seed"] == b["per_item_by_seed"] and a["n_items"] == b["n_items"] == 9
 
 
 def test_truncation_keeps_bos():
     toks = [7] + list(range(100, 140))
-    cut = ev.truncate_left(toks, 16)
+    cut = tasks.truncate_left(toks, 16)
     assert len(cut) == 16 and cut[0] == 7 and cut[1:] == toks[-15:]
-    assert ev.truncate_left(toks[:10], 16) == toks[:10]
+    assert tasks.truncate_left(toks[:10], 16) == toks[:10]
     # scoring a too-long prompt: every forwarded row opens with BOS (Successor asserts it) and the
     # result equals scoring the manually truncated sequence
     long = [0] + CharTok().encode("abcdefghij" * 10)
-    r1 = ev.score_continuations(Successor(bos=0), [(long, 5)], block_size=32)
-    r2 = ev.score_continuations(Successor(bos=0), [(ev.truncate_left(long, 32), 5)], block_size=32)
+    r1 = tasks.score_continuations(Successor(bos=0), [(long, 5)], block_size=32)
+    r2 = tasks.score_continuations(Successor(bos=0), [(tasks.truncate_left(long, 32), 5)], block_size=32)
     assert r1 == r2
 
 
 def test_long_answers_are_skipped_not_truncated():
-    items = [ev.Item("a", "b" * 40), ev.Item("a", "b")]
-    t = ev.Task("toy", "gen", items, 0.0, None, "toy", "generated")
-    r = ev.evaluate_task(Successor(), CharTok(), t, 0, block_size=16)
+    items = [tasks.Item("a", "b" * 40), tasks.Item("a", "b")]
+    t = tasks.Task("toy", "gen", items, 0.0, None, "toy", "generated")
+    r = tasks.evaluate_task(Successor(), CharTok(), t, 0, block_size=16)
     assert r["skipped"] == 1 and r["n_items"] == 1
 
 
 # ---------------------------------------------------------------------------- statistics
 
 def test_centred_accuracy():
-    assert ev.centred_accuracy(0.25, 0.25) == 0 and ev.centred_accuracy(1.0, 0.25) == 1
-    assert ev.centred_accuracy(0.625, 0.25) == pytest.approx(0.5)
-    assert ev.centred_accuracy(0.1, 0.0) == pytest.approx(0.1)
+    assert tasks.centred_accuracy(0.25, 0.25) == 0 and tasks.centred_accuracy(1.0, 0.25) == 1
+    assert tasks.centred_accuracy(0.625, 0.25) == pytest.approx(0.5)
+    assert tasks.centred_accuracy(0.1, 0.0) == pytest.approx(0.1)
     with pytest.raises(ValueError):
-        ev.centred_accuracy(0.5, 1.0)
+        tasks.centred_accuracy(0.5, 1.0)
 
 
 def test_compare_tests_over_seeds_one_sided():
@@ -307,23 +313,23 @@ def test_normalised_shape():
 def test_calibration_recovers_a_known_sigmoid():
     true = dict(a=0.6, b=0.1, alpha=3.0, tau=3.2, d=-1)
     losses = np.linspace(2.4, 4.2, 12)
-    scores = ev.sigmoid4(losses, **true)
+    scores = calibration.sigmoid4(losses, **true)
     other_l = np.array([2.8, 3.5])
-    other_s = ev.sigmoid4(other_l, **true) + np.array([0.05, -0.02])
-    c = ev.calibrate(losses, scores, other_l, other_s, higher_is_better=True, other_groups=["big", "small"])
+    other_s = calibration.sigmoid4(other_l, **true) + np.array([0.05, -0.02])
+    c = calibration.calibrate(losses, scores, other_l, other_s, higher_is_better=True, other_groups=["big", "small"])
     for k in ("a", "b", "alpha", "tau"):
         assert c["params"][k] == pytest.approx(true[k], rel=1e-3, abs=1e-4)
     assert c["params"]["r2"] == pytest.approx(1.0)
     assert c["residuals"] == pytest.approx([0.05, -0.02], abs=1e-5)
     assert c["by_group"] == pytest.approx({"big": 0.05, "small": -0.02}, abs=1e-5)
     # a loss metric (increasing, lower is better): a lower-than-predicted loss is a positive residual
-    comp = ev.sigmoid4(losses, 1.0, 0.5, 2.0, 3.0, +1)
-    c2 = ev.calibrate(losses, comp, [3.0], [ev.sigmoid4(3.0, 1.0, 0.5, 2.0, 3.0, +1) - 0.1], higher_is_better=False)
+    comp = calibration.sigmoid4(losses, 1.0, 0.5, 2.0, 3.0, +1)
+    c2 = calibration.calibrate(losses, comp, [3.0], [calibration.sigmoid4(3.0, 1.0, 0.5, 2.0, 3.0, +1) - 0.1], higher_is_better=False)
     assert c2["params"]["d"] == 1 and c2["residuals"][0] == pytest.approx(0.1, abs=1e-4)
     assert c["identified"] and c["residual_interval"]["mean"] == pytest.approx(0.015, abs=1e-5)
     assert c["extrapolated"] == 0
     with pytest.raises(ValueError, match="equal-length"):
-        ev.calibrate(losses, scores[:3], other_l, other_s)
+        calibration.calibrate(losses, scores[:3], other_l, other_s)
 
 
 @pytest.mark.parametrize("scores, why", [
@@ -334,12 +340,12 @@ def test_calibration_recovers_a_known_sigmoid():
 ])
 def test_calibration_refuses_what_it_cannot_identify(scores, why, tmp_path):
     losses = np.r_[np.linspace(2.0, 2.2, 6), np.linspace(3.0, 3.2, 6)] if why == "step" else np.linspace(2.4, 4.2, 12)
-    c = ev.calibrate(losses, scores, [3.0], [0.2], chance=0.0)
+    c = calibration.calibrate(losses, scores, [3.0], [0.2], chance=0.0)
     assert not c["identified"] and why in c["why"] and "params" not in c and "residuals" not in c
-    assert "4 Baseline endpoints" in ev.calibrate(losses[:4], scores[:4], [3.0], [0.2])["why"]
+    assert "4 Baseline endpoints" in calibration.calibrate(losses[:4], scores[:4], [3.0], [0.2])["why"]
     # a report of refused fits draws nothing and says why
     rep = {"metrics": {"core": {**c, "higher_is_better": True}}}
-    note = ev.plot_calibration([], [], rep, tmp_path / "cal.png")
+    note = eval_plots.plot_calibration([], [], rep, tmp_path / "cal.png")
     assert not (tmp_path / "cal.png").exists() and why in note and "No calibration figure" in note
 
 
@@ -349,18 +355,18 @@ def test_bigbench_tasks_load():
     sizes = {"qa_wikidata": 2000, "language_identification": 1000, "dyck_languages": 1000,
              "cs_algorithms": 1320, "operators": 211, "repeat_copy_logic": 32}
     for name, n in sizes.items():
-        t = ev.load_bigbench(name)
+        t = tasks.load_bigbench(name)
         assert len(t.items) == n and t.origin == "bigbench" and t.shots == 10
-    li = ev.load_bigbench("language_identification")
+    li = tasks.load_bigbench("language_identification")
     assert li.kind == "mc" and li.rho == 0.25 and li.chance == pytest.approx(1 / 11)
     assert all(it.answer in it.options and "choice: " + it.answer in it.query for it in li.items[:50])
-    cs = ev.load_bigbench("cs_algorithms")
+    cs = tasks.load_bigbench("cs_algorithms")
     assert {it.group for it in cs.items} == {"lcs", "valid_parentheses"}
 
 
 def test_generated_tasks_are_exact_and_seeded():
     close = dict(zip("([{<", ")]}>"))
-    for it in ev.generate_task("gen_dyck", 50, depth=4).items:
+    for it in tasks.generate_task("gen_dyck", 50, depth=4).items:
         stack = []
         for c in it.query.split(":")[1].split("=")[0].split():
             if c in close:
@@ -368,20 +374,20 @@ def test_generated_tasks_are_exact_and_seeded():
             else:
                 assert stack.pop() == c
         assert it.answer.split() == stack[::-1] and len(stack) == 4
-    for it in ev.generate_task("gen_reverse", 20).items:
+    for it in tasks.generate_task("gen_reverse", 20).items:
         assert it.answer.split() == it.query.split(":")[1].split("=")[0].split()[::-1]
-    for it in ev.generate_task("gen_modadd", 20, modulus=11).items:
+    for it in tasks.generate_task("gen_modadd", 20, modulus=11).items:
         a, _, b = it.query.split()[:3]
         assert int(it.answer) == (int(a) + int(b)) % 11
-    kv = ev.generate_task("gen_kv", 20, n_pairs=5)
+    kv = tasks.generate_task("gen_kv", 20, n_pairs=5)
     assert kv.chance == 0.2 and all(f"{it.query.split(';')[1].split()[0]}={it.answer.strip()}" in it.query
                                     for it in kv.items)
-    assert ev.generate_task("gen_copy", 5).items == ev.generate_task("gen_copy", 5).items
-    assert ev.generate_task("gen_copy", 5, seed=1).items != ev.generate_task("gen_copy", 5).items
-    assert ev.generate_task("gen_dyck", depth=2, n_types=4).chance == 1 / 16
-    assert ev.resolve_tasks(["generated", "gen_dyck"]) == list(ev.GENERATED_TASKS)
+    assert tasks.generate_task("gen_copy", 5).items == tasks.generate_task("gen_copy", 5).items
+    assert tasks.generate_task("gen_copy", 5, seed=1).items != tasks.generate_task("gen_copy", 5).items
+    assert tasks.generate_task("gen_dyck", depth=2, n_types=4).chance == 1 / 16
+    assert tasks.resolve_tasks(["generated", "gen_dyck"]) == list(tasks.GENERATED_TASKS)
     with pytest.raises(KeyError):
-        ev.resolve_tasks(["nope"])
+        tasks.resolve_tasks(["nope"])
 
 
 # ---------------------------------------------------------------------------- runs and CLI
@@ -434,11 +440,11 @@ def test_evaluate_run_compare_and_calibration(tmp_path):
     def fake(loss, bump=0.0, scale="s"):
         task = lambda cat, c: {"category": cat, "headline_k": 10, "by_k": {"10": {"centred": c}}}
         return {"run": f"r{loss}", "scale": scale, "val": {"loss": loss},
-                "summary": {"real": {"core": float(ev.sigmoid4(loss, 0.5, 0.0, 4.0, 3.0, -1)) + bump,
-                                     "completion": float(ev.sigmoid4(loss, 2.0, 1.0, 2.0, 3.0, 1)) - bump}},
-                "tasks": {"t1": task("Symbolic", float(ev.sigmoid4(loss, 0.8, 0.0, 3.0, 3.1, -1)) + 2 * bump),
-                          "t2": task("World", float(ev.sigmoid4(loss, 0.3, 0.1, 5.0, 2.9, -1)) - bump)}}
-    rep = ev.calibration_report([fake(x) for x in (2.5, 2.8, 3.0, 3.2, 3.6)], [fake(2.9, 0.03, "big"),
+                "summary": {"real": {"core": float(calibration.sigmoid4(loss, 0.5, 0.0, 4.0, 3.0, -1)) + bump,
+                                     "completion": float(calibration.sigmoid4(loss, 2.0, 1.0, 2.0, 3.0, 1)) - bump}},
+                "tasks": {"t1": task("Symbolic", float(calibration.sigmoid4(loss, 0.8, 0.0, 3.0, 3.1, -1)) + 2 * bump),
+                          "t2": task("World", float(calibration.sigmoid4(loss, 0.3, 0.1, 5.0, 2.9, -1)) - bump)}}
+    rep = calibration.calibration_report([fake(x) for x in (2.5, 2.8, 3.0, 3.2, 3.6)], [fake(2.9, 0.03, "big"),
                                                                                fake(3.3, 0.01, "small")])
     assert rep["metrics"]["core"]["by_group"] == pytest.approx({"big": 0.03, "small": 0.01}, abs=1e-3)
     assert rep["metrics"]["completion"]["mean_residual"] == pytest.approx(0.02, abs=1e-3)
@@ -577,9 +583,9 @@ def test_matched_pairs_and_win_counts():
             rec("baseline", *c128, 10, summary=s(0.30, 1.5)), rec("smelt", *c128, 10, summary=s(0.25, 1.6)),
             rec("baseline", "t128", "S~50%", 10, seed=1, summary=s(0.3, 1.5)),        # no SMELT twin: unpaired
             rec("smelt", "t128", "S~50%", 20, summary=s(0.3, 1.5))]                   # no Baseline twin
-    pairs = ev.matched_pairs(recs)
+    pairs = wins.matched_pairs(recs)
     assert [(p["cell"], p["branch_step"]) for p in pairs] == [("t128 S~50%", 10), ("t64 S~50%", 10), ("t64 S~50%", 20)]
-    w = ev.win_counts(recs)
+    w = wins.win_counts(recs)
     assert w["n_pairs"] == 3
     core, comp = w["metrics"]["real core"], w["metrics"]["real completion"]
     assert (core["wins"], core["ties"], core["n"]) == (1, 1, 3)                       # 0.12 > 0.10; a tie; a loss
@@ -588,9 +594,9 @@ def test_matched_pairs_and_win_counts():
                                "t128 S~50%": {"wins": 0, "ties": 0, "n": 1}}
     assert comp["by_endpoint"][0]["delta"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="two endpoints"):
-        ev.matched_pairs(recs + [rec("smelt", "t64", "S~50%", 10)])
+        wins.matched_pairs(recs + [rec("smelt", "t64", "S~50%", 10)])
     with pytest.raises(ValueError, match="sparsity_label"):
-        ev.matched_pairs([{**recs[0], "sparsity_label": None}])
+        wins.matched_pairs([{**recs[0], "sparsity_label": None}])
 
 
 def test_icl_sweep_averages_above_chance_cells_and_tests_over_seeds():
@@ -604,7 +610,7 @@ def test_icl_sweep_averages_above_chance_cells_and_tests_over_seeds():
         rec("baseline", *B, 10, tasks={"t": task({0: [0.0], 2: [0.0, 0.1, 0.0]}), "z": task({2: [0, 0, 0]})}),
         rec("smelt", *B, 10, tasks={"t": task({0: [0.0], 2: [0.9, 0.9, 0.9]}), "z": task({2: [0, 0, 0]})}),
     ]
-    sw = ev.icl_sweep(recs)
+    sw = wins.icl_sweep(recs)
     t = sw["t"]
     k2 = t["by_k"]["2"]
     # cell A per seed: Baseline (0.3, 0.3, 0.3), SMELT (0.4, 0.4, 0.4); cell B left out (Baseline 0.033 < 0.1)
@@ -633,7 +639,7 @@ def test_length_families_by_hand(tmp_path):
         for branch in (10, 20):
             recs.append(rec("baseline", scale, label, branch, by_length=bl(gain)))
             recs.append(rec("smelt", scale, label, branch, by_length=bl(np.add(gain, smelt_extra))))
-    f = ev.length_families(recs, n_boot=200)
+    f = wins.length_families(recs, n_boot=200)
     sv, ex, pa = f["SMELT vs Baseline"], f["more experts"], f["more parameters"]
     assert sv["n_contrasts"] == 5 and sv["n_endpoint_pairs"] == 10 and sv["paper"] == 1.52
     assert sv["long_short"]["mean"] == pytest.approx(3.0) and sv["long_short"]["lo"] == pytest.approx(3.0)
@@ -646,11 +652,11 @@ def test_length_families_by_hand(tmp_path):
     # more parameters: t64 -> t128 at S=0% and at S~50% (t64 before t128: not string order); none at S~90%
     assert pa["n_contrasts"] == 2 and pa["long_short"]["mean"] == pytest.approx(1.0)
     assert all(c["ref"].startswith("baseline t64") and c["new"].startswith("baseline t128") for c in pa["contrasts"])
-    assert ev.plot_length_families(f, tmp_path / "fam.png") == "" and (tmp_path / "fam.png").stat().st_size > 0
+    assert eval_plots.plot_length_families(f, tmp_path / "fam.png") == "" and (tmp_path / "fam.png").stat().st_size > 0
     # a bucket with too few validation tokens is left out of every shape (and named)
     for r in recs:
         r["val"]["tokens_by_length"] = {"8": 11, "16": 4000, "32": 4000, "64": 4000}
-    f2 = ev.length_families(recs, n_boot=50)["SMELT vs Baseline"]
+    f2 = wins.length_families(recs, n_boot=50)["SMELT vs Baseline"]
     assert set(f2["shape"]) == {16, 32, 64} and f2["buckets_dropped"] == {8: 11}
     assert f2["long_short"]["mean"] == pytest.approx(0.3 / 0.1)       # long half {64} over short half {16}
     assert f2["n_negative"] == 0
@@ -671,11 +677,11 @@ def test_downstream_claims_and_report(tmp_path):
                             summary={"real": {"core": 0.0, "completion": comp_b}}))
             recs.append(rec("smelt", scale, label, branch, loss=loss - 0.05, tasks=tasks_s,
                             summary={"real": {"core": 0.0, "completion": comp_b - 0.1 - 0.02 * (i % 2)}}))
-    rep = ev.downstream_report(recs, n_boot=50)
+    rep = wins.downstream_report(recs, n_boot=50)
     assert rep["n_endpoints"] == 24 and rep["n_pairs"] == 12
     claims = {c["id"]: c for c in rep["claims"]}
     comp = claims["real completion difference"]
-    pairs = ev.matched_pairs(recs)
+    pairs = wins.matched_pairs(recs)
     want = stats.paired_difference([p["baseline"]["summary"]["real"]["completion"] for p in pairs],
                                    [p["smelt"]["summary"]["real"]["completion"] for p in pairs])
     assert comp["interval"] == pytest.approx(want.to_dict()) and comp["n"] == 12
@@ -688,11 +694,11 @@ def test_downstream_claims_and_report(tmp_path):
     assert "not identified" in core_cal["why"]
     assert "core" in rep["calibration"]["not_identified"]
     # per run pair instead of per endpoint: 6 units
-    by_run = {c["id"]: c for c in ev.downstream_claims(recs, unit="run")}
+    by_run = {c["id"]: c for c in wins.downstream_claims(recs, unit="run")}
     assert by_run["real completion difference"]["n"] == 6
     assert rep["wins"]["metrics"]["real completion"]["wins"] == 12
     assert rep["icl"]["t"]["by_k"]["2"]["gain"] == pytest.approx(0.1)
-    figs = ev.plot_downstream(rep, recs, tmp_path)
+    figs = eval_plots.plot_downstream(rep, recs, tmp_path)
     assert figs["figures"]["shot_sweep"] and Path(figs["figures"]["shot_sweep"]).stat().st_size > 0
     assert figs["figures"]["length_families"] is None       # the records carry no by_length
     assert any("core not identified" in n for n in figs["notes"])
@@ -701,7 +707,7 @@ def test_downstream_claims_and_report(tmp_path):
 def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
     res = {"tasks": {"up": task({0: [0.2], 2: [0.3, 0.5]}), "flat": task({0: [0.0], 2: [0.0, 0.0]}),
                      "real0": task({0: [0.0], 2: [0.0, 0.0]}, chance=None, origin="bigbench")}}
-    note = ev.plot_shot_sweep(res, tmp_path / "s.png")
+    note = eval_plots.plot_shot_sweep(res, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 0
     assert note == "At or below chance at every k (not drawn): flat, real0."
 
@@ -712,8 +718,8 @@ def test_length_tilt_claim_needs_a_gain_not_a_loss():
     import stats
     fam = {"paper": 1.52, "n_contrasts": 3, "n_negative": 3, "why": None,
            "long_short": stats.Interval(0.67, 0.39, 0.99, 3, 0.95, "bootstrap").to_dict()}
-    [c] = [c for c in ev.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] is None and "negative" in c["why"]
     fam["n_negative"] = 0        # SMELT gains everywhere: the same interval is decided as usual
-    [c] = [c for c in ev.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "contradicted"

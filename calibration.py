@@ -1,0 +1,189 @@
+"""Calibration: how much better a model scores than a Baseline of the same validation loss (SMELT Eq. 6-7).
+
+What this file implements (SMELT Section 5.1, Fig. 16)
+* `sigmoid4`: Eq. 6, the monotone four-parameter sigmoid from validation loss to a metric,
+  b + a / (1 + exp(-d alpha (loss - tau))); `fit_sigmoid` fits it by least squares from a grid of
+  starts and reports R^2.
+* `calibrate`: the fit on the Baseline endpoints, and each other model's residual (Eq. 7,
+  positive = better than its loss predicts) with a t-interval over those models.
+* Identifiability: a fit is *identified* only when the Baseline points can place it
+  (`calibration_problem`: >= 5 points, varying losses and scores, not all at chance; then
+  R^2 >= 0.5 and no step across a gap in the data); otherwise the result is "not identified
+  (why)" with no parameters, residuals or plot.
+* `calibration_report`: every DCLM metric of CALIBRATION_METRICS (Core, Completion, over the real
+  and the generated tasks) and every task, residuals averaged by task category.
+
+Read before: tasks.py (centred accuracy), eval.py (the endpoint evaluations this consumes).
+Read next: wins.py (the grid claims that use these residuals). Notes: docs/calibration.md.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+
+from tasks import centred_accuracy, chance_of
+
+def sigmoid4(loss, a: float, b: float, alpha: float, tau: float, d: int):
+    """SMELT Eq. 6: b + a / (1 + exp(-d alpha (loss - tau))), a, alpha > 0; d = +1 increasing, -1 decreasing."""
+    z = np.clip(-d * alpha * (np.asarray(loss, dtype=float) - tau), -60, 60)
+    return b + a / (1 + np.exp(z))
+
+
+def fit_sigmoid(losses: Sequence[float], scores: Sequence[float], d: int) -> dict:
+    """Least-squares fit of Eq. 6 (a, alpha > 0 via logs) from a grid of starts; returns params and R^2."""
+    from scipy.optimize import least_squares
+    x, y = np.asarray(losses, dtype=float), np.asarray(scores, dtype=float)
+    if len(x) < 4:
+        raise ValueError(f"the 4-parameter sigmoid needs >= 4 Baseline points, got {len(x)}")
+    span_y, span_x = max(np.ptp(y), 1e-6), max(np.ptp(x), 1e-6)
+
+    def resid(p):
+        return sigmoid4(x, math.exp(p[1]), p[0], math.exp(p[2]), p[3], d) - y
+
+    best = None
+    for tau in np.quantile(x, [0.2, 0.5, 0.8]):
+        for alpha in (2.0, 10.0):   # slope in units of the loss range
+            fit = least_squares(resid, [y.min(), math.log(span_y), math.log(alpha / span_x), tau])
+            if best is None or fit.cost < best.cost:
+                best = fit
+    b, la, lal, tau = best.x
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1 - 2 * best.cost / ss_tot if ss_tot > 0 else float("nan")
+    return {"a": math.exp(la), "b": float(b), "alpha": math.exp(lal), "tau": float(tau), "d": d, "r2": r2}
+
+
+CALIBRATION_MIN_POINTS = 5       # four parameters: at least one degree of freedom left
+CALIBRATION_MIN_R2 = 0.5         # the curve must explain most of the Baseline's spread (paper: 0.91-0.997)
+CALIBRATION_MAX_JUMP = 0.5       # share of the fitted curve's rise between two neighbouring Baseline losses
+
+
+def calibration_problem(losses: Sequence[float], scores: Sequence[float], chance: float | None = None) -> str | None:
+    """Why Eq. 6 cannot be identified from these Baseline points before fitting (None: try the fit).
+
+    Refused: fewer than CALIBRATION_MIN_POINTS points; all losses equal; constant scores; every
+    score at or below `chance` (a score metric whose Baseline never leaves the chance floor).
+    """
+    x, y = np.asarray(losses, dtype=float), np.asarray(scores, dtype=float)
+    if len(x) < CALIBRATION_MIN_POINTS:
+        return (f"{len(x)} Baseline endpoint{'s' if len(x) != 1 else ''}; the 4-parameter sigmoid needs at least "
+                f"{CALIBRATION_MIN_POINTS}")
+    if np.ptp(x) <= 1e-9:
+        return f"every Baseline endpoint has the same validation loss ({x[0]:.4f})"
+    if np.ptp(y) <= 1e-9 * max(1.0, float(np.abs(y).max())):
+        return f"every Baseline score is the same ({y[0]:.4g})"
+    if chance is not None and (y <= chance + 1e-9).all():
+        return f"every Baseline score is at or below chance ({chance:.4g}); max {y.max():.4g}"
+    return None
+
+
+def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_losses: Sequence[float],
+              other_scores: Sequence[float], higher_is_better: bool = True,
+              other_groups: Sequence | None = None, chance: float | None = None,
+              min_r2: float = CALIBRATION_MIN_R2) -> dict:
+    """SMELT Eq. 6-7: fit loss -> metric on the Baseline, residual delta = s (y - y_hat) for the others.
+
+    d = -1 and s = +1 for a score (higher is better), d = +1 and s = -1 for a loss, so a positive
+    residual always means better than a Baseline of the same validation loss.
+    The fit is *identified* only when calibration_problem finds nothing, R^2 is finite and at least
+    min_r2, and the curve is not a step: between no two neighbouring Baseline losses does it rise
+    by more than CALIBRATION_MAX_JUMP of its rise over all of them (a sigmoid that jumps across a gap
+    in the data puts its transition anywhere in the gap: two clusters of points fit it perfectly).
+    Returns {"identified": False, "why", "n_base"} when it is not (no parameters, no residuals),
+    else {"identified": True, "why": None, "n_base", "params": {a, b, alpha, tau, d, r2}, "residuals",
+    "predicted", "mean_residual", "residual_interval" (stats.mean_interval over the others, a dict),
+    "extrapolated" (others outside the Baseline loss range), "by_group"}.
+    """
+    import stats
+    bl, bs = np.asarray(base_losses, dtype=float), np.asarray(base_scores, dtype=float)
+    ol, os_ = np.asarray(other_losses, dtype=float), np.asarray(other_scores, dtype=float)
+    for name, a, b in (("Baseline", bl, bs), ("other", ol, os_)):
+        if a.shape != b.shape or a.ndim != 1:
+            raise ValueError(f"calibrate: {name} losses and scores must be equal-length lists, "
+                             f"got {a.shape} and {b.shape}")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise ValueError(f"calibrate: {name} losses / scores hold non-finite values")
+    s = 1 if higher_is_better else -1
+    out: dict = {"identified": False, "why": calibration_problem(bl, bs, chance), "n_base": len(bl)}
+    if out["why"]:
+        return out
+    params = fit_sigmoid(bl, bs, d=-s)
+    on_base = sigmoid4(np.sort(bl), params["a"], params["b"], params["alpha"], params["tau"], params["d"])
+    jump = float(np.abs(np.diff(on_base)).max() / max(np.ptp(on_base), 1e-300))
+    if not math.isfinite(params["r2"]) or params["r2"] < min_r2:
+        out["why"] = f"the fit explains too little of the Baseline spread (R^2 = {params['r2']:.3f} < {min_r2})"
+    elif jump > CALIBRATION_MAX_JUMP:
+        out["why"] = (f"the fitted curve is a step: {100 * jump:.0f} % of its rise lies between two neighbouring "
+                      f"Baseline losses, so the data do not place its transition")
+    if out["why"]:
+        return out
+    pred = sigmoid4(ol, params["a"], params["b"], params["alpha"], params["tau"], params["d"])
+    res = s * (os_ - pred)
+    out.update(identified=True, params=params, residuals=res.tolist(), predicted=pred.tolist(),
+               mean_residual=float(res.mean()) if len(res) else float("nan"),
+               residual_interval=stats.mean_interval(res).to_dict() if len(res) else None,
+               extrapolated=int(((ol < bl.min()) | (ol > bl.max())).sum()))
+    if other_groups is not None:
+        groups = defaultdict(list)
+        for g, r in zip(other_groups, res):
+            groups[g].append(r)
+        out["by_group"] = {g: float(np.mean(v)) for g, v in groups.items()}
+    return out
+
+
+# (metric name, summary origin, summary key, higher is better, chance in the metric's units)
+CALIBRATION_METRICS = (("core", "real", "core", True, 0.0), ("completion", "real", "completion", False, None),
+                       ("generated core", "generated", "core", True, 0.0),
+                       ("generated completion", "generated", "completion", False, None))
+
+
+def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: float = CALIBRATION_MIN_R2) -> dict:
+    """Calibrate endpoint evaluations (SMELT 5.1): every metric of CALIBRATION_METRICS, then every task.
+
+    base: the Baseline endpoints (the paper: all 96); others: the SMELT endpoints. Each needs "val"
+    and "summary" (evaluate_endpoint output); "scale" labels the residual groups (default: the run).
+    "core" / "completion" are the real (BIG-bench) tasks' DCLM metrics, "generated ..." the same over
+    the generated tasks. Per-task fits use centred accuracy at the task's headline k; residuals of
+    identified task fits are averaged within each task category, per scale and pooled ("all").
+    Returns {"metrics": {name: calibrate(...) + "higher_is_better"}, "identified": [names],
+    "not_identified": {name: why}, "by_category": {category: {scale: mean residual}}}.
+    """
+    missing = [e.get("run", "?") for e in [*base, *others] if not e.get("val")]
+    if missing:
+        raise ValueError(f"calibration needs each endpoint's validation loss; none in {missing} "
+                         f"(evaluate with validation)")
+    scale = lambda e: str(e.get("scale") or e.get("run", "?"))
+    loss = lambda es: [e["val"]["loss"] for e in es]
+    report: dict = {"metrics": {}, "by_category": {}}
+    for name, origin, key, higher, chance in CALIBRATION_METRICS:
+        get = lambda e: e["summary"].get(origin, {}).get(key)
+        vals = [get(e) for e in [*base, *others]]
+        if all(v is None for v in vals):
+            continue
+        if any(v is None or not np.isfinite(v) for v in vals):
+            report["metrics"][name] = {"identified": False, "why": f"{name} is missing for some endpoints",
+                                       "n_base": len(base), "higher_is_better": higher}
+            continue
+        report["metrics"][name] = {**calibrate(loss(base), [get(e) for e in base], loss(others),
+                                               [get(e) for e in others], higher, [scale(e) for e in others],
+                                               chance=chance, min_r2=min_r2), "higher_is_better": higher}
+    cat_res: dict = defaultdict(lambda: defaultdict(list))
+    for name, t in (base[0]["tasks"].items() if base else []):
+        k = str(t.get("headline_k"))
+        get = lambda e: e["tasks"].get(name, {}).get("by_k", {}).get(k, {}).get("centred")
+        if not all(get(e) is not None for e in [*base, *others]):
+            continue
+        chance = centred_accuracy(chance_of(t), t["rho"]) if "rho" in t else 0.0
+        c = calibrate(loss(base), [get(e) for e in base], loss(others), [get(e) for e in others],
+                      chance=chance, min_r2=min_r2)
+        report["metrics"][f"task/{name}"] = {**c, "higher_is_better": True}
+        if c["identified"]:
+            for e, r in zip(others, c["residuals"]):
+                cat_res[t["category"]][scale(e)].append(r)
+                cat_res[t["category"]]["all"].append(r)
+    report["by_category"] = {c: {s: float(np.mean(v)) for s, v in d.items()} for c, d in cat_res.items()}
+    report["identified"] = [m for m, c in report["metrics"].items() if c["identified"]]
+    report["not_identified"] = {m: c["why"] for m, c in report["metrics"].items() if not c["identified"]}
+    return report

@@ -1,0 +1,415 @@
+"""Few-shot tasks and their scoring: how DCLM and lm-eval turn a language model into accuracies.
+
+What this file implements (SMELT Section 3.1 "Evaluation", 5.1 and Appendix E)
+* Tasks, offline: six of DCLM Core's 22 tasks from BIG-bench 1.0.0 (`load_bigbench`; tasks/bigbench/,
+  see its README) and procedurally generated tasks that tiny models can learn in context
+  (`generate_task`: Dyck closing at a set depth, copy, reverse, key-value retrieval, modular
+  addition), each from a seeded generator with a known chance rate; `get_task`, `resolve_tasks`.
+* Prompts: `build_prompt` lays out k demonstrations of the same (sub)task in BIG-bench's format;
+  `truncate_left` cuts a long prompt on the left and keeps BOS (SMELT App. E).
+* Scoring: `score_continuations` (sequences in batched forwards, the output head at the answer
+  positions only) and `score_options` (a multiple-choice context prefilled once, its KV cache
+  repeated per option; tested equal to `score_continuations`).
+* `evaluate_task`: one task at k shots over demonstration seeds. Multiple choice by each option's
+  log-likelihood (DCLM's per-token mean, lm-eval's per-character acc_norm, or the raw sum);
+  generation by exact match (teacher-forced: the same as greedy decoding) and gold-completion loss;
+  mean and standard error over seeds.
+* `centred_accuracy` (DCLM Core, SMELT Eq. 11: (a - rho) / (1 - rho), DCLM v2's random baselines)
+  and `chance_of` (a task's exact chance rate).
+
+Design choices and measured speed-ups: docs/tasks.md. Read next: eval.py (one endpoint: validation
+loss and the shot sweep), calibration.py (loss to score, Eq. 6-7), wins.py (the grid of pairs).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TASK_DIR = Path(__file__).resolve().parent / "tasks" / "bigbench"
+# name -> (kind, DCLM category, DCLM shots, DCLM v2 random baseline as a fraction)
+REAL_TASKS = {
+    "qa_wikidata": ("gen", "World Knowledge", 10, 0.0),
+    "language_identification": ("mc", "Language Understanding", 10, 0.25),
+    "dyck_languages": ("gen", "Symbolic Problem Solving", 10, 0.0),
+    "cs_algorithms": ("gen", "Symbolic Problem Solving", 10, 0.0),
+    "operators": ("gen", "Symbolic Problem Solving", 10, 0.0),
+    "repeat_copy_logic": ("gen", "Symbolic Problem Solving", 10, 0.0),
+}
+GENERATED_TASKS = ("gen_dyck", "gen_copy", "gen_reverse", "gen_kv", "gen_modadd")
+
+
+# ================================================================ forwards
+
+def forward_logits(model: nn.Module, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's float logits (B, T, V) for idx (B, T), under bf16 autocast on CUDA."""
+    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
+        out = model(idx) if doc_ids is None else model(idx, doc_ids=doc_ids)
+    return (out[0] if isinstance(out, tuple) else out).float()
+
+
+@contextlib.contextmanager
+def _head_at(model: nn.Module, pos_BM: torch.Tensor | None):
+    """Within the block, the model's output head runs only at positions pos_BM (B, M) of each row.
+
+    The head (final norm + vocabulary projection) is position-wise, so selecting the positions of
+    the final norm's output before the projection gives exactly the logits at those positions:
+    (B, M, V) instead of (B, T, V). Few-shot scoring needs the logits of the answer tokens only
+    (what that saves: docs/tasks.md). Yields True when the model has a `norm_f` module to hook
+    (GPT), else False (the caller selects from the full logits). Tested equal to the full-logit
+    path (tests/test_eval.py).
+    """
+    norm = getattr(model, "norm_f", None)
+    if pos_BM is None or not isinstance(norm, nn.Module):
+        yield False
+        return
+
+    def keep(_mod, _inp, x_BTD):
+        return x_BTD.gather(1, pos_BM[..., None].expand(-1, -1, x_BTD.shape[-1]))   # (B, M, D)
+    handle = norm.register_forward_hook(keep)
+    try:
+        yield True
+    finally:
+        handle.remove()
+
+
+def _logits_at(model: nn.Module, idx_BT: torch.Tensor, pos_BM: torch.Tensor) -> torch.Tensor:
+    """Logits (B, M, V) at positions pos_BM of each row (the head runs there only, when it can)."""
+    with _head_at(model, pos_BM) as hooked:
+        logits = forward_logits(model, idx_BT)
+    return logits if hooked else logits.gather(1, pos_BM[..., None].expand(-1, -1, logits.shape[-1]))
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+# ================================================================ tasks
+
+@dataclass
+class Item:
+    query: str                      # the formatted input; the answer follows it directly
+    answer: str                     # gold continuation (generation) or the gold option (multiple choice)
+    options: list[str] | None = None
+    prefix: str = ""                # the (sub)task prefix, once at the top of the prompt
+    sep: str = "\n"                 # between demonstrations
+    group: str = ""                 # demonstrations come from items of the same group (subtask)
+
+
+@dataclass
+class Task:
+    name: str
+    kind: str                       # "mc" | "gen"
+    items: list[Item]
+    rho: float                      # random baseline for centred accuracy
+    chance: float | None            # exact chance rate of a blind guesser where one is defined
+    category: str
+    origin: str                     # "bigbench" | "generated"
+    shots: int = 10                 # the task's standard k (DCLM)
+    norm: str = "token"             # multiple choice: "token" (DCLM), "char" (lm-eval acc_norm), "none"
+
+
+def load_bigbench(name: str, root: Path | str = TASK_DIR) -> Task:
+    """A task from tasks/bigbench/NAME.json (BIG-bench task.json; cs_algorithms holds two subtasks)."""
+    if name not in REAL_TASKS:
+        raise KeyError(f"unknown BIG-bench task {name!r}; available: {sorted(REAL_TASKS)}")
+    path = Path(root) / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing (see tasks/bigbench/README.md for how it was extracted)")
+    kind, category, shots, rho = REAL_TASKS[name]
+    d = json.loads(path.read_text())
+    items = []
+    for part in d.get("subtasks", [d]):
+        ip, op = part.get("example_input_prefix", "\nQ: "), part.get("example_output_prefix", "\nA: ")
+        cp, append = part.get("choice_prefix", "\n  choice: "), part.get("append_choices_to_input", True)
+        prefix, sep = part.get("task_prefix", ""), part.get("few_shot_example_separator", "\n")
+        for j, ex in enumerate(part["examples"]):
+            scores = ex.get("target_scores")
+            gold = max(scores, key=scores.get) if scores else ex["target"]
+            gold = gold[0] if isinstance(gold, list) else gold
+            if kind == "mc":
+                shown = list(scores)
+                random.Random(f"{name}/{part['name']}/{j}").shuffle(shown)
+                text = ip + ex["input"] + (cp + cp.join(shown) if append else "") + op
+                items.append(Item(text, gold, list(scores), prefix, sep, part["name"]))
+            else:
+                items.append(Item(ip + ex["input"] + op, str(gold), None, prefix, sep, part["name"]))
+    chance = float(np.mean([1 / len(it.options) for it in items])) if kind == "mc" else None
+    return Task(name, kind, items, rho, chance, category, "bigbench", shots)
+
+
+def _dyck(rng: random.Random, depth: int, n_types: int) -> tuple[str, str]:
+    """A prefix with exactly `depth` unclosed brackets (closed pairs mixed in) and its closing sequence."""
+    opens, closes = "([{<"[:n_types], ")]}>"[:n_types]
+
+    def closed(n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            t = rng.randrange(n_types)
+            out += [opens[t]] + (closed(1) if rng.random() < 0.3 else []) + [closes[t]]
+        return out
+
+    toks, stack = [], []
+    for _ in range(depth):
+        toks += closed(rng.randrange(3))
+        t = rng.randrange(n_types)
+        toks.append(opens[t])
+        stack.append(t)
+    return " ".join(toks), " ".join(closes[t] for t in reversed(stack))
+
+
+def generate_task(name: str, n_items: int = 200, seed: int = 0, depth: int = 3, n_types: int = 3,
+                  length: int = 4, alphabet: int = 8, n_pairs: int = 4, modulus: int = 7) -> Task:
+    """A procedurally generated task, the same for the same arguments.
+
+    gen_dyck     close `depth` open brackets of `n_types` kinds        chance (1/n_types)^depth
+    gen_copy     repeat `length` letters from `alphabet`                chance (1/alphabet)^length
+    gen_reverse  reverse them                                           chance (1/alphabet)^length
+    gen_kv       n_pairs "key=value" pairs, pick the asked key's value (multiple choice)   1/n_pairs
+    gen_modadd   a + b mod `modulus`                                    chance 1/modulus
+    (chance: a guesser who knows the answer format and length, but not the input)
+    """
+    rng = random.Random(f"{name}/{seed}")
+    letters = "abcdefghijklmnopqrstuvwxyz"[:alphabet]
+    items = []
+    for _ in range(n_items):
+        if name == "gen_dyck":
+            q, a = _dyck(rng, depth, n_types)
+            items.append(Item(f"dyck: {q} =", " " + a))
+        elif name in ("gen_copy", "gen_reverse"):
+            s = [rng.choice(letters) for _ in range(length)]
+            out = s if name == "gen_copy" else s[::-1]
+            items.append(Item(f"{name[4:]}: {' '.join(s)} =", " " + " ".join(out)))
+        elif name == "gen_kv":
+            keys = rng.sample(letters, n_pairs)
+            vals = rng.sample(range(10), n_pairs)
+            ask = rng.randrange(n_pairs)
+            ctx = " ".join(f"{k}={v}" for k, v in zip(keys, vals))
+            items.append(Item(f"{ctx} ; {keys[ask]} =", f" {vals[ask]}", [f" {v}" for v in vals]))
+        elif name == "gen_modadd":
+            a, b = rng.randrange(modulus), rng.randrange(modulus)
+            items.append(Item(f"{a} + {b} mod {modulus} =", f" {(a + b) % modulus}"))
+        else:
+            raise KeyError(f"unknown generated task {name!r}; available: {GENERATED_TASKS}")
+    for it in items:
+        it.group = name
+    chance = {"gen_dyck": (1 / n_types) ** depth, "gen_copy": (1 / alphabet) ** length,
+              "gen_reverse": (1 / alphabet) ** length, "gen_kv": 1 / n_pairs, "gen_modadd": 1 / modulus}[name]
+    return Task(name, "mc" if name == "gen_kv" else "gen", items, chance, chance, "Synthetic ICL", "generated")
+
+
+def get_task(name: str) -> Task:
+    return generate_task(name) if name in GENERATED_TASKS else load_bigbench(name)
+
+
+def resolve_tasks(names: Iterable[str]) -> list[str]:
+    """Expand the groups "real", "generated" and "all"; check every name."""
+    out = []
+    for n in names:
+        group = {"real": list(REAL_TASKS), "generated": list(GENERATED_TASKS),
+                 "all": list(REAL_TASKS) + list(GENERATED_TASKS)}.get(n, [n])
+        for g in group:
+            if g not in REAL_TASKS and g not in GENERATED_TASKS:
+                raise KeyError(f"unknown task {g!r}; known: {list(REAL_TASKS) + list(GENERATED_TASKS)}")
+            out += [g] if g not in out else []
+    return out
+
+
+# ================================================================ prompts and batched scoring
+
+def build_prompt(item: Item, demos: Sequence[Item]) -> tuple[str, list[str]]:
+    """(context, continuations): BIG-bench layout; the context's trailing spaces open each continuation."""
+    ctx = item.prefix + "".join(d.query + d.answer + item.sep for d in demos) + item.query
+    body = ctx.rstrip(" ")
+    lead = ctx[len(body):]
+    return body, [lead + o for o in (item.options or [item.answer])]
+
+
+def truncate_left(tokens: list[int], block_size: int) -> list[int]:
+    """Keep BOS (tokens[0]) and the last block_size - 1 tokens."""
+    return tokens if len(tokens) <= block_size else tokens[:1] + tokens[len(tokens) - block_size + 1:]
+
+
+@torch.no_grad()
+def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], int]], block_size: int,
+                        pad_id: int = 0, max_logits: int = 1 << 25) -> list[tuple[float, int, bool]]:
+    """Each (tokens, n_cont) -> (sum of -log p over the last n_cont tokens, n_cont, all of them the argmax).
+
+    Sequences are truncated on the left (BOS kept), sorted by length and right-padded into batches
+    of at most max_logits logit entries; only the continuation positions enter the loss.
+    """
+    model.eval()
+    dev = model_device(model)
+    seqs = [truncate_left(t, block_size) for t, _ in requests]
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)   # unknown: the first batch is one row
+    out: list[tuple[float, int, bool] | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    i = 0
+    while i < len(order):
+        T = len(seqs[order[i]])
+        rows = max(1, min(len(order) - i, max_logits // (T * vocab))) if vocab else 1
+        chunk = order[i:i + rows]
+        x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+        for r, j in enumerate(chunk):
+            x[r, :len(seqs[j])] = torch.tensor(seqs[j])
+        x = x.to(dev)
+        lens, ns = [len(seqs[j]) for j in chunk], [requests[j][1] for j in chunk]
+        for L, n in zip(lens, ns):
+            if not 0 < n < L:
+                raise ValueError(f"continuation of {n} tokens does not fit a {L}-token sequence")
+        # logits predicting each row's last M tokens (M: the chunk's longest continuation); its own are the last n
+        M = max(ns)
+        pos = torch.tensor([[max(0, L - M - 1 + m) for m in range(M)] for L in lens], device=dev)   # (rows, M)
+        logits = _logits_at(model, x, pos)                                                          # (rows, M, V)
+        vocab = logits.shape[-1]
+        for r, j in enumerate(chunk):
+            L, n = lens[r], ns[r]
+            lg, tgt = logits[r, M - n:], x[r, L - n:L]
+            nll = F.cross_entropy(lg, tgt, reduction="sum")
+            out[j] = (float(nll), n, bool((lg.argmax(-1) == tgt).all()))
+        i += len(chunk)
+    return out  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]], block_size: int,
+                  pad_id: int = 0) -> list[tuple[float, int, bool]]:
+    """score_continuations for several continuations of one context, prefilling the context once.
+
+    The context runs once into a KV cache (model.new_cache / forward_step), the cache is repeated
+    once per option (Cache.repeat), and all options run together as one right-padded batch:
+    the context's positions are computed once instead of once per option (11 times for
+    language_identification). The context is cut on the left once, to fit the longest option,
+    so every option is scored after the same context. Same return as score_continuations.
+    """
+    if not tails or min(len(t) for t in tails) < 1:
+        raise ValueError("score_options: every option needs at least one token")
+    longest = max(len(t) for t in tails)
+    if longest > block_size - 2:
+        raise ValueError(f"score_options: an option of {longest} tokens leaves no room for context in {block_size}")
+    model.eval()
+    dev = model_device(model)
+    head = truncate_left(head, block_size - longest)
+    cache = model.new_cache(1, len(head) + longest)
+    with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"), \
+            _head_at(model, torch.tensor([[len(head) - 1]], device=dev)):   # the head at the last position only
+        first = model.forward_step(torch.tensor([head], device=dev), cache)[0, -1].float()   # (V,)
+    with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"):
+        rest = None
+        if longest > 1:
+            x = torch.full((len(tails), longest - 1), pad_id, dtype=torch.long)
+            for r, t in enumerate(tails):
+                x[r, :len(t) - 1] = torch.tensor(t[:-1])
+            rest = model.forward_step(x.to(dev), cache.repeat(len(tails))).float()          # (n, longest-1, V)
+    out = []
+    for r, t in enumerate(tails):
+        lg = first[None] if len(t) == 1 else torch.cat([first[None], rest[r, :len(t) - 1]])   # (len(t), V)
+        tgt = torch.tensor(t, device=dev)
+        out.append((float(F.cross_entropy(lg, tgt, reduction="sum")), len(t), bool((lg.argmax(-1) == tgt).all())))
+    return out
+
+
+def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, max_items: int | None = None,
+                  block_size: int | None = None, bos: int | None = None) -> dict:
+    """One task at k shots: accuracy per seed, mean, standard error, centred accuracy, per-item results.
+
+    Returns {"k", "n_items", "skipped", "seeds", "acc", "acc_se", "acc_by_seed" (one accuracy per
+    demonstration seed: what the Appendix C permutation test pairs across models), "centred",
+    "items", "per_item", "per_item_by_seed"}; generation tasks add "gold_loss", "gold_nll_sum",
+    "gold_tokens" and "gold_loss_by_seed".
+
+    enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding).
+    Generation tasks also give the gold-completion loss (sum nll / answer tokens over all items and seeds).
+    """
+    block_size = block_size or model.cfg.block_size
+    bos = enc.eot_token if bos is None else bos
+    encode = getattr(enc, "encode_ordinary", None) or enc.encode
+    n = len(task.items)
+    order = random.Random(f"{task.name}/items").sample(range(n), n)
+    by_group = defaultdict(list)
+    for j, it in enumerate(task.items):
+        by_group[it.group].append(j)
+    run_seeds = [0] if k == 0 else list(range(seeds))
+    requests, plan, skipped, used, n_scored = [], [], 0, [], 0
+    for i in order:
+        if max_items is not None and len(used) >= max_items:
+            break
+        item, seqs = task.items[i], []
+        pool = [j for j in by_group[item.group] if j != i]
+        if k > len(pool):
+            raise ValueError(f"{task.name}: {k} demonstrations requested, only {len(pool)} other items")
+        for s in run_seeds:
+            demos = [task.items[j] for j in random.Random(f"{task.name}/{s}/{i}").sample(pool, k)]
+            ctx, conts = build_prompt(item, demos)
+            seqs.append(([bos] + encode(ctx), [encode(c) for c in conts]))
+        longest = max(len(t) for _, tails in seqs for t in tails)
+        if longest > block_size - 2:
+            skipped += 1
+            continue
+        # one cut per context, to fit its longest option: every option, on either scoring path, sees the same context
+        seqs = [(truncate_left(head, block_size - max(len(t) for t in tails)), tails) for head, tails in seqs]
+        used.append(i)
+        for s, (head, tails) in enumerate(seqs):
+            plan.append((len(used) - 1, s, n_scored, len(tails)))   # its scores: [n_scored, n_scored + len)
+            requests.append((head, tails))
+            n_scored += len(tails)
+    if task.kind == "mc" and hasattr(model, "new_cache") and model_device(model).type == "cpu":
+        # one prefill per context, forked per option: measured faster on CPU only (docs/tasks.md)
+        scores = [sc for head, tails in requests for sc in score_options(model, head, tails, block_size, bos)]
+    else:
+        scores = score_continuations(model, [(head + t, len(t)) for head, tails in requests for t in tails],
+                                     block_size, pad_id=bos)
+    correct = np.zeros((len(run_seeds), len(used)))
+    nll_s, tok_s = np.zeros(len(run_seeds)), np.zeros(len(run_seeds), dtype=np.int64)   # gold loss per seed
+    for u, s, start, m in plan:
+        res = scores[start:start + m]
+        if task.kind == "mc":
+            item = task.items[used[u]]
+            if task.norm == "token":
+                crit = [nll / nt for nll, nt, _ in res]
+            elif task.norm == "char":
+                crit = [nll / max(1, len(o)) for (nll, _, _), o in zip(res, item.options)]   # lm-eval: characters
+            else:
+                crit = [nll for nll, _, _ in res]
+            correct[s, u] = float(item.options[int(np.argmin(crit))] == item.answer)
+        else:
+            correct[s, u] = float(res[0][2])
+            nll_s[s] += res[0][0]
+            tok_s[s] += res[0][1]
+    acc = correct.mean(1) if used else np.full(len(run_seeds), np.nan)
+    mean = float(acc.mean())
+    out = {"k": k, "n_items": len(used), "skipped": skipped, "seeds": len(run_seeds),
+           "acc": mean, "acc_se": float(acc.std(ddof=1) / math.sqrt(len(acc))) if len(acc) > 1 else 0.0,
+           "acc_by_seed": acc.tolist(), "centred": centred_accuracy(mean, task.rho),
+           "items": used, "per_item": correct.mean(0).tolist(), "per_item_by_seed": correct.tolist()}
+    if task.kind == "gen":
+        nll_sum, n_tok = float(nll_s.sum()), int(tok_s.sum())
+        out.update(gold_loss=nll_sum / n_tok if n_tok else float("nan"), gold_nll_sum=nll_sum, gold_tokens=n_tok,
+                   gold_loss_by_seed=[float(a / b) if b else float("nan") for a, b in zip(nll_s, tok_s)])
+    return out
+
+
+# ================================================================ centred accuracy
+
+def centred_accuracy(acc: float, rho: float) -> float:
+    """DCLM Core / SMELT Eq. 11: (a - rho) / (1 - rho); 0 at the random baseline, 1 at perfect."""
+    if not 0 <= rho < 1:
+        raise ValueError(f"random baseline rho must be in [0, 1), got {rho}")
+    return (acc - rho) / (1 - rho)
+
+
+def chance_of(task: dict) -> float:
+    """A task entry's chance accuracy: its exact chance rate where one is defined, else DCLM's rho."""
+    return float(task["rho"] if task.get("chance") is None else task["chance"])
