@@ -51,16 +51,11 @@ TOLERANCES = {"flops": 0.04, "params": 0.01, "kv": 0.04}   # SMELT Table 3.2
 
 @dataclass(frozen=True)
 class Plan:
-    n_layer: int
-    moe: bool
-    top_k: int
-    vocab: int
-    tied: bool
+    n_layer: int; moe: bool; top_k: int; vocab: int; tied: bool
     attn_visits: int            # executed attention sub-layers per token
     mlp_visits: int             # executed feed-forward sub-layers per token
     n_loops: int                # adapter L (rows of A, B, M)
-    adapter: str
-    rank: int
+    adapter: str; rank: int
     adapter_layers: int         # layers holding adapters
     adapter_attn_visits: int    # attention visits through adapted projections
     adapter_mlp_visits: int     # dense MLP visits through adapted projections
@@ -487,18 +482,17 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
 # ----------------------------------------------------------------------------------------
 # Ladders (SMELT Appendix A; the preset tables are configs.LADDERS)
 
-def preset_doc_length(preset: str, data=None) -> float:
-    """The document length a preset's ladder is matched at (and its runs' F is counted at).
-
-    SMELT measures FLOPs "at the document length" of its packed data. For our presets that is the
-    measured effective document length of the preset's prepared training data at the preset's block
-    size (data.measured_doc_length, the same number train.py puts in every results row); `data` is
-    a TokenData (default: the preset's prepared data in the cache). The paper preset uses the
-    paper's own document length, configs.PAPER_DOC_LEN, at which our accounting reproduces Appendix A.
-    """
+def _ladder(preset: str) -> dict:
     if preset not in configs.LADDERS:
         raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
-    p = configs.LADDERS[preset]
+    return configs.LADDERS[preset]
+
+
+def preset_doc_length(preset: str, data=None) -> float:
+    """The document length a preset's ladder is matched at and its F counted at (SMELT: "at the document
+    length"): the measured effective length of its prepared data (`data`: a TokenData, default the cached
+    one) at its block size, as train.py's rows; the paper preset: configs.PAPER_DOC_LEN (Appendix A)."""
+    p = _ladder(preset)
     if p["data"] is None:
         return float(configs.PAPER_DOC_LEN)
     import data as data_mod
@@ -514,9 +508,7 @@ def preset_doc_length(preset: str, data=None) -> float:
 
 def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
     """[(scale, sparsity label, Baseline ModelConfig)] for "tiny", "small" or "paper"."""
-    if preset not in configs.LADDERS:
-        raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
-    p = configs.LADDERS[preset]
+    p = _ladder(preset)
     return [(scale, label, ModelConfig(vocab_size=p["vocab"], block_size=p["block"], n_layer=L, d_model=d, n_head=nh,
                                        n_kv_head=nkv, head_dim=hd, d_ff=ff, n_experts=E, top_k=p["top_k"]))
             for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
