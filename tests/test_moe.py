@@ -98,16 +98,22 @@ def test_moe_rejects_bad_topk():
         MoE(8, 8, 4, 5)
 
 
-def test_moe_gradients_match_per_token_loop():
-    m = _moe(E=6, k=2)
-    x = torch.randn(2, 5, 32, requires_grad=True)
-    dy = torch.randn(2, 5, 32)
+def _grads_fast_and_reference(m, x, dy):
+    """[input grad, every parameter grad] of the fast forward and of the per-token reference."""
     grads = []
     for fn in (lambda t: m(t)[0], m.forward_reference):
         m.zero_grad()
         x.grad = None
         (fn(x) * dy).sum().backward()
         grads.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    return grads
+
+
+def test_moe_gradients_match_per_token_loop():
+    m = _moe(E=6, k=2)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    dy = torch.randn(2, 5, 32)
+    grads = _grads_fast_and_reference(m, x, dy)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -240,12 +246,7 @@ def test_shared_experts_match_per_token_loop_values_and_grads(n_shared, impl):
     assert m.shared_w_in.shape == (n_shared, 32, 32) and m.shared_w_out.shape == (n_shared, 16, 32)
     x = torch.randn(2, 5, 32, requires_grad=True)
     dy = torch.randn(2, 5, 32)
-    grads = []
-    for fn in (lambda t: m(t)[0], m.forward_reference):
-        m.zero_grad()
-        x.grad = None
-        (fn(x) * dy).sum().backward()
-        grads.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    grads = _grads_fast_and_reference(m, x, dy)
     torch.testing.assert_close(m(x)[0], m.forward_reference(x), rtol=1e-5, atol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
