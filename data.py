@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
@@ -43,7 +43,8 @@ import corpus
 import configs
 from checks import JSONFileError, read_json
 from corpus import FORMAT_VERSION
-from tokenizer import (GPT2_VOCAB, _atomic_write, _sha256, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
+from runfiles import atomic_write_bytes, sha256_of
+from tokenizer import (GPT2_VOCAB, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
                        needs_bpe_files)
 
 
@@ -76,7 +77,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
         manifest = read_json(d / "manifest.json", keys=("files",))
     for rel, meta in manifest["files"].items():
         p = d / rel
-        if not p.exists() or p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
             raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from manifest.json); "
                                    f"re-run prepare with force=True (`python data.py --force ...`)")
     return manifest
@@ -123,8 +124,8 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
             report[src.name] = {"domain": src.domain, "status": "skipped", "reason": "too few documents"}
             continue
         remaining[src.domain] -= n_tokens
-        _atomic_write(out / "val" / f"{src.name}.bin", np.concatenate(val).tobytes())
-        _atomic_write(out / "val" / f"{src.name}.docs.npy", _npy(np.cumsum([0] + [len(p) for p in val[:-1]])))
+        atomic_write_bytes(out / "val" / f"{src.name}.bin", np.concatenate(val).tobytes())
+        atomic_write_bytes(out / "val" / f"{src.name}.docs.npy", _npy(np.cumsum([0] + [len(p) for p in val[:-1]])))
         n_val_tokens, n_train = sum(len(v) for v in val), len(kept)
         report[src.name] = {"domain": src.domain, "status": "ok", **info, "documents_available": len(docs),
                             "train_docs": n_train, "val_docs": len(val), "train_tokens": n_tokens - n_val_tokens,
@@ -187,8 +188,8 @@ def _write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources:
     order = np.random.default_rng(_seed(preset)).permutation(len(train))  # interleave documents of all sources
     stream = np.concatenate([train[i][1] for i in order])
     starts = np.cumsum([0] + [len(train[i][1]) for i in order[:-1]])
-    _atomic_write(out / "train.bin", stream.tobytes())
-    _atomic_write(out / "train_docs.npy", _npy(np.stack([starts, [train[i][0] for i in order]], 1)))
+    atomic_write_bytes(out / "train.bin", stream.tobytes())
+    atomic_write_bytes(out / "train_docs.npy", _npy(np.stack([starts, [train[i][0] for i in order]], 1)))
     ok = {n: r for n, r in report.items() if r["status"] == "ok"}
     domains = sorted({r["domain"] for r in ok.values()})
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.suffix in (".bin", ".npy")
@@ -203,10 +204,10 @@ def _write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources:
         "tokens_per_domain": per_domain, "train_tokens": int(len(stream)),
         "bytes_per_token": round(bytes_all / max(sum(per_domain.values()) - sum(r["train_docs"] + r["val_docs"]
                                                                               for r in ok.values()), 1), 3),
-        "sources": report, "files": {f: {"sha256": _sha256(out / f), "bytes": (out / f).stat().st_size} for f in files},
+        "sources": report, "files": {f: {"sha256": sha256_of(out / f), "bytes": (out / f).stat().st_size} for f in files},
         "spec": spec,
     }
-    _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1).encode())
+    atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())
     print(f"{out}: {len(ok)}/{len(sources)} sources, domains {domains}, {sum(per_domain.values()):,} tokens, "
           f"{manifest['bytes_per_token']} B/tok, {manifest['prepare_seconds']}s")
     return manifest
@@ -255,9 +256,9 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
         shutil.copyfile(p, dest / rel)
     info = {"format_version": FORMAT_VERSION, "preset": preset, "vocab_size": vocab,
             "dataset": src.relative_to(root).as_posix(), "bytes": total, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "files": {rel.as_posix(): {"sha256": _sha256(dest / rel), "bytes": (dest / rel).stat().st_size}
+            "files": {rel.as_posix(): {"sha256": sha256_of(dest / rel), "bytes": (dest / rel).stat().st_size}
                       for rel in sorted(files)}}
-    _atomic_write(dest / "PACK.json", json.dumps(info, indent=1).encode())
+    atomic_write_bytes(dest / "PACK.json", json.dumps(info, indent=1).encode())
     print(f"{dest}: {len(files)} files, {total / 2**20:.1f} MiB (preset {preset}, vocab {vocab}); "
           f"use it with `python reproduce.py --preset ... --data-dir {dest}`")
     return info
@@ -282,7 +283,7 @@ def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
                          f"{FORMAT_VERSION}: rebuild it with `python data.py --preset {info['preset']} --pack DIR`")
     for rel, meta in info["files"].items():
         p = d / rel
-        if not p.exists() or p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
             raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {d / 'PACK.json'}); copy the pack again")
     os.environ["LOOPED_MOE_CACHE"] = str(d)
     return d / info["dataset"]

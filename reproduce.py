@@ -34,6 +34,7 @@ import budget
 import cli
 import configs
 import report as reporting
+import runfiles
 import train_plots
 from model import ModelConfig
 
@@ -43,9 +44,7 @@ def log(msg: str) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=float))
-    os.replace(tmp, path)
+    runfiles.atomic_write_text(path, json.dumps(obj, indent=2, default=float))
 
 
 def fmt_time(seconds: float) -> str:
@@ -260,7 +259,6 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
             f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
 
     rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done) for r in run_rows]
-    import runfiles
     runfiles.atomic_write_text(out / "results.jsonl", "".join(runfiles.jsonl_line(r) for r in rows))
     return rows
 

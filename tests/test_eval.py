@@ -16,7 +16,6 @@ import eval as ev
 import eval_plots
 import runfiles
 import tasks
-import train as T
 import wins
 from loop import LoopConfig
 from model import GPT, ModelConfig
