@@ -194,7 +194,7 @@ class Cache:
     def repeat(self, n: int) -> "Cache":
         """A new cache with every batch row repeated n times in a row (row b -> rows b*n .. b*n+n-1).
 
-        For scoring several continuations of one prefilled context (eval.score_options). Stacked
+        For scoring several continuations of one prefilled context (tasks.score_options). Stacked
         PLT caches (rows l*B + b) and ring caches are repeated per loop; ring positions are shared.
         """
         if n < 1:

@@ -3,7 +3,7 @@
 reproduce.py runs the stages and hands their JSON here; nothing in this file trains or measures.
   * training_summary   did every model learn (validation loss vs the corpus's unigram entropy), and
                        SMELT - Baseline final validation loss per cell with its seed noise (SMELT 4.1).
-  * probe_claims       probes.claims with a verdict that needs both of its intervals (SMELT 6).
+  * probe_claims       probe_claims.claims with a verdict that needs both of its intervals (SMELT 6).
   * _claim_rows        every claim of the paper as reproduced / contradicted / not resolved by its
                        95 % interval (stats.verdict): training, CE gain (Eq. 5), probes, downstream.
   * write_report       the sections in order: run summary, plan, ladder (SMELT 3.2), training,
@@ -90,7 +90,7 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
 
 
 def probe_claims(claims: list[dict]) -> list[dict]:
-    """probes.claims(prb) with a verdict that needs both intervals: held-out sampling (bootstrap over document
+    """probe_claims.claims(prb) with a verdict that needs both intervals: held-out sampling (bootstrap over document
     groups, the mean over pairs) and training (a t-interval over the pairs, seed replicates included)."""
     import stats
     out = []
@@ -372,7 +372,7 @@ def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> 
 
 def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev_sum, scal, prb, summary: dict,
                  ts: dict, cost: dict, pclaims: list[dict] = ()) -> Path:
-    """REPORT.md from the stages' results; pclaims: probe_claims(probes.claims(prb)) ([] without probes)."""
+    """REPORT.md from the stages' results; pclaims: probe_claims(probe_claims.claims(prb)) ([] without probes)."""
     pclaims = list(pclaims) if prb.get("pairs") else []
     L = _section_summary(plan_name, summary)
     L += _section_plan(plan, ladder, rows, cost)

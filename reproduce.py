@@ -9,7 +9,7 @@ Stages (each reads the JSON the previous one wrote; finished work is skipped on 
                plan's r, span and shared experts. ladder.json; the plan's cost is printed first.
   3. train     train.train for every run of configs.plan_runs: WSD with decay branches (SMELT 3.1);
                both models of a cell and seed see identical batches. One row per branch.
-  4. eval      eval.evaluate_endpoint on every branch endpoint, then eval.downstream_report (SMELT 5,
+  4. eval      eval.evaluate_endpoint on every branch endpoint, then wins.downstream_report (SMELT 5,
                Appendix C, Eq. 6-7).
   5. scaling   scaling_analysis.analyse: separate surfaces per architecture, CE gain and TPP (SMELT 4, 5.2).
   6. probes    probes.probe_pairs on every matched pair, all domains held out (SMELT 6).
@@ -344,7 +344,7 @@ def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dic
 
 
 def probe_verdicts(prb: dict) -> list[dict]:
-    """The probe claims with their verdicts (report.probe_claims of probes.claims); [] without probes."""
+    """The probe claims with their verdicts (report.probe_claims of probe_claims.claims); [] without probes."""
     if not prb.get("pairs"):
         return []
     import probe_claims
