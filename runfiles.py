@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from checks import JSONFileError, parse_json, require_keys
+from checks import read_json as checks_read_json
 
 
 class CheckpointError(RuntimeError):
@@ -221,6 +222,42 @@ def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> list[dict]:
                                   f"delete that line to recompute it")
         rows.append(row)
     return rows
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    """Write a JSON object atomically with ROW_HASH: the sha256 of its content as it reads back, so
+    `read_json` catches any later edit or damage (ladder.json, eval/*.json, probes.json, PACK.json ...)."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"{path}: write_json takes a dict, got {type(obj).__name__}")
+    content = json.loads(json.dumps(obj))
+    content.pop(ROW_HASH, None)
+    atomic_write_text(path, json.dumps({**content, ROW_HASH: _row_digest(content)}, indent=1) + "\n")
+
+
+def read_json(path: str | Path, keys: tuple[str, ...] = ()) -> dict:
+    """A file `write_json` wrote, checked against its hash (which is removed) and for `keys`. Raises
+    JSONFileError naming the file: unparseable, not an object, no hash, hash mismatch, missing keys."""
+    path = Path(path)
+    obj = checks_read_json(path)
+    require_keys(obj, (ROW_HASH,), str(path))
+    got = obj.pop(ROW_HASH)
+    if got != _row_digest(obj):
+        raise JSONFileError(f"{path}: content differs from its sha256 (edited or corrupt)")
+    require_keys(obj, keys, str(path))
+    return obj
+
+
+def read_cache(path: str | Path, keys: tuple[str, ...] = ()) -> dict | None:
+    """A cached stage result written by `write_json`, or None (recompute it) when it is absent or damaged;
+    a damaged one is named on stdout, never trusted."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return read_json(path, keys)
+    except JSONFileError as e:
+        print(f"{e}; recomputing it", flush=True)
+        return None
 
 
 def repair_torn_tail(path: str | Path) -> bool:

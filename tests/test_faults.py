@@ -31,6 +31,7 @@ import checkpoint
 import checks
 import data as data_mod
 import runfiles
+from checks import JSONFileError
 import train as T
 from toys import tiny_model, tiny_train
 from model import GPT, ModelConfig
@@ -483,3 +484,18 @@ def test_disk_estimate_within_20_percent_of_a_real_run(tmp_path, monkeypatch):
     assert est["peak"] >= 2 * est["full_checkpoint"]       # a fork point + the next one being written
     plan = checkpoint.plan_disk_estimate([cfg, cfg], tc, jobs=1)
     assert plan["final"] == 2 * est["final"] and plan["peak"] == 2 * est["final"] + est["peak"] - est["final"]
+
+
+@pytest.mark.fault("corruption")
+def test_hashed_json_refuses_edits_and_a_damaged_cache_is_recomputed(tmp_path, capsys):
+    p = tmp_path / "stage.json"
+    runfiles.write_json(p, {"loss": 3.25, "rows": [1, 2]})
+    assert runfiles.read_json(p, ("loss",)) == {"loss": 3.25, "rows": [1, 2]}
+    p.write_text(p.read_text().replace("3.25", "2.25"))      # still valid JSON, one value lowered
+    with pytest.raises(JSONFileError, match="stage.json: content differs from its sha256"):
+        runfiles.read_json(p)
+    assert runfiles.read_cache(p) is None and "stage.json" in capsys.readouterr().out
+    p.write_text(p.read_text()[:20])                          # truncated
+    with pytest.raises(JSONFileError, match="stage.json"):
+        runfiles.read_json(p)
+    assert runfiles.read_cache(tmp_path / "absent.json") is None
