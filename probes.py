@@ -25,7 +25,6 @@ writes probes.json and the figures (Fig. 21-28/30 per pair, Fig. 23 grid, App. D
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -40,6 +39,7 @@ from torch import Tensor
 import cli
 import dyck_probe
 import probe_claims
+import probe_io
 import probe_plots
 import stats
 from loop import Visit
@@ -556,17 +556,22 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
     block_size, or dyck_block_size if given: a k whose prompts do not fit is reported in "skipped_k",
     never truncated).
 
+    Refused up front (ValueError naming the value): a count that is not a positive integer, a block_size beyond a
+    model's context, a pair that is not a matched (Baseline, SMELT) pair by the runs' configs (probe_io.check_pairs).
     Returns a JSON-able dict: "sample" (what was probed), "pairs" {name: {"baseline", "smelt" (probe
     results), "dyck", "seconds"}}, "aggregate" (each summary quantity averaged over pairs), "claims"
     (`probe_claims.claims(result)` as JSON), "pair_intervals" (Fig. 23's quantities per pair, as JSON)
     and "seconds". Pass the result to `probe_claims.claims` (for stats.Interval objects) and
     `probe_plots.plot_pairs`.
     """
-    if not pairs:
-        raise ValueError("probe_pairs: no pairs given")
+    probe_io.positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
+                           dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
+    metas = probe_io.check_pairs(pairs)                              # every pair matched before any model runs
     names = [p[0] for p in pairs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"probe_pairs: pair names must be unique, got {names}")
+    for (name, _, _), m in zip(pairs, metas):
+        if block_size > min(x["model"]["block_size"] for x in m):
+            raise ValueError(f"probe_pairs: block_size {block_size} exceeds pair {name!r}'s model context "
+                             f"({min(x['model']['block_size'] for x in m)} tokens)")
     log = log or (lambda m: None)
     t0 = time.time()
     sample = held_out_sample(data, tokens, block_size)
@@ -632,24 +637,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     import data as data_mod
-    from eval import load_model
     device = cli.resolve_device(args.device)
-    first, meta = load_model(args.pair[0][2], "cpu")
-    data_dir = args.data_dir or meta.get("data_dir")
-    if not data_dir:
-        raise SystemExit("--data-dir is needed: the SMELT run's config.json names no data_dir")
-    block = args.block_size or meta.get("train", {}).get("block_size") or first.cfg.block_size
-    del first
-    out = args.out_dir or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")
-    os.makedirs(out, exist_ok=True)
-    res = probe_pairs([tuple(p) for p in args.pair], data_mod.TokenData(data_dir), args.tokens, block,
-                      args.batch_size, dyck=not args.no_dyck, dyck_items=args.dyck_items, seed=args.seed,
-                      device=device, n_draws=args.draws)
+    pairs = [tuple(p) for p in args.pair]
+    try:                                                             # every bad value refused before any work
+        meta = probe_io.check_pairs(pairs)[0][1]                     # the first SMELT run's config
+        data_dir = args.data_dir or meta.get("data_dir")
+        if not data_dir:
+            raise ValueError("--data-dir is needed: the SMELT run's config.json names no data_dir")
+        block = args.block_size or (meta.get("train") or {}).get("block_size") or meta["model"]["block_size"]
+        if args.tokens < block:
+            raise ValueError(f"--tokens {args.tokens} is less than one {block}-token context")
+        out = args.out_dir or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")
+        probe_io.check_out_dir(out)
+        data = data_mod.TokenData(data_dir)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    res = probe_pairs(pairs, data, args.tokens, block, args.batch_size, dyck=not args.no_dyck,
+                      dyck_items=args.dyck_items, seed=args.seed, device=device, n_draws=args.draws)
     res["figures"] = probe_plots.plot_pairs(res, out, n_draws=args.draws)
-    with open(os.path.join(out, "probes.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+    probe_io.save_result(os.path.join(out, "probes.json"), res)
     for c in res["claims"]:
         iv = c["interval"]
         shown = "n/a" if iv is None else stats.Interval(**iv).fmt()

@@ -327,11 +327,13 @@ def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
 
 def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dict:
     """SMELT 6 on every matched pair (probes.probe_pairs), one held-out sample over all domains."""
+    import probe_io
     import probe_plots
     import probes
     path = out / "probes.json"
-    if path.exists():
-        return json.loads(path.read_text())
+    cached = probe_io.load_result(path)                             # None when absent or damaged (named)
+    if cached is not None:
+        return cached
     runs = configs.plan_runs(out, ladder, plan)
     pairs = [(b.key + (f"_seed{b.seed}" if b.seed else ""), str(b.dir), str(s.dir))
              for b, s in zip(runs[::2], runs[1::2])]            # every matched pair, seed replicates included
@@ -339,7 +341,7 @@ def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dic
     res = probes.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
     largest = configs.cell_key(ladder[-1]["scale"], ladder[-1]["sparsity_label"])   # the per-pair figures: largest cell
     res["figures"] = probe_plots.plot_pairs(res, str(out / "figures" / "probes"), detail=[largest])
-    write_json(path, res)
+    probe_io.save_result(path, res)                                 # hashed, figure paths relative to out
     return res
 
 

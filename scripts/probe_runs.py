@@ -19,10 +19,10 @@ from pathlib import Path
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
+import probe_io
 import probe_plots
 import configs
 import probes
-import reproduce
 
 
 def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     res = probes.probe_pairs(pairs, exp.load_data(), tokens, exp.plan.block_size, args.batch_size,
                              dyck_items=args.dyck_items, seed=args.seed, n_draws=args.draws, log=common.log)
     res["figures"] = probe_plots.plot_pairs(res, str(exp.out / "figures"))
-    reproduce.write_json(exp.out / "probes.json", res)
+    probe_io.save_result(exp.out / "probes.json", res)
     rows = [{"claim": c["id"], "figure": c["figure"], "claim_is": f"{c['direction']} {c['value']:g}",
              "mean": None if c["interval"] is None else c["interval"]["mean"],
              "lo": None if c["interval"] is None else c["interval"]["lo"],

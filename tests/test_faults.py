@@ -86,18 +86,21 @@ TRAIN_BAD = [
 ]
 
 
+@pytest.mark.fault("api")
 @pytest.mark.parametrize("kw,field", MODEL_BAD, ids=[f"model-{i}" for i in range(len(MODEL_BAD))])
 def test_model_config_refuses(kw, field):
     with pytest.raises(ValueError, match=field):
         tiny_model(**kw)
 
 
+@pytest.mark.fault("api")
 @pytest.mark.parametrize("kw,field", TRAIN_BAD, ids=[f"train-{i}" for i in range(len(TRAIN_BAD))])
 def test_train_config_refuses(kw, field):
     with pytest.raises(ValueError, match=rf"TrainConfig: .*{field}"):
         tiny_train(**kw)
 
 
+@pytest.mark.fault("api")
 def test_config_dicts_name_unknown_keys_and_accept_numpy_scalars():
     import numpy as np
     d = tiny_model().to_dict()
@@ -114,6 +117,7 @@ def test_config_dicts_name_unknown_keys_and_accept_numpy_scalars():
     assert T.TrainConfig.from_dict(json.loads(json.dumps(vars(tc)))) == tc
 
 
+@pytest.mark.fault("api")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_without_gpu_is_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"device='cuda' but no CUDA GPU is available"):
@@ -146,12 +150,14 @@ GENERATE_BAD = [
 ]
 
 
+@pytest.mark.fault("api")
 @pytest.mark.parametrize("kw,msg", FORWARD_BAD, ids=[f"forward-{i}" for i in range(len(FORWARD_BAD))])
 def test_forward_refuses(kw, msg):
     with pytest.raises(ValueError, match=msg):
         _gpt()(**kw)
 
 
+@pytest.mark.fault("api")
 @pytest.mark.parametrize("kw,msg", GENERATE_BAD, ids=[f"generate-{i}" for i in range(len(GENERATE_BAD))])
 def test_generate_refuses(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -160,6 +166,7 @@ def test_generate_refuses(kw, msg):
         _gpt().generate(torch.zeros(1, 0, dtype=torch.long), 2)
 
 
+@pytest.mark.fault("api")
 def test_valid_edge_inputs_still_work():
     m = _gpt()
     _, loss = m(IDX, targets=torch.tensor([[-1, -1, 3, 63]]), doc_ids=torch.zeros(1, 4, dtype=torch.int32))
@@ -170,6 +177,7 @@ def test_valid_edge_inputs_still_work():
 # ----------------------------------------------------------------------------------------
 # JSON files: errors name the file and line
 
+@pytest.mark.fault("corruption")
 def test_unparseable_json_names_file_and_line(tmp_path, finished):
     rows, run = finished
     bad = tmp_path / "model.json"
@@ -199,6 +207,7 @@ def test_unparseable_json_names_file_and_line(tmp_path, finished):
     ("drop_hash", r"results\.jsonl:1: missing key\(s\) \['sha256'\]"),
     ("missing_keys", r"results\.jsonl:1: missing key\(s\) \['config', 'train'\]"),
 ])
+@pytest.mark.fault("corruption")
 def test_damaged_results_rows_are_named(finished, tmp_path, fault, msg):
     rows, run = finished
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
@@ -217,6 +226,7 @@ def test_damaged_results_rows_are_named(finished, tmp_path, fault, msg):
         runfiles.read_jsonl(tmp_path / "results.jsonl", keys=("branch_step", "config", "train"))
 
 
+@pytest.mark.fault("kills")
 def test_torn_last_rows_are_cut_and_recomputed(finished, tmp_path):
     """A crash during an append leaves a partial last line: the next run cuts it and carries on."""
     import shutil
@@ -236,6 +246,7 @@ def test_torn_last_rows_are_cut_and_recomputed(finished, tmp_path):
 # ----------------------------------------------------------------------------------------
 # Checkpoints: every flipped byte is caught; ckpt.pt rebuilt; stale temp files removed
 
+@pytest.mark.fault("corruption")
 def test_flipped_bytes_anywhere_in_a_checkpoint_are_caught(finished, tmp_path):
     _, run = finished
     good = (run / "endpoints" / "branch_0000003.pt").read_bytes()
@@ -262,6 +273,7 @@ def test_flipped_bytes_anywhere_in_a_checkpoint_are_caught(finished, tmp_path):
     assert torch.load(run / "ckpt.pt", weights_only=True)["model"].keys() == GPT(tiny_model()).state_dict().keys()
 
 
+@pytest.mark.fault("corruption")
 def test_corrupt_ckpt_pt_is_rebuilt_from_its_endpoint(finished, tmp_path):
     import shutil
     _, run = finished
@@ -280,6 +292,7 @@ def test_corrupt_ckpt_pt_is_rebuilt_from_its_endpoint(finished, tmp_path):
         T.export_final(copy)
 
 
+@pytest.mark.fault("kills")
 def test_stale_temp_files_are_removed_at_the_next_write(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()                                                      # a pid that no longer runs
@@ -294,6 +307,7 @@ def test_stale_temp_files_are_removed_at_the_next_write(tmp_path):
 # ----------------------------------------------------------------------------------------
 # Only finite state is saved
 
+@pytest.mark.fault("numerical")
 def test_non_finite_optimizer_state_is_never_saved(tmp_path, monkeypatch):
     """Poison AdamW's second moment after step 3 (the fork point's save): the save is refused and the
     message's last good checkpoint is finite."""
@@ -316,6 +330,7 @@ def test_non_finite_optimizer_state_is_never_saved(tmp_path, monkeypatch):
     assert not checkpoint._nonfinite(ck["model"]) and not checkpoint._nonfinite(ck["optimizer"])
 
 
+@pytest.mark.fault("numerical")
 def test_non_finite_weights_are_never_saved_as_an_endpoint(tmp_path, monkeypatch):
     step = T.Trainer.step
 
@@ -335,6 +350,7 @@ def test_non_finite_weights_are_never_saved_as_an_endpoint(tmp_path, monkeypatch
 # ----------------------------------------------------------------------------------------
 # One writer per run directory; workers die with their parent
 
+@pytest.mark.fault("concurrency")
 def test_second_writer_is_refused_and_the_lock_dies_with_its_holder(tmp_path):
     with runfiles.run_lock(tmp_path):                                # another writer, same process
         with pytest.raises(runfiles.RunLockedError, match=rf"{tmp_path} is in use by another trainer \(pid {os.getpid()}"):
@@ -392,6 +408,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.fault("kills")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_pool_workers_die_with_a_killed_parent(tmp_path):
     """Two reproduce-like parents side by side, one with prctl(PR_SET_PDEATHSIG) and one without it (the
@@ -445,6 +462,7 @@ class DiesAtCall(T.SyntheticData):
         return super().train_batch(step, *a, **kw)
 
 
+@pytest.mark.fault("kills")
 @pytest.mark.parametrize("n", [2, 5, 9])   # batch requests: stable before fork 3, branch 3, branch 6
 def test_crash_anywhere_resumes_bit_for_bit(finished, tmp_path, n):
     rows, run = finished
@@ -463,6 +481,7 @@ def test_crash_anywhere_resumes_bit_for_bit(finished, tmp_path, n):
 # ----------------------------------------------------------------------------------------
 # Disk: the estimate against what a run really keeps
 
+@pytest.mark.fault("disk")
 def test_disk_estimate_within_20_percent_of_a_real_run(tmp_path, monkeypatch):
     cfg, tc = tiny_model(), tiny_train(ckpt_interval=2)
     seen = []
@@ -499,3 +518,160 @@ def test_hashed_json_refuses_edits_and_a_damaged_cache_is_recomputed(tmp_path, c
     with pytest.raises(JSONFileError, match="stage.json"):
         runfiles.read_json(p)
     assert runfiles.read_cache(tmp_path / "absent.json") is None
+
+
+# ----------------------------------------------------------------------------------------
+# Probes: unmatched pairs refused by the runs' configs, bad values by name, a damaged probes.json recomputed
+
+def _probe_run(root, name, looped=True, vocab=64, seed=0, cell=("t64", "S~85%"), data="data", block=32):
+    """A run directory as train.py leaves it (config.json, ckpt.pt); the pair check reads only config.json."""
+    import loop
+    d = root / name
+    d.mkdir()
+    cfg = tiny_model(vocab_size=vocab, **({} if looped else {"loop": loop.LoopConfig()}))
+    (d / "config.json").write_text(json.dumps({
+        "model": cfg.to_dict(), "train": {"seed": seed, "block_size": block}, "data_dir": str(root / data),
+        "meta": {"arch": "smelt" if looped else "baseline", "scale": cell[0], "sparsity_label": cell[1]}}))
+    (d / "ckpt.pt").write_bytes(b"")
+    return str(d)
+
+
+UNMATCHED = [   # (Baseline run's fields, SMELT run's fields, the reason named)
+    (None, None, "one run twice"), (dict(looped=True), dict(looped=False), "swapped"),
+    (dict(looped=False), dict(looped=False), "two Baselines"), (dict(looped=True), dict(looped=True), "two SMELT runs"),
+    (dict(looped=False), dict(cell=("t32", "S~85%")), "cell"), (dict(looped=False), dict(data="other"), "data_dir"),
+    (dict(looped=False), dict(vocab=128), "vocab_size 64 vs 128"), (dict(looped=False), dict(seed=1), "seed 0 vs 1"),
+    (dict(looped=False), dict(block=16), "training block_size 32 vs 16"),
+]
+
+
+@pytest.mark.fault("api")
+@pytest.mark.parametrize("base,smelt,why", UNMATCHED, ids=[u[2].split()[0] for u in UNMATCHED])
+def test_probes_refuse_a_pair_that_is_not_matched(tmp_path, base, smelt, why):
+    import probes
+    b = _probe_run(tmp_path, "b", **(base or dict(looped=False)))
+    s = b if smelt is None else _probe_run(tmp_path, "s", **smelt)
+    with pytest.raises(ValueError, match=rf"pair 'cell': {b} \(Baseline\) and {s} \(SMELT\) are not a matched "
+                                         rf"pair: .*{why}"):
+        probes.probe_pairs([("cell", b, s)], None, 64, 32)
+
+
+@pytest.mark.fault("api")
+@pytest.mark.parametrize("kw,name", [(dict(tokens=0), "tokens"), (dict(batch_size=2.5), "batch_size"),
+                                     (dict(n_draws=True), "n_draws"), (dict(attn_topk=()), "attn_topk"),
+                                     (dict(dyck_ks=(1, 0)), "dyck_ks"), (dict(block_size=33), "block_size 33 exceeds"),
+                                     (dict(pairs=[("", "a", "b")]), "non-empty name"),
+                                     (dict(pairs=[("x", "/nonexistent/run", "b")]), "/nonexistent/run not found")])
+def test_probes_refuse_bad_values_by_name(tmp_path, kw, name):
+    import probes
+    pairs = [("cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"))]
+    args = {"pairs": pairs, "data": None, "tokens": 64, "block_size": 32, **kw}
+    with pytest.raises(ValueError, match=name):
+        probes.probe_pairs(**args)
+
+
+@pytest.mark.fault("cli")
+@pytest.mark.parametrize("case,msg", [("twice", "one run twice"), ("swapped", "swapped"),
+                                      ("missing", "missing_run not found"), ("tokens", "--tokens 16 is less than"),
+                                      ("no_data", "no_data_here")])
+def test_probes_cli_refuses_before_any_work(tmp_path, capsys, case, msg):
+    import probes
+    b, s = _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s")
+    pair = {"twice": [s, s], "swapped": [s, b], "missing": [b, str(tmp_path / "missing_run")]}.get(case, [b, s])
+    extra = {"tokens": ["--tokens", "16"], "no_data": ["--data-dir", str(tmp_path / "no_data_here")]}.get(case, [])
+    with pytest.raises(SystemExit) as e:
+        probes.main(["--pair", "cell", *pair, "--out-dir", str(tmp_path / "out"), *extra])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "out" / "probes.json").exists()
+
+
+@pytest.mark.fault("disk")
+def test_probes_cli_refuses_a_file_as_out_dir(tmp_path, capsys):
+    import probes
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(SystemExit):
+        probes.main(["--pair", "cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"),
+                     "--out-dir", str(tmp_path / "out")])
+    assert f"output directory {tmp_path / 'out'} is a file" in capsys.readouterr().err
+
+
+@pytest.mark.fault("corruption")
+@pytest.mark.parametrize("damage", ["truncated", "edited", "unhashed", "figure_gone", "absolute_figure"])
+def test_damaged_probes_json_is_named_and_recomputed(tmp_path, capsys, damage):
+    import probe_io
+    path, fig = tmp_path / "probes.json", tmp_path / "figures" / "fig23.png"
+    fig.parent.mkdir()
+    fig.write_bytes(b"png")
+    res = {"sample": {"tokens": 64}, "pairs": {"cell": {"x": 0.25}}, "claims": [], "figures": [str(fig)]}
+    probe_io.save_result(path, res)
+    assert probe_io.load_result(path) == res and json.loads(path.read_text())["figures"] == ["figures/fig23.png"]
+    text = path.read_text()
+    if damage == "truncated":
+        path.write_text(text[:len(text) // 2])
+    elif damage == "edited":                                         # still valid JSON, one value lowered
+        path.write_text(text.replace("0.25", "0.15"))
+    elif damage == "unhashed":                                       # written before probes.json was hashed
+        path.write_text(json.dumps(res))
+    elif damage == "figure_gone":
+        fig.unlink()
+    else:
+        runfiles.write_json(path, res)                               # hashed, but an absolute figure path
+    capsys.readouterr()
+    assert probe_io.load_result(path) is None
+    assert str(path) in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------
+# The campaign's table (scripts/fault_table.py) on a synthetic test directory
+
+SYNTHETIC = '''
+import pytest
+
+@pytest.mark.fault("kills")
+def test_ok(): pass
+
+@pytest.mark.fault("corruption")
+def test_fails(): assert False
+
+@pytest.mark.fault("corruption")
+@pytest.mark.xfail(strict=True, reason="a known-bad case")
+def test_known_bad(): assert False
+
+@pytest.mark.fault("api")
+@pytest.mark.parametrize("x", [1, 2, 3])
+def test_each_parameter_counts(x): assert x != 3
+
+@pytest.mark.fault("disk")
+def test_skipped(): pytest.skip("not here")
+
+def test_unmarked(): pass
+
+@pytest.fixture
+def broken(): raise RuntimeError("setup fails")
+
+@pytest.mark.fault("cli")
+class TestGroup:
+    def test_a(self): pass
+    def test_setup_error(self, broken): pass
+'''
+
+
+def test_fault_table_counts_each_case_by_its_class(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fault_table", os.path.join(ROOT, "scripts", "fault_table.py"))
+    fault_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fault_table)
+    (tmp_path / "test_synthetic.py").write_text(SYNTHETIC)
+    text = fault_table.main(["--tests", str(tmp_path)])
+    assert text.splitlines()[:10] == [
+        "| class | tried | good | bad |", "|---|---|---|---|", "| kills | 1 | 1 | 0 |", "| corruption | 2 | 0 | 2 |",
+        "| disk | 0 | 0 | 0 |", "| cli | 2 | 1 | 1 |", "| api | 3 | 2 | 1 |", "| numerical | 0 | 0 | 0 |",
+        "| concurrency | 0 | 0 | 0 |", "| all | 8 | 4 | 4 |"]
+    assert "skipped (not tried): test_synthetic.py::test_skipped" in text
+    assert "bad (xfailed): test_synthetic.py::test_known_bad" in text and "test_unmarked" not in text
+    (tmp_path / "test_synthetic.py").write_text('import pytest\n\n@pytest.mark.fault("network")\ndef test_x(): pass\n')
+    with pytest.raises(SystemExit, match=r"test_x: fault class 'network' is not one of kills"):
+        fault_table.main(["--tests", str(tmp_path)])
+    (tmp_path / "test_synthetic.py").write_text("def test_x(): pass\n")
+    with pytest.raises(SystemExit, match="no @pytest.mark.fault cases"):
+        fault_table.main(["--tests", str(tmp_path)])

@@ -3,6 +3,7 @@ the Dyck case study mechanics, claims, figures, CLI."""
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import data
 import dyck_probe
+import probe_io
 import probe_claims
 import probe_plots
 import tokenizer
@@ -556,6 +558,32 @@ def test_cli(tmp_path, monkeypatch):
     assert dyck["skipped_k"] == [1, 2, 4, 8] and dyck["n_prompts"] == 0 and "error" in dyck
     assert {c["id"]: c["verdict"] for c in saved["claims"]}["dyck_demo_rises"] == "not resolved"
     assert all(os.path.exists(p) for p in report["figures"])
+    assert runfiles.read_json(out / "probes.json")["figures"] == [os.path.relpath(p, out) for p in report["figures"]]
+    moved = tmp_path / "moved"                                        # a copied out dir reads back from the copy
+    shutil.copytree(out, moved)
+    shutil.rmtree(out)
+    again = probe_io.load_result(moved / "probes.json")
+    assert again["figures"] == [str(moved / os.path.relpath(p, out)) for p in report["figures"]]
+    assert all(os.path.exists(p) for p in again["figures"]) and again["claims"] == saved["claims"]
+
+
+def test_probes_json_refuses_a_figure_outside_its_folder(tmp_path):
+    (tmp_path / "elsewhere.png").write_bytes(b"png")
+    res = {"sample": {}, "pairs": {}, "claims": [], "figures": [str(tmp_path / "elsewhere.png")]}
+    with pytest.raises(ValueError, match=r"figure .*elsewhere\.png lies outside .*out"):
+        probe_io.save_result(tmp_path / "out" / "probes.json", res)
+
+
+def test_model_object_pairs_are_checked_too():
+    base, smelt = models_pair(0)
+    with pytest.raises(ValueError, match=r"pair 'p': <GPT object> \(Baseline\) and <GPT object> \(SMELT\) are "
+                                         r"not a matched pair: swapped"):
+        probes.probe_pairs([("p", smelt, base)], fake_data(), tokens=64, block_size=32)
+    with pytest.raises(ValueError, match="one run twice"):
+        probes.probe_pairs([("p", smelt, smelt)], fake_data(), tokens=64, block_size=32)
+    other = tiny_model(0, vocab_size=256, block_size=192)
+    with pytest.raises(ValueError, match="vocab_size 512 vs 256"):
+        probes.probe_pairs([("p", base, other)], fake_data(), tokens=64, block_size=32)
 
 
 # ----------------------------------------------------------------------------------------

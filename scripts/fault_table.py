@@ -1,0 +1,122 @@
+"""The fault campaign's table (issue 26): every @pytest.mark.fault("<class>") case, counted per class.
+
+  python scripts/fault_table.py [--tests DIR] [-- PYTEST_ARGS ...]
+
+Runs `python -m pytest -m fault DIR` (default tests/, every file) with this module as a plugin
+(`-p fault_table`), which records each selected item's fault class and outcome in a JSON file, then
+prints a markdown table: class | tried | good | bad. A case is one test item (each parametrization
+counts); good = passed; bad = failed (in setup, call or teardown) or xfailed (a known-bad case is
+marked xfail(strict=True); one that passes then fails as XPASS(strict)). Skipped cases are not tried
+and are listed under the table, as is every bad case. A fault marker without a class, or with a
+class outside CLASSES, stops the run at collection with a line naming the test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+CLASSES = ("kills", "corruption", "disk", "cli", "api", "numerical", "concurrency")
+HERE = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------------
+# The plugin (loaded inside the pytest run with -p fault_table)
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--fault-table-json", default=None, help="write each fault case's class and outcome here")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "fault(cls): a fault-campaign case (scripts/fault_table.py)")
+    if config.getoption("fault_table_json"):
+        config.pluginmanager.register(Recorder(config.getoption("fault_table_json")), "fault_table_recorder")
+
+
+class Recorder:
+    """Collects {nodeid: {"class", "outcome"}} over the run's phases and writes it at the session's end."""
+
+    def __init__(self, path: str):
+        self.path, self.cases = path, {}
+
+    def pytest_collection_finish(self, session) -> None:
+        for item in session.items:
+            m = item.get_closest_marker("fault")
+            if m is None:
+                continue
+            cls = m.args[0] if m.args else None
+            if cls not in CLASSES:
+                raise pytest.UsageError(f"{item.nodeid}: fault class {cls!r} is not one of {', '.join(CLASSES)}")
+            self.cases[item.nodeid] = {"class": cls, "outcome": "passed"}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        case = self.cases.get(report.nodeid)
+        if case is None or case["outcome"] == "failed":              # the first failure of an item stands
+            return
+        if report.failed:
+            case["outcome"] = "failed"
+        elif report.skipped:
+            case["outcome"] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+
+    def pytest_sessionfinish(self, session) -> None:
+        Path(self.path).write_text(json.dumps(self.cases, indent=1))
+
+
+# ----------------------------------------------------------------------------------------
+# Running the campaign and the table
+
+def run_campaign(tests: str | Path, pytest_args: list[str] = ()) -> dict[str, dict]:
+    """{nodeid: {"class", "outcome"}} of every fault case under `tests` (a pytest run in a subprocess)."""
+    tests = Path(tests).resolve()
+    if not tests.exists():
+        raise SystemExit(f"fault_table: {tests} does not exist")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cases.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "pytest", "-m", "fault", "-p", "fault_table", "-p", "no:cacheprovider",
+               f"--fault-table-json={out}", str(tests), *pytest_args]
+        proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True)   # pytest.ini applies
+        if proc.returncode not in (0, 1, 5) or not out.exists():     # 1: some cases failed; 5: none selected
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise SystemExit(f"fault_table: pytest exited {proc.returncode} without a result:\n{tail}")
+        return json.loads(out.read_text())
+
+
+def table(cases: dict[str, dict]) -> str:
+    """The markdown table, per class and in all, then the skipped and the bad cases by name."""
+    rows = ["| class | tried | good | bad |", "|---|---|---|---|"]
+    total = [0, 0, 0]
+    for cls in CLASSES:
+        got = [c["outcome"] for c in cases.values() if c["class"] == cls and c["outcome"] != "skipped"]
+        n = [len(got), got.count("passed"), len(got) - got.count("passed")]
+        total = [a + b for a, b in zip(total, n)]
+        rows.append(f"| {cls} | {n[0]} | {n[1]} | {n[2]} |")
+    rows.append(f"| all | {total[0]} | {total[1]} | {total[2]} |")
+    skipped = sorted(k for k, c in cases.items() if c["outcome"] == "skipped")
+    bad = sorted((k, c["outcome"]) for k, c in cases.items() if c["outcome"] in ("failed", "xfailed"))
+    rows += [""] + [f"skipped (not tried): {k}" for k in skipped] + [f"bad ({o}): {k}" for k, o in bad]
+    return "\n".join(rows).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tests", default=str(HERE.parent / "tests"), help="test directory or file (default: tests/)")
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    cases = run_campaign(args.tests, extra)
+    if not cases:
+        raise SystemExit(f"fault_table: no @pytest.mark.fault cases under {args.tests}")
+    text = table(cases)
+    print(text, end="")
+    return text
+
+
+if __name__ == "__main__":
+    main()
