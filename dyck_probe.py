@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import probe_io
+
 DYCK_KS = (1, 2, 4, 8)
 CLOSERS = (")", "]", "}", ">")
 
@@ -63,12 +65,11 @@ def dyck_prompts(enc, block_size: int, ks: Sequence[int] = DYCK_KS, n_items: int
     space tokens, which are not targets), "demo" (positions of demonstration-answer tokens)}],
     "ks": the k values used, "skipped_k": those that cannot fit block_size}.
     """
+    probe_io.positive_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
     import tasks as ev   # build_prompt, load_bigbench
     task = task or ev.load_bigbench("dyck_languages")
     encode = getattr(enc, "encode_ordinary", None) or enc.encode
     items = task.items
-    if not ks or min(ks) < 1:
-        raise ValueError(f"dyck_prompts: ks must be k >= 1 demonstrations, got {ks}")
     length = [len(encode(it.query + it.answer + it.sep)) for it in items]
     pool = sorted(range(len(items)), key=lambda j: (length[j], j))[:max(4 * max(ks), len(items) // 4)]
     prefix = len(encode(items[0].prefix)) + 1

@@ -3,7 +3,7 @@
 `check_pairs` refuses, before any model runs, a pair that is not a matched (Baseline, SMELT) pair by
 the runs' own configs (config.json of a run directory, the meta of an endpoint file, a GPT's config):
 one run twice, a swapped pair, two Baselines or two SMELT runs, or runs of different cells, data,
-vocabularies, seeds or training contexts; the error names both runs and why.
+vocabularies, seeds, training contexts or branch steps; the error names both runs and why.
 `save_result` / `load_result` write and read probes.json hashed (runfiles.write_json / read_cache: a
 truncated or edited file is named and recomputed, never trusted) with its figure paths relative to
 its own folder, so a copied out dir re-runs. `check_out_dir` refuses a file or unwritable folder.
@@ -56,7 +56,7 @@ def _shared(m: dict) -> dict:
     return {"cell": (cell["scale"], cell.get("sparsity_label")) if "scale" in cell else None,
             "data_dir": os.path.normpath(str(m["data_dir"])) if m.get("data_dir") else None,
             "vocab_size": m["model"].get("vocab_size"), "seed": train.get("seed"),
-            "training block_size": train.get("block_size")}
+            "training block_size": train.get("block_size"), "branch_step": m.get("branch_step")}   # endpoints
 
 
 def pair_problem(base, smelt, base_meta: dict, smelt_meta: dict) -> str | None:

@@ -572,6 +572,9 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
         if block_size > min(x["model"]["block_size"] for x in m):
             raise ValueError(f"probe_pairs: block_size {block_size} exceeds pair {name!r}'s model context "
                              f"({min(x['model']['block_size'] for x in m)} tokens)")
+        if getattr(data, "vocab_size", None) not in (None, m[0]["model"]["vocab_size"]):
+            raise ValueError(f"probe_pairs: the data's vocabulary ({data.vocab_size} tokens) is not pair {name!r}'s "
+                             f"({m[0]['model']['vocab_size']}): probe on the data the pair was trained on")
     log = log or (lambda m: None)
     t0 = time.time()
     sample = held_out_sample(data, tokens, block_size)

@@ -523,15 +523,17 @@ def test_hashed_json_refuses_edits_and_a_damaged_cache_is_recomputed(tmp_path, c
 # ----------------------------------------------------------------------------------------
 # Probes: unmatched pairs refused by the runs' configs, bad values by name, a damaged probes.json recomputed
 
-def _probe_run(root, name, looped=True, vocab=64, seed=0, cell=("t64", "S~85%"), data="data", block=32):
-    """A run directory as train.py leaves it (config.json, ckpt.pt); the pair check reads only config.json."""
+def _probe_run(root, name, looped=True, vocab=64, seed=0, cell=("t64", "S~85%"), data="data", block=32, branch=None):
+    """A run directory as train.py leaves it (config.json, ckpt.pt); the pair check reads only config.json.
+    branch: the "branch_step" eval.load_model's meta gives an endpoint file (put in config.json here)."""
     import loop
     d = root / name
     d.mkdir()
     cfg = tiny_model(vocab_size=vocab, **({} if looped else {"loop": loop.LoopConfig()}))
     (d / "config.json").write_text(json.dumps({
         "model": cfg.to_dict(), "train": {"seed": seed, "block_size": block}, "data_dir": str(root / data),
-        "meta": {"arch": "smelt" if looped else "baseline", "scale": cell[0], "sparsity_label": cell[1]}}))
+        "meta": {"arch": "smelt" if looped else "baseline", "scale": cell[0], "sparsity_label": cell[1]},
+        **({} if branch is None else {"branch_step": branch})}))
     (d / "ckpt.pt").write_bytes(b"")
     return str(d)
 
@@ -542,6 +544,7 @@ UNMATCHED = [   # (Baseline run's fields, SMELT run's fields, the reason named)
     (dict(looped=False), dict(cell=("t32", "S~85%")), "cell"), (dict(looped=False), dict(data="other"), "data_dir"),
     (dict(looped=False), dict(vocab=128), "vocab_size 64 vs 128"), (dict(looped=False), dict(seed=1), "seed 0 vs 1"),
     (dict(looped=False), dict(block=16), "training block_size 32 vs 16"),
+    (dict(looped=False, branch=10), dict(branch=30), "branch_step 10 vs 30"),
 ]
 
 
@@ -675,3 +678,23 @@ def test_fault_table_counts_each_case_by_its_class(tmp_path, capsys):
     (tmp_path / "test_synthetic.py").write_text("def test_x(): pass\n")
     with pytest.raises(SystemExit, match="no @pytest.mark.fault cases"):
         fault_table.main(["--tests", str(tmp_path)])
+
+
+@pytest.mark.fault("api")
+@pytest.mark.parametrize("kw,name", [(dict(ks=(0, 1)), "ks"), (dict(ks=()), "ks"), (dict(n_items=0), "n_items"),
+                                     (dict(block_size=-5), "block_size"), (dict(n_targets=1.5), "n_targets")])
+def test_dyck_prompts_refuse_bad_values_by_name(kw, name):
+    import dyck_probe
+    with pytest.raises(ValueError, match=rf"dyck_prompts: {name} must"):
+        dyck_probe.dyck_prompts(None, **{"block_size": 64, **kw})
+
+
+@pytest.mark.fault("api")
+def test_probes_refuse_data_of_another_vocabulary(tmp_path):
+    import probes
+
+    class Data:
+        vocab_size = 512
+    pairs = [("cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"))]
+    with pytest.raises(ValueError, match=r"the data's vocabulary \(512 tokens\) is not pair 'cell''s \(64\)"):
+        probes.probe_pairs(pairs, Data(), 64, 32)
