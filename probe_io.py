@@ -95,6 +95,17 @@ def check_pairs(pairs: Sequence) -> list[tuple[dict, dict]]:
     return metas
 
 
+def check_fit(pairs: Sequence, metas: list[tuple[dict, dict]], data, block_size: int) -> None:
+    """ValueError when block_size exceeds a pair's model context or the data's vocabulary is not the pair's."""
+    for (name, _, _), m in zip(pairs, metas):
+        ctx, vocab = min(x["model"]["block_size"] for x in m), m[0]["model"]["vocab_size"]
+        if block_size > ctx:
+            raise ValueError(f"block_size {block_size} exceeds pair {name!r}'s model context ({ctx} tokens)")
+        if getattr(data, "vocab_size", None) not in (None, vocab):
+            raise ValueError(f"the data's vocabulary ({data.vocab_size} tokens) is not pair {name!r}'s ({vocab}): "
+                             f"probe on the data the pair was trained on")
+
+
 def positive_ints(where: str, **values) -> None:
     """ValueError naming the first value that is not a positive integer (a sequence: every element)."""
     for name, v in values.items():

@@ -566,15 +566,8 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
     """
     probe_io.positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
                            dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
-    metas = probe_io.check_pairs(pairs)                              # every pair matched before any model runs
+    probe_io.check_fit(pairs, probe_io.check_pairs(pairs), data, block_size)   # before any model runs
     names = [p[0] for p in pairs]
-    for (name, _, _), m in zip(pairs, metas):
-        if block_size > min(x["model"]["block_size"] for x in m):
-            raise ValueError(f"probe_pairs: block_size {block_size} exceeds pair {name!r}'s model context "
-                             f"({min(x['model']['block_size'] for x in m)} tokens)")
-        if getattr(data, "vocab_size", None) not in (None, m[0]["model"]["vocab_size"]):
-            raise ValueError(f"probe_pairs: the data's vocabulary ({data.vocab_size} tokens) is not pair {name!r}'s "
-                             f"({m[0]['model']['vocab_size']}): probe on the data the pair was trained on")
     log = log or (lambda m: None)
     t0 = time.time()
     sample = held_out_sample(data, tokens, block_size)
@@ -646,7 +639,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = cli.resolve_device(args.device)
     pairs = [tuple(p) for p in args.pair]
     try:                                                             # every bad value refused before any work
-        meta = probe_io.check_pairs(pairs)[0][1]                     # the first SMELT run's config
+        metas = probe_io.check_pairs(pairs)
+        meta = metas[0][1]                                           # the first SMELT run's config
         data_dir = args.data_dir or meta.get("data_dir")
         if not data_dir:
             raise ValueError("--data-dir is needed: the SMELT run's config.json names no data_dir")
@@ -656,6 +650,7 @@ def main(argv: list[str] | None = None) -> dict:
         out = args.out_dir or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")
         probe_io.check_out_dir(out)
         data = data_mod.TokenData(data_dir)
+        probe_io.check_fit(pairs, metas, data, block)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     res = probe_pairs(pairs, data, args.tokens, block, args.batch_size, dyck=not args.no_dyck,

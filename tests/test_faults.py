@@ -14,6 +14,7 @@ accepted silently, ending in a deep torch / numpy error, or corrupting a run:
   * a killed reproduce.py -> its pool_map workers die too;
   * crashes at several points -> the resumed run equals the uninterrupted one bit for bit;
   * the disk estimate -> within 20 % of what a run really keeps (peak and final).
+  * probes (issue 26): unmatched pairs, bad values, a damaged probes.json; the campaign table's script.
 """
 import json
 import math
@@ -576,12 +577,15 @@ def test_probes_refuse_bad_values_by_name(tmp_path, kw, name):
 @pytest.mark.fault("cli")
 @pytest.mark.parametrize("case,msg", [("twice", "one run twice"), ("swapped", "swapped"),
                                       ("missing", "missing_run not found"), ("tokens", "--tokens 16 is less than"),
-                                      ("no_data", "no_data_here")])
-def test_probes_cli_refuses_before_any_work(tmp_path, capsys, case, msg):
+                                      ("no_data", "no_data_here"), ("block", "block_size 48 exceeds pair 'cell'")])
+def test_probes_cli_refuses_before_any_work(tmp_path, capsys, monkeypatch, case, msg):
     import probes
     b, s = _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s")
     pair = {"twice": [s, s], "swapped": [s, b], "missing": [b, str(tmp_path / "missing_run")]}.get(case, [b, s])
-    extra = {"tokens": ["--tokens", "16"], "no_data": ["--data-dir", str(tmp_path / "no_data_here")]}.get(case, [])
+    extra = {"tokens": ["--tokens", "16"], "no_data": ["--data-dir", str(tmp_path / "no_data_here")],
+             "block": ["--block-size", "48", "--data-dir", str(tmp_path / "data")]}.get(case, [])
+    if case == "block":                                              # prepared data of the pair's vocabulary
+        monkeypatch.setattr(data_mod, "TokenData", lambda d: type("Data", (), {"vocab_size": 64})())
     with pytest.raises(SystemExit) as e:
         probes.main(["--pair", "cell", *pair, "--out-dir", str(tmp_path / "out"), *extra])
     assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -629,7 +633,6 @@ def test_damaged_probes_json_is_named_and_recomputed(tmp_path, capsys, damage):
 
 SYNTHETIC = '''
 import pytest
-
 @pytest.mark.fault("kills")
 def test_ok(): pass
 
@@ -692,9 +695,6 @@ def test_dyck_prompts_refuse_bad_values_by_name(kw, name):
 @pytest.mark.fault("api")
 def test_probes_refuse_data_of_another_vocabulary(tmp_path):
     import probes
-
-    class Data:
-        vocab_size = 512
     pairs = [("cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"))]
     with pytest.raises(ValueError, match=r"the data's vocabulary \(512 tokens\) is not pair 'cell''s \(64\)"):
-        probes.probe_pairs(pairs, Data(), 64, 32)
+        probes.probe_pairs(pairs, type("Data", (), {"vocab_size": 512})(), 64, 32)
