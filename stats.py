@@ -133,6 +133,29 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], n_draws: int = 20
     return Interval(point, float(lo), float(hi), vn.size, level, "bootstrap")
 
 
+def percentiles_with_failures(ok: np.ndarray, n_failed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """The level interval's percentiles over len(ok) + n_failed draws along axis 0, each failed draw
+    counted as -inf for the lower bound and +inf for the upper (so the interval does not condition on
+    success): a bound is +/-inf once the failures reach its percentile.  n_failed = 0: np.percentile."""
+    _check_level(level)
+    ok = np.asarray(ok, dtype=float)
+    if n_failed < 0 or (len(ok) == 0 and n_failed == 0):
+        raise ValueError(f"need at least one draw and n_failed >= 0; got {len(ok)} draws, n_failed = {n_failed}")
+    q = 50 * (1 - level)
+    if n_failed == 0:
+        return np.percentile(ok, q, axis=0), np.percentile(ok, 100 - q, axis=0)
+
+    def lower(s: np.ndarray) -> np.ndarray:          # s sorted ascending along axis 0, n_failed -inf in front
+        h = (len(s) + n_failed - 1) * q / 100
+        i, t = int(math.floor(h)), h - math.floor(h)
+        if i < n_failed:
+            return np.full(s.shape[1:], -math.inf)
+        a, b = s[i - n_failed], s[min(i - n_failed + 1, len(s) - 1)]
+        return a + t * (b - a)
+    s = np.sort(ok, axis=0)
+    return lower(s), -lower(np.sort(-ok, axis=0))
+
+
 def verdict(iv: Interval | None, claim: str, value: float = 0.0) -> str:
     """Three-state verdict of the paper's claim "quantity `claim` value" (claim '>' or '<').
 
