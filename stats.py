@@ -97,6 +97,22 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.9
     return mean_interval(vb - va, level)
 
 
+def welch_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
+    """Interval of mean(b) - mean(a) over independent samples (Welch's t, unequal variances); no
+    interval (bounds nan) unless both have 2 values and some spread."""
+    _check_level(level)
+    va, vb = _vector(a, "a"), _vector(b, "b")
+    d, n = float(vb.mean() - va.mean()), va.size + vb.size
+    if va.size < 2 or vb.size < 2:
+        return Interval(d, math.nan, math.nan, n, level, "welch")
+    qa, qb = va.var(ddof=1) / va.size, vb.var(ddof=1) / vb.size
+    if qa + qb == 0:
+        return Interval(d, math.nan, math.nan, n, level, "welch")
+    dof = (qa + qb) ** 2 / (qa ** 2 / (va.size - 1) + qb ** 2 / (vb.size - 1))
+    half = t_quantile(0.5 + level / 2, dof) * math.sqrt(qa + qb)
+    return Interval(d, d - half, d + half, n, level, "welch")
+
+
 def bootstrap_interval(x: Sequence[float], stat: Callable[[np.ndarray], float] = np.mean, n_draws: int = 2000,
                        level: float = 0.95, seed: int = 0) -> Interval:
     """Percentile bootstrap of stat(x) over units resampled with replacement (x: one value per unit)."""
