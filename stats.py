@@ -188,6 +188,14 @@ def verdict(iv: Interval | None, claim: str, value: float = 0.0) -> str:
     return "reproduced" if below else "contradicted" if above else "not resolved"
 
 
+def all_of(verdicts: Sequence[str]) -> str:
+    """One verdict for a claim made of parts: reproduced when every part is, contradicted when one is,
+    else (or with no parts) not resolved."""
+    v = list(verdicts)
+    return ("reproduced" if v and all(x == "reproduced" for x in v) else
+            "contradicted" if "contradicted" in v else "not resolved")
+
+
 def permutation_test(a: Sequence[float], b: Sequence[float], n: int = 10000, seed: int = 0,
                      alternative: str = "two-sided") -> float:
     """Paired sign-flip permutation test of mean(a - b) = 0.
