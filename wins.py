@@ -12,7 +12,7 @@ evaluations (eval.evaluate_endpoint outputs):
   bootstrap interval over contrasts.
 * `downstream_claims`: each claim an interval decided by `stats.verdict` (paired differences,
   calibration residuals and their growth with scale, the length tilt, the shot-sweep claims of
-  `icl_claims` at the k that prompts fit); `downstream_report` runs all of the above.
+  `icl_claims` at the k that prompts fit: eval's "fit"); `downstream_report` runs all of the above.
 
 Pairs and units: matched pairs are (scale, sparsity label, training seed, branch step); the
 permutation test pairs demonstration seeds. Why, and the unit="run" option: docs/wins.md.
@@ -361,13 +361,14 @@ def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0, 
 
 
 def _demos_kept(pairs: list[dict], name: str, k: int) -> dict:
-    """{"demos_kept_mean", "cut_share"}: the endpoints' mean of eval's per-(task, k) fields (None when no
-    endpoint records them) and "k_counts": False when most prompts are cut to fewer than k demonstrations."""
+    """The endpoints' mean of eval.py's per-(task, k) FIT_FIELDS (task record "fit": "demos_kept", "share_short"
+    = prompts holding fewer than k demonstrations, "share_cut"); None where an endpoint lacks them (an older
+    eval.json).  "k_counts": False when most prompts hold fewer than k demonstrations (not a k-shot result)."""
     got = {}
-    for f in ("demos_kept_mean", "cut_share"):
-        v = [p[a]["tasks"][name]["by_k"][str(k)].get(f) for p in pairs for a in ("baseline", "smelt")]
+    for f in ("demos_kept", "share_short", "share_cut"):
+        v = [p[a]["tasks"][name].get("fit", {}).get(str(k), {}).get(f) for p in pairs for a in ("baseline", "smelt")]
         got[f] = float(np.mean(v)) if v and all(x is not None for x in v) else None
-    got["k_counts"] = got["cut_share"] is None or got["cut_share"] <= 0.5
+    got["k_counts"] = got["share_short"] is None or got["share_short"] <= 0.5
     return got
 
 

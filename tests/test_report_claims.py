@@ -101,14 +101,15 @@ def test_icl_claims_skip_k_that_prompts_do_not_fit():
     assert tested == 1 and "cannot go below 0.25" in why and kw["verdict"] == "not resolved"
 
 
-def test_demos_kept_mean_and_cut_share_read_per_task_and_k():
-    rec = lambda cut: {"tasks": {"t": {"by_k": {"8": {"cut_share": cut, "demos_kept_mean": 8 * (1 - cut)}}}}}
-    pairs = [{"baseline": rec(0.9), "smelt": rec(0.7)}]
-    got = wins._demos_kept(pairs, "t", 8)
-    assert got["cut_share"] == pytest.approx(0.8) and not got["k_counts"]
+def test_demonstrations_that_fit_read_per_task_and_k():
+    rec = lambda short: {"tasks": {"t": {"fit": {"8": {"share_short": short, "share_cut": short,
+                                                       "demos_kept": 8 * (1 - short)}}}}}
+    got = wins._demos_kept([{"baseline": rec(0.9), "smelt": rec(0.7)}], "t", 8)
+    assert got["share_short"] == pytest.approx(0.8) and got["demos_kept"] == pytest.approx(1.6) and not got["k_counts"]
     assert wins._demos_kept([{"baseline": rec(0.1), "smelt": rec(0.2)}], "t", 8)["k_counts"]
-    old = [{"baseline": {"tasks": {"t": {"by_k": {"8": {}}}}}, "smelt": {"tasks": {"t": {"by_k": {"8": {}}}}}}]
-    assert wins._demos_kept(old, "t", 8) == {"demos_kept_mean": None, "cut_share": None, "k_counts": True}
+    old = [{"baseline": {"tasks": {"t": {}}}, "smelt": {"tasks": {"t": {}}}}]       # an eval.json without "fit"
+    assert wins._demos_kept(old, "t", 8) == {"demos_kept": None, "share_short": None, "share_cut": None,
+                                             "k_counts": True}
 
 
 def _probe_pair(overlap, n_experts, width, rng):
