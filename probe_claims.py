@@ -82,10 +82,10 @@ def _norm_ratio(name: str, **kw) -> Quantity:
 
 
 # the paper's words (SMELT Section 6), quoted with their section and figure
-RATIOS_EXCEED_1 = "\"In all 16 cells, all four norm ratios exceed 1 (range 1.2-3.5x)\" (Sec. 6.2, Fig. 23)"
+RATIOS_EXCEED_1 = "\"In all 16 cells, all four norm ratios exceed 1 (range 1.2–3.5×)\" (Sec. 6.2, Fig. 23)"
 OVERLAP_FALLS = ("\"As sparsity increases and the pool grows by more than an order of magnitude, the overlap drops "
-                 "to 2-3\" (Sec. 6.1, Fig. 21)")
-Q_K_V = ("\"Q and K sit at 0.89-0.93 across all 16 cells [...] V falls below it to 0.65-0.74\" (Sec. 6.3, "
+                 "to 2–3\" (Sec. 6.1, Fig. 21)")
+Q_K_V = ("\"Q and K sit at 0.89–0.93 across all 16 cells [...] V falls below it to 0.65–0.74\" (Sec. 6.3, "
          "Fig. 25)")
 
 
@@ -130,8 +130,8 @@ QUANTITIES: dict[str, Quantity] = {
     "top8_control": _one("top8_control"),
     "top8_gap": _gap("top8_same", "top8_control", claim=Claim(
         "top8_overlap", ">", 0.0, "Fig. 26b", "top-8 attended-token overlap across visits minus the other-head "
-        "control", "\"The top-8 attended tokens overlap by 56-66% across visits [...] The other-head control sits at "
-        "28-34%\" (Sec. 6.3, Fig. 26b)", ("top8_same", "top8_control"))),
+        "control", "\"The top-8 attended tokens overlap by 56–66% across visits [...] The other-head control sits at "
+        "28–34%\" (Sec. 6.3, Fig. 26b)", ("top8_same", "top8_control"))),
     "mass_same": _one("mass_same", panel=Panel("b", "attention-mass overlap", "mass_control", _CONTROL)),
     "mass_control": _one("mass_control"),
     "mass_gap": _gap("mass_same", "mass_control"),

@@ -106,13 +106,13 @@ PAPER = {
     "lower": "\"At comparable measured compute, SMELT reaches lower loss in every cell\" (Sec. 4.1, Fig. 8)",
     "repeat": "Table 3.3 (Sec. 3.3, 200M, one run each): val. loss 1.9445 unlooped vs 1.9257 at 50 % span (S~85 %), "
               "1.8735 vs 1.8517 (S~95 %)",
-    "ce_gain": "\"At C=10^{20}, SMELT saves 6.8-10.0% of training compute across sparsity levels. At C=10^{21}, the "
-               "range widens to 14.7-18.0%\" (Sec. 4.3, Table 4.3): in the fitted window 6.8-18.0 %; the 1e22 column "
-               "(19.6-23.5 %) is \"Extrapolated beyond the fitted compute window\"",
-    "gamma": "\"SMELT's capacity exponent a is 0.3892 vs. the Baseline's 0.3703, and its data exponent c is 0.7011 "
+    "ce_gain": "\"At C=10^{20}, SMELT saves 6.8–10.0% of training compute across sparsity levels. At C=10^{21}, the "
+               "range widens to 14.7–18.0%\" (Sec. 4.3, Table 4.3): in the fitted window 6.8-18.0 %; the 1e22 column "
+               "(19.6–23.5 %) is \"Extrapolated beyond the fitted compute window\"",
+    "gamma": "\"SMELT’s capacity exponent a is 0.3892 vs. the Baseline’s 0.3703, and its data exponent c is 0.7011 "
              "vs. 0.6594. Both are larger\"; \"gamma_base=0.237 and gamma_SMELT=0.250\" (Sec. 4.3, Table 4.3)",
     "growth": "\"the additive increment from 10^{20} to 10^{21} is ~8 pp in each column\" (Sec. 4.3, Table 4.3)",
-    "tpp": "\"SMELT's TPP point estimate is within 6% of the Baseline's at every sparsity\" (Sec. 4.3, Table 4.3)",
+    "tpp": "\"SMELT’s TPP point estimate is within 6% of the Baseline’s at every sparsity\" (Sec. 4.3, Table 4.3)",
     "code": "\"Code leads at 20.4%; Finance and Math/ follow at 16.8% and 16.6%\" (Sec. 5.2, C = 1e21, S~95 %)",
 }
 # (script = its out dir under the run's, the claim, the paper's words, the winner's check on results.json)
@@ -127,6 +127,11 @@ ABLATIONS = (
     ("loop_count_sweep", "two visits give the lowest validation loss",
      "\"Two visits win on all three metrics\" (Sec. 3.5, Table 3.5)", lambda r: r["best_loops"] == 2),
 )
+
+
+def _short(why: str, n: int = 160) -> str:
+    """A reason cut to n characters for the claims table (the full text is in the stage's JSON)."""
+    return why if len(why) < n else why[:n - 3] + "..."
 
 
 def _claim_rows(ts: dict, scal: dict, pclaims: list[dict], ev_sum: dict, prb: dict | None = None,
@@ -173,8 +178,8 @@ def _scaling_claims(scal: dict) -> list[list[str]]:
     """SMELT 4.3 / 5.2's further claims from scaling_analysis's `derived` entries and per-domain gains."""
     import stats
     der = scal.get("derived") or {} if isinstance(scal, dict) else {}
-    why = "not resolved at this scale: " + (scal.get("error") or "; ".join(scal.get("gains", {}).get("why", []))
-                                           or "no pair bootstrap (two identified surfaces and n_boot > 0)")
+    why = "not resolved at this scale: " + _short(scal.get("error") or "; ".join(scal.get("gains", {}).get("why", []))
+                                                  or "no pair bootstrap (two identified surfaces and n_boot > 0)")
     verdict = lambda d, direction, value=0.0: stats.verdict(stats.Interval(**d["interval"]) if d.get("interval")
                                                              else None, direction, value)
     rows = []
@@ -247,9 +252,8 @@ def _ce_gain_claim(scal: dict) -> list[str]:
     claim, paper = "CE gain of SMELT over Baseline > 0 at the in-window budgets (Sec. 4.3)", PAPER["ce_gain"]
     g = scal.get("gains", {}) if isinstance(scal, dict) else {}
     if "error" in scal or not g.get("available"):
-        why = scal.get("error") or "; ".join(g.get("why", [])) or "no gains"
-        short = why if len(why) < 160 else why[:157] + "..."
-        return [claim, paper, f"no number: {short}", "not resolved"]
+        return [claim, paper, f"no number: {_short(scal.get('error') or '; '.join(g.get('why', [])) or 'no gains')}",
+                "not resolved"]
     inside = [c for c in g.get("cells", []) if not c.get("extrapolated")]
     if not inside:
         return [claim, paper, "every budget extrapolated (see the scaling tables)", "not resolved"]

@@ -17,6 +17,8 @@ rules are written once:
   * `permutation_test`: the paired sign-flip test (SMELT Appendix C: "paired permutation test over
     the 10 random seeds"), one- or two-sided. With n pairs there are 2^n sign patterns; for n <= 16
     they are enumerated exactly, beyond that sampled.
+  * `percentiles_with_failures` (a bootstrap's failed draws count as -inf / +inf, never dropped),
+    `welch_difference` (two independent samples), `all_of` (one verdict from a claim's parts).
 
 Pure functions on numpy arrays; no torch. Tested against hand-computed cases (tests/test_stats.py).
 """

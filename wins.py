@@ -374,8 +374,8 @@ def _demos_kept(pairs: list[dict], name: str, k: int) -> dict:
 
 # the paper's words for the shot-sweep claims (Sec. 5.3) and the calibration growth (Sec. 5.1)
 PAPER_ICL_GAP = "\"0.9 pp at k=0 and widens to 1.9 pp once demonstrations are provided (k=1)\" (Sec. 5.3, Fig. 20b)"
-PAPER_DYCK = "\"SMELT reaches 29.8% at k=32 vs. the Baseline's 26.4%\" (Sec. 5.3, Fig. 20c)"
-PAPER_SIGNIFICANT = ("\"the 14 of these 16 tasks where SMELT's max-shot gain is significant (p<0.05, paired "
+PAPER_DYCK = "\"SMELT reaches 29.8% at k=32 vs. the Baseline’s 26.4%\" (Sec. 5.3, Fig. 20c)"
+PAPER_SIGNIFICANT = ("\"the 14 of these 16 tasks where SMELT’s max-shot gain is significant (p<0.05, paired "
                      "permutation test)\" (Sec. 5.3, App. C)")
 PAPER_RESIDUAL_POSITIVE = "\"The mean residual \\bar{\\delta} is positive on every benchmark at every scale\" (Sec. 5.1, Fig. 16)"
 PAPER_RESIDUAL_GROWS = ("\"\\bar{\\delta} increases monotonically with model scale on DCLM Completion and DCLM Core\" "
@@ -414,7 +414,8 @@ def icl_claims(icl: dict, claim) -> None:
               "demonstration seed", "dyck_languages not above chance (or cut) at any k in this run")
     floor = min(p_min, default=1.0)
     why = (f"{sig} of {tested} tasks significant" + (f"; with these seeds p cannot go below {floor:.3g}"
-                                                      if floor >= 0.05 else ""))
+                                                      if floor >= 0.05 else "") if tested else
+           "no real task tested at a k most of its prompts hold")
     # a count, not an interval: reproduced when most tested tasks are significant; too few seeds (or no
     # significant majority) leaves it not resolved, since a test that cannot reject is no evidence against
     claim("icl significant", "most tasks' max-shot gain significant (p < 0.05)", PAPER_SIGNIFICANT, ">", 0.5, None,
@@ -495,7 +496,7 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
             why, iv = (f"SMELT's mean gain is negative in {f['n_negative']} of {f['n_contrasts']} contrasts: the "
                        f"normalised shape describes a loss, not a gain (ratio {stats.Interval(**f['long_short']).fmt(2)})"), None
         claim("length tilt", "SMELT's gain tilts to long documents: long/short ratio > 1",
-              "1.52: \"SMELT's gain on the four longest buckets is 1.52x its gain on the four shortest; the two controls "
+              "1.52: \"SMELT’s gain on the four longest buckets is 1.52× its gain on the four shortest; the two controls "
               "stay flat (0.98 and 0.88)\" (Sec. 5.3, Fig. 20a)", ">", 1.0, iv, f["n_contrasts"],
               "SMELT/Baseline run pair", why)
     return claims
