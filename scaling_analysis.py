@@ -585,7 +585,7 @@ def _derived(g: _Grid, fits: dict, gains: dict, budgets: list, tpp_C, boots: dic
              rules: Rules) -> dict:
     """SMELT 4.3's further claims from the pair bootstrap, each {point, interval, interval_why, failed_share}:
     target - ref in a, c and gamma; the CE gain's growth in pp per decade between the first and last
-    in-window budget, per column; |TPP_target / TPP_ref - 1| at tpp_C, per column.  {} without the pair."""
+    in-window budget, per column; TPP_target / TPP_ref at tpp_C, per column.  {} without the pair."""
     if "pair" not in boots or not gains.get("available"):
         return {}
     bs, n = boots["pair"][0], len(set(g.pts[target].cell))
@@ -604,9 +604,9 @@ def _derived(g: _Grid, fits: dict, gains: dict, budgets: list, tpp_C, boots: dic
                                                                                       budgets[i1], s)) / dec
             out[f"growth/{lab}"] = {"point": pt, "from": budgets[i1], "to": budgets[i2], **_interval(
                 pt, 100 * (bs.gain[:, i2, j] - bs.gain[:, i1, j]) / dec, bs, n, rules, fraction=False)}
-        ratio = float(tpp(fits[target], tpp_C, s) / tpp(fits[ref], tpp_C, s))
-        out[f"tpp_ratio/{lab}"] = {"point": abs(ratio - 1), "ratio": ratio, **_interval(
-            abs(ratio - 1), np.abs(bs.tpp[:, 0, j] / bs.tpp[:, 1, j] - 1), bs, n, rules, fraction=False)}
+        ratio = float(tpp(fits[target], tpp_C, s) / tpp(fits[ref], tpp_C, s))      # not |ratio - 1|: folded, biased
+        out[f"tpp_ratio/{lab}"] = {"point": ratio, **_interval(ratio, bs.tpp[:, 0, j] / bs.tpp[:, 1, j], bs, n, rules,
+                                                               fraction=False)}
     return out
 
 
@@ -632,7 +632,7 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
       bootstrap      {n_draws, n_failed, failed_share, failures {reason: count}} per bootstrap run
                      ("pair" for target+ref, or an arch name), {} when none ran
       derived        {a_diff, c_diff, gamma_diff, growth/<label> (pp per decade), tpp_ratio/<label>
-                     (|TPP ratio - 1|)}: {point, interval, interval_why, ...} from the pair bootstrap
+                     (TPP_target / TPP_ref)}: {point, interval, interval_why, ...} from the pair bootstrap
       subsets, quartiles, figures, tables_md
     """
     check_rows(rows)

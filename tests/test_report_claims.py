@@ -40,8 +40,7 @@ def _scal():
                 "c_diff": _entry(0.04, -0.01, 0.09, 0.01),
                 "growth/S~85%": _entry(8.0, 2.0, 14.0, **{"from": 1e15, "to": 1e16}),
                 "growth/S~95%": _entry(-8.0, -14.0, -2.0, **{"from": 1e15, "to": 1e16}),
-                "tpp_ratio/S~85%": _entry(0.02, 0.01, 0.05, ratio=0.98),
-                "tpp_ratio/S~95%": _entry(0.03, 0.0, 0.04, ratio=1.03)},
+                "tpp_ratio/S~85%": _entry(0.98, 0.95, 1.01), "tpp_ratio/S~95%": _entry(1.03, 0.97, 1.05)},
             "subsets": {"val_loss_by_domain": {"gains": {d: {"S~85%": {"gain": g}, "S~95%": {"gain": g}}
                                                          for d, g in (("code", 0.1), ("web", 0.2))}}}}
 
@@ -53,6 +52,10 @@ def test_scaling_claims_quote_the_paper_and_combine_their_parts():
     assert "1.0 % of draws failed" in gamma[2]
     assert rows["CE gain grows with compute"][3] == "contradicted"        # one column's growth wholly below 0
     assert rows["TPP of SMELT within 6 % of the Baseline's"][3] == "reproduced"
+    wide = _scal()
+    wide["derived"]["tpp_ratio/S~95%"] = _entry(1.10, 1.07, 1.2)       # wholly outside: contradicted
+    assert {r[0].split(":")[0]: r for r in report._scaling_claims(wide)}[
+        "TPP of SMELT within 6 % of the Baseline's"][3] == "contradicted"
     code = rows["code has the largest per-domain CE gain"]
     assert code[3] == "not resolved" and "web +20.0 %, code +10.0 %" in code[2] and "Code leads at 20.4%" in code[1]
     none = report._scaling_claims({"error": "no rows"})

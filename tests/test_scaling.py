@@ -613,8 +613,10 @@ def test_derived_claims_and_failed_share_beside_every_interval(good_report):
     g = rep["fits"]
     assert d["gamma_diff"]["point"] == pytest.approx(g["smelt"]["gamma"] - g["baseline"]["gamma"])
     for lab in rep["sparsity"]:
-        tr = d[f"tpp_ratio/{lab}"]
-        assert tr["point"] == pytest.approx(abs(tr["ratio"] - 1))
+        tr, t = d[f"tpp_ratio/{lab}"], {a: next(c for c in rep["tpp"][a]["cells"] if c["sparsity_label"] == lab)
+                                          for a in ("smelt", "baseline")}
+        assert tr["point"] == pytest.approx(t["smelt"]["tpp"] / t["baseline"]["tpp"])
+        assert tr["interval"]["lo"] <= tr["point"] <= tr["interval"]["hi"]
         gr = d[f"growth/{lab}"]
         assert gr["from"] < gr["to"] and gr["n_draws"] == 12
     assert all("% of draws failed" in c["text"] for c in rep["gains"]["cells"])
