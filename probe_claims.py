@@ -81,7 +81,15 @@ def _norm_ratio(name: str, **kw) -> Quantity:
     return Quantity((name,), lambda m, _: _ratio(m), **kw)
 
 
-def _ratio_claim(cid: str, letter: str, what: str, title: str, paper: str = "> 1 in all 16 cells") -> dict:
+# the paper's words (SMELT Section 6), quoted with their section and figure
+RATIOS_EXCEED_1 = "\"In all 16 cells, all four norm ratios exceed 1 (range 1.2–3.5×)\" (Sec. 6.2, Fig. 23)"
+OVERLAP_FALLS = ("\"As sparsity increases and the pool grows by more than an order of magnitude, the overlap drops "
+                 "to 2–3\" (Sec. 6.1, Fig. 21)")
+Q_K_V = ("\"Q and K sit at 0.89–0.93 across all 16 cells [...] V falls below it to 0.65–0.74\" (Sec. 6.3, "
+         "Fig. 25)")
+
+
+def _ratio_claim(cid: str, letter: str, what: str, title: str, paper: str = RATIOS_EXCEED_1) -> dict:
     return dict(claim=Claim(cid, ">", 1.0, f"Fig. 23{letter}", f"visit-{{b}} / visit-{{a}} norm of {what}", paper),
                 panel=Panel(letter, f"norm ratio {{vb}}/{{va}}: {title}", hline=1.0))
 
@@ -92,7 +100,7 @@ COS_STAGES = ("update", "resid", "X", "Q", "K", "V", "PV", "O")   # "update" and
 # name -> Quantity, in Section 6's order (the order of the claims)
 QUANTITIES: dict[str, Quantity] = {
     "ratio_update": _norm_ratio("ratio_update", **_ratio_claim(
-        "update_ratio", "e", "the full update Δx", "update Δx", "1.2-3.5x, > 1 in all 16 cells")),
+        "update_ratio", "e", "the full update Δx", "update Δx")),
     "ratio_attn_write": _norm_ratio("ratio_attn_write", **_ratio_claim(
         "attn_write_ratio", "f", "the attention write", "attention write")),
     "ratio_mlp_write": _norm_ratio("ratio_mlp_write", **_ratio_claim(
@@ -106,14 +114,15 @@ QUANTITIES: dict[str, Quantity] = {
     "ucos_other": _one("ucos_other"),
     "ucos_gap": _gap("ucos_same", "ucos_other", claim=Claim(
         "update_cosine", ">", 0.0, "Fig. 24", "update cosine: same layer across visits minus non-matching "
-        "cross-visit pairs", "0.56 vs 0.16 (1.6B)", ("ucos_same", "ucos_other"))),
+        "cross-visit pairs", "\"cosine ranges from 0.42 to 0.65 (0.56), compared with a mean of 0.16 for nonmatching "
+        "cross-visit pairs\" (Sec. 6.2, Fig. 24, 1.6B)", ("ucos_same", "ucos_other"))),
     **{f"cos_{s}": _one(f"cos_{s}") for s in COS_STAGES},
     "cos_Q_minus_V": _gap("cos_Q", "cos_V", claim=Claim(
         "q_stabler_than_v", ">", 0.0, "Fig. 25", "cross-visit cosine of Q minus that of V",
-        "Q 0.89-0.93 vs V 0.65-0.74", ("cos_Q", "cos_V"))),
+        Q_K_V, ("cos_Q", "cos_V"))),
     "cos_K_minus_V": _gap("cos_K", "cos_V", claim=Claim(
         "k_stabler_than_v", ">", 0.0, "Fig. 25", "cross-visit cosine of K minus that of V",
-        "K 0.89-0.93 vs V 0.65-0.74", ("cos_K", "cos_V"))),
+        Q_K_V, ("cos_K", "cos_V"))),
     "top1_same": _one("top1_same"),
     "top1_control": _one("top1_control"),
     "top1_gap": _gap("top1_same", "top1_control"),
@@ -121,7 +130,8 @@ QUANTITIES: dict[str, Quantity] = {
     "top8_control": _one("top8_control"),
     "top8_gap": _gap("top8_same", "top8_control", claim=Claim(
         "top8_overlap", ">", 0.0, "Fig. 26b", "top-8 attended-token overlap across visits minus the other-head "
-        "control", "0.56-0.66 vs 0.28-0.34", ("top8_same", "top8_control"))),
+        "control", "\"The top-8 attended tokens overlap by 56–66% across visits [...] The other-head control sits at "
+        "28–34%\" (Sec. 6.3, Fig. 26b)", ("top8_same", "top8_control"))),
     "mass_same": _one("mass_same", panel=Panel("b", "attention-mass overlap", "mass_control", _CONTROL)),
     "mass_control": _one("mass_control"),
     "mass_gap": _gap("mass_same", "mass_control"),
@@ -132,20 +142,22 @@ QUANTITIES: dict[str, Quantity] = {
     "expert_gap": Quantity(("expert_overlap",), lambda m, meta: _mean(m) - meta["top_k"] ** 2 / meta["n_experts"],
                            experts=True, claim=Claim(
         "expert_overlap", ">", 0.0, "Fig. 21", "experts shared between visits minus random routing (k^2/n)",
-        "2-3 of 8 at S~97 %, far above random", ("expert_frac", "expert_random_frac"))),
+        "\"Even there it stays far above what independent random routing over a pool that large would give\" "
+        "(Sec. 6.1, Fig. 21)", ("expert_frac", "expert_random_frac"))),
     "sink_v1": Quantity(("sink",), lambda m, _: _mean(m[:, 0])),   # the earlier visit of each pair
     "sink_v2": Quantity(("sink",), lambda m, _: _mean(m[:, 1])),   # the later one
     "sink_change": Quantity(("sink",), lambda m, _: _mean(m[:, 1] - m[:, 0]), claim=Claim(
         "sink_shrinks", "<", 0.0, "Fig. 28/30, App. D", "attention-sink mass in the looped span, visit {b} minus "
-        "visit {a}", "visit 2 below visit 1 throughout the span", ("sink_v1", "sink_v2"))),
+        "visit {a}", "\"the bright, high-mass cells in visit 1 cool broadly on visit 2\" (Sec. 6.4, Fig. 30)",
+        ("sink_v1", "sink_v2"))),
 }
 
 # (id, mass, direction, value, figure, what, the paper): per prompt, visit 2 minus visit 1 of the Dyck head
 DYCK_CLAIMS = [
     ("dyck_bos_falls", "bos", "<", 0.0, "Fig. 27", "Dyck head's BOS mass at the targets, visit 2 minus visit 1",
-     "0.60 -> 0.02 (1.6B, k = 4)"),
+     "\"the second visit cuts BOS mass from 0.60 to 0.02\" (Sec. 6.4, Fig. 27)"),
     ("dyck_demo_rises", "demo", ">", 0.0, "Fig. 27",
-     "Dyck head's demonstration-answer mass at the targets, visit 2 minus visit 1", "0.24 -> 0.85 (1.6B, k = 4)"),
+     "Dyck head's demonstration-answer mass at the targets, visit 2 minus visit 1", "\"lifts demonstration-answer mass from 0.24 to 0.85\" (Sec. 6.4, Fig. 27)"),
 ]
 
 
@@ -331,6 +343,24 @@ def _dyck_claims(result: dict, n_draws: int, seed: int) -> list[dict]:
         d["verdict"] = stats.verdict(d["interval"], sign, value)
         out.append(d)
     return out
+
+
+def overlap_by_sparsity(result: dict, n_draws: int = 1000, seed: int = 0) -> dict:
+    """Sec. 6.1: expert overlap / k falls as sparsity rises.  Pairs grouped by scale (their Baseline's width
+    and depth); per scale with two pool sizes, the largest pool's SMELT minus the smallest's, averaged over
+    scales, with the held-out bootstrap (the same units for every pair).  -> {"interval", "n_scales", "why"}."""
+    names, cells = _cells(result)
+    groups: dict = {}
+    for n, c in zip(names, cells):
+        if c.value("expert_frac") is not None:
+            cfg = result["pairs"][n]["baseline"].get("config", {})
+            groups.setdefault((cfg.get("d_model"), cfg.get("n_layers")), []).append(c)
+    pool = lambda c: c.meta["n_experts"]
+    ends = [(min(g, key=pool), max(g, key=pool)) for g in groups.values() if len({pool(c) for c in g}) > 1]
+    if not ends:
+        return {"interval": None, "n_scales": 0, "why": "no scale has SMELT pairs at two expert-pool sizes"}
+    stat = lambda w: float(np.mean([hi.value("expert_frac", w) - lo.value("expert_frac", w) for lo, hi in ends]))
+    return {"interval": _interval(len(cells[0].keys), stat, n_draws, seed), "n_scales": len(ends), "why": None}
 
 
 def claim_json(c: dict) -> dict:

@@ -319,7 +319,8 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
 def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
     import scaling_analysis
     try:
-        return scaling_analysis.analyse(rows, str(out / "scaling"), n_boot=plan.bootstrap, n_jobs=2)
+        return scaling_analysis.analyse(rows, str(out / "scaling"), n_boot=plan.bootstrap, n_jobs=2,
+                                        budgets=scaling_analysis.preset_budgets(plan.ladder))
     except (ValueError, RuntimeError) as e:
         log(f"scaling fits failed: {e}")
         return {"error": str(e)}

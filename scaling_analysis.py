@@ -6,11 +6,11 @@
   only the cells both architectures have.
 * one Eq. 2 surface per architecture (`scaling.fit_result`), and nothing derived from a fit that
   is not identified (`scaling.identify`): it is reported as "not identified (why)".
-* budgets: the data's own compute window (its geometric midpoint and log-quartiles), not the
-  paper's 1e20-1e22; a gain or TPP whose frontier point leaves the data is flagged extrapolated
+* budgets (`preset_budgets`): Table 4.3's 1e20-1e22 for the paper ladder, else the data's compute
+  window's log-quartiles; a gain or TPP whose frontier point leaves the data is flagged extrapolated
   (`frontier_extrapolation`, `gain_cell`).
-* `cell_bootstrap`: the paper's brackets; resample grid cells, refit both surfaces, a draw whose
-  refit is not identified counts as failed; intervals are the draws' 2.5 / 97.5 percentiles.
+* `cell_bootstrap`: the paper's brackets; resample grid cells, refit both surfaces; a failed draw
+  (refit not identified) counts as -inf / +inf in the 2.5 / 97.5 percentiles (`_derived`: a, c, gamma).
 * SMELT 5.2: per-domain / per-source intercept fits with the aggregate exponents (`fit_subsets`),
   their CE gains, and the gain by Baseline-loss quartile (`quartile_gains`).
 It writes coeffs.json, tables.json, tables.md (scaling_tables.py) and the figures (scaling_plots.py).
@@ -32,9 +32,9 @@ import numpy as np
 
 import scaling_plots
 import stats
-from scaling import (CONTROL_LABEL, GAIN_FLOOR, RULES, S_ROUNDING, Coeffs, FitResult, Points, Rules, ce_gain,
+from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, S_ROUNDING, Coeffs, FitResult, Points, Rules, ce_gain,
                      check_budget, check_points, data_ranges, fit, fit_result, optimal_flops_per_token, short_num, tpp)
-from scaling_tables import format_table, markdown, pct_text, tpp_text, why_text
+from scaling_tables import failed_text, format_table, markdown, pct_text, tpp_text, why_text
 
 
 # ----------------------------------------------------------------------------- results rows -> arrays
@@ -115,17 +115,18 @@ class Bootstrap:
     gain: np.ndarray | None  # (n_ok, nC, nS) CE gain of target over reference (None: one surface)
     tpp: np.ndarray          # (n_ok, n_surfaces, nS) TPP at tpp_C, [target, reference]
     n_draws: int = 0
-    n_failed: int = 0        # draws dropped: a refit raised, was not identified, or gave a non-finite number
+    n_failed: int = 0        # failed draws: a refit raised, was not identified, or gave a non-finite number
     failures: dict = field(default_factory=dict)   # "surface: reason key" -> count
+    coefs: np.ndarray | None = None   # (n_ok, n_surfaces, 3): each refit's a, c and gamma = ac / (a + c)
 
     @property
     def failed_share(self) -> float:
         return self.n_failed / self.n_draws if self.n_draws else 1.0
 
     @staticmethod
-    def interval(draws: np.ndarray, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
-        q = 50 * (1 - level)
-        return np.percentile(draws, q, axis=0), np.percentile(draws, 100 - q, axis=0)
+    def interval(draws: np.ndarray, level: float = 0.95, n_failed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Percentiles over the refits `draws` and n_failed failed draws counted as -inf / +inf."""
+        return stats.percentiles_with_failures(draws, n_failed, level)
 
 
 def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
@@ -136,7 +137,7 @@ def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
     for idx, p in zip(index, surfaces):
         for i, c in enumerate(p.cell):
             idx[c].append(i)
-    gains, tpps, failed = [], [], Counter()
+    gains, tpps, coefs, failed = [], [], [], Counter()
     for cells in draws:
         fits, reason = [], None
         with warnings.catch_warnings():
@@ -162,9 +163,10 @@ def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
                     reason = "non-finite gain or TPP"
         if reason is None:
             gains.append(g); tpps.append(t)
+            coefs.append([[f.a, f.c, f.a * f.c / (f.a + f.c)] for f in fits])
         else:
             failed[reason] += 1
-    return gains, tpps, failed
+    return gains, tpps, coefs, failed
 
 
 def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1e21, n_draws: int = 2000,
@@ -175,7 +177,8 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
     (C, S) and both surfaces' TPP at (tpp_C, S).  ref=None bootstraps one surface (TPP only).
     Each refit starts from `init` (default: the full-data fits) plus the best `n_starts` (default 4)
     grid starts.  A draw whose refit raises or is not identified is counted in n_failed (by reason
-    in `failures`) and dropped.  Draws are generated up front: the result does not depend on n_jobs."""
+    in `failures`); intervals count it as -inf / +inf (Bootstrap.interval).  Draws are generated up
+    front: the result does not depend on n_jobs."""
     if n_draws < 1:
         raise ValueError(f"n_draws must be >= 1; got {n_draws}")
     surfaces = [target] if ref is None else [target, ref]
@@ -199,15 +202,16 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
         parts = [_bootstrap_chunk(a) for a in args]
     gains = [g for p in parts for g in p[0]]
     tpps = [t for p in parts for t in p[1]]
-    failures = sum((p[2] for p in parts), Counter())
+    coefs = [c for p in parts for c in p[2]]
+    failures = sum((p[3] for p in parts), Counter())
     n_failed = sum(failures.values())
     if n_failed:
         warnings.warn(f"{n_failed} of {n_draws} bootstrap draws failed to refit to identified surfaces "
-                      f"and were dropped: {dict(failures)}", stacklevel=2)
+                      f"(counted as failures in every interval): {dict(failures)}", stacklevel=2)
     nS, nC = len(S), len(C)
     gain = None if ref is None else (np.array(gains) if gains else np.empty((0, nC, nS)))
     return Bootstrap(gain, np.array(tpps) if tpps else np.empty((0, len(surfaces), nS)), n_draws, n_failed,
-                     dict(failures))
+                     dict(failures), np.array(coefs) if coefs else np.empty((0, len(surfaces), 3)))
 
 
 # ----------------------------------------------------------------------------- per-subset fits (SMELT 5.2)
@@ -285,7 +289,8 @@ def gain_cell(target: Coeffs, ref: Coeffs, C: float, S: float, rt: Mapping, rr: 
 def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: int, rules: Rules,
               fraction: bool = True) -> dict:
     """Bootstrap fields for one cell: {"interval": stats.Interval dict or None, "interval_why",
-    "n_draws", "n_failed", "failed_share"}.  Percentiles of the draws that refit."""
+    "n_draws", "n_failed", "failed_share"}.  Percentiles over every draw, a failed one counted as -inf
+    for the lower bound and +inf for the upper (Bootstrap.interval): never conditional on success."""
     out = {"interval": None, "interval_why": None, "n_draws": bs.n_draws, "n_failed": bs.n_failed,
            "failed_share": bs.failed_share}
     n_ok = len(draws)
@@ -297,8 +302,11 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
         out["interval_why"] = (f"{100 * bs.failed_share:.0f} % of the draws failed (> "
                                f"{100 * rules.max_failed_share:.0f} %): the survivors are a biased subsample")
     else:
-        lo, hi = (float(x) for x in Bootstrap.interval(draws))
-        if fraction and lo < GAIN_FLOOR:
+        lo, hi = (float(x) for x in Bootstrap.interval(draws, n_failed=bs.n_failed))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            out["interval_why"] = (f"{bs.n_failed} of {bs.n_draws} draws failed ({100 * bs.failed_share:.1f} %); "
+                                   f"counted as -inf / +inf the 95 % interval is unbounded")
+        elif fraction and lo < GAIN_FLOOR:
             out["interval_why"] = f"lower bound {pct_text(lo)} %: beyond -9999 % the interval carries no information"
         else:
             out["interval"] = stats.Interval(float(point), lo, hi, n_units, 0.95, "cell bootstrap (refit)").to_dict()
@@ -321,10 +329,11 @@ def _fit_entry(res: FitResult | None, p: Points | None, why: list[str], cells: l
     return e
 
 
-def _subset_report(by_arch, fits, cols, C, target, ref, rules) -> tuple[dict, dict, list[str]]:
+def _subset_report(by_arch, fits, cols, C, target, ref, rules, ref_rows) -> tuple[dict, dict, list[str]]:
     """SMELT 5.2 on the rows' per-domain and per-source losses: intercept fits with the aggregate
     exponents (each must pass `identify`), CE gain at budget C for every sparsity column with
-    extrapolation flags, and the Baseline-loss quartiles at the middle sparsity column."""
+    extrapolation flags, and the Baseline-loss quartiles at the middle sparsity column, the sources
+    ranked in every row of `ref_rows` (all of ref's cells, the S = 0 control included)."""
     report, md = {}, []
     quart = {"available": False, "why": ["no per-source losses in the rows"]}
     labs = list(cols)
@@ -361,7 +370,7 @@ def _subset_report(by_arch, fits, cols, C, target, ref, rules) -> tuple[dict, di
         if key == "val_loss_by_source":
             lab = labs[len(labs) // 2]
             g = {n: gains[n][lab]["gain"] for n in ok}
-            losses = [r[key] for r in by_arch[ref] if r.get(key)]
+            losses = [r[key] for r in ref_rows if r.get(key)]
             quart = {"available": False, "sparsity_label": lab, "budget": C}
             if any(v is None for v in g.values()):
                 quart["why"] = ["a per-source gain lies below -9999 %"]
@@ -441,9 +450,21 @@ def _fit_all(g: _Grid, target: str, ref: str, rules: Rules) -> tuple[dict, dict]
     return results, why
 
 
+def preset_budgets(ladder: str) -> tuple[float, ...] | None:
+    """The budgets reproduce passes: Table 4.3's 1e20 / 1e21 / 1e22 for the paper ladder; None for a
+    reduced one, whose budgets are then its own compute window's log-quartiles (`_budgets`)."""
+    return PAPER_BUDGETS if ladder == "paper" else None
+
+
+BUDGET_RULES = {"data": "in-window: the 25 / 50 / 75 % points of log C over the compute window both architectures' "
+                        "data span (the paper's 1e20-1e22 lie outside a reduced preset's data)",
+                "given": "given budgets (the paper preset: Table 4.3's 1e20, 1e21 and 1e22 FLOPs); one outside "
+                         "the data is marked extrapolated (†)"}
+
+
 def _budgets(g: _Grid, budgets: Sequence[float] | None, target: str, ref: str) -> dict:
     """The CE-gain budgets: given, or the data's compute window (overlap of the two architectures'
-    C ranges) at its geometric midpoint and log-quartiles; TPP at the middle one."""
+    C ranges) at its geometric midpoint and log-quartiles; TPP at the middle one.  `budget_rule` says which."""
     span_archs = [a for a in ((target, ref) if g.pair else g.archs) if a in g.pts]
     window = None
     if span_archs:
@@ -461,8 +482,8 @@ def _budgets(g: _Grid, budgets: Sequence[float] | None, target: str, ref: str) -
             raise ValueError(f"budgets must be positive finite FLOPs; got {budgets}")
     budgets = sorted(budgets)
     tpp_C = budgets[len(budgets) // 2] if budgets else None
-    return dict(budgets=budgets, budget_source=source, compute_window=None if window is None else list(window),
-                tpp_budget=tpp_C)
+    return dict(budgets=budgets, budget_source=source, budget_rule=BUDGET_RULES[source],
+                compute_window=None if window is None else list(window), tpp_budget=tpp_C)
 
 
 def _bootstraps(g: _Grid, fits: dict, results: dict, budgets: list, Cgrid: np.ndarray, tpp_C: float | None,
@@ -506,7 +527,8 @@ def _gain_cells(g: _Grid, fits: dict, ranges: dict, why: dict, budgets: list, bo
                                       len(set(g.pts[target].cell)), rules))
                 iv = cell["interval"]
                 cell["text"] = (pct_text(cell["gain"]) + (f" [{pct_text(iv['lo'])}, {pct_text(iv['hi'])}]" if iv
-                                                          else "") + ("†" if cell["extrapolated"] else ""))
+                                                          else "") + ("†" if cell["extrapolated"] else "")
+                                + failed_text(cell["failed_share"]))
                 gains["cells"].append(cell)
     return gains
 
@@ -536,7 +558,7 @@ def _tpp_cells(g: _Grid, a: str, fits: dict, ranges: dict, why: dict, tpp_C: flo
                                                              rules, fraction=False))
             iv = cell["interval"]
             cell["text"] = (tpp_text(v) + (f" [{tpp_text(iv['lo'])}, {tpp_text(iv['hi'])}]" if iv else "")
-                            + ("†" if cell["extrapolated"] else ""))
+                            + ("†" if cell["extrapolated"] else "") + failed_text(cell["failed_share"]))
             t["cells"].append(cell)
     return t
 
@@ -553,9 +575,39 @@ def _gain_curve(g: _Grid, fits: dict, ranges: dict, Cgrid: np.ndarray, boots: di
     if "pair" in boots:
         bs = boots["pair"][0]
         if len(bs.gain) >= rules.min_ok_draws and bs.failed_share <= rules.max_failed_share:
-            lo, hi = Bootstrap.interval(bs.gain[:, nB:, :])
-            gain_plot.update(band=(100 * lo, 100 * hi), failed_share=bs.failed_share)
+            lo, hi = Bootstrap.interval(bs.gain[:, nB:, :], n_failed=bs.n_failed)
+            if np.isfinite(lo).all() and np.isfinite(hi).all():       # failures past 2.5 %: no band to draw
+                gain_plot.update(band=(100 * lo, 100 * hi), failed_share=bs.failed_share)
     return gain_plot
+
+
+def _derived(g: _Grid, fits: dict, gains: dict, budgets: list, tpp_C, boots: dict, target: str, ref: str,
+             rules: Rules) -> dict:
+    """SMELT 4.3's further claims from the pair bootstrap, each {point, interval, interval_why, failed_share}:
+    target - ref in a, c and gamma; the CE gain's growth in pp per decade between the first and last
+    in-window budget, per column; TPP_target / TPP_ref at tpp_C, per column.  {} without the pair."""
+    if "pair" not in boots or not gains.get("available"):
+        return {}
+    bs, n = boots["pair"][0], len(set(g.pts[target].cell))
+    out = {}
+    for k, name in enumerate(("a", "c", "gamma")):
+        fa, fr = ((f.a, f.c, f.a * f.c / (f.a + f.c))[k] for f in (fits[target], fits[ref]))
+        out[f"{name}_diff"] = {"point": fa - fr, **_interval(fa - fr, bs.coefs[:, 0, k] - bs.coefs[:, 1, k], bs, n,
+                                                             rules, fraction=False)}
+    for j, (lab, s) in enumerate(g.cols.items()):
+        inside = [i for i, C in enumerate(budgets) if not any(c["extrapolated"] or c["gain"] is None for c in
+                                                              gains["cells"] if c["budget"] == C and c["sparsity_label"] == lab)]
+        if len(inside) >= 2:
+            i1, i2 = inside[0], inside[-1]
+            dec = math.log10(budgets[i2] / budgets[i1])
+            pt = 100 * float(ce_gain(fits[target], fits[ref], budgets[i2], s) - ce_gain(fits[target], fits[ref],
+                                                                                      budgets[i1], s)) / dec
+            out[f"growth/{lab}"] = {"point": pt, "from": budgets[i1], "to": budgets[i2], **_interval(
+                pt, 100 * (bs.gain[:, i2, j] - bs.gain[:, i1, j]) / dec, bs, n, rules, fraction=False)}
+        ratio = float(tpp(fits[target], tpp_C, s) / tpp(fits[ref], tpp_C, s))      # not |ratio - 1|: folded, biased
+        out[f"tpp_ratio/{lab}"] = {"point": ratio, **_interval(ratio, bs.tpp[:, 0, j] / bs.tpp[:, 1, j], bs, n, rules,
+                                                               fraction=False)}
+    return out
 
 
 def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int = 2, seed: int = 0,
@@ -579,6 +631,8 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
                      extrapolation, interval, interval_why, n_draws, n_failed, failed_share, text}]}
       bootstrap      {n_draws, n_failed, failed_share, failures {reason: count}} per bootstrap run
                      ("pair" for target+ref, or an arch name), {} when none ran
+      derived        {a_diff, c_diff, gamma_diff, growth/<label> (pp per decade), tpp_ratio/<label>
+                     (TPP_target / TPP_ref)}: {point, interval, interval_why, ...} from the pair bootstrap
       subsets, quartiles, figures, tables_md
     """
     check_rows(rows)
@@ -608,11 +662,12 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     gains = report["gains"] = _gain_cells(g, fits, ranges, why, budgets, boots, both, no_boot, target, ref, rules)
     report["tpp"] = {a: _tpp_cells(g, a, fits, ranges, why, tpp_C, boots, both, no_boot, target, ref, rules)
                      for a in g.archs}
+    report["derived"] = _derived(g, fits, gains, budgets, tpp_C, boots, target, ref, rules)
 
     md_sub = []                      # per-subset gains and quartiles (SMELT 5.2): only from two identified surfaces
     if gains["available"]:
         report["subsets"], report["quartiles"], md_sub = _subset_report(g.by_arch, fits, g.cols, tpp_C, target, ref,
-                                                                         rules)
+                                                                         rules, [r for r in rows if r["arch"] == ref])
     else:
         report["subsets"] = {}
         report["quartiles"] = {"available": False, "why": gains["why"] or ["no CE gain"]}

@@ -34,6 +34,11 @@ def pct_text(g: float | None, nd: int = 1) -> str:
     return f"{100 * g:+.{nd}f}"
 
 
+def failed_text(share: float | None) -> str:
+    """' (2.5 % of draws failed)' beside a bootstrap interval; '' when no bootstrap ran."""
+    return "" if share is None else f" ({100 * share:.1f} % of draws failed)"
+
+
 def tpp_text(x: float) -> str:
     """TPP as an integer between 10 and 1e6, else 3 significant digits (never a long number)."""
     return f"{x:.0f}" if 10 <= x < 1e6 else f"{x:.3g}"
@@ -92,8 +97,7 @@ def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str)
     g = report["gains"]
     budgets = report["budgets"]
     g_why = [short[a] for a in (target, ref) if a in short] or g["why"]
-    where = ("the data's compute window: its geometric midpoint and log-quartiles" if report["budget_source"] == "data"
-             else "given budgets")
+    where = report["budget_rule"]
     if g["available"]:
         by = {(c["budget"], c["sparsity_label"]): c["text"] for c in g["cells"]}
         md.append(format_table(f"CE gain of {target} over {ref} (%, at {where})",
@@ -117,8 +121,9 @@ def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str)
                      f"{' and '.join(b['surfaces'])}; {b['n_failed']} failed ({100 * b['failed_share']:.0f} %)"
                      + (f": {fails}" if fails else "") + ".")
     if notes:
-        notes.append("Brackets are the 2.5 / 97.5 percentiles of the draws that refit to identified surfaces; "
-                     "a cell without brackets has none (see interval_why in tables.json).")
+        notes.append("Brackets are the 2.5 / 97.5 percentiles over every draw, a failed draw counted as -inf for "
+                     "the lower and +inf for the upper bound (not conditional on success); a cell without brackets "
+                     "has none (see interval_why in tables.json).")
     if any(c.get("extrapolated") for c in g["cells"]) or any(
             c.get("extrapolated") for t in report["tpp"].values() for c in t["cells"]):
         notes.append("† extrapolated: the budget, C_ref or a compute-optimal F* / D* lies outside the data of a "

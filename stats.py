@@ -17,6 +17,8 @@ rules are written once:
   * `permutation_test`: the paired sign-flip test (SMELT Appendix C: "paired permutation test over
     the 10 random seeds"), one- or two-sided. With n pairs there are 2^n sign patterns; for n <= 16
     they are enumerated exactly, beyond that sampled.
+  * `percentiles_with_failures` (a bootstrap's failed draws count as -inf / +inf, never dropped),
+    `welch_difference` (two independent samples), `all_of` (one verdict from a claim's parts).
 
 Pure functions on numpy arrays; no torch. Tested against hand-computed cases (tests/test_stats.py).
 """
@@ -97,6 +99,22 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.9
     return mean_interval(vb - va, level)
 
 
+def welch_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
+    """Interval of mean(b) - mean(a) over independent samples (Welch's t, unequal variances); no
+    interval (bounds nan) unless both have 2 values and some spread."""
+    _check_level(level)
+    va, vb = _vector(a, "a"), _vector(b, "b")
+    d, n = float(vb.mean() - va.mean()), va.size + vb.size
+    if va.size < 2 or vb.size < 2:
+        return Interval(d, math.nan, math.nan, n, level, "welch")
+    qa, qb = va.var(ddof=1) / va.size, vb.var(ddof=1) / vb.size
+    if qa + qb == 0:
+        return Interval(d, math.nan, math.nan, n, level, "welch")
+    dof = (qa + qb) ** 2 / (qa ** 2 / (va.size - 1) + qb ** 2 / (vb.size - 1))
+    half = t_quantile(0.5 + level / 2, dof) * math.sqrt(qa + qb)
+    return Interval(d, d - half, d + half, n, level, "welch")
+
+
 def bootstrap_interval(x: Sequence[float], stat: Callable[[np.ndarray], float] = np.mean, n_draws: int = 2000,
                        level: float = 0.95, seed: int = 0) -> Interval:
     """Percentile bootstrap of stat(x) over units resampled with replacement (x: one value per unit)."""
@@ -133,6 +151,29 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], n_draws: int = 20
     return Interval(point, float(lo), float(hi), vn.size, level, "bootstrap")
 
 
+def percentiles_with_failures(ok: np.ndarray, n_failed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """The level interval's percentiles over len(ok) + n_failed draws along axis 0, each failed draw
+    counted as -inf for the lower bound and +inf for the upper (so the interval does not condition on
+    success): a bound is +/-inf once the failures reach its percentile.  n_failed = 0: np.percentile."""
+    _check_level(level)
+    ok = np.asarray(ok, dtype=float)
+    if n_failed < 0 or (len(ok) == 0 and n_failed == 0):
+        raise ValueError(f"need at least one draw and n_failed >= 0; got {len(ok)} draws, n_failed = {n_failed}")
+    q = 50 * (1 - level)
+    if n_failed == 0:
+        return np.percentile(ok, q, axis=0), np.percentile(ok, 100 - q, axis=0)
+
+    def lower(s: np.ndarray) -> np.ndarray:          # s sorted ascending along axis 0, n_failed -inf in front
+        h = (len(s) + n_failed - 1) * q / 100
+        i, t = int(math.floor(h)), h - math.floor(h)
+        if i < n_failed:
+            return np.full(s.shape[1:], -math.inf)
+        a, b = s[i - n_failed], s[min(i - n_failed + 1, len(s) - 1)]
+        return a + t * (b - a)
+    s = np.sort(ok, axis=0)
+    return lower(s), -lower(np.sort(-ok, axis=0))
+
+
 def verdict(iv: Interval | None, claim: str, value: float = 0.0) -> str:
     """Three-state verdict of the paper's claim "quantity `claim` value" (claim '>' or '<').
 
@@ -147,6 +188,14 @@ def verdict(iv: Interval | None, claim: str, value: float = 0.0) -> str:
     if claim == ">":
         return "reproduced" if above else "contradicted" if below else "not resolved"
     return "reproduced" if below else "contradicted" if above else "not resolved"
+
+
+def all_of(verdicts: Sequence[str]) -> str:
+    """One verdict for a claim made of parts: reproduced when every part is, contradicted when one is,
+    else (or with no parts) not resolved."""
+    v = list(verdicts)
+    return ("reproduced" if v and all(x == "reproduced" for x in v) else
+            "contradicted" if "contradicted" in v else "not resolved")
 
 
 def permutation_test(a: Sequence[float], b: Sequence[float], n: int = 10000, seed: int = 0,

@@ -569,3 +569,74 @@ def test_scaling_py_reads_alone():
     code = ("import sys, scaling; bad = [m for m in ('scaling_analysis', 'scaling_tables', 'scaling_plots', "
             "'matplotlib', 'train', 'torch') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+# ----------------------------------------------------------------------------- issue 23.4: budgets, failed draws
+def test_intervals_count_failed_draws_as_widening():
+    """A failed draw is -inf for the lower bound and +inf for the upper: the interval is wider than the
+    survivors' percentiles, equals them with no failure, and is refused once failures pass 2.5 %."""
+    draws = np.linspace(-0.1, 0.3, 200)
+    ok = scaling_analysis.Bootstrap(np.zeros((200, 1, 1)), np.zeros((200, 1, 1)), n_draws=200, n_failed=0)
+    base = scaling_analysis._interval(0.1, draws, ok, 12, scaling.RULES)["interval"]
+    assert (base["lo"], base["hi"]) == pytest.approx((np.percentile(draws, 2.5), np.percentile(draws, 97.5)))
+    some = scaling_analysis._interval(0.1, draws, replace(ok, n_draws=203, n_failed=3), 12, scaling.RULES)
+    padded = lambda v: np.r_[draws, [v] * 3]        # the failures as very large / small values
+    assert some["interval"]["lo"] == pytest.approx(np.percentile(padded(-1e9), 2.5))
+    assert some["interval"]["hi"] == pytest.approx(np.percentile(padded(1e9), 97.5))
+    assert some["interval"]["lo"] < base["lo"] and some["interval"]["hi"] > base["hi"]
+    assert some["failed_share"] == pytest.approx(3 / 203)
+    many = scaling_analysis._interval(0.1, draws, replace(ok, n_draws=220, n_failed=20), 12, scaling.RULES)
+    assert many["interval"] is None and "unbounded" in many["interval_why"] and "20 of 220" in many["interval_why"]
+
+
+def test_budgets_paper_preset_gets_table_4_3_reduced_presets_their_window(tmp_path):
+    assert scaling_analysis.preset_budgets("paper") == PAPER_BUDGETS
+    assert all(scaling_analysis.preset_budgets(p) is None for p in ("smoke", "tiny", "small", "medium"))
+    rep = scaling_analysis.analyse(_rows(sources=0), str(tmp_path), n_boot=0,
+                                   budgets=scaling_analysis.preset_budgets("paper"))
+    assert rep["budgets"] == list(PAPER_BUDGETS) and rep["tpp_budget"] == 1e21
+    assert "Table 4.3" in rep["budget_rule"] and rep["derived"] == {}       # no bootstrap: no derived interval
+    lo, hi = rep["compute_window"]
+    for c in rep["gains"]["cells"]:                 # a budget outside the window is marked, one inside need not be
+        if not lo <= c["budget"] <= hi:
+            assert c["extrapolated"] and any("budget C" in w for w in c["extrapolation"])
+    assert hi < 1e22 and "1.00e+22" in (tmp_path / "tables.md").read_text()
+
+
+def test_derived_claims_and_failed_share_beside_every_interval(good_report):
+    rep, out = good_report
+    d = rep["derived"]
+    truth = {"a": PAPER_SMELT.a - PAPER_BASELINE.a, "c": PAPER_SMELT.c - PAPER_BASELINE.c}
+    for k in ("a", "c"):
+        assert d[f"{k}_diff"]["point"] == pytest.approx(rep["fits"]["smelt"][k] - rep["fits"]["baseline"][k])
+        assert abs(d[f"{k}_diff"]["point"] - truth[k]) < 0.08
+    g = rep["fits"]
+    assert d["gamma_diff"]["point"] == pytest.approx(g["smelt"]["gamma"] - g["baseline"]["gamma"])
+    for lab in rep["sparsity"]:
+        tr, t = d[f"tpp_ratio/{lab}"], {a: next(c for c in rep["tpp"][a]["cells"] if c["sparsity_label"] == lab)
+                                          for a in ("smelt", "baseline")}
+        assert tr["point"] == pytest.approx(t["smelt"]["tpp"] / t["baseline"]["tpp"])
+        assert tr["interval"]["lo"] <= tr["point"] <= tr["interval"]["hi"]
+        gr = d[f"growth/{lab}"]
+        assert gr["from"] < gr["to"] and gr["n_draws"] == 12
+    assert all("% of draws failed" in c["text"] for c in rep["gains"]["cells"])
+    assert "% of draws failed" in (out / "tables.md").read_text()
+
+
+def test_quartiles_rank_sources_over_every_baseline_cell_with_the_control(tmp_path):
+    """SMELT 5.2 ranks sources by Baseline loss over all cells, S = 0 included: control rows that rank the
+    sources the other way change the quartiles."""
+    rows = _rows()
+    for r in rows:
+        if r["arch"] == "baseline" and r["sparsity_label"] == "S=0%":
+            names = sorted(r["val_loss_by_source"])
+            r["val_loss_by_source"] = dict(zip(names, [r["val_loss_by_source"][n] for n in reversed(names)]))
+    rep = scaling_analysis.analyse(rows, str(tmp_path), n_boot=0)
+    q = rep["quartiles"]
+    assert q["available"]
+    gains = {n: v[q["sparsity_label"]]["gain"] for n, v in rep["subsets"]["val_loss_by_source"]["gains"].items()}
+    base = [r for r in rows if r["arch"] == "baseline"]
+    want = scaling_analysis.quartile_gains(gains, [r["val_loss_by_source"] for r in base], n_groups=4)
+    sparse_only = scaling_analysis.quartile_gains(
+        gains, [r["val_loss_by_source"] for r in base if r["sparsity_label"] != "S=0%"], n_groups=4)
+    assert q["gain"] == pytest.approx(want.tolist()) and not np.allclose(want, sparse_only)

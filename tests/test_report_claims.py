@@ -1,0 +1,136 @@
+"""The claims list (issue 23.6): paper quotes with sections, three-state verdicts, the new claims' rules."""
+import json
+
+import numpy as np
+import pytest
+
+import probe_claims
+import report
+import stats
+import wins
+
+
+def test_percentiles_with_failures_and_welch():
+    x = np.random.default_rng(0).normal(size=(100, 2))
+    assert np.allclose(stats.percentiles_with_failures(x, 0), np.percentile(x, [2.5, 97.5], axis=0))
+    lo, hi = stats.percentiles_with_failures(x, 2)
+    assert np.allclose(lo, np.percentile(np.r_[x, -1e9 * np.ones((2, 2))], 2.5, axis=0))
+    assert np.allclose(hi, np.percentile(np.r_[x, 1e9 * np.ones((2, 2))], 97.5, axis=0))
+    assert np.isinf(stats.percentiles_with_failures(x, 5)[0]).all()
+    with pytest.raises(ValueError, match="n_failed"):
+        stats.percentiles_with_failures(x, -1)
+    from scipy.stats import ttest_ind
+    a, b = [1.0, 1.2, 0.9, 1.1], [1.5, 1.9, 1.4]
+    iv, ref = stats.welch_difference(a, b), ttest_ind(b, a, equal_var=False).confidence_interval()
+    assert (iv.lo, iv.hi) == pytest.approx((ref.low, ref.high)) and iv.mean == pytest.approx(np.mean(b) - np.mean(a))
+    assert not stats.welch_difference([1.0], b).resolved
+    assert [stats.all_of(v) for v in (["reproduced"] * 2, ["reproduced", "contradicted"], ["reproduced", "not resolved"],
+                                      [])] == ["reproduced", "contradicted", "not resolved", "not resolved"]
+
+
+def _entry(point, lo, hi, share=0.0, **kw):
+    return {"point": point, "interval": stats.Interval(point, lo, hi, 12, 0.95, "cell bootstrap").to_dict(),
+            "interval_why": None, "failed_share": share, **kw}
+
+
+def _scal():
+    return {"gains": {"available": True, "why": [], "cells": []}, "sparsity": {"S~85%": 0.85, "S~95%": 0.95},
+            "budget_rule": "in-window", "derived": {
+                "gamma_diff": _entry(0.01, 0.002, 0.02), "a_diff": _entry(0.02, 0.01, 0.03),
+                "c_diff": _entry(0.04, -0.01, 0.09, 0.01),
+                "growth/S~85%": _entry(8.0, 2.0, 14.0, **{"from": 1e15, "to": 1e16}),
+                "growth/S~95%": _entry(-8.0, -14.0, -2.0, **{"from": 1e15, "to": 1e16}),
+                "tpp_ratio/S~85%": _entry(0.98, 0.95, 1.01), "tpp_ratio/S~95%": _entry(1.03, 0.97, 1.05)},
+            "subsets": {"val_loss_by_domain": {"gains": {d: {"S~85%": {"gain": g}, "S~95%": {"gain": g}}
+                                                         for d, g in (("code", 0.1), ("web", 0.2))}}}}
+
+
+def test_scaling_claims_quote_the_paper_and_combine_their_parts():
+    rows = {r[0].split(" (")[0].split(":")[0]: r for r in report._scaling_claims(_scal())}
+    gamma = rows["gamma_SMELT > gamma_Baseline, with both a and c larger"]
+    assert gamma[3] == "not resolved" and "0.3892" in gamma[1] and "(Sec. 4.3" in gamma[1]   # c straddles 0
+    assert "1.0 % of draws failed" in gamma[2]
+    assert rows["CE gain grows with compute"][3] == "contradicted"        # one column's growth wholly below 0
+    assert rows["TPP of SMELT within 6 % of the Baseline's"][3] == "reproduced"
+    wide = _scal()
+    wide["derived"]["tpp_ratio/S~95%"] = _entry(1.10, 1.07, 1.2)       # wholly outside: contradicted
+    assert {r[0].split(":")[0]: r for r in report._scaling_claims(wide)}[
+        "TPP of SMELT within 6 % of the Baseline's"][3] == "contradicted"
+    code = rows["code has the largest per-domain CE gain"]
+    assert code[3] == "not resolved" and "web +20.0 %, code +10.0 %" in code[2] and "Code leads at 20.4%" in code[1]
+    none = report._scaling_claims({"error": "no rows"})
+    assert all(r[3] == "not resolved" and "not resolved at this scale: no rows" in r[2] for r in none[:3])
+
+
+def test_claims_table_rows(tmp_path):
+    ts = {"cells": [], "cells_reproduced": 0, "cells_contradicted": 0, "all_cells_verdict": "not resolved"}
+    ev = {"report": {"claims": [{"claim": "gen", "paper": None, "interval": None, "verdict": "not resolved",
+                                 "why": "x"}]}}
+    rows = report._claim_rows(ts, _scal(), [], ev, None, tmp_path)
+    assert all(r[3] in stats.VERDICTS for r in rows) and all("|" not in c for r in rows for c in r)
+    ce = next(r for r in rows if r[0].startswith("CE gain of SMELT"))
+    assert "6.8-18.0 %" in ce[1] and "Extrapolated beyond the fitted compute window" in ce[1] and "23.5" in ce[1]
+    assert next(r for r in rows if r[0] == "gen")[1] == "none: the paper has no generated tasks"
+    abl = rows[-3:]
+    assert all(r[3] == "not resolved" and "not resolved: run `python scripts/" in r[2] for r in abl)
+    (tmp_path / "loop_count_sweep").mkdir()
+    (tmp_path / "loop_count_sweep" / "results.json").write_text(json.dumps({"best_loops": 3}))
+    (tmp_path / "depth_sweep").mkdir()
+    (tmp_path / "depth_sweep" / "results.json").write_text(json.dumps(
+        {"best_physical_depth": {"baseline": 4, "looped": 4}}))
+    abl = {r[0]: r[3] for r in report._ablation_claims(tmp_path)}
+    assert abl["two visits give the lowest validation loss"] == "contradicted"
+    assert abl["the looped model's best physical depth equals the Baseline's"] == "reproduced"
+
+
+def _task(by_k, origin="bigbench", p=None, k_test=8):
+    return {"origin": origin, "by_k": {str(k): {"gain": g, "k_counts": c, "baseline_by_seed": [0.1, 0.2],
+                                               "smelt_by_seed": [0.2 + g, 0.3 + g]} for k, (g, c) in by_k.items()},
+            "test": {"k": k_test, "p": p, "p_min": 0.25 if p is not None else None}}
+
+
+def test_icl_claims_skip_k_that_prompts_do_not_fit():
+    icl = {"a": _task({0: (0.01, True), 2: (0.03, True), 8: (0.5, False)}, p=0.25),
+           "b": _task({0: (0.00, True), 2: (0.02, True), 8: (-0.4, False)}, p=0.25),
+           "c": _task({0: (0.02, True), 2: (0.05, True), 8: (0.0, True)}, p=0.25),
+           "gen_x": _task({0: (0.0, True), 2: (0.9, True)}, origin="generated")}
+    out = []
+    wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+    got = {cid: (a, kw) for cid, a, kw in out}
+    (text, paper, direction, value, iv, n, unit, *why), _ = got["icl gap grows"]
+    assert n == 3 and iv.mean == pytest.approx(np.mean([0.02, 0.02, 0.03])) and "0.9 pp at k=0" in paper
+    assert got["dyck gain"][0][4] is None                       # no dyck_languages task here
+    (*_, tested, _u, why), kw = got["icl significant"]
+    assert tested == 1 and "cannot go below 0.25" in why and kw["verdict"] == "not resolved"
+
+
+def test_demonstrations_that_fit_read_per_task_and_k():
+    rec = lambda short: {"tasks": {"t": {"fit": {"8": {"share_short": short, "share_cut": short,
+                                                       "demos_kept": 8 * (1 - short)}}}}}
+    got = wins._demos_kept([{"baseline": rec(0.9), "smelt": rec(0.7)}], "t", 8)
+    assert got["share_short"] == pytest.approx(0.8) and got["demos_kept"] == pytest.approx(1.6) and not got["k_counts"]
+    assert wins._demos_kept([{"baseline": rec(0.1), "smelt": rec(0.2)}], "t", 8)["k_counts"]
+    old = [{"baseline": {"tasks": {"t": {}}}, "smelt": {"tasks": {"t": {}}}}]       # an eval.json without "fit"
+    assert wins._demos_kept(old, "t", 8) == {"demos_kept": None, "share_short": None, "share_cut": None,
+                                             "k_counts": True}
+
+
+def _probe_pair(overlap, n_experts, width, rng):
+    units = 20
+    smelt = {"units": {"keys": list(range(units)), "quantities": {"expert_overlap": {
+        "sum": (overlap + 0.05 * rng.standard_normal((units, 1))).tolist(), "count": [1.0] * units}}},
+             "config": {"top_k": 2, "n_experts": n_experts}}
+    return {"smelt": smelt, "baseline": {"config": {"d_model": width, "n_layers": 4}}}
+
+
+def test_expert_overlap_falls_as_sparsity_rises():
+    rng = np.random.default_rng(0)
+    res = {"pairs": {"s_S0": _probe_pair(1.9, 2, 64, rng), "s_S85": _probe_pair(1.2, 16, 64, rng),
+                     "m_S85": _probe_pair(1.0, 16, 96, rng), "m_S95": _probe_pair(0.6, 48, 96, rng)}}
+    o = probe_claims.overlap_by_sparsity(res, n_draws=200)
+    assert o["n_scales"] == 2 and o["interval"].mean == pytest.approx(((1.2 - 1.9) + (0.6 - 1.0)) / 4, abs=0.02)
+    row = report._overlap_claim(res)
+    assert row[3] == "reproduced" and "Sec. 6.1" in row[1]
+    one = {"pairs": {"s_S85": _probe_pair(1.2, 16, 64, rng)}}
+    assert probe_claims.overlap_by_sparsity(one)["interval"] is None
+    assert report._overlap_claim(one)[3] == "not resolved"
