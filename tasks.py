@@ -23,7 +23,6 @@ loss and the shot sweep), calibration.py (loss to score, Eq. 6-7), wins.py (the 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
 from collections import Counter, defaultdict
@@ -35,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from checks import JSONFileError, read_json
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks" / "bigbench"
 # name -> (kind, DCLM category, DCLM shots, DCLM v2 random baseline as a fraction)
@@ -121,6 +122,30 @@ class Task:
     norm: str = "token"             # multiple choice: "token" (DCLM), "char" (lm-eval acc_norm), "none"
 
 
+def _read_task_json(path: Path, kind: str) -> dict:
+    """A BIG-bench task.json, checked field by field (checks.JSONFileError naming the file and the example)."""
+    d = read_json(path)
+    parts = d.get("subtasks", [d]) if isinstance(d, dict) else None
+    if not isinstance(parts, list) or not parts:
+        raise JSONFileError(f"{path}: expected a task object with 'examples' or 'subtasks'")
+    for p, part in enumerate(parts):
+        where = f"{path}: subtask {p}" if "subtasks" in d else str(path)
+        exs = part.get("examples") if isinstance(part, dict) else None
+        if not isinstance(exs, list) or not exs or (len(parts) > 1 and not isinstance(part.get("name"), str)):
+            raise JSONFileError(f"{where}: needs a non-empty 'examples' list (and a 'name' in a subtask)")
+        for j, ex in enumerate(exs):
+            ex = ex if isinstance(ex, dict) else {}
+            scores, target = ex.get("target_scores"), ex.get("target")
+            ok = isinstance(ex.get("input"), str) and ((isinstance(scores, dict) and bool(scores)) or (
+                kind == "gen" and (isinstance(target, str) or (isinstance(target, list) and bool(target)
+                                                               and isinstance(target[0], str)))))
+            if not ok:
+                raise JSONFileError(f"{where}: example {j} needs a string 'input' and a non-empty 'target_scores' "
+                                    f"object{' or a string target' if kind == 'gen' else ''}; re-extract the file "
+                                    f"(tasks/bigbench/README.md)")
+    return d
+
+
 def load_bigbench(name: str, root: Path | str = TASK_DIR) -> Task:
     """A task from tasks/bigbench/NAME.json (BIG-bench task.json; cs_algorithms holds two subtasks)."""
     if name not in REAL_TASKS:
@@ -129,7 +154,7 @@ def load_bigbench(name: str, root: Path | str = TASK_DIR) -> Task:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing (see tasks/bigbench/README.md for how it was extracted)")
     kind, category, shots, rho = REAL_TASKS[name]
-    d = json.loads(path.read_text())
+    d = _read_task_json(path, kind)
     items = []
     for part in d.get("subtasks", [d]):
         ip, op = part.get("example_input_prefix", "\nQ: "), part.get("example_output_prefix", "\nA: ")
@@ -400,11 +425,12 @@ def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]],
 BATCH_TOKENS = {"cpu": 1 << 15, "cuda": 1 << 18}
 
 
-def _check_int(name: str, v, lo: int, none_ok: bool = False) -> None:
+def check_int(owner: str, name: str, v, lo: int, none_ok: bool = False) -> None:
+    """Refuse v unless it is an int >= lo (or None where none_ok), naming owner and field."""
     if v is None and none_ok:
         return
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"evaluate_task: {name} must be an int >= {lo}{' or None' if none_ok else ''}, got {v!r}")
+        raise ValueError(f"{owner}: {name} must be an int >= {lo}{' or None' if none_ok else ''}, got {v!r}")
 
 
 def task_requests(enc, task: Task, k: int, seeds: int, max_items: int | None, block_size: int, bos: int) -> dict:
@@ -460,11 +486,9 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
     score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device).
     Generation tasks also give the gold-completion loss (sum nll / answer tokens over all items and seeds).
     """
-    _check_int("k", k, 0)
-    _check_int("seeds", seeds, 1)
-    _check_int("max_items", max_items, 1, none_ok=True)
-    _check_int("block_size", block_size, 3, none_ok=True)
-    _check_int("batch_tokens", batch_tokens, 1, none_ok=True)
+    for name, v, lo, none_ok in (("k", k, 0, False), ("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
+                                 ("block_size", block_size, 3, True), ("batch_tokens", batch_tokens, 1, True)):
+        check_int("evaluate_task", name, v, lo, none_ok)
     if task.kind not in ("mc", "gen") or (task.kind == "mc" and task.norm not in ("token", "char", "none")):
         raise ValueError(f"evaluate_task: {task.name}: kind must be 'mc' or 'gen' and norm 'token', 'char' or "
                          f"'none', got kind={task.kind!r} norm={task.norm!r}")
