@@ -10,12 +10,14 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.3 and Appendix E)
 * Endpoints: `load_model` reads a run directory (its ckpt.pt), an endpoint file
   (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint; `run_endpoints` lists a run's
   finished decay branches; `evaluate_endpoint` evaluates one: the validation report, then every
-  task of tasks.py at every k of the shot sweep (SHOTS, SMELT Fig. 20b-c) and `summarise` (DCLM
-  Core and Completion, real and generated tasks apart); `evaluate_endpoints` does all of a run's.
+  task of tasks.py at every k of the shot sweep (SHOTS, SMELT Fig. 20b-c; a k most prompts cannot
+  hold is left out, `fit_label`) and `summarise` (DCLM Core and Completion, real and generated
+  tasks apart, the demonstrations that fit); `evaluate_endpoints` does all of a run's.
 * `compare`: one endpoint against another (per task and k, the one-sided permutation test over
   demonstration seeds, App. C, and the length shape of the gain). The CLI,
   `python eval.py --run RUN [--compare RUN2] [--baselines RUN ...]`, writes eval.json and plots
-  (--baselines: the loss-to-score calibration of calibration.py).
+  (--baselines: the loss-to-score calibration of calibration.py); every path it reads or writes is
+  checked first (`check_out_dir`, `read_eval`, `check_eval_record`).
 
 Read before: data.py (TokenData.val_batches), tasks.py. Read next: calibration.py, wins.py (the
 grid of endpoints), eval_plots.py. Design choices and measurements: docs/eval.md.

@@ -6,11 +6,14 @@ What this file implements (SMELT Section 3.1 "Evaluation", 5.1 and Appendix E)
   (`generate_task`: Dyck closing at a set depth, copy, reverse, key-value retrieval, modular
   addition), each from a seeded generator with a known chance rate; `get_task`, `resolve_tasks`.
 * Prompts: `build_prompt` lays out k demonstrations of the same (sub)task in BIG-bench's format;
-  `truncate_left` cuts a long prompt on the left and keeps BOS (SMELT App. E).
-* Scoring: `score_continuations` (sequences in batched forwards, the output head at the answer
-  positions only) and `score_options` (a multiple-choice context prefilled once, its KV cache
-  repeated per option; tested equal to `score_continuations`).
-* `evaluate_task`: one task at k shots over demonstration seeds. Multiple choice by each option's
+  `fit_prompt` keeps as many whole demonstrations as fit the block (dropped from the left), and
+  only then `truncate_left` cuts on the left, keeping BOS (SMELT App. E).
+* Scoring: `score_continuations` (batches by padded tokens and answer-position logits, `plan_batches`;
+  the head at the answer positions only; one host read per batch; tested equal to the per-request
+  `score_continuations_reference`) and `score_options` (a multiple-choice context prefilled once,
+  its KV cache repeated per option; tested equal to `score_continuations`).
+* `evaluate_task` (prompts from `task_requests`): one task at k shots over demonstration seeds, with
+  the demonstrations kept and the prompts cut. Multiple choice by each option's
   log-likelihood (DCLM's per-token mean, lm-eval's per-character acc_norm, or the raw sum);
   generation by exact match (teacher-forced: the same as greedy decoding) and gold-completion loss;
   mean and standard error over seeds.
