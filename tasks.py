@@ -342,8 +342,10 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
     ns = [n for _, n in requests]
     _check_requests(seqs, ns)
     vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    lens_all = [len(s) for s in seqs]
+    at = ns if isinstance(getattr(model, "norm_f", None), nn.Module) else lens_all   # no head to hook: every position
     out: list[tuple[float, int, bool] | None] = [None] * len(seqs)
-    for chunk in plan_batches([len(s) for s in seqs], ns, vocab, max_tokens, max_logits):
+    for chunk in plan_batches(lens_all, at, vocab, max_tokens, max_logits):
         lens = torch.tensor([len(seqs[j]) for j in chunk])
         n = torch.tensor([ns[j] for j in chunk])
         T, M = int(lens.max()), int(n.max())
