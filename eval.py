@@ -10,12 +10,14 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.3 and Appendix E)
 * Endpoints: `load_model` reads a run directory (its ckpt.pt), an endpoint file
   (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint; `run_endpoints` lists a run's
   finished decay branches; `evaluate_endpoint` evaluates one: the validation report, then every
-  task of tasks.py at every k of the shot sweep (SHOTS, SMELT Fig. 20b-c) and `summarise` (DCLM
-  Core and Completion, real and generated tasks apart); `evaluate_endpoints` does all of a run's.
+  task of tasks.py at every k of the shot sweep (SHOTS, SMELT Fig. 20b-c; a k most prompts cannot
+  hold is left out, `fit_label`) and `summarise` (DCLM Core and Completion, real and generated
+  tasks apart, the demonstrations that fit); `evaluate_endpoints` does all of a run's.
 * `compare`: one endpoint against another (per task and k, the one-sided permutation test over
   demonstration seeds, App. C, and the length shape of the gain). The CLI,
   `python eval.py --run RUN [--compare RUN2] [--baselines RUN ...]`, writes eval.json and plots
-  (--baselines: the loss-to-score calibration of calibration.py).
+  (--baselines: the loss-to-score calibration of calibration.py); every path it reads or writes is
+  checked first (`check_out_dir`, `read_eval`, `check_eval_record`).
 
 Read before: data.py (TokenData.val_batches), tasks.py. Read next: calibration.py, wins.py (the
 grid of endpoints), eval_plots.py. Design choices and measurements: docs/eval.md.
@@ -25,8 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
+import shutil
+import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -37,15 +40,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checks
 import cli
 import data as data_mod
+import runfiles
 import tokenizer
+from checks import JSONFileError
 from calibration import CALIBRATION_MIN_POINTS, calibration_report
 from eval_plots import plot_calibration, plot_shot_sweep
-from tasks import (GENERATED_TASKS, REAL_TASKS, evaluate_task, forward_logits, get_task, model_device,
+from tasks import (GENERATED_TASKS, REAL_TASKS, check_int, evaluate_task, forward_logits, get_task, model_device,
                    resolve_tasks)
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
+FIT_FIELDS = ("demos_kept", "share_short", "share_cut")   # per task and k: the demonstrations that fit
+
+
+def fit_label(k: int, demos_kept: float) -> str:
+    """'k=8' when every prompt keeps its k demonstrations, else e.g. 'k=8 (2.1 fit)'."""
+    return f"k={k}" if demos_kept >= k else f"k={k} ({demos_kept:.1f} fit)"
 
 
 # ================================================================ validation loss
@@ -146,7 +158,6 @@ def endpoint_id(rec: dict) -> str:
 def _torch_load(path: Path) -> dict:
     """A train.py torch file: its sha256 trailer checked first (runfiles.file_digest: a flipped byte is a
     CheckpointError naming the file), then loaded weights-only."""
-    import runfiles
     runfiles.file_digest(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -244,7 +255,6 @@ def run_endpoints(run_dir: str | Path) -> list[dict]:
     res = run / "results.jsonl"
     if not res.is_file():
         raise FileNotFoundError(f"{res} not found: train.py writes one row per finished decay branch")
-    import runfiles
     try:
         rows = {int(r["branch_step"]): r for r in runfiles.read_jsonl(res, ("branch_step",))}   # hash-checked
     except runfiles.CheckpointError as e:
@@ -265,7 +275,9 @@ def run_endpoints(run_dir: str | Path) -> list[dict]:
 def summarise(tasks: dict) -> dict:
     """Per origin ("real", "generated"): "core" = mean centred accuracy over the tasks (for real tasks, the
     DCLM Core average over the subset present), "completion" = micro gold-completion loss over the
-    generation tasks; per k and at each task's headline k (its DCLM k if evaluated, else the largest)."""
+    generation tasks; per k and at each task's headline k (its DCLM k if evaluated, else the largest).
+    "fit": per task and k, the demonstrations that fit (FIT_FIELDS, its label, whether by_k reports it);
+    "not_reported": the (task, k) left out because most of their prompts hold fewer than k demonstrations."""
     out = {}
     for origin in ("real", "generated"):
         ts = {n: t for n, t in tasks.items() if t["origin"] == ("bigbench" if origin == "real" else "generated")}
@@ -282,6 +294,10 @@ def summarise(tasks: dict) -> dict:
         ks = sorted({int(k) for t in ts.values() for k in t["by_k"]})
         out[origin] = {**agg(lambda t: t["by_k"].get(str(t["headline_k"]))),
                        "by_k": {str(k): agg(lambda t: t["by_k"].get(str(k))) for k in ks}}
+    out["fit"] = {n: {k: {**f, "label": fit_label(int(k), f["demos_kept"]), "reported": k in t["by_k"]}
+                      for k, f in t.get("fit", {}).items()} for n, t in tasks.items()}
+    out["not_reported"] = [f"{n} {f['label']}" for n, fs in out["fit"].items() for f in fs.values()
+                           if not f["reported"]]
     return out
 
 
@@ -301,6 +317,15 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     "sparsity_label", "seed", "model", "settings", "val", "tasks", "summary", "seconds"}.
     """
     t0 = time.perf_counter()
+    for name, v, lo, none_ok in (("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
+                                 ("batch_size", batch_size, 1, False),
+                                 ("val_tokens_per_source", val_tokens_per_source, 1, True)):
+        check_int("evaluate_endpoint", name, v, lo, none_ok)
+    if isinstance(shots, (str, bytes)) or not shots:
+        raise ValueError(f"evaluate_endpoint: shots must be a non-empty list of ints >= 0, got {shots!r}")
+    for k in shots:
+        check_int("evaluate_endpoint", "shots", k, 0)
+    names = resolve_tasks([tasks] if isinstance(tasks, str) else tasks)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, meta = load_model(path, device)
     block = model.cfg.block_size
@@ -332,27 +357,36 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
             f"({time.perf_counter() - t0:.1f} s)")
     if enc is None:
         enc = tokenizer.get_tokenizer(model.cfg.vocab_size)
-    result["tasks"] = {}
-    names = resolve_tasks(tasks)
+    result["tasks"], counts = {}, Counter()
     for i, name in enumerate(names, 1):
         t1 = time.perf_counter()
         task = get_task(name)
         entry = {"origin": task.origin, "kind": task.kind, "category": task.category, "rho": task.rho,
-                 "chance": task.chance, "norm": task.norm if task.kind == "mc" else None, "by_k": {}}
+                 "chance": task.chance, "norm": task.norm if task.kind == "mc" else None, "by_k": {},
+                 "fit": {}, "short_k": {}}
         most = min(Counter(it.group for it in task.items).values()) - 1   # demonstrations available
         for k in shots:
             if k > most:
                 log(f"{label}: {name} k={k} skipped: only {most} other items to draw demonstrations from")
                 continue
-            entry["by_k"][str(k)] = evaluate_task(model, enc, task, k, seeds, max_items, block)
+            r = evaluate_task(model, enc, task, k, seeds, max_items, block, counts=counts)
+            entry["fit"][str(k)] = {f: r[f] for f in FIT_FIELDS}
+            if r["share_short"] > 0.5:   # most prompts hold fewer than k demonstrations: not a k-shot result
+                entry["short_k"][str(k)] = r
+                log(f"{label}: {name} {fit_label(k, r['demos_kept'])} left out of the sweep: "
+                    f"{r['share_short']:.0%} of its prompts keep fewer than {k} demonstrations at block {block}")
+            else:
+                entry["by_k"][str(k)] = r
         done = [int(k) for k in entry["by_k"]]
         entry["headline_k"] = task.shots if task.shots in done else max(done, default=None)
         result["tasks"][name] = entry
         accs = "  ".join(f"k={k} {r['acc']:.3f}" for k, r in entry["by_k"].items())
         log(f"{label}: task {i}/{len(names)} {name}: acc {accs} ({time.perf_counter() - t1:.1f} s)")
     result["summary"] = summarise(result["tasks"])
+    result["forward_calls"], result["scoring"] = counts["forward_calls"], dict(counts)
     result["seconds"] = time.perf_counter() - t0
-    log(f"{label}: done in {result['seconds']:.1f} s")
+    log(f"{label}: done in {result['seconds']:.1f} s; task scoring: {counts['forward_calls']} forward calls, "
+        f"{counts['sequences']} sequences, {counts['tokens']} tokens ({counts['padded_tokens']} padded)")
     return result
 
 
@@ -398,11 +432,54 @@ def compare(a: dict, b: dict, n: int = 10000) -> dict:
 
 # ================================================================ CLI
 
-def _read_eval(run_dir: str) -> dict:
-    p = Path(run_dir) / "eval.json"
+def check_eval_record(rec, where: str) -> dict:
+    """An evaluate_endpoint record read back (eval.json, a --compare / --baselines file, a cached endpoint),
+    checked field by field: a JSONFileError naming `where` and the first bad field."""
+    def need(ok, what: str):
+        if not ok:
+            raise JSONFileError(f"{where}: {what}; re-run `python eval.py --run RUN` to rewrite it")
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    need(isinstance(rec, dict) and isinstance(rec.get("tasks"), dict) and isinstance(rec.get("summary"), dict),
+         "expected an object with 'tasks' and 'summary' objects")
+    val = rec.get("val")
+    need(val is None or (isinstance(val, dict) and num(val.get("loss")) and isinstance(val.get("by_length"), dict)),
+         "'val' must be null or an object with a numeric 'loss' and 'by_length'")
+    for name, t in rec["tasks"].items():
+        need(isinstance(t, dict) and isinstance(t.get("by_k"), dict), f"task {name!r} has no 'by_k' object")
+        for k, r in t["by_k"].items():
+            ok = isinstance(r, dict) and num(r.get("acc")) and isinstance(r.get("items"), list) and \
+                isinstance(r.get("acc_by_seed"), list) and all(num(x) for x in r["acc_by_seed"])
+            need(ok, f"task {name!r} k={k} needs a numeric 'acc', an 'items' list and numeric 'acc_by_seed'")
+    return rec
+
+
+def read_eval(path: str | Path) -> dict:
+    """An eval.json (or a run directory holding one): hash-checked when it carries its hash
+    (runfiles.write_json), and field-checked (check_eval_record)."""
+    p = Path(path)
+    p = p / "eval.json" if p.is_dir() else p
     if not p.is_file():
-        raise FileNotFoundError(f"{p} not found: run `python eval.py --run {run_dir}` first")
-    return json.loads(p.read_text())
+        raise FileNotFoundError(f"{p} not found: run `python eval.py --run {p.parent}` first")
+    obj = checks.read_json(p)
+    if isinstance(obj, dict) and runfiles.ROW_HASH in obj:
+        obj = runfiles.read_json(p)
+    return check_eval_record(obj, str(p))
+
+
+def check_out_dir(out: Path, need_bytes: int = 16 << 20) -> None:
+    """Refuse an output directory that is a file, cannot be created or written, or lacks need_bytes free:
+    a ValueError naming it, before any work (a probe file is written and removed: root ignores mode bits)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory: give another --out-dir")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".eval_probe"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{out} is not a writable directory ({e.strerror}): give another --out-dir") from None
+    free = shutil.disk_usage(out).free
+    if free < need_bytes:
+        raise ValueError(f"{out} has {free >> 20} MiB free, eval.json and its plots need {need_bytes >> 20} MiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -434,20 +511,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.baselines and args.val_tokens == 0:
         ap.error("--baselines calibrates against validation loss: it needs --val-tokens > 0")
+    src = Path(args.run)
+    if not src.exists():
+        ap.error(f"--run {src} not found: give a run directory (config.json + ckpt.pt) or an endpoint file")
+    out = Path(args.out_dir) if args.out_dir else (src if src.is_dir() else src.parent)
+    try:   # every location read or written, checked before the evaluation
+        check_out_dir(out)
+        other = read_eval(args.compare) if args.compare else None
+        base = [read_eval(d) for d in args.baselines] if args.baselines else None
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     res = evaluate_endpoint(args.run, tasks=args.tasks, shots=args.shots, seeds=args.seeds,
                             max_items=args.max_items or None, val=args.val_tokens > 0,
                             val_tokens_per_source=args.val_tokens or None, batch_size=args.batch_size,
                             device=cli.resolve_device(args.device))
-    src = Path(args.run)
-    out = Path(args.out_dir) if args.out_dir else (src if src.is_dir() else src.parent)
-    out.mkdir(parents=True, exist_ok=True)
     out_json = out / "eval.json" if src.is_dir() else out / src.with_suffix(".eval.json").name
     stem = out / ("eval" if src.is_dir() else src.stem)
-    other = _read_eval(args.compare) if args.compare else None
     if other:
         res["compare"] = {"against": args.compare, **compare(other, res)}
-    if args.baselines:
-        base = [_read_eval(d) for d in args.baselines]
+    if base:
         try:
             res["calibration"] = calibration_report(base, [res])
             note = plot_calibration(base, [res], res["calibration"], f"{stem}_calibration.png")
@@ -456,14 +538,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ValueError as e:   # e.g. this run's data_dir was unreadable: keep the task results
             res["calibration"] = {"error": str(e)}
             print(f"calibration skipped: {e}")
-    tmp = out_json.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res, indent=1, default=float))
-    os.replace(tmp, out_json)
+    runfiles.write_json(out_json, json.loads(json.dumps(res, default=float)))   # hashed: read_eval checks it
     note = plot_shot_sweep(res, f"{stem}_shots.png", other)
     if note:
         print(note)
-    for origin, s in res["summary"].items():
-        print(f"{origin} tasks: mean centred accuracy {s['core']}, gold-completion loss {s['completion']}")
+    for origin in ("real", "generated"):
+        s = res["summary"].get(origin)
+        if s:
+            print(f"{origin} tasks: mean centred accuracy {s['core']}, gold-completion loss {s['completion']}")
+    if res["summary"]["not_reported"]:
+        print(f"left out of the shot sweep (most prompts hold fewer than k demonstrations at block "
+              f"{res['model']['block_size']}): {', '.join(res['summary']['not_reported'])}")
+    print(f"task scoring: {res['forward_calls']} forward calls for {res['scoring'].get('sequences', 0)} sequences")
     print(f"wrote {out_json} and plots")
 
 

@@ -6,11 +6,14 @@ What this file implements (SMELT Section 3.1 "Evaluation", 5.1 and Appendix E)
   (`generate_task`: Dyck closing at a set depth, copy, reverse, key-value retrieval, modular
   addition), each from a seeded generator with a known chance rate; `get_task`, `resolve_tasks`.
 * Prompts: `build_prompt` lays out k demonstrations of the same (sub)task in BIG-bench's format;
-  `truncate_left` cuts a long prompt on the left and keeps BOS (SMELT App. E).
-* Scoring: `score_continuations` (sequences in batched forwards, the output head at the answer
-  positions only) and `score_options` (a multiple-choice context prefilled once, its KV cache
-  repeated per option; tested equal to `score_continuations`).
-* `evaluate_task`: one task at k shots over demonstration seeds. Multiple choice by each option's
+  `fit_prompt` keeps as many whole demonstrations as fit the block (dropped from the left), and
+  only then `truncate_left` cuts on the left, keeping BOS (SMELT App. E).
+* Scoring: `score_continuations` (batches by padded tokens and answer-position logits, `plan_batches`;
+  the head at the answer positions only; one host read per batch; tested equal to the per-request
+  `score_continuations_reference`) and `score_options` (a multiple-choice context prefilled once,
+  its KV cache repeated per option; tested equal to `score_continuations`).
+* `evaluate_task` (prompts from `task_requests`): one task at k shots over demonstration seeds, with
+  the demonstrations kept and the prompts cut. Multiple choice by each option's
   log-likelihood (DCLM's per-token mean, lm-eval's per-character acc_norm, or the raw sum);
   generation by exact match (teacher-forced: the same as greedy decoding) and gold-completion loss;
   mean and standard error over seeds.
@@ -23,10 +26,9 @@ loss and the shot sweep), calibration.py (loss to score, Eq. 6-7), wins.py (the 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -35,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from checks import JSONFileError, read_json
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks" / "bigbench"
 # name -> (kind, DCLM category, DCLM shots, DCLM v2 random baseline as a fraction)
@@ -121,6 +125,30 @@ class Task:
     norm: str = "token"             # multiple choice: "token" (DCLM), "char" (lm-eval acc_norm), "none"
 
 
+def _read_task_json(path: Path, kind: str) -> dict:
+    """A BIG-bench task.json, checked field by field (checks.JSONFileError naming the file and the example)."""
+    d = read_json(path)
+    parts = d.get("subtasks", [d]) if isinstance(d, dict) else None
+    if not isinstance(parts, list) or not parts:
+        raise JSONFileError(f"{path}: expected a task object with 'examples' or 'subtasks'")
+    for p, part in enumerate(parts):
+        where = f"{path}: subtask {p}" if "subtasks" in d else str(path)
+        exs = part.get("examples") if isinstance(part, dict) else None
+        if not isinstance(exs, list) or not exs or (len(parts) > 1 and not isinstance(part.get("name"), str)):
+            raise JSONFileError(f"{where}: needs a non-empty 'examples' list (and a 'name' in a subtask)")
+        for j, ex in enumerate(exs):
+            ex = ex if isinstance(ex, dict) else {}
+            scores, target = ex.get("target_scores"), ex.get("target")
+            ok = isinstance(ex.get("input"), str) and ((isinstance(scores, dict) and bool(scores)) or (
+                kind == "gen" and (isinstance(target, str) or (isinstance(target, list) and bool(target)
+                                                               and isinstance(target[0], str)))))
+            if not ok:
+                raise JSONFileError(f"{where}: example {j} needs a string 'input' and a non-empty 'target_scores' "
+                                    f"object{' or a string target' if kind == 'gen' else ''}; re-extract the file "
+                                    f"(tasks/bigbench/README.md)")
+    return d
+
+
 def load_bigbench(name: str, root: Path | str = TASK_DIR) -> Task:
     """A task from tasks/bigbench/NAME.json (BIG-bench task.json; cs_algorithms holds two subtasks)."""
     if name not in REAL_TASKS:
@@ -129,7 +157,7 @@ def load_bigbench(name: str, root: Path | str = TASK_DIR) -> Task:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing (see tasks/bigbench/README.md for how it was extracted)")
     kind, category, shots, rho = REAL_TASKS[name]
-    d = json.loads(path.read_text())
+    d = _read_task_json(path, kind)
     items = []
     for part in d.get("subtasks", [d]):
         ip, op = part.get("example_input_prefix", "\nQ: "), part.get("example_output_prefix", "\nA: ")
@@ -242,50 +270,122 @@ def truncate_left(tokens: list[int], block_size: int) -> list[int]:
     return tokens if len(tokens) <= block_size else tokens[:1] + tokens[len(tokens) - block_size + 1:]
 
 
+def fit_prompt(item: Item, demos: Sequence[Item], encode, bos: int, block_size: int):
+    """(head, tails, kept, cut): [bos] + the context's tokens with as many of `demos` as fit, each option's tokens.
+
+    Whole demonstrations are dropped from the left (the farthest from the query) until BOS, the context
+    and the longest option fit block_size (the most that fit, by bisection over the count kept); when not
+    even the query fits, the context is cut on the left after BOS (truncate_left) and cut is True.
+    """
+    def at(n: int):
+        ctx, conts = build_prompt(item, demos[len(demos) - n:])
+        return [bos] + encode(ctx), [encode(c) for c in conts]
+
+    head, tails = at(len(demos))
+    longest = max(len(t) for t in tails)
+    if len(head) + longest <= block_size:
+        return head, tails, len(demos), False
+    lo, hi, best = 0, len(demos) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        h, t = at(mid)
+        if len(h) + max(len(x) for x in t) <= block_size:
+            best, lo = (h, t, mid), mid + 1
+        else:
+            hi = mid - 1
+    if best is not None:
+        return best[0], best[1], best[2], False
+    head, tails = at(0)
+    return truncate_left(head, block_size - max(len(t) for t in tails)), tails, 0, True
+
+
+def plan_batches(lengths: Sequence[int], n_conts: Sequence[int], vocab: int | None,
+                 max_tokens: int, max_logits: int) -> list[list[int]]:
+    """Sequence indices in batches, longest first: each batch at most max_tokens padded tokens (rows x its
+    longest sequence: the activations) and max_logits logit entries (rows x its longest continuation x vocab:
+    the head runs at those positions only); one row per batch when the vocabulary is unknown."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # similar lengths together: little padding
+    out, i = [], 0
+    while i < len(order):
+        T, M, j = lengths[order[i]], n_conts[order[i]], i + 1
+        while vocab and j < len(order):
+            M2 = max(M, n_conts[order[j]])
+            if (j - i + 1) * T > max_tokens or (j - i + 1) * M2 * vocab > max_logits:
+                break
+            M, j = M2, j + 1
+        out.append(order[i:j])
+        i = j
+    return out
+
+
+def _check_requests(seqs: Sequence[list[int]], ns: Sequence[int]) -> None:
+    for s, n in zip(seqs, ns):
+        if not 0 < n < len(s):
+            raise ValueError(f"continuation of {n} tokens does not fit a {len(s)}-token sequence")
+
+
 @torch.no_grad()
 def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], int]], block_size: int,
-                        pad_id: int = 0, max_logits: int = 1 << 25) -> list[tuple[float, int, bool]]:
+                        pad_id: int = 0, max_tokens: int = 1 << 16, max_logits: int = 1 << 26,
+                        counts: Counter | None = None) -> list[tuple[float, int, bool]]:
     """Each (tokens, n_cont) -> (sum of -log p over the last n_cont tokens, n_cont, all of them the argmax).
 
     Sequences are truncated on the left (BOS kept), sorted by length and right-padded into batches
-    of at most max_logits logit entries; only the continuation positions enter the loss.
+    (plan_batches: by the padded tokens and the logits at the M answer positions); the head runs at
+    the answer positions only, and each batch is read to the host once. counts, when given, adds
+    "forward_calls", "sequences", "tokens", "padded_tokens" and "host_reads". Tested equal to
+    score_continuations_reference.
     """
     model.eval()
     dev = model_device(model)
     seqs = [truncate_left(t, block_size) for t, _ in requests]
-    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)   # unknown: the first batch is one row
+    ns = [n for _, n in requests]
+    _check_requests(seqs, ns)
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    lens_all = [len(s) for s in seqs]
+    at = ns if isinstance(getattr(model, "norm_f", None), nn.Module) else lens_all   # no head to hook: every position
     out: list[tuple[float, int, bool] | None] = [None] * len(seqs)
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    i = 0
-    while i < len(order):
-        T = len(seqs[order[i]])
-        rows = max(1, min(len(order) - i, max_logits // (T * vocab))) if vocab else 1
-        chunk = order[i:i + rows]
-        x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
-        for r, j in enumerate(chunk):
-            x[r, :len(seqs[j])] = torch.tensor(seqs[j])
-        x = x.to(dev)
-        lens, ns = [len(seqs[j]) for j in chunk], [requests[j][1] for j in chunk]
-        for L, n in zip(lens, ns):
-            if not 0 < n < L:
-                raise ValueError(f"continuation of {n} tokens does not fit a {L}-token sequence")
-        # logits predicting each row's last M tokens (M: the chunk's longest continuation); its own are the last n
-        M = max(ns)
-        pos = torch.tensor([[max(0, L - M - 1 + m) for m in range(M)] for L in lens], device=dev)   # (rows, M)
-        logits = _logits_at(model, x, pos)                                                          # (rows, M, V)
-        vocab = logits.shape[-1]
-        for r, j in enumerate(chunk):
-            L, n = lens[r], ns[r]
-            lg, tgt = logits[r, M - n:], x[r, L - n:L]
-            nll = F.cross_entropy(lg, tgt, reduction="sum")
-            out[j] = (float(nll), n, bool((lg.argmax(-1) == tgt).all()))
-        i += len(chunk)
+    for chunk in plan_batches(lens_all, at, vocab, max_tokens, max_logits):
+        lens = torch.tensor([len(seqs[j]) for j in chunk])
+        n = torch.tensor([ns[j] for j in chunk])
+        T, M = int(lens.max()), int(n.max())
+        x = torch.tensor([seqs[j] + [pad_id] * (T - len(seqs[j])) for j in chunk]).to(dev)      # (rows, T)
+        m = torch.arange(M)
+        # row r's logits predicting its last M tokens; its own continuation is the last n[r] of them
+        pos = (lens[:, None] - M - 1 + m).clamp(min=0).to(dev)                                  # (rows, M)
+        mine = (m >= M - n[:, None]).to(dev)                                                    # (rows, M)
+        tgt = x.gather(1, pos + 1)
+        logits = _logits_at(model, x, pos)                                                      # (rows, M, V)
+        nll = -torch.log_softmax(logits, -1).gather(-1, tgt[..., None])[..., 0]
+        nll = torch.where(mine, nll, 0).sum(1)
+        hit = ((logits.argmax(-1) == tgt) | ~mine).all(1)
+        for j, (s, h) in zip(chunk, torch.stack([nll.double(), hit.double()], 1).tolist()):   # one host read
+            out[j] = (s, ns[j], bool(h))
+        if counts is not None:
+            counts.update(forward_calls=1, sequences=len(chunk), tokens=int(lens.sum()),
+                          padded_tokens=len(chunk) * T, host_reads=1)
     return out  # type: ignore[return-value]
 
 
 @torch.no_grad()
+def score_continuations_reference(model: nn.Module, requests: Sequence[tuple[list[int], int]], block_size: int
+                                  ) -> list[tuple[float, int, bool]]:
+    """The slow obvious score_continuations: one sequence per forward, the logits at every position."""
+    model.eval()
+    dev = model_device(model)
+    out = []
+    for toks, n in requests:
+        seq = truncate_left(toks, block_size)
+        _check_requests([seq], [n])
+        logits = forward_logits(model, torch.tensor([seq], device=dev))[0]                      # (L, V)
+        lg, tgt = logits[len(seq) - n - 1:len(seq) - 1], torch.tensor(seq[len(seq) - n:], device=dev)
+        out.append((float(F.cross_entropy(lg, tgt, reduction="sum")), n, bool((lg.argmax(-1) == tgt).all())))
+    return out
+
+
+@torch.no_grad()
 def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]], block_size: int,
-                  pad_id: int = 0) -> list[tuple[float, int, bool]]:
+                  pad_id: int = 0, counts: Counter | None = None) -> list[tuple[float, int, bool]]:
     """score_continuations for several continuations of one context, prefilling the context once.
 
     The context runs once into a KV cache (model.new_cache / forward_step), the cache is repeated
@@ -313,28 +413,38 @@ def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]],
             for r, t in enumerate(tails):
                 x[r, :len(t) - 1] = torch.tensor(t[:-1])
             rest = model.forward_step(x.to(dev), cache.repeat(len(tails))).float()          # (n, longest-1, V)
-    out = []
+    res = []
     for r, t in enumerate(tails):
         lg = first[None] if len(t) == 1 else torch.cat([first[None], rest[r, :len(t) - 1]])   # (len(t), V)
         tgt = torch.tensor(t, device=dev)
-        out.append((float(F.cross_entropy(lg, tgt, reduction="sum")), len(t), bool((lg.argmax(-1) == tgt).all())))
-    return out
+        res.append(torch.stack([F.cross_entropy(lg, tgt, reduction="sum").double(),
+                                (lg.argmax(-1) == tgt).all().double()]))
+    if counts is not None:
+        counts.update(forward_calls=1 + (longest > 1), sequences=len(tails), host_reads=1,
+                      tokens=len(head) + sum(len(t) - 1 for t in tails),
+                      padded_tokens=len(head) + len(tails) * (longest - 1))
+    return [(s, len(t), bool(h)) for t, (s, h) in zip(tails, torch.stack(res).tolist())]   # one host read
 
 
-def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, max_items: int | None = None,
-                  block_size: int | None = None, bos: int | None = None) -> dict:
-    """One task at k shots: accuracy per seed, mean, standard error, centred accuracy, per-item results.
+# padded tokens per scoring batch (the activations; logits: max_logits): CPU caches vs a GPU's width (docs/tasks.md)
+BATCH_TOKENS = {"cpu": 1 << 15, "cuda": 1 << 18}
 
-    Returns {"k", "n_items", "skipped", "seeds", "acc", "acc_se", "acc_by_seed" (one accuracy per
-    demonstration seed: what the Appendix C permutation test pairs across models), "centred",
-    "items", "per_item", "per_item_by_seed"}; generation tasks add "gold_loss", "gold_nll_sum",
-    "gold_tokens" and "gold_loss_by_seed".
 
-    enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding).
-    Generation tasks also give the gold-completion loss (sum nll / answer tokens over all items and seeds).
+def check_int(owner: str, name: str, v, lo: int, none_ok: bool = False) -> None:
+    """Refuse v unless it is an int >= lo (or None where none_ok), naming owner and field."""
+    if v is None and none_ok:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise ValueError(f"{owner}: {name} must be an int >= {lo}{' or None' if none_ok else ''}, got {v!r}")
+
+
+def task_requests(enc, task: Task, k: int, seeds: int, max_items: int | None, block_size: int, bos: int) -> dict:
+    """The prompts of one task at k shots, before any model runs (fit_prompt for each item and seed).
+
+    Returns {"used" (item indices scored), "skipped" (items whose answer cannot fit), "requests" ((head,
+    tails) per item and seed), "plan" ((used index, seed, first score, options) per request), "kept"
+    (demonstrations kept per request), "cut" (per request: the context cut by tokens, truncate_left)}.
     """
-    block_size = block_size or model.cfg.block_size
-    bos = enc.eot_token if bos is None else bos
     encode = getattr(enc, "encode_ordinary", None) or enc.encode
     n = len(task.items)
     order = random.Random(f"{task.name}/items").sample(range(n), n)
@@ -342,38 +452,68 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
     for j, it in enumerate(task.items):
         by_group[it.group].append(j)
     run_seeds = [0] if k == 0 else list(range(seeds))
-    requests, plan, skipped, used, n_scored = [], [], 0, [], 0
+    out = {"used": [], "skipped": 0, "requests": [], "plan": [], "kept": [], "cut": []}
+    n_scored = 0
     for i in order:
-        if max_items is not None and len(used) >= max_items:
+        if max_items is not None and len(out["used"]) >= max_items:
             break
-        item, seqs = task.items[i], []
+        item = task.items[i]
         pool = [j for j in by_group[item.group] if j != i]
         if k > len(pool):
             raise ValueError(f"{task.name}: {k} demonstrations requested, only {len(pool)} other items")
-        for s in run_seeds:
-            demos = [task.items[j] for j in random.Random(f"{task.name}/{s}/{i}").sample(pool, k)]
-            ctx, conts = build_prompt(item, demos)
-            seqs.append(([bos] + encode(ctx), [encode(c) for c in conts]))
-        longest = max(len(t) for _, tails in seqs for t in tails)
-        if longest > block_size - 2:
-            skipped += 1
+        prompts = [fit_prompt(item, [task.items[j] for j in random.Random(f"{task.name}/{s}/{i}").sample(pool, k)],
+                              encode, bos, block_size) for s in run_seeds]
+        if max(len(t) for p in prompts for t in p[1]) > block_size - 2:
+            out["skipped"] += 1
             continue
-        # one cut per context, to fit its longest option: every option, on either scoring path, sees the same context
-        seqs = [(truncate_left(head, block_size - max(len(t) for t in tails)), tails) for head, tails in seqs]
-        used.append(i)
-        for s, (head, tails) in enumerate(seqs):
-            plan.append((len(used) - 1, s, n_scored, len(tails)))   # its scores: [n_scored, n_scored + len)
-            requests.append((head, tails))
+        out["used"].append(i)
+        for s, (head, tails, kept, cut) in enumerate(prompts):
+            out["plan"].append((len(out["used"]) - 1, s, n_scored, len(tails)))   # scores [n_scored, + len)
+            out["requests"].append((head, tails))
+            out["kept"].append(kept)
+            out["cut"].append(cut)
             n_scored += len(tails)
-    if task.kind == "mc" and hasattr(model, "new_cache") and model_device(model).type == "cpu":
+    return out
+
+
+def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, max_items: int | None = None,
+                  block_size: int | None = None, bos: int | None = None, counts: Counter | None = None,
+                  batch_tokens: int | None = None) -> dict:
+    """One task at k shots: accuracy per seed, mean, standard error, centred accuracy, per-item results.
+
+    Returns {"k", "n_items", "skipped", "seeds", "acc", "acc_se", "acc_by_seed" (one accuracy per
+    demonstration seed: what the Appendix C permutation test pairs across models), "centred",
+    "items", "per_item", "per_item_by_seed", "demos_kept" (mean demonstrations in a prompt),
+    "share_short" (prompts with fewer than k), "share_cut" (prompts cut by tokens), "forward_calls"};
+    generation tasks add "gold_loss", "gold_nll_sum", "gold_tokens" and "gold_loss_by_seed".
+
+    enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding). counts: adds
+    score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device).
+    Generation tasks also give the gold-completion loss (sum nll / answer tokens over all items and seeds).
+    """
+    for name, v, lo, none_ok in (("k", k, 0, False), ("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
+                                 ("block_size", block_size, 3, True), ("batch_tokens", batch_tokens, 1, True)):
+        check_int("evaluate_task", name, v, lo, none_ok)
+    if task.kind not in ("mc", "gen") or (task.kind == "mc" and task.norm not in ("token", "char", "none")):
+        raise ValueError(f"evaluate_task: {task.name}: kind must be 'mc' or 'gen' and norm 'token', 'char' or "
+                         f"'none', got kind={task.kind!r} norm={task.norm!r}")
+    block_size = block_size or model.cfg.block_size
+    bos = enc.eot_token if bos is None else bos
+    dev = model_device(model)
+    batch_tokens = batch_tokens or BATCH_TOKENS.get(dev.type, BATCH_TOKENS["cpu"])
+    req = task_requests(enc, task, k, seeds, max_items, block_size, bos)
+    used, own = req["used"], Counter()
+    if task.kind == "mc" and hasattr(model, "new_cache") and dev.type == "cpu":
         # one prefill per context, forked per option: measured faster on CPU only (docs/tasks.md)
-        scores = [sc for head, tails in requests for sc in score_options(model, head, tails, block_size, bos)]
+        scores = [sc for head, tails in req["requests"] for sc in score_options(model, head, tails, block_size, bos,
+                                                                                counts=own)]
     else:
-        scores = score_continuations(model, [(head + t, len(t)) for head, tails in requests for t in tails],
-                                     block_size, pad_id=bos)
-    correct = np.zeros((len(run_seeds), len(used)))
-    nll_s, tok_s = np.zeros(len(run_seeds)), np.zeros(len(run_seeds), dtype=np.int64)   # gold loss per seed
-    for u, s, start, m in plan:
+        scores = score_continuations(model, [(head + t, len(t)) for head, tails in req["requests"] for t in tails],
+                                     block_size, pad_id=bos, max_tokens=batch_tokens, counts=own)
+    run_seeds = 1 if k == 0 else seeds
+    correct = np.zeros((run_seeds, len(used)))
+    nll_s, tok_s = np.zeros(run_seeds), np.zeros(run_seeds, dtype=np.int64)   # gold loss per seed
+    for u, s, start, m in req["plan"]:
         res = scores[start:start + m]
         if task.kind == "mc":
             item = task.items[used[u]]
@@ -388,16 +528,23 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
             correct[s, u] = float(res[0][2])
             nll_s[s] += res[0][0]
             tok_s[s] += res[0][1]
-    acc = correct.mean(1) if used else np.full(len(run_seeds), np.nan)
+    acc = correct.mean(1) if used else np.full(run_seeds, np.nan)
     mean = float(acc.mean())
-    out = {"k": k, "n_items": len(used), "skipped": skipped, "seeds": len(run_seeds),
+    kept = np.array(req["kept"], dtype=float)
+    out = {"k": k, "n_items": len(used), "skipped": req["skipped"], "seeds": run_seeds,
            "acc": mean, "acc_se": float(acc.std(ddof=1) / math.sqrt(len(acc))) if len(acc) > 1 else 0.0,
            "acc_by_seed": acc.tolist(), "centred": centred_accuracy(mean, task.rho),
-           "items": used, "per_item": correct.mean(0).tolist(), "per_item_by_seed": correct.tolist()}
+           "items": used, "per_item": correct.mean(0).tolist(), "per_item_by_seed": correct.tolist(),
+           "demos_kept": float(kept.mean()) if len(kept) else float("nan"),
+           "share_short": float((kept < k).mean()) if len(kept) else float("nan"),
+           "share_cut": float(np.mean(req["cut"])) if len(kept) else float("nan"),
+           "forward_calls": own["forward_calls"]}
     if task.kind == "gen":
         nll_sum, n_tok = float(nll_s.sum()), int(tok_s.sum())
         out.update(gold_loss=nll_sum / n_tok if n_tok else float("nan"), gold_nll_sum=nll_sum, gold_tokens=n_tok,
                    gold_loss_by_seed=[float(a / b) if b else float("nan") for a, b in zip(nll_s, tok_s)])
+    if counts is not None:
+        counts.update(own)
     return out
 
 

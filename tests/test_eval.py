@@ -3,6 +3,7 @@ statistics, length buckets, calibration, the grid."""
 import json
 import math
 import random
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -176,6 +177,79 @@ def test_head_at_answer_positions_equals_full_logits(kw):
         lg, tgt = logits[L - n - 1:L - 1], torch.tensor(toks[L - n:])
         assert nn_ == n and ok == bool((lg.argmax(-1) == tgt).all())
         assert nll == pytest.approx(float(nn.functional.cross_entropy(lg, tgt, reduction="sum")), rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2))])
+def test_batched_scoring_equals_the_per_request_reference(kw):
+    """score_continuations (batches by padded tokens and answer logits, one host read each) ==
+    score_continuations_reference (one sequence per forward, full logits), whatever the batch budget."""
+    m = _live_gpt(**kw)
+    torch.manual_seed(3)
+    reqs = [([0] + torch.randint(1, V, (L - 1,)).tolist(), n)
+            for L, n in ((20, 5), (3, 1), (11, 2), (32, 7), (6, 5), (40, 3), (9, 8), (32, 1))]   # 40: truncated
+    ref = tasks.score_continuations_reference(m, reqs, block_size=32)
+    for max_tokens, max_logits, calls in ((1 << 16, 1 << 26, 1), (64, 1 << 26, 3), (1 << 16, 2 * 8 * V, 4)):
+        counts = Counter()
+        got = tasks.score_continuations(m, reqs, block_size=32, max_tokens=max_tokens, max_logits=max_logits,
+                                        counts=counts)
+        assert counts["forward_calls"] == counts["host_reads"] == calls and counts["sequences"] == len(reqs)
+        for (a, na, ga), (b, nb, gb) in zip(got, ref):
+            assert na == nb and ga == gb and a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    assert len(m.norm_f._forward_hooks) == 0
+
+
+def test_plan_batches_keeps_within_budget_and_groups_lengths():
+    rng = random.Random(0)
+    lengths = [rng.randrange(5, 1025) for _ in range(500)]
+    ns = [rng.randrange(1, 5) for _ in lengths]
+    batches = tasks.plan_batches(lengths, ns, vocab=16384, max_tokens=1 << 15, max_logits=1 << 26)
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    for b in batches:
+        assert len(b) * lengths[b[0]] <= 1 << 15 or len(b) == 1                 # padded to the batch's first row
+        assert len(b) * max(ns[i] for i in b) * 16384 <= 1 << 26 or len(b) == 1
+        assert lengths[b[0]] == max(lengths[i] for i in b)
+    padded = sum(len(b) * lengths[b[0]] for b in batches)
+    assert padded < 1.15 * sum(lengths) and len(batches) < 30                 # sorted: little padding, few calls
+    assert len(tasks.plan_batches(lengths, ns, None, 1 << 15, 1 << 26)) == 500   # unknown vocabulary: one row each
+
+
+def test_fit_prompt_drops_whole_demonstrations_from_the_left():
+    demos = [tasks.Item(f"q{i} =", f" {i}") for i in range(6)]
+    item, tok = tasks.Item("q9 =", " 9"), CharTok()
+    full, conts = tasks.build_prompt(item, demos)
+    head, tails, kept, cut = tasks.fit_prompt(item, demos, tok.encode, 0, 200)
+    assert (kept, cut) == (6, False) and head == [0] + tok.encode(full) and tails == [tok.encode(c) for c in conts]
+    for block in (30, 20, 14):
+        head, tails, kept, cut = tasks.fit_prompt(item, demos, tok.encode, 0, block)
+        assert 0 < kept < 6 and not cut and len(head) + len(tails[0]) <= block
+        assert head == [0] + tok.encode(tasks.build_prompt(item, demos[6 - kept:])[0])      # the last `kept`
+        more = [0] + tok.encode(tasks.build_prompt(item, demos[5 - kept:])[0])
+        assert len(more) + len(tails[0]) > block                                              # one more would not fit
+    assert tasks.fit_prompt(item, demos, tok.encode, 0, 10)[2:] == (0, False)              # the query alone fits
+    head, tails, kept, cut = tasks.fit_prompt(item, demos, tok.encode, 0, 5)               # not even the query
+    assert (kept, cut) == (0, True) and head[0] == 0 and len(head) + len(tails[0]) == 5
+
+
+def test_shot_sweep_reports_the_demonstrations_that_fit(tmp_path):
+    items = [tasks.Item(f"q{i} =", f" {i % 7}") for i in range(12)]
+    t = tasks.Task("toy", "gen", items, 0.0, None, "toy", "generated")
+    fits = tasks.evaluate_task(Successor(), CharTok(), t, k=3, seeds=2, max_items=4, block_size=128)
+    assert (fits["demos_kept"], fits["share_short"], fits["share_cut"]) == (3.0, 0.0, 0.0)
+    short = tasks.evaluate_task(Successor(), CharTok(), t, k=3, seeds=2, max_items=4, block_size=16)
+    assert 0 < short["demos_kept"] < 3 and short["share_short"] == 1.0 and short["share_cut"] == 0.0
+    assert ev.fit_label(3, short["demos_kept"]) == f"k=3 ({short['demos_kept']:.1f} fit)" and ev.fit_label(3, 3.0) == "k=3"
+    # an endpoint at a 64-token block: gen_copy's 8-shot prompts do not fit and leave the sweep, with their figures
+    save_run(tmp_path / "run")
+    res = ev.evaluate_endpoint(tmp_path / "run", tasks=["gen_copy"], shots=[0, 1, 8], seeds=2, max_items=3,
+                               enc=CharTok(), val=False, log=lambda m: None)
+    e = res["tasks"]["gen_copy"]
+    assert set(e["by_k"]) == {"0", "1"} and set(e["short_k"]) == {"8"} and set(e["fit"]) == {"0", "1", "8"}
+    assert e["fit"]["8"]["share_short"] > 0.5 and e["headline_k"] == 1
+    assert res["summary"]["not_reported"] == [f"gen_copy k=8 ({e['fit']['8']['demos_kept']:.1f} fit)"]
+    assert res["summary"]["fit"]["gen_copy"]["1"]["reported"] and not res["summary"]["fit"]["gen_copy"]["8"]["reported"]
+    assert res["forward_calls"] == sum(r["forward_calls"] for r in (*e["by_k"].values(), *e["short_k"].values()))
+    assert res["scoring"]["sequences"] == 3 + 3 * 2 + 3 * 2
 
 
 def test_mc_task_on_a_gpt_uses_shared_context_with_the_same_result():
@@ -391,8 +465,8 @@ def test_generated_tasks_are_exact_and_seeded():
 
 # ---------------------------------------------------------------------------- runs and CLI
 
-def save_run(path, vocab_size=V, corrupt=False):
-    cfg = ModelConfig(vocab_size=vocab_size, block_size=64, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64)
+def save_run(path, vocab_size=V, corrupt=False, block_size=64):
+    cfg = ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64)
     torch.manual_seed(0)
     model = GPT(cfg)
     path.mkdir(exist_ok=True)
@@ -421,16 +495,21 @@ def test_load_model_round_trip_and_errors(tmp_path):
 
 
 def test_evaluate_run_compare_and_calibration(tmp_path):
-    save_run(tmp_path / "run")
+    save_run(tmp_path / "run", block_size=512)   # 2-shot prompts fit, 32-shot ones do not
     logs = []
     res = ev.evaluate_run(tmp_path / "run", tasks=["gen_kv", "operators", "repeat_copy_logic"],
                           shots=[0, 2, 32], seeds=2, max_items=4, enc=CharTok(), data=FakeData(True), batch_size=2,
                           log=logs.append)
     assert res["val"]["tokens"] == 96 and res["val"]["length_from"] == "document"
     assert any("repeat_copy_logic" in m and "k=32" in m and "skipped" in m for m in logs)   # 31 other items
-    assert "32" not in res["tasks"]["repeat_copy_logic"]["by_k"] and "32" in res["tasks"]["gen_kv"]["by_k"]
-    assert set(res["summary"]) == {"real", "generated"}
-    assert res["tasks"]["operators"]["headline_k"] == 32 and res["tasks"]["repeat_copy_logic"]["headline_k"] == 2
+    assert "32" not in res["tasks"]["repeat_copy_logic"]["by_k"] and "32" not in res["tasks"]["repeat_copy_logic"]["fit"]
+    # k=32 is evaluated for gen_kv and operators, but 32 demonstrations do not fit a 512-token block: out of the sweep
+    for name in ("gen_kv", "operators"):
+        assert "32" in res["tasks"][name]["short_k"] and "32" not in res["tasks"][name]["by_k"]
+        assert res["tasks"][name]["fit"]["32"]["share_short"] == 1.0 and res["tasks"][name]["fit"]["2"]["share_short"] == 0
+        assert any(s.startswith(f"{name} k=32 (") for s in res["summary"]["not_reported"])
+    assert set(res["summary"]) == {"real", "generated", "fit", "not_reported"}
+    assert res["tasks"]["operators"]["headline_k"] == 2 and res["tasks"]["repeat_copy_logic"]["headline_k"] == 2
     assert res["tasks"]["gen_kv"]["by_k"]["2"]["seeds"] == 2
     json.dumps(res)                                                # eval.json-serialisable
     cmp = ev.compare(res, res)
@@ -453,7 +532,7 @@ def test_evaluate_run_compare_and_calibration(tmp_path):
 
 def test_cli_writes_eval_json_and_says_why_no_plot(tmp_path, capsys):
     pytest.importorskip("data")
-    save_run(tmp_path / "run", vocab_size=512)   # tokenizer.get_tokenizer(512) needs no download
+    save_run(tmp_path / "run", vocab_size=512, block_size=512)   # tokenizer.get_tokenizer(512) needs no download
     ev.main(["--run", str(tmp_path / "run"), "--tasks", "gen_copy", "dyck_languages", "--shots", "0", "1",
              "--seeds", "2", "--max-items", "3", "--val-tokens", "0"])
     out = json.loads((tmp_path / "run" / "eval.json").read_text())
@@ -543,8 +622,10 @@ def test_evaluate_endpoints_every_branch_with_progress(trained_run):
     r = recs[0]
     assert (r["arch"], r["scale"], r["sparsity_label"], r["seed"]) == ("smelt", "toy", "S~50%", 5)
     assert r["name"] == "toy_smelt"
-    assert r["val"]["tokens"] > 0 and r["tasks"]["gen_kv"]["by_k"]["2"]["acc_by_seed"] and r["seconds"] > 0
-    assert len(r["tasks"]["gen_copy"]["by_k"]["2"]["gold_loss_by_seed"]) == 2
+    # 2-shot prompts do not fit this run's 32-token block: evaluated, kept under short_k, out of the sweep
+    assert r["val"]["tokens"] > 0 and r["tasks"]["gen_kv"]["short_k"]["2"]["acc_by_seed"] and r["seconds"] > 0
+    assert len(r["tasks"]["gen_copy"]["short_k"]["2"]["gold_loss_by_seed"]) == 2
+    assert set(r["tasks"]["gen_copy"]["by_k"]) == {"0"} and r["forward_calls"] > 0
     assert ev.endpoint_id(r) == "toy_smelt@3"
     # every progress line names its endpoint; one line per task
     assert all(m.startswith(("toy_smelt@3:", "toy_smelt@6:")) for m in logs)
