@@ -569,5 +569,14 @@ def main(argv: list[str] | None = None) -> None:
         pack(args.preset, args.pack, args.vocab_size)
 
 
+def cli_main(argv: list[str] | None = None) -> None:
+    """main, with a refusal the reader can act on printed as one line (exit status 1), not a traceback."""
+    from runfiles import OutDirError
+    try:
+        main(argv)
+    except (OutDirError, JSONFileError, CorruptDataError, FileExistsError, FileNotFoundError) as e:
+        raise SystemExit(f"data.py: {e}") from None
+
+
 if __name__ == "__main__":
-    main()
+    cli_main()

@@ -401,6 +401,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.plan_only and (args.skip or args.jobs):
         ap.error(f"--plan-only trains nothing: {'--skip' if args.skip else '--jobs'} has no effect with it")
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        ap.error(f"--data-dir {args.data_dir}: no such directory (make a pack with `python data.py --pack DIR`)")
     if args.jobs and torch.cuda.is_available() and args.jobs > 1:
         ap.error(f"--jobs {args.jobs}: on CUDA the runs share one device; use --jobs 1")
     if args.jobs and args.jobs > (os.cpu_count() or 1):
