@@ -6,7 +6,10 @@ row carries the sha256 of its content (`jsonl_line`, checked by `read_jsonl`, na
 Writes go to a temp file, fsync, os.replace (`atomic_save`, `atomic_write_text`, `atomic_copy`), so a
 crash never leaves a half-written file under the real name; temp files of dead writers are removed at
 the next write; a partial last row (a crash during an append) is cut by `repair_torn_tail`. One writer
-per run directory: an exclusive OS lock on RUN_DIR/.lock (`run_lock`, else RunLockedError).
+per run directory: an exclusive OS lock on RUN_DIR/.lock (`run_lock`, else RunLockedError; reproduce.py
+locks its out dir the same way). A JSON object carries its own sha256 (`write_json`, checked by
+`read_json`; `read_cache` recomputes a damaged cache); an output folder is checked before work starts
+(`check_out_dir`: not a file, writable, enough free space).
 
 No training here (train.py and checkpoint.py use these; eval.py, scaling.py and reproduce.py read run
 files through them). History and measurements: docs/runfiles.md. Read next: checkpoint.py.
