@@ -13,8 +13,8 @@ held-out source, grouped into domains. `prepare` turns corpus.py's documents int
 - Order: batch k is a pure function of (seed, k): each epoch draws a seeded permutation of the
   context slots and a phase shift, so a resumed run continues exactly; with DDP, rank r takes
   rows [r*B, (r+1)*B) of the global batch.
-- Cache: `manifest.json` (written last) records sources, licences, sizes and every shard's
-  sha256: re-running is a no-op and a corrupt shard is named when opened. `pack` copies a
+- Cache: `manifest.json` (written last, carrying its own sha256) records sources, licences, sizes
+  and every shard's sha256: re-running is a no-op, an edited manifest or a corrupt shard is named. `pack` copies a
   dataset and its BPE files into one folder (< 64 MiB) that `use_pack` reads with no network.
 - Measures: the effective document length SMELT's FLOPs use, the unigram floor, bytes/token.
 Sizes, timings and measured figures: docs/data.md.
@@ -41,9 +41,9 @@ import torch
 import cli
 import corpus
 import configs
-from checks import JSONFileError, read_json
+from checks import JSONFileError
 from corpus import FORMAT_VERSION
-from runfiles import atomic_write_bytes, sha256_of
+from runfiles import atomic_write_bytes, check_out_dir, read_json, sha256_of, write_json
 from tokenizer import (GPT2_VOCAB, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
                        needs_bpe_files)
 
@@ -68,13 +68,53 @@ def _seed(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
+MANIFEST_KEYS = ("format_version", "vocab_size", "eot_id", "dtype", "sources", "files", "domains_present",
+                 "train_tokens", "spec")
+
+
+def read_manifest(data_dir: str | Path) -> dict:
+    """DIR/manifest.json, its own sha256 checked (so an edit is caught before any shard is blamed), then
+    field by field; JSONFileError naming the file and what to do."""
+    path = Path(data_dir) / "manifest.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no manifest.json in {path.parent}: prepare it with `python data.py --preset ... "
+                                f"--out-dir {path.parent}`")
+    try:
+        m = read_json(path, MANIFEST_KEYS)
+        _check_manifest(m)
+    except JSONFileError as e:
+        raise JSONFileError(f"{e}; rebuild the dataset with `python data.py --force ...`") from None
+    return m
+
+
+def _check_manifest(m: dict) -> None:
+    """The manifest's fields agree with each other (a hand-edited, re-hashed manifest is still refused)."""
+    def bad(why):
+        raise JSONFileError(f"manifest.json: {why}")
+    v, eot, files = m["vocab_size"], m["eot_id"], m["files"]
+    if not (isinstance(v, int) and v >= 2 and isinstance(eot, int) and 0 <= eot < v):
+        bad(f"eot_id {eot!r} must be an int in [0, vocab_size={v!r})")
+    if m["dtype"] != ("uint16" if v <= 1 << 16 else "uint32"):
+        bad(f"dtype {m['dtype']!r} does not fit vocab_size {v}")
+    if not isinstance(m["sources"], dict) or any(r.get("status") not in ("ok", "skipped") or not r.get("domain")
+                                                 for r in m["sources"].values()):
+        bad("every source needs a domain and status 'ok' or 'skipped'")
+    ok = [n for n, r in m["sources"].items() if r["status"] == "ok"]
+    if sorted({m["sources"][n]["domain"] for n in ok}) != sorted(m["domains_present"]):
+        bad(f"domains_present {m['domains_present']} differs from the domains of its present sources")
+    need = ["train.bin", "train_docs.npy"] + [f"val/{n}{x}" for n in ok for x in (".bin", ".docs.npy")]
+    missing = [f for f in need if f not in files]
+    if missing:
+        bad(f"files lacks {missing}")
+    empty = [f for f in need if f.endswith(".bin") and not files[f].get("bytes")]
+    if empty or not m["train_tokens"]:
+        bad(f"{empty or ['train.bin']} empty (an empty corpus): nothing to train or validate on")
+
+
 def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
     """Check every file listed in manifest.json against its sha256; returns the manifest."""
     d = Path(data_dir)
-    if manifest is None:
-        if not (d / "manifest.json").exists():
-            raise FileNotFoundError(f"no manifest.json in {d}: prepare it with `python data.py --preset ... --out-dir {d}`")
-        manifest = read_json(d / "manifest.json", keys=("files",))
+    manifest = manifest if manifest is not None else read_manifest(d)
     for rel, meta in manifest["files"].items():
         p = d / rel
         if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
@@ -97,6 +137,8 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
     cached = None if force else _cached(out, spec)
     if cached is not None:
         return cached
+    itemsize = 2 if vocab <= 1 << 16 else 4   # the shards: every domain's tokens once, plus their index
+    check_out_dir(out, 2 * itemsize * cfg.tokens_per_domain * len({s.domain for s in sources}), "data dir")
     t0 = time.time()
     (out / "manifest.json").unlink(missing_ok=True)  # the manifest is written last: no manifest, no dataset
     shutil.rmtree(out / "val", ignore_errors=True)
@@ -143,8 +185,8 @@ def _cached(out: Path, spec: dict) -> dict | None:
     if not (out / "manifest.json").exists():
         return None
     try:
-        manifest = read_json(out / "manifest.json", keys=("spec",))
-    except JSONFileError as e:   # a damaged manifest: the dataset is rebuilt
+        manifest = read_manifest(out)
+    except JSONFileError as e:   # a damaged or old manifest: the dataset is rebuilt
         print(f"{e}\nrebuilding {out}")
         manifest = {}
     if manifest.get("spec") == spec:
@@ -207,7 +249,7 @@ def _write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources:
         "sources": report, "files": {f: {"sha256": sha256_of(out / f), "bytes": (out / f).stat().st_size} for f in files},
         "spec": spec,
     }
-    atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())
+    write_json(out / "manifest.json", manifest)
     print(f"{out}: {len(ok)}/{len(sources)} sources, domains {domains}, {sum(per_domain.values()):,} tokens, "
           f"{manifest['bytes_per_token']} B/tok, {manifest['prepare_seconds']}s")
     return manifest
@@ -234,13 +276,14 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
     The dataset is prepared first (from the cache, or downloaded on this machine).
     """
     dest = Path(dest)
-    if dest.exists() and any(dest.iterdir()) and not (dest / "PACK.json").exists():
+    check_out_dir(dest, 0, "pack dir")
+    if any(dest.iterdir()) and not (dest / "PACK.json").exists():
         raise FileExistsError(f"{dest} is a non-empty folder without PACK.json: give a new or an existing pack folder")
     vocab = vocab_size or configs.data_preset(preset).vocab_size
     prepare(preset, vocab_size=vocab)
     root, src = cache_root(), Path(default_data_dir(preset, vocab))
     files = {src.relative_to(root) / "manifest.json": src / "manifest.json"}
-    files |= {src.relative_to(root) / rel: src / rel for rel in json.loads((src / "manifest.json").read_text())["files"]}
+    files |= {src.relative_to(root) / rel: src / rel for rel in read_manifest(src)["files"]}
     if needs_bpe_files(vocab):
         fetch_gpt2_files(root)
         files |= {Path("tiktoken") / p.name: p for p in gpt2_files(root / "tiktoken").values()}
@@ -258,7 +301,7 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
             "dataset": src.relative_to(root).as_posix(), "bytes": total, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "files": {rel.as_posix(): {"sha256": sha256_of(dest / rel), "bytes": (dest / rel).stat().st_size}
                       for rel in sorted(files)}}
-    atomic_write_bytes(dest / "PACK.json", json.dumps(info, indent=1).encode())
+    write_json(dest / "PACK.json", info)
     print(f"{dest}: {len(files)} files, {total / 2**20:.1f} MiB (preset {preset}, vocab {vocab}); "
           f"use it with `python reproduce.py --preset ... --data-dir {dest}`")
     return info
@@ -274,7 +317,11 @@ def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
     if not (d / "PACK.json").exists():
         raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
                                 f"`python data.py --preset {preset or 'PRESET'} --pack {pack_dir}`")
-    info = json.loads((d / "PACK.json").read_text())
+    try:
+        info = read_json(d / "PACK.json", ("format_version", "preset", "dataset", "files"))
+    except JSONFileError as e:
+        raise JSONFileError(f"{e}; build the pack again with `python data.py --preset {preset or 'PRESET'} "
+                            f"--pack DIR`") from None
     if preset is not None and info["preset"] != preset:
         raise ValueError(f"data pack {d} holds preset {info['preset']!r}, this run needs {preset!r}: "
                          f"build it with `python data.py --preset {preset} --pack DIR`")
@@ -295,7 +342,7 @@ class TokenData:
 
     def __init__(self, data_dir: str | Path, verify_hashes: bool = True):
         self.dir = Path(data_dir)
-        self.manifest = verify(self.dir) if verify_hashes else read_json(self.dir / "manifest.json")
+        self.manifest = verify(self.dir) if verify_hashes else read_manifest(self.dir)
         m = self.manifest
         self.vocab_size: int = m["vocab_size"]
         self.eot: int = m["eot_id"]
@@ -507,7 +554,10 @@ def _vocab_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.pack and args.out_dir:   # a pack copies the cache's dataset, never --out-dir's
+        ap.error("--pack copies the preset's dataset from the cache: it cannot be combined with --out-dir")
     manifest = prepare(args.preset, args.out_dir, args.vocab_size, args.force)
     for domain, n in manifest["tokens_per_domain"].items():
         print(f"  {domain:10s} {n:>11,} tokens")
@@ -519,5 +569,14 @@ def main(argv: list[str] | None = None) -> None:
         pack(args.preset, args.pack, args.vocab_size)
 
 
+def cli_main(argv: list[str] | None = None) -> None:
+    """main, with a refusal the reader can act on printed as one line (exit status 1), not a traceback."""
+    from runfiles import OutDirError
+    try:
+        main(argv)
+    except (OutDirError, JSONFileError, CorruptDataError, FileExistsError, FileNotFoundError) as e:
+        raise SystemExit(f"data.py: {e}") from None
+
+
 if __name__ == "__main__":
-    main()
+    cli_main()

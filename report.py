@@ -392,11 +392,23 @@ def _section_scaling(scal: dict, out: Path) -> list[str]:
     if tables.exists():
         L += [re.sub(r"^(#{2,}) ", r"#\1 ", tables.read_text(), flags=re.M), ""]   # nest under this section
     for png in scal.get("figures", []):
-        p = Path(png)
-        p = p if p.is_absolute() else out / "scaling" / p
-        if p.exists():
-            L += [f"![{p.stem}]({p.relative_to(out)})", ""]
+        link = figure_link(png, out, base=out / "scaling")
+        if link:
+            L += [f"![{Path(png).stem}]({link})", ""]
     return L
+
+
+def figure_link(path: str | Path, out: Path, base: Path | None = None) -> str | None:
+    """A figure's link relative to the out dir (REPORT.md's folder), or None when the file is absent. A relative
+    `path` is taken from `base` (default: the out dir); an absolute one outside the out dir is refused by name."""
+    p = Path(path)
+    p = p if p.is_absolute() else (base or out) / p
+    try:
+        rel = p.resolve().relative_to(Path(out).resolve())
+    except ValueError:
+        raise ValueError(f"figure {p} lies outside the out dir {out} (the out dir was moved?): delete the JSON "
+                         f"that names it to recompute it") from None
+    return rel.as_posix() if p.exists() else None
 
 
 def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
@@ -438,8 +450,9 @@ def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
                 L += [f"**Calibration of {name} (Eq. 6):** not identified ({c.get('why')}).", ""]
     figs = ev_sum.get("figures", {})
     for name, p in (figs.get("figures") or {}).items():
-        if p:
-            L += [f"![{name}]({Path(p).relative_to(out)})", ""]
+        link = figure_link(p, out) if p else None
+        if link:
+            L += [f"![{name}]({link})", ""]
     for note in figs.get("notes", []):
         if not note.startswith("Calibration"):   # said above
             L += [f"- {note}"]
@@ -479,9 +492,9 @@ def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> 
     L += _md_table(["quantity", "mean over pairs [held-out interval]", "over pairs [t-interval]", "weakest pair",
                     "paper", "verdict"], rows) + [""]
     for p in prb.get("figures", []):
-        p = Path(p)
-        if p.exists():
-            L += [f"![{p.stem}]({p.relative_to(out)})"]
+        link = figure_link(p, out)
+        if link:
+            L += [f"![{Path(p).stem}]({link})"]
     return L + [""]
 
 

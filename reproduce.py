@@ -44,7 +44,13 @@ def log(msg: str) -> None:
 
 
 def write_json(path: Path, obj) -> None:
+    """A script's own output (no hash; never read back by the pipeline, whose files use runfiles.write_json)."""
     runfiles.atomic_write_text(path, json.dumps(obj, indent=2, default=float))
+
+
+def read_ladder(out: str | Path) -> list[dict]:
+    """The cells of OUT/ladder.json (hash checked; JSONFileError naming the file when damaged)."""
+    return runfiles.read_json(Path(out) / "ladder.json", ("cells",))["cells"]
 
 
 def fmt_time(seconds: float) -> str:
@@ -87,7 +93,7 @@ def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
         log(f"ladder {c['scale']} {c['sparsity_label']}: SMELT d_model {c['smelt']['d_model']}, "
             f"{c['smelt']['n_experts']} experts; F {m['flops_ratio']:.3f}  N {m['params_ratio']:.3f}  "
             f"KV {m['kv_ratio']:.3f}" + ("" if m["within_tolerance"] else "  (outside SMELT's tolerances)"))
-    write_json(out / "ladder.json", cells)
+    runfiles.write_json(out / "ladder.json", {"cells": cells})
     return cells
 
 
@@ -101,11 +107,12 @@ def loop_knobs(plan: configs.Plan) -> dict:
     return {k: getattr(plan, k) for k in LOOP_KNOBS if getattr(plan, k) != default[k]}
 
 
-def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None) -> list:
+def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str) -> list:
     """[fn(j) for j in jobs_list], `jobs` at a time in spawned worker processes (largest `cost` first, so
     the workers finish together), calling on_done(k, job, result) as each finishes. Small models on a
     CPU use one core each far better than two cores share one small matmul, so each worker runs with
-    one intra-op thread."""
+    one intra-op thread. A worker that dies (killed, out of memory) is a RuntimeError naming the
+    unfinished jobs (`name(job)`); finished ones are kept by their own files."""
     order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
     done: dict[int, object] = {}
     if jobs <= 1:
@@ -116,12 +123,18 @@ def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None) -> list:
         return [done[i] for i in range(len(jobs_list))]
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                              initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(fn, jobs_list[i]): i for i in order}
         for k, f in enumerate(as_completed(futures), 1):
             i = futures[f]
-            done[i] = f.result()
+            try:
+                done[i] = f.result()
+            except BrokenProcessPool:
+                left = [name(jobs_list[j]) for j in order if j not in done]
+                raise RuntimeError(f"a worker process died (killed, or out of memory) while running one of "
+                                   f"{', '.join(left)}; re-run the same command: finished work is kept") from None
             if on_done:
                 on_done(k, jobs_list[i], done[i])
     return [done[i] for i in range(len(jobs_list))]
@@ -258,20 +271,26 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
         log(f"train: run {k}/{len(todo)} done: {job[3].name} val {final['val_loss']:.3f} | elapsed "
             f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
 
-    rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done) for r in run_rows]
+    rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done, name=lambda j: j[3].name)
+            for r in run_rows]
     runfiles.atomic_write_text(out / "results.jsonl", "".join(runfiles.jsonl_line(r) for r in rows))
     return rows
 
 
+EVAL_KEYS = ("run", "arch", "scale", "sparsity_label", "branch_step", "val", "summary")   # what stage_eval reads
+
+
 def _eval_one(job: tuple) -> dict:
-    """Evaluate one endpoint and cache it as OUT/eval/ID.json: (endpoint path, data dir, plan, cache path, tag)."""
+    """Evaluate one endpoint and cache it as OUT/eval/ID.json: (endpoint path, data dir, plan, cache path, tag,
+    run dir relative to the out dir: stored as the record's "run", so the out dir can move)."""
     import data as data_mod
     import eval as ev
-    path, data_dir, plan, cache, tag = job
+    path, data_dir, plan, cache, tag, run = job
     rec = ev.evaluate_endpoint(path, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
                                val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir),
                                log=lambda m: None)
-    write_json(Path(cache), rec)
+    rec["run"] = run
+    runfiles.write_json(Path(cache), rec)
     return rec
 
 
@@ -289,10 +308,11 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
     for e in eps:
         key = f"{Path(e['run']).name}@{e['branch_step']}"
         cache = out / "eval" / f"{key.replace('@', '_b')}.json"
-        if cache.exists():
-            records[key] = json.loads(cache.read_text())
+        rec = runfiles.read_cache(cache, EVAL_KEYS)   # absent or damaged: evaluated again
+        if rec is not None:
+            records[key] = rec
         else:
-            todo.append((key, (e["path"], str(data.dir), plan, str(cache), key)))
+            todo.append((key, (e["path"], str(data.dir), plan, str(cache), key, os.path.relpath(e["run"], out))))
     t0 = time.time()
     log(f"eval: {len(eps)} endpoints ({len(eps) - len(todo)} done before), {len(todo)} to evaluate, {jobs} at a time")
 
@@ -301,18 +321,20 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
         log(f"eval: endpoint {k}/{len(todo)} done: {job[4]} ({rec.get('seconds', 0):.1f} s) | elapsed {fmt_time(el)}, "
             f"ETA {fmt_time(el / k * (len(todo) - k))}")
 
-    res = pool_run(_eval_one, [j for _, j in todo], jobs, lambda j: Path(j[0]).stat().st_size, on_done=on_done)
+    res = pool_run(_eval_one, [j for _, j in todo], jobs, lambda j: Path(j[0]).stat().st_size, on_done=on_done,
+                   name=lambda j: j[4])
     for (key, _), rec in zip(todo, res):
         records[key] = rec
     recs = list(records.values())
     report = wins.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
     figs = eval_plots.plot_downstream(report, recs, out / "figures")
+    figs = {**figs, "figures": {k: p and os.path.relpath(p, out) for k, p in (figs.get("figures") or {}).items()}}
     summary = {"report": report, "figures": figs, "n_endpoints": len(recs),
                "runs": {k: {"arch": v["arch"], "scale": v["scale"], "sparsity_label": v["sparsity_label"],
                             "seed": v.get("seed"), "branch_step": v.get("branch_step"),
                             "val_loss": v["val"]["loss"] if v.get("val") else None, "summary": v["summary"]}
                         for k, v in sorted(records.items())}}
-    write_json(out / "eval_summary.json", summary)
+    runfiles.write_json(out / "eval_summary.json", summary)
     return summary
 
 
@@ -376,17 +398,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with combinations that cannot mean anything refused by name."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.plan_only and (args.skip or args.jobs):
+        ap.error(f"--plan-only trains nothing: {'--skip' if args.skip else '--jobs'} has no effect with it")
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        ap.error(f"--data-dir {args.data_dir}: no such directory (make a pack with `python data.py --pack DIR`)")
+    if args.jobs and torch.cuda.is_available() and args.jobs > 1:
+        ap.error(f"--jobs {args.jobs}: on CUDA the runs share one device; use --jobs 1")
+    if args.jobs and args.jobs > (os.cpu_count() or 1):
+        log(f"warning: --jobs {args.jobs} is more than the {os.cpu_count()} CPU cores: the runs will share cores")
+    return args
+
+
 def main(argv=None) -> Path:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     plan = configs.PLANS[args.preset]
     if args.loops is not None and args.loops != plan.n_loops:
         plan = replace(plan, n_loops=args.loops)
-    if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
-        import data
-        data.use_pack(args.data_dir, plan.data)
     r = f"_r{plan.n_loops}" if plan.n_loops != configs.PLANS[args.preset].n_loops else ""
-    out = Path(args.out_dir or f"runs/reproduce_{args.preset}{r}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = runfiles.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{r}")   # before any work
+    with runfiles.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
+        if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
+            import data
+            data.use_pack(args.data_dir, plan.data)
+        return _pipeline(args, plan, out)
+
+
+def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
+    """Every stage, in order, into the locked out dir `out`."""
     t0, stage_s = time.time(), {}
     torch.manual_seed(0)
     log(f"reproduce: preset {args.preset} -> {out}")
@@ -401,7 +443,7 @@ def main(argv=None) -> Path:
     ladder = timed("ladder", stage_ladder, plan, data, out)
     cost = plan_cost(plan, ladder, len(data.train))
     log_plan_cost(cost)
-    write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
+    runfiles.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
     if args.plan_only:
         return out / "plan.json"
     import data as data_mod
@@ -410,22 +452,36 @@ def main(argv=None) -> Path:
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
     jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
+    runtime = {"jobs": jobs, "threads_per_worker": 1 if jobs > 1 else torch.get_num_threads(),
+               "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    log("runtime: " + ", ".join(f"{k} {v}" for k, v in runtime.items()))
     check_disk(plan, ladder, out, jobs)
     rows = timed("train", stage_train, plan, ladder, data, out, jobs)
     train_sum = reporting.training_summary(plan, ladder, rows, entropy)
     train_sum["learned"]["unigram_val_loss"] = unigram_val
-    write_json(out / "training_summary.json", train_sum)
+    runfiles.write_json(out / "training_summary.json", train_sum)
     train_plots.plot_curves(out, ladder, entropy, plan)
     ev_sum = timed("eval", stage_eval, plan, ladder, data, out, jobs) if "eval" not in args.skip else {}
     scal = timed("scaling", stage_scaling, plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
     prb = timed("probes", stage_probes, plan, ladder, data, out) if "probes" not in args.skip else {}
-    summary = reporting.run_summary(args.preset, stage_s, time.time() - t0)
-    write_json(out / "summary.json", summary)
+    summary = {**reporting.run_summary(args.preset, stage_s, time.time() - t0), "runtime": runtime}
+    runfiles.write_json(out / "summary.json", summary)
     report = reporting.write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, summary, train_sum, cost,
                                     probe_verdicts(prb))
     log(f"done in {(time.time() - t0) / 60:.1f} min: {report}")
     return report
 
 
+def cli_main(argv=None) -> None:
+    """main, with every refusal a reader can act on printed as one line (exit status 1), not a traceback."""
+    import checks
+    import data
+    try:
+        main(argv)
+    except (runfiles.OutDirError, runfiles.RunLockedError, runfiles.CheckpointError, checks.JSONFileError,
+            data.CorruptDataError) as e:
+        raise SystemExit(f"reproduce: {e}") from None
+
+
 if __name__ == "__main__":
-    main()
+    cli_main()

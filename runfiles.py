@@ -6,7 +6,10 @@ row carries the sha256 of its content (`jsonl_line`, checked by `read_jsonl`, na
 Writes go to a temp file, fsync, os.replace (`atomic_save`, `atomic_write_text`, `atomic_copy`), so a
 crash never leaves a half-written file under the real name; temp files of dead writers are removed at
 the next write; a partial last row (a crash during an append) is cut by `repair_torn_tail`. One writer
-per run directory: an exclusive OS lock on RUN_DIR/.lock (`run_lock`, else RunLockedError).
+per run directory: an exclusive OS lock on RUN_DIR/.lock (`run_lock`, else RunLockedError; reproduce.py
+locks its out dir the same way). A JSON object carries its own sha256 (`write_json`, checked by
+`read_json`; `read_cache` recomputes a damaged cache); an output folder is checked before work starts
+(`check_out_dir`: not a file, writable, enough free space).
 
 No training here (train.py and checkpoint.py use these; eval.py, scaling.py and reproduce.py read run
 files through them). History and measurements: docs/runfiles.md. Read next: checkpoint.py.
@@ -229,7 +232,7 @@ def write_json(path: str | Path, obj: dict) -> None:
     `read_json` catches any later edit or damage (ladder.json, eval/*.json, probes.json, PACK.json ...)."""
     if not isinstance(obj, dict):
         raise TypeError(f"{path}: write_json takes a dict, got {type(obj).__name__}")
-    content = json.loads(json.dumps(obj))
+    content = json.loads(json.dumps(obj, default=float))   # numpy scalars as numbers
     content.pop(ROW_HASH, None)
     atomic_write_text(path, json.dumps({**content, ROW_HASH: _row_digest(content)}, indent=1) + "\n")
 
@@ -239,6 +242,8 @@ def read_json(path: str | Path, keys: tuple[str, ...] = ()) -> dict:
     JSONFileError naming the file: unparseable, not an object, no hash, hash mismatch, missing keys."""
     path = Path(path)
     obj = checks_read_json(path)
+    if isinstance(obj, dict) and ROW_HASH not in obj:
+        raise JSONFileError(f"{path}: no sha256 (written by an older version, or edited): delete it to recompute it")
     require_keys(obj, (ROW_HASH,), str(path))
     got = obj.pop(ROW_HASH)
     if got != _row_digest(obj):
@@ -276,13 +281,44 @@ def repair_torn_tail(path: str | Path) -> bool:
 
 
 # ----------------------------------------------------------------------------------------
+# Output locations checked before work starts
+
+class OutDirError(RuntimeError):
+    """An output location that cannot be written: a file, a read-only folder, too little free space."""
+
+
+def check_out_dir(path: str | Path, need_bytes: int = 0, what: str = "out dir") -> Path:
+    """Make `path` (and its parents) and prove it writable by writing a probe file; refuse with OutDirError
+    naming the path when it is a file, a parent is a file, it is read-only, or < need_bytes are free."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutDirError(f"{what} {path} is a file, not a directory: pass another --out-dir")
+    parent = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise OutDirError(f"{what} {path}: {parent} is a file, not a directory: pass another --out-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe.tmp{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise OutDirError(f"{what} {path} is not writable ({e.strerror}): fix its permissions or pass another "
+                          f"--out-dir") from None
+    free = shutil.disk_usage(path).free
+    if need_bytes > free:
+        raise OutDirError(f"{what} {path}: needs {need_bytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free: free "
+                          f"space or pass another --out-dir")
+    return path
+
+
+# ----------------------------------------------------------------------------------------
 # One writer per run directory
 
 @contextlib.contextmanager
-def run_lock(run_dir: str | Path):
+def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
     """Hold an exclusive OS lock on RUN_DIR/.lock (fcntl.flock; msvcrt on Windows) for the block. The OS
     drops it when the process exits however it exits, so a killed trainer never leaves a stale lock.
-    A second writer gets RunLockedError naming the holder's pid."""
+    A second writer gets RunLockedError naming the holder's pid (reproduce.py locks its out dir the same way)."""
     path = Path(run_dir) / ".lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -298,7 +334,7 @@ def run_lock(run_dir: str | Path):
                 holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             except OSError:
                 holder = "unknown"
-            raise RunLockedError(f"run directory {Path(run_dir)} is in use by another trainer (pid {holder} holds "
+            raise RunLockedError(f"run directory {Path(run_dir)} is in use by another {holder_kind} (pid {holder} holds "
                                  f"{path}); wait for it to finish or use another directory") from None
         if os.name != "nt":   # record the holder for the other writer's message
             os.ftruncate(fd, 0)

@@ -21,7 +21,6 @@ Why the sizes are what they are, and each helper in full: docs/scripts.md. Read 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -324,7 +323,7 @@ def pair_runs(exp: Experiment) -> tuple[Path, Path]:
     if a.runs:
         return Path(a.runs[0]), Path(a.runs[1])
     if a.ladder:
-        ladder = json.loads((Path(a.ladder) / "ladder.json").read_text())
+        ladder = reproduce.read_ladder(a.ladder)
         (_, _, b), (_, _, s) = configs.run_dirs(Path(a.ladder), ladder[-1:])
         return b, s
     scale, label, base = exp.base()

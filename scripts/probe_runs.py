@@ -13,7 +13,6 @@ Writes probes.json, results.json (one row per claim), table.md and figures/.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import common  # noqa: I001  (puts the repo root on sys.path)
@@ -29,7 +28,7 @@ def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
     """[(name, Baseline run, SMELT run)]: every ladder cell with --ladder, else the one pair of common.pair_runs."""
     a = exp.args
     if a.ladder and not a.runs:
-        ladder = json.loads((Path(a.ladder) / "ladder.json").read_text())
+        ladder = reproduce.read_ladder(a.ladder)
         dirs = configs.run_dirs(Path(a.ladder), ladder)
         return [(configs.cell_key(c["scale"], c["sparsity_label"]), str(b), str(s))
                 for (c, _, b), (_, _, s) in zip(dirs[::2], dirs[1::2])]

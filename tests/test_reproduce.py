@@ -24,7 +24,7 @@ def test_smoke_reproduction_end_to_end(smoke):
     for section in ("Run summary", "Budget-matched ladder", "Did the models learn", "SMELT vs its matched Baseline",
                     "Scaling", "Downstream", "Probes of the second visit", "Claims"):
         assert section in text, section
-    ladder = json.loads((out / "ladder.json").read_text())
+    ladder = reproduce.read_ladder(out)
     assert len(ladder) == 4 and {c["sparsity_label"] for c in ladder} == {"S=0%", "S~85%"}
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     plan = configs.PLANS["smoke"]
