@@ -19,6 +19,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
 import probe_io
+import reproduce
 import probe_plots
 import configs
 import probes
