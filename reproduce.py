@@ -400,6 +400,8 @@ def main(argv=None) -> Path:
     log_plan_cost(cost)
     write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
     if args.plan_only:
+        import costs
+        costs.report(plan, ladder, data, cost, log)   # the GPU cost model per stage
         return out / "plan.json"
     import data as data_mod
     entropy = data_mod.unigram_entropy(data)
