@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,7 @@ from torch.utils._pytree import tree_map
 
 import budget
 import configs
+import costs
 import moe
 import train
 from model import GPT, ModelConfig
@@ -94,11 +96,14 @@ def hopper(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     calls = Counter()
-    for name in ("_grouped_mm",):
-        real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _r=real, **k: (calls.update(["torch"]), _r(*a, **k))[1])
-    real_padded = moe.grouped_mm_padded
-    monkeypatch.setattr(moe, "grouped_mm_padded", lambda *a, **k: (calls.update(["padded"]), real_padded(*a, **k))[1])
+
+    def counted(kind, fn):
+        def f(*a, **k):
+            calls[kind] += 1
+            return fn(*a, **k)
+        return f
+    monkeypatch.setattr(torch, "_grouped_mm", counted("torch", torch._grouped_mm))
+    monkeypatch.setattr(moe, "grouped_mm_padded", counted("padded", moe.grouped_mm_padded))
     return calls
 
 
@@ -136,3 +141,65 @@ def test_small_cell_training_forward_on_fake_cuda_takes_the_fused_kernel(cfg, ho
     assert set(mf.fell_back) <= {"__getitem__", "contiguous"}, mf.fell_back      # the bindings named above
     assert hopper["padded"] == 0, f"{cfg.d_model}/{cfg.d_ff}: the MoE padded {hopper['padded']} grouped matmuls"
     assert hopper["torch"] == 2 * len(obj.gpt.plan)              # w_in and w_out of every layer visit, fused
+
+
+# ---------------------------------------------------------------- the cost model (costs.py)
+
+@pytest.fixture(scope="module", params=["smoke", "tiny"])
+def plan_costs(request, tmp_path_factory):
+    import reproduce
+    plan = configs.PLANS[request.param]
+    data, _ = reproduce.stage_data(plan)
+    ladder = reproduce.stage_ladder(plan, data, tmp_path_factory.mktemp(request.param))
+    cost = reproduce.plan_cost(plan, ladder, len(data.train))
+    return plan, ladder, data, cost, costs.stage_costs(plan, ladder, data, cost)
+
+
+def test_cost_model_stages_are_positive_and_sum_to_the_total(plan_costs):
+    *_, c = plan_costs
+    for name, s in c["stages"].items():
+        assert s["flops"] > 0 and s["compiles"] > 0 and s["forward_calls"] > 0, name
+        lo, hi = s["seconds"]
+        assert 0 < lo < hi, name
+    for k in ("flops", "compiles", "forward_calls", "host_reads", "eager_calls"):
+        assert c["total"][k] == sum(s[k] for s in c["stages"].values())
+    assert c["total"]["seconds"] == pytest.approx([sum(s["seconds"][i] for s in c["stages"].values())
+                                                   for i in (0, 1)])
+    text = costs.format_costs(c)
+    assert all(name in text for name in (*c["stages"], "total"))
+
+
+def test_cost_model_flops_agree_with_budget(plan_costs):
+    plan, ladder, data, cost, c = plan_costs
+    runs = configs.plan_runs(Path("."), ladder, plan)
+    assert c["stages"]["train"]["flops"] == cost["total_flops"]
+    assert c["stages"]["train"]["compiles"] == len(runs)
+    steps = (plan.stable_steps + len(set(plan.branch_steps)) * plan.decay_steps) * len(runs)
+    assert c["stages"]["train"]["forward_calls"] == steps
+    fwd = sum(budget.flops_per_token(ModelConfig.from_dict(r.cell[r.arch]), r.cell["ctx_len"], include_head=True) / 3
+              for r in runs)    # forward FLOPs per token, all runs
+    v = costs.val_counts(data, plan.batch_size, plan.block_size, plan.eval_tokens)
+    _, vals = costs.run_steps(plan)
+    assert c["stages"]["validation"]["flops"] == pytest.approx(vals * v["tokens"] * fwd, rel=1e-9)
+    assert c["stages"]["probes"]["flops"] == pytest.approx((plan.probe_tokens // plan.block_size) * plan.block_size
+                                                           * fwd, rel=1e-9)
+
+
+def test_scoring_counts_match_what_evaluate_task_scores(plan_costs):
+    """The stand-in model's counts against evaluate_task's own item counts: one scored sequence per item,
+    seed and option, and on this CPU build one host read per scored value (two per sequence today)."""
+    import tasks as tasks_mod
+    plan, _, data, _, c = plan_costs
+    sc = c["scoring_per_endpoint"]
+    enc, model = data.tokenizer(), costs._NoMath(data.vocab_size, plan.block_size)
+    rows = 0
+    for name in tasks_mod.resolve_tasks(plan.tasks):
+        task = tasks_mod.get_task(name)
+        most = min(Counter(it.group for it in task.items).values()) - 1
+        for k in (k for k in plan.shots if k <= most):
+            r = tasks_mod.evaluate_task(model, enc, task, k, plan.seeds, plan.max_items, plan.block_size)
+            options = [len(task.items[i].options) if task.kind == "mc" else 1 for i in r["items"]]
+            rows += r["seeds"] * sum(options)
+    assert sc["rows"] == rows > 0
+    assert sc["calls"] <= sc["rows"] and sc["tokens"] >= sc["rows"] and sc["host_reads"] > 0
+    assert c["stages"]["eval"]["host_reads"] >= c["endpoints"] * sc["host_reads"]
