@@ -12,8 +12,10 @@ figure never depends on another machine's or run's timing; targets are printed b
           Target: PLT <= 1.15x unlooped; sequential near the executed-depth ratio.
   train   training tokens/s of a preset's matched Baseline / SMELT pair (configs.LADDERS; tiny on CPU,
           small on CUDA): time per token vs FLOP ratio (target: within 15 %); MFU on CUDA.
-Every figure goes to one JSON (--out-dir DIR: DIR/bench.json), updated after each benchmark and merged
-with keys already there; a failing benchmark leaves {"error": ...} and the others still run (exit 1).
+Every figure goes to one JSON (--out-dir DIR: DIR/bench.json) as soon as it exists (flex after each dtype,
+steps after each config, the others when they finish), merged with keys already there; a failing benchmark
+leaves {"error": ...} beside its partial figures and the others still run (exit 1). --budget-s S: each
+benchmark under a limit from what is left (run_benchmarks, LIMITS; scripts/gpu_check.sh, docs/gpu.md).
 Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the median
 of the timed rounds. Each benchmark in full, and why turns matter on a shared CPU: docs/bench.md.
 Read first: model.py, moe.py (what is measured).
@@ -282,7 +284,9 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
     (on CUDA flex is the compiled kernel with a compiled block mask). Returns the largest
     absolute difference of the output and of dq, dk, dv, each relative to the largest SDPA
     value, and with time_it the median fwd+bwd time of each backend (masks built once, outside
-    the timed calls, as a forward builds them once for all its layers).
+    the timed calls, as a forward builds them once for all its layers); "first_call_s": each backend's
+    first call (flex's compiles its kernel and block mask), and with time_it "flex_compile_s" (flex's
+    first call minus its median).
     """
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, hd, generator=g).to(device, dtype).requires_grad_()
@@ -309,8 +313,8 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
         _sync(device)
         first[backend] = (time.perf_counter() - t0, out)
     ref, got = first["sdpa"][1], first["flex"][1]
-    res = {"first_call_s": {b: t for b, (t, _) in first.items()},"shape": dict(B=B, H=H, Hkv=Hkv, T=T, head_dim=hd, documents=int((doc.max(1).values + 1).sum())),
-           "dtype": str(dtype)}
+    res = {"shape": dict(B=B, H=H, Hkv=Hkv, T=T, head_dim=hd, documents=int((doc.max(1).values + 1).sum())),
+           "dtype": str(dtype), "first_call_s": {b: t for b, (t, _) in first.items()}}
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         res[f"max_abs_diff_{name}"] = float((a - b).abs().max())
         res[f"rel_diff_{name}"] = float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
@@ -379,8 +383,9 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None, deadline=
     for name, cfg in step_configs().items():
         if names and name not in names:
             continue
-        if deadline is not None and res and time.monotonic() + max(r.get("bench_s", 0) for r in res.values()) > deadline:
-            res[name] = {"skipped": "the step's time limit would be passed"}
+        slowest = max((r.get("bench_s", 0) for r in res.values()), default=0)
+        if deadline is not None and time.monotonic() + slowest > deadline:
+            res[name] = {"skipped": f"the slowest config so far ({slowest:.0f} s) would pass the time limit"}
             continue
         t_cfg = time.perf_counter()
         torch.manual_seed(0)

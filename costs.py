@@ -11,9 +11,9 @@ a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Count
               logit positions, and host reads = aten._local_scalar_dense calls): whatever batching
               tasks.score_continuations does, the count is its own,
   probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
-Wall time = FLOPs / (peak x MFU) + compiles x compile seconds + eager forward calls x launch overhead +
-host reads x sync cost, at both ends of each range in ASSUMED: estimates, not measurements (why each
-range: docs/gpu.md). Nothing here has run on a GPU.
+Wall time = FLOPs / (peak x MFU) + compiles x compile seconds (a training graph in train, an eager flex
+kernel elsewhere) + eager forward calls x launch overhead + host reads x sync cost, at both ends of each
+range in ASSUMED: estimates, not measurements (why each range: docs/gpu.md). Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from model import ModelConfig
 
 # (best, worst) of each assumption; the wall time's low end takes every best, its high end every worst
 ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 100-192): launch- and memory-bound
-           "compile_s": (30.0, 90.0),         # dynamo + AOT + inductor per model, cold cache
+           "compile_s": (30.0, 90.0),         # a training graph: dynamo + AOT + inductor per run, cold cache
+           "flex_compile_s": (3.0, 20.0),     # eager flex kernel + block mask per model (low: a disk-cache hit)
            "eager_call_s": (2e-3, 10e-3),     # one uncompiled forward of a looped MoE model (launch-bound)
            "host_read_s": (2e-5, 2e-4)}       # one device-to-host scalar read (a sync; pipeline drained)
 PEAK_FLOPS = budget.H200_PEAK_FLOPS
@@ -116,10 +117,10 @@ def run_steps(plan: configs.Plan) -> tuple[int, int]:
     return steps, vals + len(tc.branches)
 
 
-def _stage(flops, compiles, calls, reads, eager_calls) -> dict:
+def _stage(flops, compiles, calls, reads, eager_calls, compile_key="flex_compile_s") -> dict:
     lo = {k: v[0] for k, v in ASSUMED.items()}
     hi = {k: v[1] for k, v in ASSUMED.items()}
-    secs = [flops / (PEAK_FLOPS * a["mfu"]) + compiles * a["compile_s"] + eager_calls * a["eager_call_s"]
+    secs = [flops / (PEAK_FLOPS * a["mfu"]) + compiles * a[compile_key] + eager_calls * a["eager_call_s"]
             + reads * a["host_read_s"] for a in (lo, hi)]
     return {"flops": flops, "compiles": compiles, "forward_calls": calls, "host_reads": reads,
             "eager_calls": eager_calls, "seconds": secs}
@@ -136,7 +137,8 @@ def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict) -> dic
     head = [budget.flops_per_token(c, x, include_head=True) / 3 - f for c, x, f in zip(cfgs, ctx, fwd)]
     steps, vals = run_steps(plan)
     n_branches = len(set(plan.branch_steps)) or 1
-    train = _stage(cost["total_flops"], len(runs), steps * len(runs), TRAIN_READS_PER_STEP * steps * len(runs), 0)
+    train = _stage(cost["total_flops"], len(runs), steps * len(runs), TRAIN_READS_PER_STEP * steps * len(runs), 0,
+                   "compile_s")
     v = val_counts(data, plan.batch_size, plan.block_size, plan.eval_tokens)
     validation = _stage(sum(vals * v["tokens"] * (f + h) for f, h in zip(fwd, head)), len(runs),
                         vals * v["calls"] * len(runs), VAL_READS_PER_BATCH * vals * v["calls"] * len(runs),
@@ -165,7 +167,8 @@ def format_costs(c: dict) -> str:
     a = c["assumptions"]
     lines = [f"cost model on one GPU ({c['runs']} runs, {c['endpoints']} endpoints; estimates at MFU "
              f"{a['mfu'][1]:.0%}-{a['mfu'][0]:.0%} of {c['peak_flops'] / 1e12:.0f} TFLOP/s, "
-             f"{a['compile_s'][0]:.0f}-{a['compile_s'][1]:.0f} s per compile, "
+             f"{a['compile_s'][0]:.0f}-{a['compile_s'][1]:.0f} s per training compile, "
+             f"{a['flex_compile_s'][0]:.0f}-{a['flex_compile_s'][1]:.0f} s per eager flex compile, "
              f"{a['eager_call_s'][0] * 1e3:.0f}-{a['eager_call_s'][1] * 1e3:.0f} ms per eager call):",
              f"  {'stage':10s} {'FLOPs':>9s} {'compiles':>8s} {'fwd calls':>10s} {'host reads':>10s} {'minutes':>12s}"]
     for name, s in [*c["stages"].items(), ("total", c["total"])]:

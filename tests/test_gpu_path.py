@@ -187,7 +187,7 @@ def test_cost_model_flops_agree_with_budget(plan_costs):
 
 def test_scoring_counts_match_what_evaluate_task_scores(plan_costs):
     """The stand-in model's counts against evaluate_task's own item counts: one scored sequence per item,
-    seed and option, and on this CPU build one host read per scored value (two per sequence today)."""
+    seed and option; the eval stage's host reads include every endpoint's scoring reads."""
     import tasks as tasks_mod
     plan, _, data, _, c = plan_costs
     sc = c["scoring_per_endpoint"]
