@@ -8,7 +8,7 @@ a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Count
   validation  checkpoint.logged's validations plus one per branch end, each over data.val_batches,
   eval        per endpoint: eval.val_loss_report's batches plus the few-shot scoring, counted by running
               tasks.evaluate_task on a stand-in model that does no math (forward calls, rows, tokens,
-              logit positions, and host reads = aten._local_scalar_dense calls): whatever batching
+              logit positions, and host reads: _HostReads' calls): whatever batching
               tasks.score_continuations does, the count is its own,
   probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
 Wall time = FLOPs / (peak x MFU) + compiles x compile seconds (a training graph in train, an eager flex
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 import budget
 import checkpoint
@@ -45,16 +45,18 @@ EVAL_BATCH = 8                 # eval.evaluate_endpoint's batch_size default (re
 PROBE_BATCH = 8                # probes.probe_pairs' batch_size default
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts aten._local_scalar_dense calls (float(t), int(t), bool(t), t.item()): each one a sync on CUDA."""
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's values to the host (float(t), int(t), bool(t), t.item(),
+    t.tolist(), t.cpu(), t.numpy()): each one a sync on CUDA. A function mode: one Python call per torch call."""
+    READS = {torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item,
+             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
 
     def __init__(self):
         super().__init__()
         self.n = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.n += 1
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
         return func(*args, **(kwargs or {}))
 
 
@@ -69,7 +71,7 @@ class _NoMath(nn.Module):
 
     def forward(self, idx, doc_ids=None):
         h = self.norm_f(torch.zeros(*idx.shape, 1))          # (B, M, 1) once _head_at selects positions
-        return h.expand(*h.shape[:2], self.cfg.vocab_size)
+        return h.new_zeros(*h.shape[:2], self.cfg.vocab_size)   # contiguous: fast cross-entropy rows
 
 
 def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
@@ -87,7 +89,7 @@ def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
     def count_out(_mod, _args, out):
         n["positions"] += out.shape[0] * out.shape[1]
     model.register_forward_pre_hook(count_in)
-    model.norm_f.register_forward_hook(count_out)
+    model.register_forward_hook(count_out)             # logits (B, M, V): M positions per row
     reads = _HostReads()
     with reads:
         for name in tasks_mod.resolve_tasks(plan.tasks):
