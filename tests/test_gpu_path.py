@@ -203,3 +203,10 @@ def test_scoring_counts_match_what_evaluate_task_scores(plan_costs):
     assert sc["rows"] == rows > 0
     assert sc["calls"] <= sc["rows"] and sc["tokens"] >= sc["rows"] and sc["host_reads"] > 0
     assert c["stages"]["eval"]["host_reads"] >= c["endpoints"] * sc["host_reads"]
+
+
+def test_plan_only_prints_the_cost_model(tmp_path, capsys):
+    import reproduce
+    assert reproduce.main(["--preset", "smoke", "--plan-only", "--out-dir", str(tmp_path)]).name == "plan.json"
+    out = capsys.readouterr().out
+    assert "cost model on one GPU" in out and all(s in out for s in ("train", "validation", "eval", "probes"))
