@@ -12,8 +12,10 @@ figure never depends on another machine's or run's timing; targets are printed b
           Target: PLT <= 1.15x unlooped; sequential near the executed-depth ratio.
   train   training tokens/s of a preset's matched Baseline / SMELT pair (configs.LADDERS; tiny on CPU,
           small on CUDA): time per token vs FLOP ratio (target: within 15 %); MFU on CUDA.
-Every figure goes to one JSON (--out-dir DIR: DIR/bench.json), updated after each benchmark and merged
-with keys already there; a failing benchmark leaves {"error": ...} and the others still run (exit 1).
+Every figure goes to one JSON (--out-dir DIR: DIR/bench.json) as soon as it exists (flex after each dtype,
+steps after each config, the others when they finish), merged with keys already there; a failing benchmark
+leaves {"error": ...} beside its partial figures and the others still run (exit 1). --budget-s S: each
+benchmark under a limit from what is left (run_benchmarks, LIMITS; scripts/gpu_check.sh, docs/gpu.md).
 Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the median
 of the timed rounds. Each benchmark in full, and why turns matter on a shared CPU: docs/bench.md.
 Read first: model.py, moe.py (what is measured).
@@ -282,7 +284,9 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
     (on CUDA flex is the compiled kernel with a compiled block mask). Returns the largest
     absolute difference of the output and of dq, dk, dv, each relative to the largest SDPA
     value, and with time_it the median fwd+bwd time of each backend (masks built once, outside
-    the timed calls, as a forward builds them once for all its layers).
+    the timed calls, as a forward builds them once for all its layers); "first_call_s": each backend's
+    first call (flex's compiles its kernel and block mask), and with time_it "flex_compile_s" (flex's
+    first call minus its median).
     """
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, hd, generator=g).to(device, dtype).requires_grad_()
@@ -301,29 +305,43 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
         (out * dy).sum().backward()
         return [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
 
-    ref, got = run("sdpa"), run("flex")
+    first = {}
+    for backend in ("sdpa", "flex"):      # the first call compiles (flex kernel, block mask): timed apart
+        _sync(device)
+        t0 = time.perf_counter()
+        out = run(backend)
+        _sync(device)
+        first[backend] = (time.perf_counter() - t0, out)
+    ref, got = first["sdpa"][1], first["flex"][1]
     res = {"shape": dict(B=B, H=H, Hkv=Hkv, T=T, head_dim=hd, documents=int((doc.max(1).values + 1).sum())),
-           "dtype": str(dtype)}
+           "dtype": str(dtype), "first_call_s": {b: t for b, (t, _) in first.items()}}
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         res[f"max_abs_diff_{name}"] = float((a - b).abs().max())
         res[f"rel_diff_{name}"] = float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
     if time_it:
         med = interleaved({"sdpa": lambda: run("sdpa"), "flex": lambda: run("flex")}, device, warmup=2, iters=iters)
-        res |= {"sdpa_ms": med["sdpa"] * 1e3, "flex_ms": med["flex"] * 1e3, "flex_speedup": med["sdpa"] / med["flex"]}
+        res |= {"sdpa_ms": med["sdpa"] * 1e3, "flex_ms": med["flex"] * 1e3, "flex_speedup": med["sdpa"] / med["flex"],
+                "flex_compile_s": res["first_call_s"]["flex"] - med["flex"]}
     return res
 
 
-def bench_flex(device) -> dict:
+def bench_flex(device, save=None) -> dict:
+    """flex_vs_sdpa in bf16 (timed) and fp32; save(res), when given, is called after each dtype."""
     if device.type != "cuda":
         raise RuntimeError("the flex benchmark needs CUDA (CPU flex attention has no backward)")
-    res = {"bf16": flex_vs_sdpa(device), "fp32": flex_vs_sdpa(device, dtype=torch.float32, time_it=False)}
+    res = {}
+    for dt, kw in (("bf16", {}), ("fp32", dict(dtype=torch.float32, time_it=False))):
+        res[dt] = flex_vs_sdpa(device, **kw)
+        if save:
+            save(res)
     b = res["bf16"]
     print(f"\nFlex vs SDPA (document mask), B {b['shape']['B']} T {b['shape']['T']} hd {b['shape']['head_dim']}:")
     for dt in ("bf16", "fp32"):
         r = res[dt]
         print(f"  {dt}: relative max diff out {r['rel_diff_out']:.2e}  dq {r['rel_diff_dq']:.2e}  "
               f"dk {r['rel_diff_dk']:.2e}  dv {r['rel_diff_dv']:.2e}")
-    print(f"  fwd+bwd: sdpa {b['sdpa_ms']:.2f} ms, flex {b['flex_ms']:.2f} ms ({b['flex_speedup']:.2f}x)")
+    print(f"  fwd+bwd: sdpa {b['sdpa_ms']:.2f} ms, flex {b['flex_ms']:.2f} ms ({b['flex_speedup']:.2f}x); "
+          f"flex compile {b['flex_compile_s']:.1f} s")
     return res
 
 
@@ -352,10 +370,11 @@ def count_syncs(fn, device) -> int | None:
     return sum("synchroniz" in str(x.message).lower() for x in w)
 
 
-def bench_steps(device, batch_size=8, steps=10, names=None, save=None) -> dict:
+def bench_steps(device, batch_size=8, steps=10, names=None, save=None, deadline=None) -> dict:
     """Compiled (fullgraph) training steps of dense, MoE, SMELT and PLT configs: compile time, graphs, syncs.
 
-    save(res), when given, is called after each config, so a time limit keeps the finished ones.
+    save(res), when given, is called after each config, so a time limit keeps the finished ones. deadline
+    (a time.monotonic() value): a config whose start leaves less than the last config's time is skipped.
     """
     import train
     from torch._dynamo.utils import counters
@@ -364,6 +383,11 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None) -> dict:
     for name, cfg in step_configs().items():
         if names and name not in names:
             continue
+        slowest = max((r.get("bench_s", 0) for r in res.values()), default=0)
+        if deadline is not None and time.monotonic() + slowest > deadline:
+            res[name] = {"skipped": f"the slowest config so far ({slowest:.0f} s) would pass the time limit"}
+            continue
+        t_cfg = time.perf_counter()
         torch.manual_seed(0)
         gpt = GPT(cfg).to(device)
         obj = train.Objective(gpt)
@@ -382,20 +406,22 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None) -> dict:
         t0 = time.perf_counter()
         loss_c = step()
         _sync(device)
-        compile_s = time.perf_counter() - t0
-        gpt.zero_grad(set_to_none=True)
+        first_s = time.perf_counter() - t0
+        step()                                          # a recompile would show in the graph count
+        graphs = int(counters["stats"]["unique_graphs"])   # training graphs only: before the eager step compiles
+        gpt.zero_grad(set_to_none=True)                    # flex and the block mask on their own
         loss_e = step(obj)
         gpt.zero_grad(set_to_none=True)
         syncs = count_syncs(step, device)
         t = interleaved({name: step}, device, warmup=1, iters=steps)[name]
-        r = {"compile_s": compile_s, "graphs": int(counters["stats"]["unique_graphs"]), "step_ms": t * 1e3,
+        r = {"compile_s": first_s - t, "first_step_s": first_s, "graphs": graphs, "step_ms": t * 1e3,
              "tokens_per_s": batch_size * T / t, "host_syncs_per_step": syncs,
              "loss_compiled": float(loss_c), "loss_eager": float(loss_e)}
         if cfg.n_experts:
             with _autocast(device):   # what eager code takes; compiled, "auto" is the same or "padded" on CPU
                 r["moe_impl_eager"] = "/".join(gpt.blocks[0].mlp.kernels(idx[..., None].float()))
-        res[name] = r
-        print(f"  {name:6s} compile {compile_s:6.1f} s  graphs {r['graphs']}  step {t * 1e3:7.2f} ms  "
+        res[name] = r | {"bench_s": time.perf_counter() - t_cfg}
+        print(f"  {name:6s} compile {r['compile_s']:6.1f} s  graphs {r['graphs']}  step {t * 1e3:7.2f} ms  "
               f"syncs/step {syncs}  loss {r['loss_compiled']:.4f} (eager {r['loss_eager']:.4f})"
               + (f"  moe {r['moe_impl_eager']}" if "moe_impl_eager" in r else ""), flush=True)
         if save:
@@ -404,6 +430,32 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None) -> dict:
 
 
 BENCHMARKS = ("flex", "steps", "moe", "decode", "train")
+# (cap, floor) seconds per benchmark under --budget-s: estimates for one H200 from a cold start (why each:
+# docs/gpu.md); a benchmark gets min(cap, what is left once the later ones' floors are set aside)
+LIMITS = {"flex": (110, 40), "steps": (190, 60), "train": (130, 50), "decode": (40, 15), "moe": (60, 20)}
+
+
+class BenchTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise BenchTimeout in the main thread once `seconds` have passed (SIGALRM; None: no limit)."""
+    import signal
+    if seconds is None:
+        yield
+        return
+
+    def alarm(_sig, _frame):
+        raise BenchTimeout(f"timed out after {seconds:.0f} s")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _update_json(path: str, key: str, value) -> None:
@@ -419,6 +471,46 @@ def _update_json(path: str, key: str, value) -> None:
     os.replace(tmp, path)
 
 
+def run_benchmarks(runs: dict, which: list[str], json_path: str | None, budget_s: float | None = None) -> list[str]:
+    """runs[name](save, deadline) for each name of which, in order; returns the names that failed.
+
+    Every figure reaches json_path as soon as it exists: a benchmark's save(partial) merges its partial
+    result at once, its result when it returns, so a kill keeps what was measured. With budget_s, each
+    benchmark runs under time_limit(min(cap, left - floors of the later ones)) from LIMITS (deadline: when
+    that ends, for benchmarks that skip what would not finish); a timeout keeps the partial figures.
+    """
+    t_start, failed = time.monotonic(), []
+    for i, name in enumerate(which):
+        partial: dict = {}
+
+        def save(res, name=name, partial=partial):
+            partial.clear()
+            partial.update(res)
+            if json_path:
+                _update_json(json_path, name, res)
+        limit = None
+        if budget_s is not None:
+            left = budget_s - (time.monotonic() - t_start)
+            limit = min(LIMITS[name][0], left - sum(LIMITS[n][1] for n in which[i + 1:]))
+            if limit < LIMITS[name][1]:
+                print(f"bench: {name} skipped: {left:.0f} s of the budget left")
+                failed.append(name)
+                save({"skipped": f"{left:.0f} s of the {budget_s:.0f} s budget left"})
+                continue
+        t0 = time.perf_counter()
+        try:
+            with time_limit(limit):
+                out = runs[name](save, None if limit is None else time.monotonic() + limit)
+        except Exception as e:   # record it and go on: the other figures still count
+            traceback.print_exc()
+            out = {**partial, "error": f"{type(e).__name__}: {e}"}
+            failed.append(name)
+        if isinstance(out, dict):
+            out["bench_seconds"] = time.perf_counter() - t0
+        save(out)
+    return failed
+
+
 def build_parser() -> argparse.ArgumentParser:
     import configs
     ap = cli.parser(__doc__)
@@ -432,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_out_dir(ap, "merge the measured figures into DIR/bench.json, after each benchmark (default: print only)",
                     old=())
     cli.deprecated_alias(ap, "--json", "json", "--out-dir DIR (merges into DIR/bench.json)")
+    ap.add_argument("--budget-s", type=cli.positive_float, default=None, metavar="S",
+                    help="seconds for all the benchmarks: each runs under a limit from what is left "
+                         "(bench.LIMITS; default: no limit)")
     return ap
 
 
@@ -452,27 +547,16 @@ def main(argv=None) -> int:
     print(f"machine: {info['machine']}, torch {info['torch']}")
     if args.json:
         _update_json(args.json, "machine", info)
-    runs = {"flex": lambda: bench_flex(device),
-            "steps": lambda: bench_steps(device, save=(lambda r: _update_json(args.json, "steps", r)) if args.json else None),
-            "moe": lambda: bench_moe(device),
-            "decode": lambda: bench_decode(device, dtype),
-            "train": lambda: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
-                                         batch_size=args.train_batch or (32 if cuda else 8))}
-    failed = []
-    for name in which:
-        t0 = time.perf_counter()
-        if name == "steps":
-            print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if cuda else ''}):")
-        try:
-            out = runs[name]()
-        except Exception as e:   # record it and go on: the other figures still count
-            traceback.print_exc()
-            out = {"error": f"{type(e).__name__}: {e}"}
-            failed.append(name)
-        if isinstance(out, dict):
-            out["bench_seconds"] = time.perf_counter() - t0
-        if args.json:
-            _update_json(args.json, name, out)
+
+    def steps(save, deadline):
+        print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if cuda else ''}):")
+        return bench_steps(device, save=save, deadline=deadline)
+    runs = {"flex": lambda save, deadline: bench_flex(device, save), "steps": steps,
+            "moe": lambda save, deadline: bench_moe(device),
+            "decode": lambda save, deadline: bench_decode(device, dtype),
+            "train": lambda save, deadline: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
+                                                        batch_size=args.train_batch or (32 if cuda else 8))}
+    failed = run_benchmarks(runs, which, args.json, args.budget_s)
     if failed:
         print(f"bench: failed: {' '.join(failed)}")
     return 1 if failed else 0

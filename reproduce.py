@@ -445,6 +445,8 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     log_plan_cost(cost)
     runfiles.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
     if args.plan_only:
+        import costs
+        costs.report(plan, ladder, data, cost, log)   # the GPU cost model per stage
         return out / "plan.json"
     import data as data_mod
     entropy = data_mod.unigram_entropy(data)

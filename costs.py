@@ -1,0 +1,190 @@
+"""The main job's cost model on one GPU: FLOPs, compiles, forward calls and host reads per stage, and wall time.
+
+  stage_costs(plan, ladder, data, plan_cost) -> {"stages": {"train", "validation", "eval", "probes"}, "total",
+                                                 "assumptions"}; format_costs(...) -> the table reproduce.py prints.
+FLOPs come from reproduce.plan_cost (budget.run_cost: training FLOPs with the head); a forward is a third of
+a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Counted exactly from the plan:
+  train       optimizer steps per run (one compiled forward+backward each, one host read: train.Trainer),
+  validation  checkpoint.logged's validations plus one per branch end, each over data.val_batches,
+  eval        per endpoint: eval.val_loss_report's batches plus the few-shot scoring, counted by running
+              tasks.evaluate_task on a stand-in model that does no math (forward calls, rows, tokens,
+              logit positions, and host reads: _HostReads' calls): whatever batching
+              tasks.score_continuations does, the count is its own,
+  probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
+Wall time = FLOPs / (peak x MFU) + compiles x compile seconds (a training graph in train, an eager flex
+kernel elsewhere) + eager forward calls x launch overhead + host reads x sync cost, at both ends of each
+range in ASSUMED: estimates, not measurements (why each range: docs/gpu.md). Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+import budget
+import checkpoint
+import configs
+from model import ModelConfig
+
+# (best, worst) of each assumption; the wall time's low end takes every best, its high end every worst
+ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 100-192): launch- and memory-bound
+           "compile_s": (30.0, 90.0),         # a training graph: dynamo + AOT + inductor per run, cold cache
+           "flex_compile_s": (3.0, 20.0),     # eager flex kernel + block mask per model (low: a disk-cache hit)
+           "eager_call_s": (2e-3, 10e-3),     # one uncompiled forward of a looped MoE model (launch-bound)
+           "host_read_s": (2e-5, 2e-4)}       # one device-to-host scalar read (a sync; pipeline drained)
+PEAK_FLOPS = budget.H200_PEAK_FLOPS
+VAL_READS_PER_BATCH = 2        # train.evaluate: float(ce_sum), int(cnt)
+REPORT_READS_PER_BATCH = 4     # eval.val_loss_report: float, int, two bincount .cpu()
+TRAIN_READS_PER_STEP = 1       # train.Trainer's step: stats and grad norm read once, before opt.step
+EVAL_BATCH = 8                 # eval.evaluate_endpoint's batch_size default (reproduce passes none)
+PROBE_BATCH = 8                # probes.probe_pairs' batch_size default
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's values to the host (float(t), int(t), bool(t), t.item(),
+    t.tolist(), t.cpu(), t.numpy()): each one a sync on CUDA. A function mode: one Python call per torch call."""
+    READS = {torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item,
+             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+class _NoMath(nn.Module):
+    """A stand-in GPT for the task scorer: zero logits, no parameters (so it runs on the CPU scoring path
+    that CUDA takes: no new_cache), a norm_f for tasks._head_at to hook (logits only at the answer positions)."""
+
+    def __init__(self, vocab_size: int, block_size: int):
+        super().__init__()
+        self.cfg = SimpleNamespace(vocab_size=vocab_size, block_size=block_size)
+        self.norm_f = nn.Identity()
+
+    def forward(self, idx, doc_ids=None):
+        h = self.norm_f(torch.zeros(*idx.shape, 1))          # (B, M, 1) once _head_at selects positions
+        return h.new_zeros(*h.shape[:2], self.cfg.vocab_size)   # contiguous: fast cross-entropy rows
+
+
+def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
+    """One endpoint's few-shot scoring (the same for every model of the plan): forward calls, rows, tokens,
+    logit positions and host reads, by running tasks.evaluate_task as eval.evaluate_endpoint calls it."""
+    import tasks as tasks_mod
+    model = _NoMath(vocab_size, plan.block_size)
+    n = Counter()
+
+    def count_in(_mod, args):
+        n["calls"] += 1
+        n["rows"] += args[0].shape[0]
+        n["tokens"] += args[0].numel()
+
+    def count_out(_mod, _args, out):
+        n["positions"] += out.shape[0] * out.shape[1]
+    model.register_forward_pre_hook(count_in)
+    model.register_forward_hook(count_out)             # logits (B, M, V): M positions per row
+    reads = _HostReads()
+    with reads:
+        for name in tasks_mod.resolve_tasks(plan.tasks):
+            task = tasks_mod.get_task(name)
+            most = min(Counter(it.group for it in task.items).values()) - 1   # as eval.evaluate_endpoint skips
+            for k in (k for k in plan.shots if k <= most):
+                tasks_mod.evaluate_task(model, enc, task, k, plan.seeds, plan.max_items, plan.block_size)
+    return {**n, "host_reads": reads.n}
+
+
+def val_counts(data, batch_size: int, block_size: int, max_tokens: int) -> dict:
+    """Forward calls and target tokens of one validation pass (data.val_batches over every source)."""
+    calls = tokens = 0
+    for src in data.sources:
+        for idx, *_ in data.val_batches(src, batch_size, block_size, max_tokens):
+            calls, tokens = calls + 1, tokens + idx.numel()
+    return {"calls": calls, "tokens": tokens}
+
+
+def run_steps(plan: configs.Plan) -> tuple[int, int]:
+    """(optimizer steps, validations) of one run: the stable phase, every decay branch, checkpoint.logged."""
+    import reproduce
+    tc = reproduce.train_config(plan)
+    segments = [(0, tc.stable_steps)] + [(b, b + tc.decay_steps) for b in tc.branches]
+    steps = sum(end - start for start, end in segments)
+    vals = sum(checkpoint.logged(tc, done, end)[1] for start, end in segments for done in range(start + 1, end + 1))
+    return steps, vals + len(tc.branches)
+
+
+def _stage(flops, compiles, calls, reads, eager_calls, compile_key="flex_compile_s") -> dict:
+    lo = {k: v[0] for k, v in ASSUMED.items()}
+    hi = {k: v[1] for k, v in ASSUMED.items()}
+    secs = [flops / (PEAK_FLOPS * a["mfu"]) + compiles * a[compile_key] + eager_calls * a["eager_call_s"]
+            + reads * a["host_read_s"] for a in (lo, hi)]
+    return {"flops": flops, "compiles": compiles, "forward_calls": calls, "host_reads": reads,
+            "eager_calls": eager_calls, "seconds": secs}
+
+
+def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict) -> dict:
+    """The cost model of the plan (see the module docstring); cost: reproduce.plan_cost(plan, ladder, ...)."""
+    runs = configs.plan_runs(Path("."), ladder, plan)
+    if len(runs) != len(cost["runs"]):
+        raise ValueError(f"stage_costs: plan_cost has {len(cost['runs'])} runs, the plan {len(runs)}")
+    cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in runs]
+    ctx = [r.cell["ctx_len"] for r in runs]
+    fwd = [budget.flops_per_token(c, x, include_head=False) / 3 for c, x in zip(cfgs, ctx)]     # forward, no head
+    head = [budget.flops_per_token(c, x, include_head=True) / 3 - f for c, x, f in zip(cfgs, ctx, fwd)]
+    steps, vals = run_steps(plan)
+    n_branches = len(set(plan.branch_steps)) or 1
+    train = _stage(cost["total_flops"], len(runs), steps * len(runs), TRAIN_READS_PER_STEP * steps * len(runs), 0,
+                   "compile_s")
+    v = val_counts(data, plan.batch_size, plan.block_size, plan.eval_tokens)
+    validation = _stage(sum(vals * v["tokens"] * (f + h) for f, h in zip(fwd, head)), len(runs),
+                        vals * v["calls"] * len(runs), VAL_READS_PER_BATCH * vals * v["calls"] * len(runs),
+                        vals * v["calls"] * len(runs))
+    ev = val_counts(data, EVAL_BATCH, plan.block_size, plan.eval_tokens)
+    sc = scoring_counts(plan, data.vocab_size, data.tokenizer())
+    per_ep_calls = ev["calls"] + sc["calls"]
+    eval_flops = n_branches * sum(ev["tokens"] * (f + h) + sc["tokens"] * f + sc["positions"] * h
+                                  for f, h in zip(fwd, head))
+    n_ep = n_branches * len(runs)
+    evals = _stage(eval_flops, n_ep, per_ep_calls * n_ep,
+                   (REPORT_READS_PER_BATCH * ev["calls"] + sc["host_reads"]) * n_ep, per_ep_calls * n_ep)
+    contexts = max(1, plan.probe_tokens // plan.block_size)
+    probe_calls = math.ceil(contexts / PROBE_BATCH) * len(runs)
+    probes = _stage(sum(contexts * plan.block_size * (f + h) for f, h in zip(fwd, head)), len(runs),
+                    probe_calls, 0, probe_calls)
+    stages = {"train": train, "validation": validation, "eval": evals, "probes": probes}
+    total = {k: sum(s[k] for s in stages.values()) for k in ("flops", "compiles", "forward_calls", "host_reads",
+                                                                "eager_calls")}
+    total["seconds"] = [sum(s["seconds"][i] for s in stages.values()) for i in (0, 1)]
+    return {"stages": stages, "total": total, "assumptions": ASSUMED, "peak_flops": PEAK_FLOPS,
+            "scoring_per_endpoint": sc, "endpoints": n_ep, "runs": len(runs)}
+
+
+def format_costs(c: dict) -> str:
+    a = c["assumptions"]
+    lines = [f"cost model on one GPU ({c['runs']} runs, {c['endpoints']} endpoints; estimates at MFU "
+             f"{a['mfu'][1]:.0%}-{a['mfu'][0]:.0%} of {c['peak_flops'] / 1e12:.0f} TFLOP/s, "
+             f"{a['compile_s'][0]:.0f}-{a['compile_s'][1]:.0f} s per training compile, "
+             f"{a['flex_compile_s'][0]:.0f}-{a['flex_compile_s'][1]:.0f} s per eager flex compile, "
+             f"{a['eager_call_s'][0] * 1e3:.0f}-{a['eager_call_s'][1] * 1e3:.0f} ms per eager call):",
+             f"  {'stage':10s} {'FLOPs':>9s} {'compiles':>8s} {'fwd calls':>10s} {'host reads':>10s} {'minutes':>12s}"]
+    for name, s in [*c["stages"].items(), ("total", c["total"])]:
+        lo, hi = (x / 60 for x in s["seconds"])
+        lines.append(f"  {name:10s} {s['flops']:9.3g} {s['compiles']:8d} {s['forward_calls']:10d} "
+                     f"{s['host_reads']:10d} {lo:5.1f} - {hi:5.1f}")
+    sc = c["scoring_per_endpoint"]
+    lines.append(f"  few-shot scoring per endpoint: {sc['rows']} sequences ({sc['tokens'] / 1e6:.1f}M tokens) in "
+                 f"{sc['calls']} forward calls, {sc['host_reads']} host reads")
+    return "\n".join(lines)
+
+
+def report(plan: configs.Plan, ladder: list[dict], data, cost: dict, log=print) -> dict:
+    """stage_costs, printed with format_costs through log (reproduce.py --plan-only); returns the costs."""
+    c = stage_costs(plan, ladder, data, cost)
+    log(format_costs(c))
+    return c

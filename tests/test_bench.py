@@ -1,0 +1,88 @@
+"""bench.py's budgeted runner and scripts/gpu_check.sh, on CPU: every figure reaches the JSON as soon as
+it exists (a timeout or a kill keeps the earlier ones), each benchmark's limit comes from what is left.
+The benchmarks themselves need CUDA (flex, steps) or are timed, not tested (docs/bench.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_script_parses():
+    r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _partial_then_hang(save, deadline):
+    save({"first": 1.0})
+    time.sleep(30)
+    return {"first": 1.0, "second": 2.0}
+
+
+@pytest.mark.fault("kills")
+def test_a_benchmark_timed_out_keeps_its_partial_figures_and_the_next_still_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "LIMITS", {"flex": (1.0, 0.5), "steps": (5.0, 0.5)})
+    path = str(tmp_path / "bench.json")
+    runs = {"flex": _partial_then_hang, "steps": lambda save, deadline: {"done": deadline is not None}}
+    t0 = time.monotonic()
+    failed = bench.run_benchmarks(runs, ["flex", "steps"], path, budget_s=10)
+    assert time.monotonic() - t0 < 10                       # the 30 s sleep was cut at flex's 1 s cap
+    d = json.loads(Path(path).read_text())
+    assert failed == ["flex"]
+    assert d["flex"]["first"] == 1.0 and "timed out" in d["flex"]["error"] and "second" not in d["flex"]
+    assert d["steps"]["done"] is True
+
+
+def test_a_benchmark_without_time_left_is_skipped_and_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "LIMITS", {"flex": (100.0, 5.0), "steps": (100.0, 8.0)})
+    path = str(tmp_path / "bench.json")
+    ran = []
+    runs = {n: (lambda save, deadline, n=n: ran.append((n, deadline)) or {"ok": True}) for n in ("flex", "steps")}
+    failed = bench.run_benchmarks(runs, ["flex", "steps"], path, budget_s=10)   # flex: 10 - 8 = 2 s < its floor
+    d = json.loads(Path(path).read_text())
+    assert failed == ["flex"] and "skipped" in d["flex"]
+    assert [n for n, _ in ran] == ["steps"] and ran[0][1] - time.monotonic() <= 10
+    assert d["steps"]["ok"] is True and d["steps"]["bench_seconds"] >= 0
+
+
+@pytest.mark.fault("kills")
+def test_a_killed_bench_process_keeps_the_figures_written_before(tmp_path):
+    """SIGKILL (what `timeout --kill-after` sends last) mid-benchmark: the JSON keeps the first benchmark's
+    result and the second's partial figures, and is valid JSON (each write is atomic)."""
+    path = tmp_path / "bench.json"
+    code = textwrap.dedent(f"""
+        import time, bench
+        def hang(save, deadline):
+            save({{"partial": 3.0}})
+            time.sleep(60)
+        bench.run_benchmarks({{"flex": lambda s, d: {{"full": 1.0}}, "steps": hang}}, ["flex", "steps"], {str(path)!r})
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        for _ in range(600):
+            if path.exists() and "steps" in json.loads(path.read_text()):
+                break
+            time.sleep(0.1)
+    finally:
+        p.kill()
+        p.wait()
+    d = json.loads(path.read_text())
+    assert d["flex"]["full"] == 1.0 and d["steps"] == {"partial": 3.0}
+
+
+def test_time_limit_without_seconds_does_not_interrupt():
+    with bench.time_limit(None):
+        time.sleep(0.01)
+    with pytest.raises(bench.BenchTimeout, match="timed out"):
+        with bench.time_limit(0.05):
+            time.sleep(1)
