@@ -206,34 +206,41 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 class _WeightedSwiGLU(torch.autograd.Function):
     """h = silu(g) * u * w for gu = [g | u] (N, 2F) and per-row routing weights w (N,).
 
-    The weight is applied on the F-wide activation and the backward writes both halves of the
-    gradient into one (N, 2F) buffer, in place where it can (timings: docs/moe.md).
+    The weight is applied on the F-wide activation; forward keeps sigmoid(g), silu(g) and silu(g) u
+    so backward needs no sigmoid and seven passes, writing both halves of the gradient into one
+    (N, 2F) buffer (timings: docs/moe.md). `weighted_swiglu_reference` is the plain-ops form.
     """
 
     @staticmethod
     def forward(ctx, gu, w):
         g, u = gu.chunk(2, dim=-1)
-        ctx.save_for_backward(gu, w)
-        return F.silu(g) * u * w[:, None]
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        h0 = silu * u
+        ctx.save_for_backward(gu, w, sig, silu, h0)
+        return h0 * w[:, None]
 
     @staticmethod
     def backward(ctx, dh):
-        gu, w = ctx.saved_tensors
+        gu, w, sig, silu, h0 = ctx.saved_tensors
         g, u = gu.chunk(2, dim=-1)
-        w_ = w[:, None]
-        sig = torch.sigmoid(g)
-        silu = g * sig
+        dw = torch.linalg.vecdot(dh, h0) if ctx.needs_input_grad[1] else None   # sum_f dh silu(g) u
+        dhw = dh * w[:, None]
         dgu = torch.empty_like(gu)
         dg, du = dgu.chunk(2, dim=-1)
-        torch.mul(dh, w_, out=du)
-        du.mul_(silu)                                          # du = dh w silu(g)
-        t = dh * u
-        dw = torch.linalg.vecdot(t, silu) if ctx.needs_input_grad[1] else None   # sum_f dh silu(g) u
-        torch.sub(g, silu, out=silu)                           # g (1 - s), reusing silu's buffer
-        torch.addcmul(sig, sig, silu, out=silu)                # d silu / dg = s (1 + g (1 - s))
-        torch.mul(t, w_, out=dg)
-        dg.mul_(silu)                                          # dg = dh u w silu'(g)
+        torch.mul(dhw, silu, out=du)                           # du = dh w silu(g)
+        d = torch.sub(g, silu)
+        torch.addcmul(sig, sig, d, out=d)                      # d silu / dg = s (1 + g - silu)
+        dhw.mul_(u)
+        torch.mul(dhw, d, out=dg)                              # dg = dh w u silu'(g)
         return dgu, dw
+
+
+def weighted_swiglu_reference(gu: Tensor, w: Tensor) -> Tensor:
+    """silu(g) * u * w in plain ops (autograd's backward): what `_WeightedSwiGLU` computes, and what
+    torch.compile fuses."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u * w[:, None]
 
 
 def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
@@ -244,8 +251,7 @@ def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
     the graph and buy nothing once fused).
     """
     if torch.compiler.is_compiling():
-        g, u = gu.chunk(2, dim=-1)
-        return F.silu(g) * u * w[:, None]
+        return weighted_swiglu_reference(gu, w)
     return _WeightedSwiGLU.apply(gu, w)
 
 
@@ -347,8 +353,9 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k                                    # source row of each sorted pair
         xc = x.to(compute_dtype(x))                                    # bf16 under autocast (see the docstring)
-        # index_select, not x[token]: its backward is an index_add, faster than indexing's index_put
-        y_sorted = self.experts(xc.index_select(0, token), counts, w.flatten()[order])  # (N*k, D), weighted
+        # index_select, not x[token] / w[order]: its backward is an index_add, faster than indexing's index_put
+        w_sorted = w.flatten().index_select(0, order)
+        y_sorted = self.experts(xc.index_select(0, token), counts, w_sorted)   # (N*k, D), weighted
         y = torch.zeros_like(x).index_add_(0, token, y_sorted.to(x.dtype))
         if self.n_shared:
             y = y + self.shared_experts(xc).to(x.dtype)
