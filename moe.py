@@ -206,33 +206,34 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 class _WeightedSwiGLU(torch.autograd.Function):
     """h = silu(g) * u * w for gu = [g | u] (N, 2F) and per-row routing weights w (N,).
 
-    The weight is applied on the F-wide activation; forward keeps sigmoid(g), silu(g) and silu(g) u
-    so backward needs no sigmoid and seven passes, writing both halves of the gradient into one
-    (N, 2F) buffer (timings: docs/moe.md). `weighted_swiglu_reference` is the plain-ops form.
+    The weight is applied on the F-wide activation and the backward writes both halves of the
+    gradient into one (N, 2F) buffer, in place where it can (timings: docs/moe.md);
+    `weighted_swiglu_reference` is the plain-ops form it is tested against.
     """
 
     @staticmethod
     def forward(ctx, gu, w):
         g, u = gu.chunk(2, dim=-1)
-        sig = torch.sigmoid(g)
-        silu = g * sig
-        h0 = silu * u
-        ctx.save_for_backward(gu, w, sig, silu, h0)
-        return h0 * w[:, None]
+        ctx.save_for_backward(gu, w)
+        return F.silu(g) * u * w[:, None]
 
     @staticmethod
     def backward(ctx, dh):
-        gu, w, sig, silu, h0 = ctx.saved_tensors
+        gu, w = ctx.saved_tensors
         g, u = gu.chunk(2, dim=-1)
-        dw = torch.linalg.vecdot(dh, h0) if ctx.needs_input_grad[1] else None   # sum_f dh silu(g) u
-        dhw = dh * w[:, None]
+        w_ = w[:, None]
+        sig = torch.sigmoid(g)
+        silu = g * sig
         dgu = torch.empty_like(gu)
         dg, du = dgu.chunk(2, dim=-1)
-        torch.mul(dhw, silu, out=du)                           # du = dh w silu(g)
-        d = torch.sub(g, silu)
-        torch.addcmul(sig, sig, d, out=d)                      # d silu / dg = s (1 + g - silu)
-        dhw.mul_(u)
-        torch.mul(dhw, d, out=dg)                              # dg = dh w u silu'(g)
+        torch.mul(dh, w_, out=du)
+        du.mul_(silu)                                          # du = dh w silu(g)
+        t = dh * u
+        dw = torch.linalg.vecdot(t, silu) if ctx.needs_input_grad[1] else None   # sum_f dh silu(g) u
+        torch.sub(g, silu, out=silu)                           # g (1 - s), reusing silu's buffer
+        torch.addcmul(sig, sig, silu, out=silu)                # d silu / dg = s (1 + g (1 - s))
+        torch.mul(t, w_, out=dg)
+        dg.mul_(silu)                                          # dg = dh u w silu'(g)
         return dgu, dw
 
 
