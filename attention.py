@@ -49,7 +49,7 @@ def rope_table(block_size: int, head_dim: int, theta: float) -> tuple[Tensor, Te
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, T, hd), cos/sin (T, hd) from rope_table: x cos + [x2 | x1] sin, three ops instead of
+    """x (B, H, T, hd), cos/sin (T, hd) from rope_table: x cos + [x2 | x1] sin, four ops instead of
     seven; bit-identical to `apply_rope_reference` (a + (-b) is a - b in IEEE arithmetic)."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)

@@ -336,7 +336,7 @@ def test_weighted_swiglu_matches_its_plain_ops_reference_values_and_grads(dtype)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_matches_its_reference_bit_for_bit(dtype):
-    """attention.apply_rope (x cos + [x2 | x1] sin, three ops) equals the obvious rotation of half pairs
+    """attention.apply_rope (x cos + [x2 | x1] sin, four ops) equals the obvious rotation of half pairs
     exactly, values and gradients, and a rotation keeps each pair's norm."""
     from attention import apply_rope, apply_rope_reference, rope_table
     cos, sin = rope_table(40, 22, 10000.0)
