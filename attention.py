@@ -5,7 +5,8 @@ half-split layout), grouped-query attention with `head_dim` independent of d_mod
 (budget matching changes head geometry), no biases, and document masking for packed contexts
 (SMELT 3.1: "segment-level attention masks").
 
-  * `rope_table`, `apply_rope`, `build_mask` (causal, same document, within a window).
+  * `rope_table`, `apply_rope` (beside `apply_rope_reference`), `build_mask` (causal, same document,
+    within a window).
   * `attention_kernel` picks the kernel of one call: SDPA with a boolean block-diagonal causal
     mask on CPU, flex attention with a block mask from the document ids on CUDA (it skips
     masked tiles) except for heads narrower than 16, which CUDA flex cannot run; "math" is the
@@ -40,15 +41,26 @@ if TYPE_CHECKING:   # annotations only: this file imports none of the project's 
 # Rotary embedding and attention kernels
 
 def rope_table(block_size: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """(cos, sin) rows (T, hd) in the full-width layout `apply_rope` reads: [cos | cos], [-sin | sin]."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     ang = torch.outer(torch.arange(block_size, dtype=torch.float32), inv)   # (T, hd/2)
-    return ang.cos(), ang.sin()
+    c, s = ang.cos(), ang.sin()
+    return torch.cat([c, c], dim=-1), torch.cat([-s, s], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, T, hd), cos/sin (T, hd/2): rotate (first half, second half) pairs (Llama layout)."""
+    """x (B, H, T, hd), cos/sin (T, hd) from rope_table: x cos + [x2 | x1] sin, four ops instead of
+    seven; bit-identical to `apply_rope_reference` (a + (-b) is a - b in IEEE arithmetic)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
+
+
+def apply_rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The obvious form: rotate (first half, second half) pairs (Llama layout) by the half tables."""
+    half = x.shape[-1] // 2
     x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[None, None], sin[None, None]
+    c, s = cos[None, None, :, :half], sin[None, None, :, half:]
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).type_as(x)
 
 

@@ -6,12 +6,14 @@ figure never depends on another machine's or run's timing; targets are printed b
           and gradient differences, and the time of each.
   steps   (CUDA) the compiled training step (train.Objective, model.compile_model) of a dense, an
           MoE, a SMELT and a PLT config: compile seconds, graphs, step time, host syncs, loss vs eager.
-  moe     MoE layer forward+backward (d_model 256, d_ff 128, 64 experts, top-8, 4096 tokens) on the
-          path training takes, against a dense SwiGLU of the same active FLOPs. Target: <= 1.5x dense.
+  moe     MoE layer fwd+bwd on the path training takes, against a dense SwiGLU of the same active
+          FLOPs; on CPU at the tiny ladder's own MoE (target <= 2x) and a small-like one (<= 1.5x).
   decode  batch-1 time per generated token: unlooped, sequential 2-loop and PLT 2-loop middle span.
           Target: PLT <= 1.15x unlooped; sequential near the executed-depth ratio.
   train   training tokens/s of a preset's matched Baseline / SMELT pair (configs.LADDERS; tiny on CPU,
           small on CUDA): time per token vs FLOP ratio (target: within 15 %); MFU on CUDA.
+  cells   every tiny cell's Baseline / SMELT training step side by side: tok/s, F ratio, time
+          ratio (target: within 10 %), its parts, and the MoE layers' cost above dense.
 Every figure goes to one JSON (--out-dir DIR: DIR/bench.json) as soon as it exists (flex after each dtype,
 steps after each config, the others when they finish), merged with keys already there; a failing benchmark
 leaves {"error": ...} beside its partial figures and the others still run (exit 1). --budget-s S: each
@@ -65,18 +67,24 @@ class DenseSwiGLU(nn.Module):
         return self.w_out(F.silu(g) * u)
 
 
-def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8) -> dict:
+def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8, clock=time.perf_counter) -> dict:
     """Median seconds per call of each fn, the fns taking turns (ABCABC...) so drift hits all alike."""
     times = {name: [] for name in fns}
     for i in range(warmup + iters):
         for name, fn in fns.items():
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             _sync(device)
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _clock(device):
+    """time.thread_time on one CPU thread (the work all runs on it, and other tenants' load does not count),
+    else wall time."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
 def _autocast(device):
@@ -84,7 +92,8 @@ def _autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8, iters=8) -> dict:
+def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8, iters=8, label="",
+              target=1.5) -> dict:
     """MoE layer fwd+bwd on the path training takes (fp32 modules; bf16 autocast on CUDA), beside dense."""
     torch.manual_seed(0)
     x = torch.randn(1, tokens, d_model, device=device, requires_grad=True)
@@ -102,8 +111,9 @@ def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8,
         return f
 
     dense = DenseSwiGLU(d_model, top_k * d_ff).to(device)
-    fns = {"dense": step(dense, False), "dense_compiled": step(torch.compile(dense, dynamic=False), False)}
+    fns = {"dense": step(dense, False)}
     if cuda:   # eager "auto" is torch._grouped_mm on Hopper / B200, the padded fallback elsewhere
+        fns["dense_compiled"] = step(torch.compile(dense, dynamic=False), False)
         fns["moe_auto"] = step(moe_layer("auto"), True)
         with _autocast(device):
             fused = moe_layer("auto").kernels(x) == ("torch", "torch")
@@ -111,32 +121,148 @@ def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8,
             fns["moe_torch_compiled"] = step(torch.compile(moe_layer("torch"), dynamic=False, fullgraph=True), True)
         fns["moe_padded_compiled"] = step(torch.compile(moe_layer("padded"), dynamic=False, fullgraph=True), True)
         fns["moe_loop"] = step(moe_layer("loop"), True)        # the pre-issue-15 GPU path: one sync per expert
-    else:      # eager loop: what CPU training runs; compiled padded: what torch.compile runs
+    else:      # eager loop: what CPU training runs (train.py does not compile on CPU); padded and reference beside
         fns["moe_loop"] = step(moe_layer("loop"), True)
-        fns["moe_padded_compiled"] = step(torch.compile(moe_layer("padded"), dynamic=False, fullgraph=True), True)
         fns["moe_padded"] = step(moe_layer("padded"), True)
         fns["moe_reference"] = step(moe_layer("reference"), True)
     t0 = time.perf_counter()
     for f in fns.values():    # compile and warm everything before timing
         f()
     warm_s = time.perf_counter() - t0
-    res = interleaved(fns, device, warmup=1, iters=iters)
+    res = interleaved(fns, device, warmup=1, iters=iters, clock=_clock(device))
     with _autocast(device):
         dt, auto = compute_dtype(x), "/".join(moe_layer("auto").kernels(x))
-    print(f"\nMoE fwd+bwd, {tokens} tokens, d_model {d_model}, d_ff {d_ff}, {n_experts} experts, top-{top_k} "
-          f"({device.type}, {'bf16 autocast' if cuda else 'fp32'}; experts compute in {dt}, eager 'auto' = {auto}):")
+    print(f"\nMoE fwd+bwd{' (' + label + ')' if label else ''}, {tokens} tokens, d_model {d_model}, d_ff {d_ff}, "
+          f"{n_experts} experts, top-{top_k} ({device.type}, {'bf16 autocast' if cuda else 'fp32'}, "
+          f"{torch.get_num_threads()} threads; experts compute in {dt}, eager 'auto' = {auto}):")
     for k, v in res.items():
         print(f"  {k:22s} {v * 1e3:8.2f} ms   {v / res['dense']:5.2f}x dense")
     main = "moe_auto" if cuda else "moe_loop"
-    ok = res[main] <= 1.5 * res["dense"]
-    print(f"  target: {main} <= 1.5x dense -> {'met' if ok else 'NOT met'}  (compile + warm-up {warm_s:.0f} s)")
+    ok = res[main] <= target * res["dense"]
+    print(f"  target: {main} <= {target}x dense -> {'met' if ok else 'NOT met'}  (compile + warm-up {warm_s:.0f} s)")
     out = {"ms": {k: v * 1e3 for k, v in res.items()}, "x_dense": {k: v / res["dense"] for k, v in res.items()},
            "compute_dtype": str(dt), "eager_auto_impl": auto, "warmup_and_compile_s": warm_s,
            "shape": dict(tokens=tokens, d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k),
-           "target_met": ok}
+           "threads": torch.get_num_threads(), "target_x_dense": target, "target_met": ok}
     if "moe_padded_compiled" in res:
         out["padded_compiled_vs_" + main] = res["moe_padded_compiled"] / res[main]
     return out
+
+
+def tiny_cells() -> list[dict]:
+    """The tiny preset's ladder cells as reproduce.py builds them (budget.ladder_cells at the prepared
+    tiny data's vocabulary and measured document length)."""
+    import budget
+    import data as data_mod
+    d = data_mod.TokenData(data_mod.default_data_dir("tiny"))
+    return budget.ladder_cells("tiny", budget.preset_doc_length("tiny", d), vocab_size=d.vocab_size)
+
+
+def bench_moe_shapes(device) -> dict:
+    """bench_moe at the tiny preset's own MoE (the ladder's most experts, 4 x 128 tokens; target 2x) and at a
+    small-like shape (4096 tokens, d 160, 32 experts of width 160, top-4; target 1.5x), on one CPU thread."""
+    if device.type == "cuda":
+        return {"default": bench_moe(device)}
+    cfg = max((ModelConfig.from_dict(c[a]) for c in tiny_cells() for a in ("baseline", "smelt")),
+              key=lambda c: c.n_experts)
+    with _threads(1):   # as reproduce.py's training workers
+        return {"tiny": bench_moe(device, 4 * cfg.block_size, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k,
+                                  iters=20, label="tiny ladder's largest pool", target=2.0),
+                "small": bench_moe(device, 4096, 160, 160, 32, 4, label="small-like", target=1.5)}
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _moe_vs_dense(cfg: ModelConfig, device, tokens: int) -> dict:
+    """fwd+bwd of one MoE layer of cfg's shape (its router losses included) and of the dense SwiGLU of
+    equal active FLOPs, for `interleaved`."""
+    torch.manual_seed(0)
+    moe = MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k).to(device)
+    dense = DenseSwiGLU(cfg.d_model, cfg.top_k * cfg.d_ff).to(device)
+    x = torch.randn(1, tokens, cfg.d_model, device=device, requires_grad=True)
+
+    def moe_step():
+        y, st = moe(x)
+        (y.square().mean() + st.aux_loss + st.z_loss).backward()
+    return {"moe": moe_step, "dense": lambda: dense(x).square().mean().backward()}
+
+
+def bench_cells(device, batch_size=4, steps=8) -> dict:
+    """Per tiny ladder cell, Baseline and SMELT training steps side by side (one thread on CPU, as
+    reproduce.py's workers): tok/s, the head-excluded F ratio of the match, the time ratio, and the
+    forward+backward and optimizer (clip + AdamW) parts apart. All eight models take turns each round."""
+    import data as data_mod
+    import train
+    cells = tiny_cells()
+    d = data_mod.TokenData(data_mod.default_data_dir("tiny"))
+    tc = train.TrainConfig()
+    T = cells[0]["baseline"]["block_size"]
+    runs, times = {}, {}
+    for c in cells:
+        for arch in ("baseline", "smelt"):
+            torch.manual_seed(0)
+            gpt = GPT(ModelConfig.from_dict(c[arch])).to(device)
+            runs[(c["scale"], c["sparsity_label"], arch)] = (gpt, train.Objective(gpt), train.make_optimizer(gpt, tc))
+    with _threads(1 if device.type == "cpu" else torch.get_num_threads()):
+        clock = _clock(device)
+        for i in range(2 + steps):                         # two warm-up rounds
+            idx, tgt, doc = (t.to(device) for t in d.train_batch(i, batch_size, T, seed=0))
+            for key, (gpt, obj, opt) in runs.items():
+                cfg = gpt.cfg
+                _sync(device)
+                t0 = clock()
+                ce, n, aux, z, _ = obj(idx, tgt, doc)
+                (ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z).backward()
+                _sync(device)
+                t1 = clock()
+                torch.nn.utils.clip_grad_norm_(gpt.parameters(), tc.grad_clip or float("inf"))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                _sync(device)
+                if i >= 2:
+                    times.setdefault(key, []).append((t1 - t0, clock() - t1))
+        layer = interleaved({(k, part): f for k, (gpt, _, _) in runs.items()
+                             for part, f in _moe_vs_dense(gpt.cfg, device, batch_size * T).items()},
+                            device, warmup=2, iters=steps, clock=clock)
+    med = {k: (statistics.median(a + b for a, b in v), statistics.median(a for a, _ in v),
+               statistics.median(b for _, b in v)) for k, v in times.items()}
+    # the MoE's cost above its dense equivalent, per step: (layer excess) x (MoE visits of the plan)
+    excess = {k: sum(v.mlp for v in gpt.plan) * (layer[(k, "moe")] - layer[(k, "dense")])
+              for k, (gpt, _, _) in runs.items()}
+    print(f"\nTiny cells, Baseline vs SMELT training step ({device.type}, batch {batch_size} x {T}, "
+          f"{'1 thread, thread CPU time' if device.type == 'cpu' else 'wall time'}, median of {steps} interleaved rounds):")
+    print(f"  {'cell':12s} {'base tok/s':>10s} {'SMELT tok/s':>11s} {'F ratio':>7s} {'time':>6s} {'time/F':>6s} "
+          f"{'fwd+bwd':>7s} {'optim':>6s} {'params':>6s} {'MoE@dense':>9s}")
+    res, tok = {}, batch_size * T
+    for c in cells:
+        b, s = med[(c["scale"], c["sparsity_label"], "baseline")], med[(c["scale"], c["sparsity_label"], "smelt")]
+        m = c["match"]
+        r = {"baseline_tok_s": tok / b[0], "smelt_tok_s": tok / s[0], "flops_ratio": m["flops_ratio"],
+             "time_ratio": s[0] / b[0], "fwd_bwd_ratio": s[1] / b[1], "optimizer_ratio": s[2] / b[2],
+             "params_ratio": m["params_ratio"], "optimizer_share_smelt": s[2] / s[0]}
+        kb, ks = (c["scale"], c["sparsity_label"], "baseline"), (c["scale"], c["sparsity_label"], "smelt")
+        r["moe_excess_s"] = {"baseline": excess[kb], "smelt": excess[ks]}
+        r["time_ratio_moe_at_dense_cost"] = (s[0] - excess[ks]) / (b[0] - excess[kb])
+        r["time_over_flops"] = r["time_ratio"] / r["flops_ratio"]
+        r["within_10_percent"] = abs(r["time_over_flops"] - 1) <= 0.10
+        name = f"{c['scale']} {c['sparsity_label']}"
+        res[name] = r
+        print(f"  {name:12s} {r['baseline_tok_s']:10.0f} {r['smelt_tok_s']:11.0f} {r['flops_ratio']:7.3f} "
+              f"{r['time_ratio']:6.3f} {r['time_over_flops']:6.3f} {r['fwd_bwd_ratio']:7.3f} "
+              f"{r['optimizer_ratio']:6.3f} {r['params_ratio']:6.3f} {r['time_ratio_moe_at_dense_cost']:9.3f}")
+    ok = all(r["within_10_percent"] for r in res.values())
+    print(f"  target: time ratio within 10 % of the F ratio in every cell -> {'met' if ok else 'NOT met'} "
+          f"(params: total-parameter ratio, which the optimizer's time follows; MoE@dense: the time ratio with "
+          f"every MoE visit at the cost of its equal-FLOP dense SwiGLU, measured beside)")
+    return {"cells": res, "batch_size": batch_size, "block_size": T, "target_met": ok}
 
 
 def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
@@ -429,10 +555,11 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None, deadline=
     return res
 
 
-BENCHMARKS = ("flex", "steps", "moe", "decode", "train")
+BENCHMARKS = ("flex", "steps", "moe", "decode", "train", "cells")
 # (cap, floor) seconds per benchmark under --budget-s: estimates for one H200 from a cold start (why each:
 # docs/gpu.md); a benchmark gets min(cap, what is left once the later ones' floors are set aside)
-LIMITS = {"flex": (110, 40), "steps": (190, 60), "train": (130, 50), "decode": (40, 15), "moe": (60, 20)}
+LIMITS = {"flex": (110, 40), "steps": (190, 60), "train": (130, 50), "decode": (40, 15), "moe": (60, 20),
+          "cells": (300, 60)}
 
 
 class BenchTimeout(Exception):
@@ -552,7 +679,8 @@ def main(argv=None) -> int:
         print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if cuda else ''}):")
         return bench_steps(device, save=save, deadline=deadline)
     runs = {"flex": lambda save, deadline: bench_flex(device, save), "steps": steps,
-            "moe": lambda save, deadline: bench_moe(device),
+            "moe": lambda save, deadline: bench_moe_shapes(device),
+            "cells": lambda save, deadline: bench_cells(device),
             "decode": lambda save, deadline: bench_decode(device, dtype),
             "train": lambda save, deadline: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
                                                         batch_size=args.train_batch or (32 if cuda else 8))}

@@ -207,7 +207,8 @@ class _WeightedSwiGLU(torch.autograd.Function):
     """h = silu(g) * u * w for gu = [g | u] (N, 2F) and per-row routing weights w (N,).
 
     The weight is applied on the F-wide activation and the backward writes both halves of the
-    gradient into one (N, 2F) buffer, in place where it can (timings: docs/moe.md).
+    gradient into one (N, 2F) buffer, in place where it can (timings: docs/moe.md);
+    `weighted_swiglu_reference` is the plain-ops form it is tested against.
     """
 
     @staticmethod
@@ -236,6 +237,13 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return dgu, dw
 
 
+def weighted_swiglu_reference(gu: Tensor, w: Tensor) -> Tensor:
+    """silu(g) * u * w in plain ops (autograd's backward): what `_WeightedSwiGLU` computes, and what
+    torch.compile fuses."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u * w[:, None]
+
+
 def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
     """silu(g) * u * w for gu = [g | u] (N, 2F), w (N,) -> (N, F).
 
@@ -244,8 +252,7 @@ def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
     the graph and buy nothing once fused).
     """
     if torch.compiler.is_compiling():
-        g, u = gu.chunk(2, dim=-1)
-        return F.silu(g) * u * w[:, None]
+        return weighted_swiglu_reference(gu, w)
     return _WeightedSwiGLU.apply(gu, w)
 
 
@@ -347,8 +354,9 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k                                    # source row of each sorted pair
         xc = x.to(compute_dtype(x))                                    # bf16 under autocast (see the docstring)
-        # index_select, not x[token]: its backward is an index_add, faster than indexing's index_put
-        y_sorted = self.experts(xc.index_select(0, token), counts, w.flatten()[order])  # (N*k, D), weighted
+        # index_select, not x[token] / w[order]: its backward is an index_add, faster than indexing's index_put
+        w_sorted = w.flatten().index_select(0, order)
+        y_sorted = self.experts(xc.index_select(0, token), counts, w_sorted)   # (N*k, D), weighted
         y = torch.zeros_like(x).index_add_(0, token, y_sorted.to(x.dtype))
         if self.n_shared:
             y = y + self.shared_experts(xc).to(x.dtype)
