@@ -17,6 +17,7 @@ train.py inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoin
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -44,7 +45,17 @@ TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps"
 
 
 class DivergenceError(RuntimeError):
-    """The loss or gradient norm became non-finite; the last checkpoint on disk is the last good one."""
+    """The loss or gradient norm became non-finite, or the loss far above a uniform guess's (`divergence_limit`);
+    the last checkpoint on disk is the last good one."""
+
+
+DIVERGENCE_MARGIN = 1.0   # nats above ln V (a uniform guess) that no healthy run reaches after its first steps
+DIVERGENCE_WINDOW = 3     # consecutive log rows above the limit that stop a run (one validation does)
+
+
+def divergence_limit(vocab_size: int) -> float:
+    """The loss a diverged run exceeds: ln V + DIVERGENCE_MARGIN nats (a uniform guess scores ln V)."""
+    return math.log(vocab_size) + DIVERGENCE_MARGIN
 
 
 # ----------------------------------------------------------------------------------------
@@ -185,6 +196,22 @@ class Checkpoints:
 
     def _last_good(self) -> str:
         return str(max(self.ckpt_dir.glob("*.pt"), key=os.path.getmtime, default="none (no checkpoint yet)"))
+
+    def _guard(self, step: int, branch: int | None, train_ce: float | None, val_loss: float | None) -> None:
+        """DivergenceError when the validation loss, or the training CE of DIVERGENCE_WINDOW consecutive log
+        rows, is above divergence_limit (a finite blow-up; non-finite ones stop in step and save)."""
+        limit = divergence_limit(self.model_cfg.vocab_size)
+        where = "stable run" if branch is None else f"branch {branch}"
+        if train_ce is not None:
+            self.high_logs = self.high_logs + 1 if not train_ce <= limit else 0
+        what = (f"validation loss {val_loss:.4g}" if val_loss is not None and not val_loss <= limit else
+                f"training CE {train_ce:.4g} for {self.high_logs} log rows in a row"
+                if self.high_logs >= DIVERGENCE_WINDOW else None)
+        if what:
+            raise DivergenceError(f"{self.meta.get('run', self.run_dir)}: diverged at optimizer step {step} of the "
+                                  f"{where}: {what}, above ln V + {DIVERGENCE_MARGIN:g} = {limit:.3f} (a uniform guess "
+                                  f"scores {limit - DIVERGENCE_MARGIN:.3f}); lower the learning rate. No results row "
+                                  f"was written; the last good checkpoint is {self._last_good()}")
 
     def _barrier(self) -> None:
         if self.d.world > 1:

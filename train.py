@@ -53,6 +53,7 @@ from checks import check_fields, from_dict, read_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 from runfiles import CheckpointError, RunLockedError, atomic_copy, file_digest, load_file, run_lock
+from validation import token_nll, val_loss_report
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
@@ -186,15 +187,18 @@ class Objective(nn.Module):
 
     Returns (summed cross-entropy over non-ignored targets, their count, load-balance loss,
     z-loss, tokens per expert (visits, E)). Summing lets the caller normalise by the global batch.
+    per_token=True (validation) returns the (B, T) per-token cross-entropy instead.
     """
 
     def __init__(self, gpt: GPT):
         super().__init__()
         self.gpt = gpt
 
-    def forward(self, idx: Tensor, targets: Tensor, doc_ids: Tensor | None):
+    def forward(self, idx: Tensor, targets: Tensor, doc_ids: Tensor | None, per_token: bool = False):
         out = self.gpt.run(idx, None, doc_ids)
         logits = out.logits.float()
+        if per_token:   # validation: (B, T) cross-entropy, 0 at ignored targets
+            return token_nll(logits, targets)
         ce_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="sum")
         load = (torch.stack([s.tokens_per_expert for _, s in out.router]) if out.router
                 else logits.new_zeros(0, 0))
@@ -253,27 +257,6 @@ def load_weights(path: str | Path) -> tuple[dict, dict]:
                 path = path / "ckpt.pt"
     ck = load_file(path)
     return ck["model"], json.loads(ck["meta"])
-
-
-# ----------------------------------------------------------------------------------------
-# Evaluation
-
-@torch.no_grad()
-def evaluate(objective: nn.Module, data, batch_size: int, block_size: int, max_tokens: int,
-             device: torch.device, autocast=contextlib.nullcontext) -> dict:
-    """Token-weighted validation cross-entropy: overall, by source and by domain (each source capped at max_tokens)."""
-    sums: dict[str, tuple[float, int]] = {}   # source -> (summed cross-entropy, target tokens)
-    for src in data.sources:
-        s, n = 0.0, 0
-        for idx, tgt, doc in data.val_batches(src, batch_size, block_size, max_tokens):
-            with autocast():
-                ce_sum, cnt, *_ = objective(idx.to(device), tgt.to(device), None if doc is None else doc.to(device))
-            s, n = s + float(ce_sum), n + int(cnt)
-        sums[src] = (s, n)
-
-    agg = data_mod.token_weighted(sums, data.domains)
-    return {"val_loss": agg["loss"], "val_tokens": agg["tokens"],
-            "val_loss_by_source": agg["by_source"], "val_loss_by_domain": agg["by_domain"]}
 
 
 # ----------------------------------------------------------------------------------------
@@ -423,6 +406,7 @@ class Trainer(Checkpoints):
         self.prefix = f"[{self.meta['run']}] " if self.meta.get("run") else ""   # names the run in every line
         self.at: tuple[int | None, int] | None = (None, 0)   # the state in memory: (branch or None, step)
         self.pending: list[int] = []                         # branches without a results row
+        self.high_logs = 0                                   # log rows in a row above divergence_limit
 
     # -- one optimizer step ------------------------------------------------------------------
     def _sync_context(self, last_micro: bool):
@@ -475,7 +459,7 @@ class Trainer(Checkpoints):
         return row
 
     # -- phases ------------------------------------------------------------------------------
-    def _log(self, done: int, end: int, branch: int | None, row: dict) -> None:
+    def _log(self, done: int, end: int, branch: int | None, row: dict, sync: bool = False) -> None:
         tc = self.tc
         self.steps_left -= 1
         self.ce_window.append(row["ce"])
@@ -494,9 +478,9 @@ class Trainer(Checkpoints):
         if self.peak:
             row["mfu"] = self.F_with_head * tps / (self.peak * self.d.world)
         if ev:
-            row["val_loss"] = self.evaluate()["val_loss"]
+            row["val_loss"] = self.evaluate()["loss"]
             self.win_t = time.perf_counter()   # evaluation time is not training throughput
-        self._append("metrics.jsonl", row)
+        self._append("metrics.jsonl", row, sync=sync)
         if self.d.rank == 0:
             name = "stable" if branch is None else f"decay@{branch}"
             mfu = f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else ""
@@ -505,12 +489,14 @@ class Trainer(Checkpoints):
             print(f"{self.prefix}{name} {done}/{end} | train ce {row['ce_mean']:.4f} | lr {row['lr']:.2e} | "
                   f"gnorm {row['grad_norm']:.2f}"
                   f" | {tps / 1e3:.1f}k tok/s{mfu}{val} | eta {int(eta // 60)}m{int(eta % 60):02d}s", flush=True)
+        self._guard(done, branch, row["ce_mean"], row.get("val_loss"))
 
     def _train(self, start: int, end: int, branch: int | None) -> None:
         """Optimizer steps start..end of the stable run (branch None) or of a branch. Saves a full checkpoint
         every ckpt_interval steps and at the end of a stable segment (a fork point); a branch's end is its
         weights-only endpoint. Superseded checkpoints are pruned after each save."""
         tc = self.tc
+        self.high_logs = 0   # consecutive log rows above the divergence limit (_guard)
         for step in range(start, end):
             t0 = time.perf_counter()
             data_step = step if branch is None else tc.stable_steps + (step - branch)
@@ -518,17 +504,19 @@ class Trainer(Checkpoints):
             self.wall += time.perf_counter() - t0
             done = step + 1
             kind = save_kind(tc, branch, done, end)
+            self._log(done, end, branch, row, sync=kind is not None)   # the row is on disk before its checkpoint
             if kind == "endpoint":
                 self.save_endpoint(branch, done)
             elif kind == "full":
                 self.save(branch, done)
                 self._prune(self.pending)
-            self._log(done, end, branch, row)
         self.at = (branch, end)
 
     def evaluate(self) -> dict:
-        return evaluate(self.objective, self.data, self.micro, self.tc.block_size, self.tc.eval_tokens,
-                        self.device, self.autocast)
+        """validation.val_loss_report through the (unwrapped) objective, micro-batches padded to one shape."""
+        return val_loss_report(lambda i, t, d: self.objective(i, t, d, per_token=True), self.data,
+                               self.tc.block_size, self.micro, self.tc.eval_tokens, device=self.device,
+                               autocast=self.autocast)
 
     def _result_row(self, branch: int, ev: dict) -> dict:
         cfg, tc, meta = self.model_cfg, self.tc, dict(self.meta)
@@ -544,8 +532,8 @@ class Trainer(Checkpoints):
                 "branch_step": branch, "D": D, "F": self.F, "F_with_head": self.F_with_head, "F_ctx": ctx,
                 "C": self.F * D,
                 "S": budget.sparsity(self.F, N, budget.flops_per_token(control, ctx), N0), "N": N,
-                "val_loss": ev["val_loss"], "val_loss_by_source": ev["val_loss_by_source"],
-                "val_loss_by_domain": ev["val_loss_by_domain"], "val_tokens": ev["val_tokens"],
+                "val_loss": ev["loss"], "val_loss_by_source": ev["by_source"], "val_loss_by_domain": ev["by_domain"],
+                "val_tokens": ev["tokens"], "val": json.loads(json.dumps(ev)),   # as it reads back (string keys)
                 "config": cfg.to_dict(), "control": control.to_dict(), "train": asdict(tc), "wall_s": self.wall}
 
     def run(self) -> list[dict]:
@@ -576,7 +564,9 @@ class Trainer(Checkpoints):
                 self._trim_metrics(b, step)
                 self.win_t, self.win_step = time.perf_counter(), step
                 self._train(step, end, b)
-            row = {**self._result_row(b, self.evaluate()),
+            ev = self.evaluate()
+            self._guard(end, b, None, ev["loss"])   # a diverged endpoint writes no results row
+            row = {**self._result_row(b, ev),
                    "endpoint": endpoint_path(Path("."), b).as_posix()}
             self._append("results.jsonl", row, sync=True)
             rows.append(row)
