@@ -48,11 +48,12 @@ import budget
 import cli
 import configs
 import data as data_mod
-from checkpoint import Checkpoints, DivergenceError, endpoint_path, logged, save_kind
+from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, load_weights,  # noqa: F401
+                        logged, refuse_unrunnable, save_kind)   # load_weights: train.load_weights, as before
 from checks import check_fields, from_dict, read_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
-from runfiles import CheckpointError, RunLockedError, atomic_copy, file_digest, load_file, run_lock
+from runfiles import run_lock
 from validation import token_nll, val_loss_report
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
@@ -65,6 +66,31 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def machine_settings(allocator: bool = False) -> dict:
+    """What this machine offers and what a run here uses (one line of the run's summary; reproduce.py may print
+    it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
+    allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
+    instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
+    on CPU (fast with AMX) changes the numbers, so fp32 stays the CPU default (measured: docs/train.md)."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    out = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in flags.split(),
+           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu_dtype": "fp32",
+           "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_") and "environment" or "default"}
+    if allocator and out["malloc"] == "default":
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+            libc = ctypes.CDLL(None)   # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3 (glibc malloc.h)
+            if libc.mallopt(-3, MALLOC_MMAP_BYTES) and libc.mallopt(-1, MALLOC_TRIM_BYTES):
+                out["malloc"] = f"mmap threshold {MALLOC_MMAP_BYTES >> 20} MiB, trim {MALLOC_TRIM_BYTES >> 20} MiB"
+    return out
+
+
+MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
 
 
 # Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
@@ -114,7 +140,7 @@ class TrainConfig:
 
     @property
     def branches(self) -> list[int]:
-        return sorted(set(self.branch_steps)) or [self.stable_steps]
+        return branches(self.branch_steps, self.stable_steps)
 
     def validate(self, world_size: int = 1) -> None:
         """Types and ranges of every field (run at construction with world_size 1; the Trainer re-runs it
@@ -149,6 +175,8 @@ class TrainConfig:
             bad(f"dist_backend must be auto|nccl|gloo|mpi|ucc, got {self.dist_backend!r}")
         if not self.out_dir:
             bad("out_dir must be a non-empty path")
+        if self.seed > 2**32 - 1:   # numpy's seed range
+            bad(f"seed must lie in [0, 2**32 - 1], got {self.seed}")
 
 
 
@@ -206,60 +234,6 @@ class Objective(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
-# A finished run's weights
-
-def _branches_of(run_dir: Path) -> list[int]:
-    return TrainConfig.from_dict(read_json(run_dir / "config.json", keys=("train",))["train"]).branches
-
-
-def export_final(run_dir: str | Path, branch: int | None = None) -> Path:
-    """RUN_DIR/ckpt.pt, a byte copy of the longest branch's endpoint (`branch`, default: the longest of
-    config.json's branches). Rebuilt when missing, corrupt or a copy of another endpoint; the endpoint
-    itself is checked first (CheckpointError if it is corrupt)."""
-    run = Path(run_dir)
-    b = max(_branches_of(run)) if branch is None else branch
-    src, dst = endpoint_path(run, b), run / "ckpt.pt"
-    want = file_digest(src)
-    if dst.exists():
-        try:
-            if file_digest(dst) == want:
-                return dst
-        except CheckpointError as e:
-            print(f"{e}: rebuilding it from {src}", flush=True)
-    atomic_copy(src, dst)
-    if file_digest(dst) != want:   # the source changed under us (it should not: one writer per run)
-        raise CheckpointError(f"{dst} does not match {src} after copying it")
-    return dst
-
-
-def load_weights(path: str | Path) -> tuple[dict, dict]:
-    """(GPT state_dict, meta) of a run directory (its ckpt.pt), an endpoint or a full training checkpoint,
-    content hash checked. meta is the checkpoint's JSON meta ("model": ModelConfig dict, "train", "branch",
-    "step", "tokens"). A run directory whose ckpt.pt is corrupt is served from the intact endpoint that
-    ckpt.pt copies, and ckpt.pt is rebuilt from it (unless a trainer holds the run's lock)."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "ckpt.pt").exists():
-            raise CheckpointError(f"{path} has no ckpt.pt: the run has not finished (train.py writes it last)")
-        try:
-            file_digest(path / "ckpt.pt")
-            path = path / "ckpt.pt"
-        except CheckpointError as e:
-            src = endpoint_path(path, max(_branches_of(path)))
-            try:
-                with run_lock(path):
-                    export_final(path)
-                print(f"{e}; rebuilt it from {src}", flush=True)
-            except RunLockedError:
-                print(f"{e}; reading {src} instead (a trainer holds the run's lock)", flush=True)
-                path = src
-            else:
-                path = path / "ckpt.pt"
-    ck = load_file(path)
-    return ck["model"], json.loads(ck["meta"])
-
-
-# ----------------------------------------------------------------------------------------
 # A corpus-free data source with TokenData's interface (tests, throughput runs)
 
 class SyntheticData:
@@ -286,6 +260,9 @@ class SyntheticData:
 
     def train_batch(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
                     world_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+        if not (batch_size > 0 and block_size > 0):
+            raise ValueError(f"SyntheticData.train_batch: batch_size and block_size must be > 0, got "
+                             f"{batch_size} and {block_size}")
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         rows = self._rows(gen, batch_size * world_size, block_size, 1.1)
         return tuple(t[rank * batch_size:(rank + 1) * batch_size] for t in rows)
@@ -372,6 +349,9 @@ class Trainer(Checkpoints):
                              f"{type(tc).__name__}")
         check_device(tc.device)
         self.d = init_distributed(tc)
+        if self.d.world == 1 and (tc.fsdp or tc.dist_backend != "auto"):   # would be silently ignored
+            raise ValueError(f"TrainConfig: {'fsdp=True' if tc.fsdp else f'dist_backend={tc.dist_backend!r}'} needs "
+                             f"torchrun (WORLD_SIZE > 1); run under torchrun or leave it out")
         tc = TrainConfig(**asdict(tc))
         tc.block_size = tc.block_size or model_cfg.block_size
         tc.validate(self.d.world)
@@ -385,6 +365,7 @@ class Trainer(Checkpoints):
         self.meta = dict(meta or {})
         self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
         self.device, self.autocast = select_device(tc, self.d)
+        refuse_unrunnable(model_cfg, tc, self.d.world, self.device)
         cuda = self.device.type == "cuda"
         torch.manual_seed(tc.seed)
         random.seed(tc.seed)
@@ -538,6 +519,9 @@ class Trainer(Checkpoints):
 
     def run(self) -> list[dict]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        ms = machine_settings(allocator=self.device.type == "cpu")   # measured faster, same numbers: docs/train.md
+        if self.d.rank == 0:
+            print(f"{self.prefix}machine: " + ", ".join(f"{k} {v}" for k, v in ms.items()), flush=True)
         with run_lock(self.run_dir) if self.d.rank == 0 else contextlib.nullcontext():
             return self._run()
 
