@@ -289,15 +289,19 @@ class Checkpoints:
         return str(max(self.ckpt_dir.glob("*.pt"), key=os.path.getmtime, default="none (no checkpoint yet)"))
 
     def _guard(self, step: int, branch: int | None, train_ce: float | None, val_loss: float | None) -> None:
-        """DivergenceError when the validation loss, or the training CE of DIVERGENCE_WINDOW consecutive log
-        rows, is above divergence_limit (a finite blow-up; non-finite ones stop in step and save)."""
+        """DivergenceError when the validation loss, or the training CE of this trajectory's last DIVERGENCE_WINDOW
+        log rows (self.trail, rebuilt from metrics.jsonl on resume), is above divergence_limit: a finite blow-up
+        (non-finite ones stop in step and save)."""
         limit = divergence_limit(self.model_cfg.vocab_size)
         where = "stable run" if branch is None else f"branch {branch}"
         if train_ce is not None:
-            self.high_logs = self.high_logs + 1 if not train_ce <= limit else 0
+            self.trail.append((branch, step, train_ce))
+        # this trajectory's last log rows: the stable run's up to the fork, then the branch's own
+        path = sorted((s, ce) for b, s, ce in self.trail if b == branch or (b is None and s <= branch))
+        last = [ce for _, ce in path[-DIVERGENCE_WINDOW:]] if train_ce is not None else []
         what = (f"validation loss {val_loss:.4g}" if val_loss is not None and not val_loss <= limit else
-                f"training CE {train_ce:.4g} for {self.high_logs} log rows in a row"
-                if self.high_logs >= DIVERGENCE_WINDOW else None)
+                f"training CE {', '.join(f'{ce:.4g}' for ce in last)} at the last {DIVERGENCE_WINDOW} log rows"
+                if len(last) == DIVERGENCE_WINDOW and not any(ce <= limit for ce in last) else None)
         if what:
             raise DivergenceError(f"{self.meta.get('run', self.run_dir)}: diverged at optimizer step {step} of the "
                                   f"{where}: {what}, above ln V + {DIVERGENCE_MARGIN:g} = {limit:.3f} (a uniform guess "
@@ -339,13 +343,13 @@ class Checkpoints:
         self._barrier()
 
     def _trim_metrics(self, branch: int | None, step: int) -> None:
-        """Before training a phase from `step`, drop its metrics rows logged after it (a crashed attempt's)."""
+        """Before training a phase from `step`, drop its metrics rows logged after it (a crashed attempt's), and
+        take the training CE of the rows kept as the divergence guard's history (every rank reads them)."""
         path = self.run_dir / "metrics.jsonl"
-        if self.d.rank != 0 or not path.exists():
-            return
-        rows = read_jsonl(path)
+        rows = read_jsonl(path) if path.exists() else []
         keep = [r for r in rows if not (r.get("branch") == branch and r.get("step", 0) > step)]
-        if len(keep) != len(rows):
+        self.trail = [(r.get("branch"), r["step"], r["ce_mean"]) for r in keep if "ce_mean" in r and "step" in r]
+        if self.d.rank == 0 and len(keep) != len(rows):
             atomic_write_text(path, "".join(jsonl_line(r) for r in keep))
 
     def _prune(self, pending: list[int]) -> None:

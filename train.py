@@ -387,7 +387,7 @@ class Trainer(Checkpoints):
         self.prefix = f"[{self.meta['run']}] " if self.meta.get("run") else ""   # names the run in every line
         self.at: tuple[int | None, int] | None = (None, 0)   # the state in memory: (branch or None, step)
         self.pending: list[int] = []                         # branches without a results row
-        self.high_logs = 0                                   # log rows in a row above divergence_limit
+        self.trail: list[tuple] = []                         # (branch, step, train CE) of logged rows (_guard)
 
     # -- one optimizer step ------------------------------------------------------------------
     def _sync_context(self, last_micro: bool):
@@ -477,7 +477,6 @@ class Trainer(Checkpoints):
         every ckpt_interval steps and at the end of a stable segment (a fork point); a branch's end is its
         weights-only endpoint. Superseded checkpoints are pruned after each save."""
         tc = self.tc
-        self.high_logs = 0   # consecutive log rows above the divergence limit (_guard)
         for step in range(start, end):
             t0 = time.perf_counter()
             data_step = step if branch is None else tc.stable_steps + (step - branch)
@@ -654,7 +653,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"{a.model_json or '--preset ' + a.preset}: {e}") from e
     meta = {k: getattr(a, k) for k in ("arch", "scale", "sparsity_label") if getattr(a, k) is not None}
     try:
-        return train(cfg, tc, data, tc.out_dir, meta)
+        try:   # what the Trainer refuses before training (memory, torchrun-only flags, numbers) is a bad flag too
+            trainer = Trainer(cfg, tc, data, tc.out_dir, meta)
+        except ValueError as e:
+            p.error(str(e))
+        return trainer.run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
