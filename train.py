@@ -8,13 +8,13 @@ SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stabl
              the learning rate to `min_lr_frac * lr` over `decay_steps` more steps (the same extra
              tokens for every branch). Decay step j of every branch reads training batch
              `stable_steps + j`: "fresh data not seen during the stable phase", the same for all branches.
-  results    each endpoint's validation cross-entropy (overall, per source, per domain) is appended to
+  results    each endpoint's validation report (validation.py: overall, source, domain, length) is appended to
              RUN_DIR/results.jsonl with D (tokens seen), F (budget.flops_per_token, no output head, at
              the measured document length), C = F*D, S (SMELT Eq. 1) and N: the points scaling.py fits
              L(F, S, D) to. "endpoint" names the branch's weights, endpoints/branch_XXXXXXX.pt.
 Cross-entropy is summed per micro-batch and divided by the global batch's target count, so the gradient
 does not depend on how the batch is split; weight decay applies to matrices only. A non-finite loss or
-gradient norm raises DivergenceError before the update.
+gradient norm raises DivergenceError before the update; so does a finite blow-up (checkpoint.divergence_limit).
 RUN_DIR also holds config.json, metrics.jsonl (one row per logged step), ckpt/ (resume points, only while
 the run is unfinished) and ckpt.pt (a copy of the longest branch's endpoint, what eval.py and probes.py
 load; `load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
