@@ -305,8 +305,8 @@ class Checkpoints:
         if what:
             raise DivergenceError(f"{self.meta.get('run', self.run_dir)}: diverged at optimizer step {step} of the "
                                   f"{where}: {what}, above ln V + {DIVERGENCE_MARGIN:g} = {limit:.3f} (a uniform guess "
-                                  f"scores {limit - DIVERGENCE_MARGIN:.3f}); lower the learning rate. No results row "
-                                  f"was written; the last good checkpoint is {self._last_good()}")
+                                  f"scores {limit - DIVERGENCE_MARGIN:.3f}); lower the learning rate. No results row is "
+                                  f"written for it; the last good checkpoint is {self._last_good()}")
 
     def _barrier(self) -> None:
         if self.d.world > 1:

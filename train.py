@@ -657,7 +657,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             trainer = Trainer(cfg, tc, data, tc.out_dir, meta)
         except ValueError as e:
             p.error(str(e))
-        return trainer.run()
+        try:
+            return trainer.run()
+        except DivergenceError as e:   # one line, exit status 1: the run's own verdict, not a crash
+            raise SystemExit(f"train.py: {e}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -89,6 +89,15 @@ def test_finite_blow_up_stops_with_no_results_row(tmp_path):
 
 
 @pytest.mark.fault("numerical")
+def test_cli_divergence_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit, match=r"^train\.py: .*diverged at optimizer step \d+ .*ln V \+ 1"):
+        T.main(["--preset", "smoke-dense", "--data", "synthetic", "--vocab-size", "64", "--lr", "30",
+                "--warmup-steps", "0", "--stable-steps", "6", "--decay-steps", "2", "--batch-size", "4",
+                "--block-size", "32", "--log-interval", "1", "--eval-tokens", "128", "--out-dir", str(tmp_path)])
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+@pytest.mark.fault("numerical")
 def test_guard_needs_a_sustained_window(finished):
     _, run = finished
     t = T.Trainer(tiny_model(), tiny_train(), T.SyntheticData(64), run)
