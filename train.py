@@ -424,19 +424,23 @@ class Trainer(Checkpoints):
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         if d.world > 1:
             dist.all_reduce(stats)
-        ce = float(stats[0]) / max(int(n_global), 1)
-        aux, z = float(stats[1]) / d.world, float(stats[2]) / d.world
+        balance = load is not None and load.numel()
+        load_max = ((lf := load.float()).max(1).values / lf.mean(1)).max() if balance else gn.new_zeros(())
+        # one host read for all the row and the guard need (each float() would be a sync); float64 holds each exactly
+        s, n, a, zz, g, lm = torch.stack([t.double() for t in (stats[0], n_global, stats[1], stats[2], gn,
+                                                               load_max)]).tolist()
+        ce = s / max(int(n), 1)
+        aux, z = a / d.world, zz / d.world
         row = {"lr": lr, "loss": ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z, "ce": ce, "aux": aux,
-               "z": z, "grad_norm": float(gn)}
+               "z": z, "grad_norm": g}
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             raise DivergenceError(f"non-finite loss {row['loss']} / grad norm {row['grad_norm']} at optimizer step "
                                   f"{step + 1} (lr {lr:.3g}); nothing was saved after it: the last good checkpoint "
                                   f"is {self._last_good()}")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if load is not None and load.numel():
-            load = load.float()
-            row["load_max"] = float((load.max(1).values / load.mean(1)).max())  # worst expert vs mean (1 = balanced)
+        if balance:
+            row["load_max"] = lm   # worst expert vs mean (1 = balanced)
         return row
 
     # -- phases ------------------------------------------------------------------------------
