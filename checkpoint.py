@@ -17,6 +17,7 @@ train.py inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoin
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -33,8 +34,8 @@ import budget
 import runfiles
 from checks import read_json
 from model import GPT, ModelConfig
-from runfiles import (CheckpointError, atomic_save, atomic_write_text, jsonl_line, load_file, read_jsonl,
-                      remove_stale_tmp, repair_torn_tail)
+from runfiles import (CheckpointError, RunLockedError, atomic_copy, atomic_save, atomic_write_text, file_digest,
+                      jsonl_line, load_file, read_jsonl, remove_stale_tmp, repair_torn_tail, run_lock)
 
 # `TrainConfig` in annotations is train.TrainConfig, not imported: train.py imports this module.
 
@@ -44,7 +45,17 @@ TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps"
 
 
 class DivergenceError(RuntimeError):
-    """The loss or gradient norm became non-finite; the last checkpoint on disk is the last good one."""
+    """The loss or gradient norm became non-finite, or the loss far above a uniform guess's (`divergence_limit`);
+    the last checkpoint on disk is the last good one."""
+
+
+DIVERGENCE_MARGIN = 1.0   # nats above ln V (a uniform guess) that no healthy run reaches after its first steps
+DIVERGENCE_WINDOW = 3     # consecutive log rows above the limit that stop a run (one validation does)
+
+
+def divergence_limit(vocab_size: int) -> float:
+    """The loss a diverged run exceeds: ln V + DIVERGENCE_MARGIN nats (a uniform guess scores ln V)."""
+    return math.log(vocab_size) + DIVERGENCE_MARGIN
 
 
 # ----------------------------------------------------------------------------------------
@@ -150,6 +161,97 @@ def needed_checkpoints(on_disk, pending) -> set[tuple[int | None, int]]:
     return keep
 
 
+def _intact_row(raw: bytes) -> bool:
+    """A JSON-lines row whose content matches its hash (re-hashing an intact row reproduces it byte for byte)."""
+    try:
+        text = raw.decode()
+        return runfiles.jsonl_line(json.loads(text)) == text + "\n"
+    except (ValueError, TypeError, AttributeError):   # not text, not JSON, not an object
+        return False
+
+
+def quarantine_damaged_rows(path: str | Path) -> list[int]:
+    """Move every row of a JSON-lines log that fails its hash (a flipped byte, a zero-filled block, a torn last
+    line) to PATH.damaged and keep the intact rows in order; print one line naming the file and the lines.
+    A log row cannot be recomputed, so nothing is deleted. Returns the damaged line numbers."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = list(enumerate(path.read_bytes().split(b"\n"), 1))
+    rows = [(n, raw) for n, raw in rows if raw]   # the piece after a final newline is empty
+    bad = [(n, raw) for n, raw in rows if not _intact_row(raw)]
+    if not bad:
+        if rows and not path.read_bytes().endswith(b"\n"):   # an intact last row that lost only its newline
+            atomic_write_text(path, "".join(raw.decode() + "\n" for _, raw in rows))
+        return []
+    with open(path.with_name(path.name + ".damaged"), "ab") as f:
+        f.write(b"".join(raw + b"\n" for _, raw in bad))
+    atomic_write_text(path, "".join(raw.decode() + "\n" for n, raw in rows if (n, raw) not in bad))
+    print(f"{path}: {len(bad)} damaged row(s) at line(s) {[n for n, _ in bad]} moved to {path.name}.damaged; "
+          f"{len(rows) - len(bad)} intact row(s) kept", flush=True)
+    return [n for n, _ in bad]
+
+
+# ----------------------------------------------------------------------------------------
+# A finished run's weights
+
+def branches(branch_steps: list[int], stable_steps: int) -> list[int]:
+    """The branch steps a run trains (TrainConfig.branches): its fork points, else one at stable_steps."""
+    return sorted(set(branch_steps)) or [stable_steps]
+
+
+def _branches_of(run_dir: Path) -> list[int]:
+    tc = read_json(run_dir / "config.json", keys=("train",))["train"]   # written by this module: validated
+    return branches(tc["branch_steps"], tc["stable_steps"])
+
+
+def export_final(run_dir: str | Path, branch: int | None = None) -> Path:
+    """RUN_DIR/ckpt.pt, a byte copy of the longest branch's endpoint (`branch`, default: the longest of
+    config.json's branches). Rebuilt when missing, corrupt or a copy of another endpoint; the endpoint
+    itself is checked first (CheckpointError if it is corrupt)."""
+    run = Path(run_dir)
+    b = max(_branches_of(run)) if branch is None else branch
+    src, dst = endpoint_path(run, b), run / "ckpt.pt"
+    want = file_digest(src)
+    if dst.exists():
+        try:
+            if file_digest(dst) == want:
+                return dst
+        except CheckpointError as e:
+            print(f"{e}: rebuilding it from {src}", flush=True)
+    atomic_copy(src, dst)
+    if file_digest(dst) != want:   # the source changed under us (it should not: one writer per run)
+        raise CheckpointError(f"{dst} does not match {src} after copying it")
+    return dst
+
+
+def load_weights(path: str | Path) -> tuple[dict, dict]:
+    """(GPT state_dict, meta) of a run directory (its ckpt.pt), an endpoint or a full training checkpoint,
+    content hash checked. meta is the checkpoint's JSON meta ("model": ModelConfig dict, "train", "branch",
+    "step", "tokens"). A run directory whose ckpt.pt is corrupt is served from the intact endpoint that
+    ckpt.pt copies, and ckpt.pt is rebuilt from it (unless a trainer holds the run's lock)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "ckpt.pt").exists():
+            raise CheckpointError(f"{path} has no ckpt.pt: the run has not finished (train.py writes it last)")
+        try:
+            file_digest(path / "ckpt.pt")
+            path = path / "ckpt.pt"
+        except CheckpointError as e:
+            src = endpoint_path(path, max(_branches_of(path)))
+            try:
+                with run_lock(path):
+                    export_final(path)
+                print(f"{e}; rebuilt it from {src}", flush=True)
+            except RunLockedError:
+                print(f"{e}; reading {src} instead (a trainer holds the run's lock)", flush=True)
+                path = src
+            else:
+                path = path / "ckpt.pt"
+    ck = load_file(path)
+    return ck["model"], json.loads(ck["meta"])
+
+
 # ----------------------------------------------------------------------------------------
 # The Trainer's side: naming, saving, loading and pruning its checkpoints, resuming
 
@@ -186,6 +288,26 @@ class Checkpoints:
     def _last_good(self) -> str:
         return str(max(self.ckpt_dir.glob("*.pt"), key=os.path.getmtime, default="none (no checkpoint yet)"))
 
+    def _guard(self, step: int, branch: int | None, train_ce: float | None, val_loss: float | None) -> None:
+        """DivergenceError when the validation loss, or the training CE of this trajectory's last DIVERGENCE_WINDOW
+        log rows (self.trail, rebuilt from metrics.jsonl on resume), is above divergence_limit: a finite blow-up
+        (non-finite ones stop in step and save)."""
+        limit = divergence_limit(self.model_cfg.vocab_size)
+        where = "stable run" if branch is None else f"branch {branch}"
+        if train_ce is not None:
+            self.trail.append((branch, step, train_ce))
+        # this trajectory's last log rows: the stable run's up to the fork, then the branch's own
+        path = sorted((s, ce) for b, s, ce in self.trail if b == branch or (b is None and s <= branch))
+        last = [ce for _, ce in path[-DIVERGENCE_WINDOW:]] if train_ce is not None else []
+        what = (f"validation loss {val_loss:.4g}" if val_loss is not None and not val_loss <= limit else
+                f"training CE {', '.join(f'{ce:.4g}' for ce in last)} at the last {DIVERGENCE_WINDOW} log rows"
+                if len(last) == DIVERGENCE_WINDOW and not any(ce <= limit for ce in last) else None)
+        if what:
+            raise DivergenceError(f"{self.meta.get('run', self.run_dir)}: diverged at optimizer step {step} of the "
+                                  f"{where}: {what}, above ln V + {DIVERGENCE_MARGIN:g} = {limit:.3f} (a uniform guess "
+                                  f"scores {limit - DIVERGENCE_MARGIN:.3f}); lower the learning rate. No results row is "
+                                  f"written for it; the last good checkpoint is {self._last_good()}")
+
     def _barrier(self) -> None:
         if self.d.world > 1:
             dist.barrier()
@@ -214,20 +336,20 @@ class Checkpoints:
             meta = {k: v for k, v in self.meta.items() if k != "control"}
             atomic_write_text(cfg_path, json.dumps({"model": self.model_cfg.to_dict(), "train": asdict(tc),
                                                     "data_dir": str(data_dir), "meta": meta}, indent=2))
-            for name in ("results.jsonl", "metrics.jsonl"):
-                repair_torn_tail(self.run_dir / name)
+            repair_torn_tail(self.run_dir / "results.jsonl")
+            quarantine_damaged_rows(self.run_dir / "metrics.jsonl")
             for d in (self.run_dir, self.ckpt_dir, self.run_dir / "endpoints"):   # a killed writer's temp files
                 remove_stale_tmp(d)
         self._barrier()
 
     def _trim_metrics(self, branch: int | None, step: int) -> None:
-        """Before training a phase from `step`, drop its metrics rows logged after it (a crashed attempt's)."""
+        """Before training a phase from `step`, drop its metrics rows logged after it (a crashed attempt's), and
+        take the training CE of the rows kept as the divergence guard's history (every rank reads them)."""
         path = self.run_dir / "metrics.jsonl"
-        if self.d.rank != 0 or not path.exists():
-            return
-        rows = read_jsonl(path)
+        rows = read_jsonl(path) if path.exists() else []
         keep = [r for r in rows if not (r.get("branch") == branch and r.get("step", 0) > step)]
-        if len(keep) != len(rows):
+        self.trail = [(r.get("branch"), r["step"], r["ce_mean"]) for r in keep if "ce_mean" in r and "step" in r]
+        if self.d.rank == 0 and len(keep) != len(rows):
             atomic_write_text(path, "".join(jsonl_line(r) for r in keep))
 
     def _prune(self, pending: list[int]) -> None:
@@ -489,6 +611,51 @@ def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int
     surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]
     return {"final": final, "peak": final + sum(surplus), "written": sum(e["written"] for e in ests),
             "runs": len(ests)}
+
+
+# ----------------------------------------------------------------------------------------
+# Memory and numbers: what a run cannot do, refused before it starts
+
+def memory_floor(model_cfg: ModelConfig, tc: TrainConfig, world: int = 1) -> int:
+    """A lower bound on the bytes one training step holds on each rank: the rank's batch (three int64 (B, T)
+    tensors) and one micro-batch's fp32 logits with their gradient (B/grad_accum, T, V). The real peak is higher."""
+    B, T = tc.batch_size // world, tc.block_size or model_cfg.block_size
+    return 3 * 8 * B * T + 2 * 4 * (B // tc.grad_accum) * T * model_cfg.vocab_size
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free bytes for a run on `device`: CUDA's free memory, else the OS's MemAvailable (None if unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def refuse_unrunnable(model_cfg: ModelConfig, tc: TrainConfig, world: int, device: torch.device) -> None:
+    """ValueError naming the field when a valid-looking config cannot train: a batch beyond memory
+    (memory_floor), a rotary table that is not finite (rope_theta too small), a loss coefficient that
+    overflows float32. Warns when a coefficient is valid but odd (> 1: it outweighs the LM loss)."""
+    from attention import rope_table
+    need, have = memory_floor(model_cfg, tc, world), available_memory(device)
+    if have is not None and need > have:
+        raise ValueError(f"TrainConfig: batch_size={tc.batch_size} needs at least {format_bytes(need)} per step "
+                         f"on {device} (the batch and one micro-batch's fp32 logits and gradient), more than the "
+                         f"{format_bytes(have)} available; lower batch_size or raise grad_accum")
+    if not all(bool(torch.isfinite(t).all()) for t in rope_table(model_cfg.block_size, model_cfg.hd,
+                                                                 model_cfg.rope_theta)):
+        raise ValueError(f"ModelConfig: rope_theta={model_cfg.rope_theta} makes the rotary angles non-finite in "
+                         f"float32 (NaN losses); use a theta >= 1 (10000 is usual)")
+    fmax = torch.finfo(torch.float32).max
+    for name, most in (("aux_loss_coef", max(1, model_cfg.n_experts * model_cfg.top_k)), ("z_loss_coef", 1)):
+        coef = getattr(model_cfg, name)
+        if coef * most >= fmax:   # the load-balance loss reaches E * top_k; any z-loss >= 1 would overflow
+            raise ValueError(f"ModelConfig: {name}={coef} overflows the float32 loss; use a value <= 1")
+        if coef > 1:
+            print(f"warning: ModelConfig {name}={coef} > 1: the router loss outweighs the language-model loss",
+                  flush=True)
 
 
 def format_bytes(n: float) -> str:

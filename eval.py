@@ -26,30 +26,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import checks
 import cli
 import data as data_mod
 import runfiles
 import tokenizer
+import validation
 from checks import JSONFileError
 from calibration import CALIBRATION_MIN_POINTS, calibration_report
 from eval_plots import plot_calibration, plot_shot_sweep
 from tasks import (GENERATED_TASKS, REAL_TASKS, check_int, evaluate_task, forward_logits, get_task, model_device,
                    resolve_tasks)
+from validation import length_bounds, length_bucket, segment_lengths, stored_report, token_nll  # noqa: F401
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
 FIT_FIELDS = ("demos_kept", "share_short", "share_cut")   # per task and k: the demonstrations that fit
@@ -62,71 +62,12 @@ def fit_label(k: int, demos_kept: float) -> str:
 
 # ================================================================ validation loss
 
-def length_bounds(block_size: int, n_buckets: int = 8) -> list[int]:
-    """Bucket upper bounds: powers of two ending at the first one >= block_size (32..4096 at 4096)."""
-    top = 1 << max(0, math.ceil(math.log2(block_size)))
-    return sorted({max(1, top >> i) for i in range(n_buckets)})
-
-
-def segment_lengths(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids -> (B, T) length of the run of equal ids (the document's segment) at each position."""
-    B, T = doc_ids.shape
-    start = torch.ones_like(doc_ids, dtype=torch.bool)
-    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    seg = start.long().cumsum(1) + torch.arange(B, device=doc_ids.device)[:, None] * (T + 1)
-    return torch.bincount(seg.flatten())[seg]
-
-
-def length_bucket(lengths: torch.Tensor, block_size: int, n_buckets: int = 8) -> torch.Tensor:
-    """Each length -> the smallest bucket bound >= it (longer than every bound -> the top bucket)."""
-    bounds = torch.tensor(length_bounds(block_size, n_buckets), device=lengths.device)
-    return bounds[torch.bucketize(lengths, bounds).clamp(max=len(bounds) - 1)]
-
-
-@torch.no_grad()
 def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
                     max_tokens_per_source: int | None = None, n_buckets: int = 8) -> dict:
-    """Token-weighted validation loss: overall, by source, by domain, by document-length bucket.
-
-    data: a data.TokenData (sources, domains, val_batches). Targets of -1 are ignored.
-    Returns {"loss", "loss_macro" (mean over sources), "tokens", "by_source", "by_domain",
-    "by_length": {bucket: loss}, "tokens_by_length", "length_from": "document" | "segment"}.
-    """
+    """validation.val_loss_report of a model (GPT or any module returning logits), in eval mode."""
     model.eval()
-    dev = model_device(model)
-    bounds = length_bounds(block_size, n_buckets)
-    src_sum, src_n = defaultdict(float), defaultdict(int)
-    len_sum, len_n = np.zeros(len(bounds)), np.zeros(len(bounds), dtype=np.int64)
-    length_from = "document"
-    for src in data.sources:
-        try:
-            batches = data.val_batches(src, batch_size, block_size, max_tokens_per_source, doc_lengths=True)
-        except TypeError:  # a TokenData without whole-document lengths: use segments from doc_ids
-            batches, length_from = data.val_batches(src, batch_size, block_size, max_tokens_per_source), "segment"
-        for batch in batches:
-            idx, targets, doc_ids = (t.to(dev) for t in batch[:3])
-            lengths = batch[3].to(dev) if len(batch) > 3 else segment_lengths(doc_ids)
-            logits = forward_logits(model, idx, doc_ids)
-            # flattened rows, not logits.transpose(1, 2): the same numbers, 6x faster on CPU (docs/eval.md)
-            nll = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(),
-                                  reduction="none").view(targets.shape)
-            valid = targets >= 0
-            src_sum[src] += float(nll[valid].sum())
-            src_n[src] += int(valid.sum())
-            which = torch.bucketize(lengths, torch.tensor(bounds, device=dev)).clamp(max=len(bounds) - 1)
-            len_sum += torch.bincount(which[valid], nll[valid].double(), len(bounds)).cpu().numpy()
-            len_n += torch.bincount(which[valid], minlength=len(bounds)).cpu().numpy()
-    agg = data_mod.token_weighted({s: (src_sum[s], src_n[s]) for s in src_n}, data.domains)
-    if not agg["tokens"]:
-        raise ValueError("no validation tokens: every source is empty or shorter than one context")
-    return {"loss": agg["loss"],
-            "loss_macro": float(np.mean(list(agg["by_source"].values()))),
-            "tokens": agg["tokens"],
-            "by_source": agg["by_source"],
-            "by_domain": agg["by_domain"],
-            "by_length": {b: float(len_sum[i] / len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
-            "tokens_by_length": {b: int(len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
-            "length_from": length_from}
+    return validation.val_loss_report(lambda i, t, d: token_nll(forward_logits(model, i, d), t), data, block_size,
+                                      batch_size, max_tokens_per_source, n_buckets, device=model_device(model))
 
 
 def normalised_shape(ref_by_length: dict, new_by_length: dict) -> dict[int, float]:
@@ -350,8 +291,9 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
             data = data_mod.TokenData(meta["data_dir"])
         except Exception as e:  # a moved or unbuilt dataset should not stop the task evaluation
             log(f"{label}: validation skipped: cannot open data_dir {meta['data_dir']!r}: {e}")
-    result["val"] = given or (val_loss_report(model, data, block, batch_size, val_tokens_per_source)
-                              if (val and data) else None)
+    stored = stored_report(meta["run_dir"], meta["branch_step"], data, block, val_tokens_per_source) if val else None
+    result["val"] = given or stored or (val_loss_report(model, data, block, batch_size, val_tokens_per_source)
+                                        if (val and data) else None)
     if result["val"] and given is None:
         log(f"{label}: val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens "
             f"({time.perf_counter() - t0:.1f} s)")

@@ -8,13 +8,13 @@ SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stabl
              the learning rate to `min_lr_frac * lr` over `decay_steps` more steps (the same extra
              tokens for every branch). Decay step j of every branch reads training batch
              `stable_steps + j`: "fresh data not seen during the stable phase", the same for all branches.
-  results    each endpoint's validation cross-entropy (overall, per source, per domain) is appended to
+  results    each endpoint's validation report (validation.py: overall, source, domain, length) is appended to
              RUN_DIR/results.jsonl with D (tokens seen), F (budget.flops_per_token, no output head, at
              the measured document length), C = F*D, S (SMELT Eq. 1) and N: the points scaling.py fits
              L(F, S, D) to. "endpoint" names the branch's weights, endpoints/branch_XXXXXXX.pt.
 Cross-entropy is summed per micro-batch and divided by the global batch's target count, so the gradient
 does not depend on how the batch is split; weight decay applies to matrices only. A non-finite loss or
-gradient norm raises DivergenceError before the update.
+gradient norm raises DivergenceError before the update; so does a finite blow-up (checkpoint.divergence_limit).
 RUN_DIR also holds config.json, metrics.jsonl (one row per logged step), ckpt/ (resume points, only while
 the run is unfinished) and ckpt.pt (a copy of the longest branch's endpoint, what eval.py and probes.py
 load; `load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
@@ -48,11 +48,13 @@ import budget
 import cli
 import configs
 import data as data_mod
-from checkpoint import Checkpoints, DivergenceError, endpoint_path, logged, save_kind
+from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, load_weights,  # noqa: F401
+                        logged, refuse_unrunnable, save_kind)   # load_weights: train.load_weights, as before
 from checks import check_fields, from_dict, read_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
-from runfiles import CheckpointError, RunLockedError, atomic_copy, file_digest, load_file, run_lock
+from runfiles import run_lock
+from validation import token_nll, val_loss_report
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
@@ -64,6 +66,31 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def machine_settings(allocator: bool = False) -> dict:
+    """What this machine offers and what a run here uses (one line of the run's summary; reproduce.py may print
+    it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
+    allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
+    instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
+    on CPU (fast with AMX) changes the numbers, so fp32 stays the CPU default (measured: docs/train.md)."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    out = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in flags.split(),
+           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu_dtype": "fp32",
+           "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_") and "environment" or "default"}
+    if allocator and out["malloc"] == "default":
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+            libc = ctypes.CDLL(None)   # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3 (glibc malloc.h)
+            if libc.mallopt(-3, MALLOC_MMAP_BYTES) and libc.mallopt(-1, MALLOC_TRIM_BYTES):
+                out["malloc"] = f"mmap threshold {MALLOC_MMAP_BYTES >> 20} MiB, trim {MALLOC_TRIM_BYTES >> 20} MiB"
+    return out
+
+
+MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
 
 
 # Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
@@ -113,7 +140,7 @@ class TrainConfig:
 
     @property
     def branches(self) -> list[int]:
-        return sorted(set(self.branch_steps)) or [self.stable_steps]
+        return branches(self.branch_steps, self.stable_steps)
 
     def validate(self, world_size: int = 1) -> None:
         """Types and ranges of every field (run at construction with world_size 1; the Trainer re-runs it
@@ -148,6 +175,8 @@ class TrainConfig:
             bad(f"dist_backend must be auto|nccl|gloo|mpi|ucc, got {self.dist_backend!r}")
         if not self.out_dir:
             bad("out_dir must be a non-empty path")
+        if self.seed > 2**32 - 1:   # numpy's seed range
+            bad(f"seed must lie in [0, 2**32 - 1], got {self.seed}")
 
 
 
@@ -186,94 +215,22 @@ class Objective(nn.Module):
 
     Returns (summed cross-entropy over non-ignored targets, their count, load-balance loss,
     z-loss, tokens per expert (visits, E)). Summing lets the caller normalise by the global batch.
+    per_token=True (validation) returns the (B, T) per-token cross-entropy instead.
     """
 
     def __init__(self, gpt: GPT):
         super().__init__()
         self.gpt = gpt
 
-    def forward(self, idx: Tensor, targets: Tensor, doc_ids: Tensor | None):
+    def forward(self, idx: Tensor, targets: Tensor, doc_ids: Tensor | None, per_token: bool = False):
         out = self.gpt.run(idx, None, doc_ids)
         logits = out.logits.float()
+        if per_token:   # validation: (B, T) cross-entropy, 0 at ignored targets
+            return token_nll(logits, targets)
         ce_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="sum")
         load = (torch.stack([s.tokens_per_expert for _, s in out.router]) if out.router
                 else logits.new_zeros(0, 0))
         return ce_sum, (targets != -1).sum(), out.aux_loss, out.z_loss, load
-
-
-# ----------------------------------------------------------------------------------------
-# A finished run's weights
-
-def _branches_of(run_dir: Path) -> list[int]:
-    return TrainConfig.from_dict(read_json(run_dir / "config.json", keys=("train",))["train"]).branches
-
-
-def export_final(run_dir: str | Path, branch: int | None = None) -> Path:
-    """RUN_DIR/ckpt.pt, a byte copy of the longest branch's endpoint (`branch`, default: the longest of
-    config.json's branches). Rebuilt when missing, corrupt or a copy of another endpoint; the endpoint
-    itself is checked first (CheckpointError if it is corrupt)."""
-    run = Path(run_dir)
-    b = max(_branches_of(run)) if branch is None else branch
-    src, dst = endpoint_path(run, b), run / "ckpt.pt"
-    want = file_digest(src)
-    if dst.exists():
-        try:
-            if file_digest(dst) == want:
-                return dst
-        except CheckpointError as e:
-            print(f"{e}: rebuilding it from {src}", flush=True)
-    atomic_copy(src, dst)
-    if file_digest(dst) != want:   # the source changed under us (it should not: one writer per run)
-        raise CheckpointError(f"{dst} does not match {src} after copying it")
-    return dst
-
-
-def load_weights(path: str | Path) -> tuple[dict, dict]:
-    """(GPT state_dict, meta) of a run directory (its ckpt.pt), an endpoint or a full training checkpoint,
-    content hash checked. meta is the checkpoint's JSON meta ("model": ModelConfig dict, "train", "branch",
-    "step", "tokens"). A run directory whose ckpt.pt is corrupt is served from the intact endpoint that
-    ckpt.pt copies, and ckpt.pt is rebuilt from it (unless a trainer holds the run's lock)."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "ckpt.pt").exists():
-            raise CheckpointError(f"{path} has no ckpt.pt: the run has not finished (train.py writes it last)")
-        try:
-            file_digest(path / "ckpt.pt")
-            path = path / "ckpt.pt"
-        except CheckpointError as e:
-            src = endpoint_path(path, max(_branches_of(path)))
-            try:
-                with run_lock(path):
-                    export_final(path)
-                print(f"{e}; rebuilt it from {src}", flush=True)
-            except RunLockedError:
-                print(f"{e}; reading {src} instead (a trainer holds the run's lock)", flush=True)
-                path = src
-            else:
-                path = path / "ckpt.pt"
-    ck = load_file(path)
-    return ck["model"], json.loads(ck["meta"])
-
-
-# ----------------------------------------------------------------------------------------
-# Evaluation
-
-@torch.no_grad()
-def evaluate(objective: nn.Module, data, batch_size: int, block_size: int, max_tokens: int,
-             device: torch.device, autocast=contextlib.nullcontext) -> dict:
-    """Token-weighted validation cross-entropy: overall, by source and by domain (each source capped at max_tokens)."""
-    sums: dict[str, tuple[float, int]] = {}   # source -> (summed cross-entropy, target tokens)
-    for src in data.sources:
-        s, n = 0.0, 0
-        for idx, tgt, doc in data.val_batches(src, batch_size, block_size, max_tokens):
-            with autocast():
-                ce_sum, cnt, *_ = objective(idx.to(device), tgt.to(device), None if doc is None else doc.to(device))
-            s, n = s + float(ce_sum), n + int(cnt)
-        sums[src] = (s, n)
-
-    agg = data_mod.token_weighted(sums, data.domains)
-    return {"val_loss": agg["loss"], "val_tokens": agg["tokens"],
-            "val_loss_by_source": agg["by_source"], "val_loss_by_domain": agg["by_domain"]}
 
 
 # ----------------------------------------------------------------------------------------
@@ -303,6 +260,9 @@ class SyntheticData:
 
     def train_batch(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
                     world_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+        if not (batch_size > 0 and block_size > 0):
+            raise ValueError(f"SyntheticData.train_batch: batch_size and block_size must be > 0, got "
+                             f"{batch_size} and {block_size}")
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         rows = self._rows(gen, batch_size * world_size, block_size, 1.1)
         return tuple(t[rank * batch_size:(rank + 1) * batch_size] for t in rows)
@@ -389,6 +349,9 @@ class Trainer(Checkpoints):
                              f"{type(tc).__name__}")
         check_device(tc.device)
         self.d = init_distributed(tc)
+        if self.d.world == 1 and (tc.fsdp or tc.dist_backend != "auto"):   # would be silently ignored
+            raise ValueError(f"TrainConfig: {'fsdp=True' if tc.fsdp else f'dist_backend={tc.dist_backend!r}'} needs "
+                             f"torchrun (WORLD_SIZE > 1); run under torchrun or leave it out")
         tc = TrainConfig(**asdict(tc))
         tc.block_size = tc.block_size or model_cfg.block_size
         tc.validate(self.d.world)
@@ -402,6 +365,7 @@ class Trainer(Checkpoints):
         self.meta = dict(meta or {})
         self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
         self.device, self.autocast = select_device(tc, self.d)
+        refuse_unrunnable(model_cfg, tc, self.d.world, self.device)
         cuda = self.device.type == "cuda"
         torch.manual_seed(tc.seed)
         random.seed(tc.seed)
@@ -423,6 +387,7 @@ class Trainer(Checkpoints):
         self.prefix = f"[{self.meta['run']}] " if self.meta.get("run") else ""   # names the run in every line
         self.at: tuple[int | None, int] | None = (None, 0)   # the state in memory: (branch or None, step)
         self.pending: list[int] = []                         # branches without a results row
+        self.trail: list[tuple] = []                         # (branch, step, train CE) of logged rows (_guard)
 
     # -- one optimizer step ------------------------------------------------------------------
     def _sync_context(self, last_micro: bool):
@@ -459,23 +424,27 @@ class Trainer(Checkpoints):
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         if d.world > 1:
             dist.all_reduce(stats)
-        ce = float(stats[0]) / max(int(n_global), 1)
-        aux, z = float(stats[1]) / d.world, float(stats[2]) / d.world
+        balance = load is not None and load.numel()
+        load_max = ((lf := load.float()).max(1).values / lf.mean(1)).max() if balance else gn.new_zeros(())
+        # one host read for all the row and the guard need (each float() would be a sync); float64 holds each exactly
+        s, n, a, zz, g, lm = torch.stack([t.double() for t in (stats[0], n_global, stats[1], stats[2], gn,
+                                                               load_max)]).tolist()
+        ce = s / max(int(n), 1)
+        aux, z = a / d.world, zz / d.world
         row = {"lr": lr, "loss": ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z, "ce": ce, "aux": aux,
-               "z": z, "grad_norm": float(gn)}
+               "z": z, "grad_norm": g}
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             raise DivergenceError(f"non-finite loss {row['loss']} / grad norm {row['grad_norm']} at optimizer step "
                                   f"{step + 1} (lr {lr:.3g}); nothing was saved after it: the last good checkpoint "
                                   f"is {self._last_good()}")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if load is not None and load.numel():
-            load = load.float()
-            row["load_max"] = float((load.max(1).values / load.mean(1)).max())  # worst expert vs mean (1 = balanced)
+        if balance:
+            row["load_max"] = lm   # worst expert vs mean (1 = balanced)
         return row
 
     # -- phases ------------------------------------------------------------------------------
-    def _log(self, done: int, end: int, branch: int | None, row: dict) -> None:
+    def _log(self, done: int, end: int, branch: int | None, row: dict, sync: bool = False) -> None:
         tc = self.tc
         self.steps_left -= 1
         self.ce_window.append(row["ce"])
@@ -494,9 +463,9 @@ class Trainer(Checkpoints):
         if self.peak:
             row["mfu"] = self.F_with_head * tps / (self.peak * self.d.world)
         if ev:
-            row["val_loss"] = self.evaluate()["val_loss"]
+            row["val_loss"] = self.evaluate()["loss"]
             self.win_t = time.perf_counter()   # evaluation time is not training throughput
-        self._append("metrics.jsonl", row)
+        self._append("metrics.jsonl", row, sync=sync)
         if self.d.rank == 0:
             name = "stable" if branch is None else f"decay@{branch}"
             mfu = f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else ""
@@ -505,6 +474,7 @@ class Trainer(Checkpoints):
             print(f"{self.prefix}{name} {done}/{end} | train ce {row['ce_mean']:.4f} | lr {row['lr']:.2e} | "
                   f"gnorm {row['grad_norm']:.2f}"
                   f" | {tps / 1e3:.1f}k tok/s{mfu}{val} | eta {int(eta // 60)}m{int(eta % 60):02d}s", flush=True)
+        self._guard(done, branch, row["ce_mean"], row.get("val_loss"))
 
     def _train(self, start: int, end: int, branch: int | None) -> None:
         """Optimizer steps start..end of the stable run (branch None) or of a branch. Saves a full checkpoint
@@ -518,17 +488,19 @@ class Trainer(Checkpoints):
             self.wall += time.perf_counter() - t0
             done = step + 1
             kind = save_kind(tc, branch, done, end)
+            self._log(done, end, branch, row, sync=kind is not None)   # the row is on disk before its checkpoint
             if kind == "endpoint":
                 self.save_endpoint(branch, done)
             elif kind == "full":
                 self.save(branch, done)
                 self._prune(self.pending)
-            self._log(done, end, branch, row)
         self.at = (branch, end)
 
     def evaluate(self) -> dict:
-        return evaluate(self.objective, self.data, self.micro, self.tc.block_size, self.tc.eval_tokens,
-                        self.device, self.autocast)
+        """validation.val_loss_report through the (unwrapped) objective, micro-batches padded to one shape."""
+        return val_loss_report(lambda i, t, d: self.objective(i, t, d, per_token=True), self.data,
+                               self.tc.block_size, self.micro, self.tc.eval_tokens, device=self.device,
+                               autocast=self.autocast)
 
     def _result_row(self, branch: int, ev: dict) -> dict:
         cfg, tc, meta = self.model_cfg, self.tc, dict(self.meta)
@@ -544,12 +516,15 @@ class Trainer(Checkpoints):
                 "branch_step": branch, "D": D, "F": self.F, "F_with_head": self.F_with_head, "F_ctx": ctx,
                 "C": self.F * D,
                 "S": budget.sparsity(self.F, N, budget.flops_per_token(control, ctx), N0), "N": N,
-                "val_loss": ev["val_loss"], "val_loss_by_source": ev["val_loss_by_source"],
-                "val_loss_by_domain": ev["val_loss_by_domain"], "val_tokens": ev["val_tokens"],
+                "val_loss": ev["loss"], "val_loss_by_source": ev["by_source"], "val_loss_by_domain": ev["by_domain"],
+                "val_tokens": ev["tokens"], "val": json.loads(json.dumps(ev)),   # as it reads back (string keys)
                 "config": cfg.to_dict(), "control": control.to_dict(), "train": asdict(tc), "wall_s": self.wall}
 
     def run(self) -> list[dict]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        ms = machine_settings(allocator=self.device.type == "cpu")   # measured faster, same numbers: docs/train.md
+        if self.d.rank == 0:
+            print(f"{self.prefix}machine: " + ", ".join(f"{k} {v}" for k, v in ms.items()), flush=True)
         with run_lock(self.run_dir) if self.d.rank == 0 else contextlib.nullcontext():
             return self._run()
 
@@ -576,7 +551,9 @@ class Trainer(Checkpoints):
                 self._trim_metrics(b, step)
                 self.win_t, self.win_step = time.perf_counter(), step
                 self._train(step, end, b)
-            row = {**self._result_row(b, self.evaluate()),
+            ev = self.evaluate()
+            self._guard(end, b, None, ev["loss"])   # a diverged endpoint writes no results row
+            row = {**self._result_row(b, ev),
                    "endpoint": endpoint_path(Path("."), b).as_posix()}
             self._append("results.jsonl", row, sync=True)
             rows.append(row)
@@ -680,7 +657,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"{a.model_json or '--preset ' + a.preset}: {e}") from e
     meta = {k: getattr(a, k) for k in ("arch", "scale", "sparsity_label") if getattr(a, k) is not None}
     try:
-        return train(cfg, tc, data, tc.out_dir, meta)
+        try:   # what the Trainer refuses before training (memory, torchrun-only flags, numbers) is a bad flag too
+            trainer = Trainer(cfg, tc, data, tc.out_dir, meta)
+        except ValueError as e:
+            p.error(str(e))
+        try:
+            return trainer.run()
+        except DivergenceError as e:   # one line, exit status 1: the run's own verdict, not a crash
+            raise SystemExit(f"train.py: {e}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
