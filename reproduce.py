@@ -456,6 +456,13 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
     runtime = {"jobs": jobs, "threads_per_worker": 1 if jobs > 1 else torch.get_num_threads(),
                "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    import train as train_mod
+    ms = train_mod.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
+    runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], cpu_dtype=ms["cpu_dtype"],
+                   malloc="per worker: " + ("environment" if ms["malloc"] == "environment" else
+                                            f"mmap threshold {train_mod.MALLOC_MMAP_BYTES >> 20} MiB, "
+                                            f"trim {train_mod.MALLOC_TRIM_BYTES >> 20} MiB")
+                   if runtime["device"] == "cpu" else ms["malloc"])
     log("runtime: " + ", ".join(f"{k} {v}" for k, v in runtime.items()))
     check_disk(plan, ladder, out, jobs)
     rows = timed("train", stage_train, plan, ladder, data, out, jobs)
