@@ -86,7 +86,8 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
     "tiny": dict(scales=TINY_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=4096, block=128,
                  data="tiny", search=TINY_SEARCH),
     # small: d 128-192 so that every run's three fp32 endpoints (and ckpt.pt, their copy) fit 10 GB in all
-    # and a run's ~30M tokens (the small corpus holds ~20M) give 5-25 tokens per dense-equivalent parameter;
+    # and a run's 23M tokens (16.1M of them distinct: under one pass over the small corpus) give about
+    # 4-18 tokens per dense-equivalent parameter;
     # medium: d 256-512 (3.4B parameters over its runs, ~100 GB of endpoints)
     "small": dict(scales=SMALL_SCALES, pools=GPU_POOLS, top_k=8, vocab=16384, block=1024, data="small",
                   search=GPU_SEARCH),
@@ -107,10 +108,18 @@ class DataPreset:
     tokens_per_domain: int      # train + validation tokens aimed for in each domain
     val_tokens_per_source: int  # held-out tokens per source (whole documents, at most 1/10 of them)
     offline: bool               # only sources that need no download (stdlib, generated)
+    domains: int = 5            # domains it fills (offline: code and math only)
+
+    @property
+    def planned_tokens(self) -> int:
+        """Train + validation tokens aimed for: an upper bound of the training stream (data.prepare
+        holds out validation documents; a short domain passes nothing on)."""
+        return self.tokens_per_domain * self.domains
 
 
 DATA_PRESETS = {
-    "smoke": DataPreset(vocab_size=512, tokens_per_domain=150_000, val_tokens_per_source=4_096, offline=True),
+    "smoke": DataPreset(vocab_size=512, tokens_per_domain=150_000, val_tokens_per_source=4_096, offline=True,
+                        domains=2),
     "tiny": DataPreset(vocab_size=4096, tokens_per_domain=1_000_000, val_tokens_per_source=16_384, offline=False),
     # small: ~20M tokens = 40 MB of uint16 shards, so a prepared set can be carried to a GPU box.
     "small": DataPreset(vocab_size=16384, tokens_per_domain=4_000_000, val_tokens_per_source=32_768, offline=False),
@@ -169,10 +178,12 @@ PLANS = {
                  tasks=("generated", "qa_wikidata", "dyck_languages", "cs_algorithms", "operators",
                         "repeat_copy_logic"), shots=(0, 2, 8), seeds=2, max_items=12, bootstrap=40,
                  probe_tokens=4096, repeat=("t64", "S~85%"), train_seeds=3, eval_interval=750),
+    # small: no repeated data (SMELT 3.1): the stable phase and the decay window every branch shares read
+    # (420 + 70) x 32 x 1024 = 16.1M tokens, 0.80 of the planned 20M, 0.85 of the 18.8M measured (plan_epochs)
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
-                  stable_steps=600, branch_steps=[100, 300, 600], decay_steps=100, eval_tokens=32768,
+                  stable_steps=420, branch_steps=[70, 210, 420], decay_steps=70, eval_tokens=32768,
                   seeds=5, max_items=100, bootstrap=1000, probe_tokens=32768, repeat=("s128", "S~85%"),
-                  train_seeds=3, eval_interval=150),
+                  train_seeds=3, eval_interval=140),
     "medium": Plan(data="small", ladder="medium", block_size=1024, batch_size=64, lr=2e-3, warmup_steps=100,
                    stable_steps=4000, branch_steps=[500, 1000, 2000, 4000], decay_steps=400, eval_tokens=65536,
                    shots=(0, 1, 2, 4, 8, 16, 32), seeds=10, max_items=200, bootstrap=2000, probe_tokens=65536,
@@ -182,6 +193,17 @@ PLANS = {
                   decay_steps=9537, eval_tokens=1 << 20, shots=(0, 1, 2, 4, 8, 16, 32), seeds=10,
                   max_items=None, bootstrap=2000, probe_tokens=1 << 20),
 }
+
+
+def plan_epochs(plan: Plan, train_tokens: int | None = None) -> float:
+    """Passes over its data's training stream that one run of `plan` reads: the stable phase, then the
+    decay window every branch reads after it (train.py: data step stable_steps + k, fresh data), i.e.
+    (stable_steps + decay_steps) x batch_size x block_size tokens / train_tokens (default: the data
+    preset's planned_tokens, so a lower bound; pass the prepared data's manifest "train_tokens")."""
+    total = data_preset(plan.data).planned_tokens if train_tokens is None else train_tokens
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+        raise ValueError(f"plan_epochs: train_tokens must be a positive int, got {train_tokens!r}")
+    return (plan.stable_steps + plan.decay_steps) * plan.batch_size * plan.block_size / total
 
 
 # ----------------------------------------------------------------------------------------
