@@ -17,7 +17,7 @@ and searches the looped configuration that matches them.
   * kv_bytes_per_token: 2 * n_kv_head * head_dim * bytes per executed attention visit.
   * sparsity: SMELT Eq. 1, S = 1 - (F/F0) N0/N against the fully-active control (`dense_control`).
   * match: keep depth, top_k, the loop and the shared experts; search d_model, d_ff and heads (numpy
-    grid, experts solved in closed form) for the least max(|F-1|/4%, |N-1|/1%, |KV-1|/4%).
+    grid, experts solved in closed form) for the least `mismatch`: F in [1, 1.04], N +-1 %, KV +-4 %.
   * ladder_cells / ladder: Baseline and matched SMELT (r passes over the middle span) per preset cell.
 
 Formulas in full, conventions and measured figures: docs/budget.md. Read before: model.py, loop.py,
@@ -327,7 +327,7 @@ SEARCH_DEFAULTS = dict(
     n_kv_heads=None,         # explicit n_kv_head candidates (default 1 .. 2 * Baseline's)
     expert_multiple=1,       # expert count alignment
     tolerances=None,         # {"flops", "params", "kv"} (default SMELT's 4 %, 1 %, 4 %)
-    resolution=0.1,          # worst mismatches this close (in tolerances) count as ties
+    resolution=0.1,          # worst mismatches this close (in half-bands, `mismatch`) count as ties
     include_head=None,       # count the output head in FLOPs (None: the convention's choice; SMELT: no)
     min_head_dim=16,         # CUDA flex attention needs head_dim >= 16 (inductor: "NYI ... at least 16")
     convention="smelt",

@@ -86,8 +86,8 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
     "tiny": dict(scales=TINY_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=4096, block=128,
                  data="tiny", search=TINY_SEARCH),
     # small: d 128-192 so that every run's three fp32 endpoints (and ckpt.pt, their copy) fit 10 GB in all
-    # and a run's 23M tokens (16.1M of them distinct: under one pass over the small corpus) give about
-    # 4-18 tokens per dense-equivalent parameter;
+    # and a run's 20.6M tokens (16.1M of them distinct: under one pass over the small corpus) give
+    # 3.5-12 tokens per dense-equivalent parameter at the final endpoints;
     # medium: d 256-512 (3.4B parameters over its runs, ~100 GB of endpoints)
     "small": dict(scales=SMALL_SCALES, pools=GPU_POOLS, top_k=8, vocab=16384, block=1024, data="small",
                   search=GPU_SEARCH),
@@ -112,8 +112,8 @@ class DataPreset:
 
     @property
     def planned_tokens(self) -> int:
-        """Train + validation tokens aimed for: an upper bound of the training stream (data.prepare
-        holds out validation documents; a short domain passes nothing on)."""
+        """Train + validation tokens aimed for; the training stream differs (measured: smoke 300,347 as
+        whole documents overshoot, tiny 4.42M of 5M as validation is held out)."""
         return self.tokens_per_domain * self.domains
 
 
@@ -199,7 +199,7 @@ def plan_epochs(plan: Plan, train_tokens: int | None = None) -> float:
     """Passes over its data's training stream that one run of `plan` reads: the stable phase, then the
     decay window every branch reads after it (train.py: data step stable_steps + k, fresh data), i.e.
     (stable_steps + decay_steps) x batch_size x block_size tokens / train_tokens (default: the data
-    preset's planned_tokens, so a lower bound; pass the prepared data's manifest "train_tokens")."""
+    preset's planned_tokens; pass the prepared data's manifest "train_tokens" for the measured figure)."""
     total = data_preset(plan.data).planned_tokens if train_tokens is None else train_tokens
     if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
         raise ValueError(f"plan_epochs: train_tokens must be a positive int, got {train_tokens!r}")
