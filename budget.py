@@ -17,7 +17,7 @@ and searches the looped configuration that matches them.
   * kv_bytes_per_token: 2 * n_kv_head * head_dim * bytes per executed attention visit.
   * sparsity: SMELT Eq. 1, S = 1 - (F/F0) N0/N against the fully-active control (`dense_control`).
   * match: keep depth, top_k, the loop and the shared experts; search d_model, d_ff and heads (numpy
-    grid, experts solved in closed form) for the least max(|F-1|/4%, |N-1|/1%, |KV-1|/4%).
+    grid, experts solved in closed form) for the least `mismatch`: F in [1, 1.04], N +-1 %, KV +-4 %.
   * ladder_cells / ladder: Baseline and matched SMELT (r passes over the middle span) per preset cell.
 
 Formulas in full, conventions and measured figures: docs/budget.md. Read before: model.py, loop.py,
@@ -43,7 +43,7 @@ from loop import LoopConfig, middle_span
 from model import ModelConfig
 
 CONVENTIONS = ("smelt", "howtoloop")
-TOLERANCES = {"flops": 0.04, "params": 0.01, "kv": 0.04}   # SMELT Table 3.2
+TOLERANCES = {"flops": 0.04, "params": 0.01, "kv": 0.04}   # SMELT Table 3.2 (F one-sided: tolerance_bands)
 
 
 # ----------------------------------------------------------------------------------------
@@ -201,9 +201,30 @@ def _flops(p: Plan, ctx: float, convention: str, include_head: bool, d, nh, nkv,
 
 def _kv_slots(p: Plan, ctx: float | None) -> float:
     """Cached (key, value) positions per token, summed over attention visits."""
-    if not p.window:
-        return p.attn_visits
-    return p.attn_visits - p.window_layers * (p.n_loops - 1) * (1 - min(p.window, ctx) / ctx)
+    later = p.window_layers * (p.n_loops - 1) * (1 - min(p.window, ctx) / ctx) if p.window else 0
+    return p.attn_visits - later
+
+
+# ----------------------------------------------------------------------------------------
+# The tolerance check (SMELT Table 3.2)
+
+def tolerance_bands(tolerances: dict | None = None) -> dict:
+    """{"flops", "params", "kv"}: (lo, hi) of each SMELT / Baseline ratio. F: [1, 1 + tol], never less compute
+    than the Baseline (every Appendix A SMELT has F ratio 1.000-1.081); N, KV: [1 - tol, 1 + tol]."""
+    tol = {**TOLERANCES, **(tolerances or {})}
+    return {k: (1.0 if k == "flops" else 1.0 - t, 1.0 + t) for k, t in tol.items()}
+
+
+def mismatch(flops_ratio, params_ratio, kv_ratio, tolerances: dict | None = None):
+    """The worst ratio's distance from its band's centre in half-bands (<= 1: within); scalars or arrays."""
+    x = {"flops": flops_ratio, "params": params_ratio, "kv": kv_ratio}
+    return np.maximum.reduce([np.abs(np.asarray(x[k], dtype=float) - (lo + hi) / 2) / ((hi - lo) / 2)
+                              for k, (lo, hi) in tolerance_bands(tolerances).items()])
+
+
+def within_tolerance(flops_ratio, params_ratio, kv_ratio, tolerances: dict | None = None) -> bool:
+    """Whether all three ratios lie in tolerance_bands: the one check of matcher, ladder, results and tests."""
+    return bool(mismatch(flops_ratio, params_ratio, kv_ratio, tolerances) <= 1 + 1e-9)
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,19 +259,15 @@ def _head_default(convention: str, include_head: bool | None) -> bool:
     """Each paper's own convention: SMELT's F leaves the output head out, How-to-Loop's counts it."""
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
-    if include_head is None:
-        return convention == "howtoloop"
-    if not isinstance(include_head, bool):
+    if include_head is not None and not isinstance(include_head, bool):
         raise ValueError(f"include_head must be True, False or None, got {include_head!r}")
-    return include_head
+    return convention == "howtoloop" if include_head is None else include_head
 
 
 def flops_per_token(cfg: ModelConfig, ctx_len: float, convention: str = "smelt",
                     include_head: bool | None = None) -> float:
-    """Training FLOPs per token at document length ctx_len (see the module docstring).
-
-    include_head None: the convention's own choice (SMELT: no head; How-to-Loop: head counted).
-    """
+    """Training FLOPs per token at document length ctx_len (see the module docstring). include_head
+    None: the convention's own choice (SMELT: no head; How-to-Loop: head counted)."""
     _check_cfg(cfg)
     _check_ctx(cfg, ctx_len)
     head = _head_default(convention, include_head)
@@ -258,11 +275,8 @@ def flops_per_token(cfg: ModelConfig, ctx_len: float, convention: str = "smelt",
 
 
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, ctx_len: float | None = None):
-    """KV-cache bytes per token: 2 * n_kv_head * head_dim * bytes per executed attention visit.
-
-    With PLT KV sharing (kv_window > 0) later loops keep rings of w slots whose cost per token
-    depends on the context: pass ctx_len (the cache length), and a float is returned.
-    """
+    """KV-cache bytes per token: 2 * n_kv_head * head_dim * bytes per executed attention visit. With PLT
+    KV sharing (kv_window > 0) later loops keep rings of w slots: pass ctx_len (the cache length); a float."""
     _check_cfg(cfg)
     if isinstance(bytes_per_elem, bool) or not isinstance(bytes_per_elem, int) or bytes_per_elem <= 0:
         raise ValueError(f"bytes_per_elem must be a positive int, got {bytes_per_elem!r}")
@@ -272,15 +286,13 @@ def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, ctx_len: float
             raise ValueError("kv_bytes_per_token: loop.kv_window > 0 amortises each later loop's window "
                              "over the context; pass ctx_len (the cache length in tokens)")
         _check_ctx(cfg, ctx_len)
-        return 2 * cfg.n_kv_head * cfg.hd * bytes_per_elem * _kv_slots(p, ctx_len)
-    return 2 * cfg.n_kv_head * cfg.hd * bytes_per_elem * p.attn_visits
+    return 2 * cfg.n_kv_head * cfg.hd * bytes_per_elem * _kv_slots(p, ctx_len)
 
 
 def sparsity(F: float, N: float, F0: float, N0: float) -> float:
     """SMELT Eq. 1: N_act^eq = (F/F0) N0, S = 1 - N_act^eq / N."""
-    for name, v in (("F", F), ("N", N), ("F0", F0), ("N0", N0)):
-        if not v > 0:
-            raise ValueError(f"sparsity: {name} must be > 0, got {v!r}")
+    if bad := [f"{k}={v!r}" for k, v in (("F", F), ("N", N), ("F0", F0), ("N0", N0)) if not v > 0]:
+        raise ValueError(f"sparsity: F, N, F0, N0 must be > 0, got {', '.join(bad)}")
     return 1.0 - (F / F0) * N0 / N
 
 
@@ -315,7 +327,7 @@ SEARCH_DEFAULTS = dict(
     n_kv_heads=None,         # explicit n_kv_head candidates (default 1 .. 2 * Baseline's)
     expert_multiple=1,       # expert count alignment
     tolerances=None,         # {"flops", "params", "kv"} (default SMELT's 4 %, 1 %, 4 %)
-    resolution=0.1,          # worst mismatches this close (in tolerances) count as ties
+    resolution=0.1,          # worst mismatches this close (in half-bands, `mismatch`) count as ties
     include_head=None,       # count the output head in FLOPs (None: the convention's choice; SMELT: no)
     min_head_dim=16,         # CUDA flex attention needs head_dim >= 16 (inductor: "NYI ... at least 16")
     convention="smelt",
@@ -323,25 +335,21 @@ SEARCH_DEFAULTS = dict(
 
 
 def _search_options(base: ModelConfig, search: dict) -> dict:
-    unknown = set(search) - set(SEARCH_DEFAULTS)
-    if unknown:
-        raise ValueError(f"match: unknown search option(s) {sorted(unknown)}; known: {sorted(SEARCH_DEFAULTS)}")
+    if set(search) - set(SEARCH_DEFAULTS):
+        raise ValueError(f"match: unknown search option(s) {sorted(set(search) - set(SEARCH_DEFAULTS))}; "
+                         f"known: {sorted(SEARCH_DEFAULTS)}")
     o = {**SEARCH_DEFAULTS, **search}
     o["d_multiple"] = o["d_multiple"] or (8 if base.d_model >= 256 else 4)
     o["ff_multiple"] = o["ff_multiple"] or (8 if base.d_ff >= 256 else 4)
     o["head_dim_multiple"] = o["head_dim_multiple"] or (8 if base.hd >= 64 else 2)
     o["tolerances"] = {**TOLERANCES, **(o["tolerances"] or {})}
     o["include_head"] = _head_default(o["convention"], o["include_head"])
-    if not isinstance(o["min_head_dim"], int) or o["min_head_dim"] < 2:
-        raise ValueError(f"match: min_head_dim must be an int >= 2, got {o['min_head_dim']!r}")
-    lo, hi = o["d_range"]
-    if not 0 < lo <= hi:
+    for name, least in (("min_head_dim", 2), ("d_multiple", 1), ("ff_multiple", 1), ("head_dim_multiple", 1),
+                        ("expert_multiple", 1)):
+        if not isinstance(o[name], int) or o[name] < least:
+            raise ValueError(f"match: {name} must be an int >= {least}, got {o[name]!r}")
+    if not 0 < o["d_range"][0] <= o["d_range"][1]:
         raise ValueError(f"match: d_range must satisfy 0 < lo <= hi, got {o['d_range']}")
-    if o["convention"] not in CONVENTIONS:
-        raise ValueError(f"match: convention must be one of {CONVENTIONS}, got {o['convention']!r}")
-    for name in ("d_multiple", "ff_multiple", "head_dim_multiple", "expert_multiple"):
-        if not isinstance(o[name], int) or o[name] < 1:
-            raise ValueError(f"match: {name} must be a positive int, got {o[name]!r}")
     if o["head_dim_multiple"] % 2:
         raise ValueError("match: head_dim_multiple must be even (RoPE rotates pairs)")
     for k, v in o["tolerances"].items():
@@ -374,7 +382,8 @@ def _head_pairs(b: ModelConfig, o: dict, ps: Plan, ctx_len: float, kv_b: float):
     if not HD.size:
         raise ValueError(f"match: no valid head_dim candidates (even, >= min_head_dim={o['min_head_dim']})")
     kv_err = np.abs(KVH * HD * _kv_slots(ps, ctx_len) / kv_b - 1)
-    keep = kv_err <= o["tolerances"]["kv"] + 1e-12
+    lo, hi = tolerance_bands(o["tolerances"])["kv"]
+    keep = kv_err <= (hi - lo) / 2 + 1e-12
     if not keep.any():
         keep = kv_err <= kv_err.min() * (1 + 1e-9) + 1e-12
     return HD[keep], KVH[keep]
@@ -406,28 +415,40 @@ def _match_report(b: ModelConfig, cfg: ModelConfig, ctx_len: float, o: dict, bas
                   t0: float) -> dict:
     """The match report, recounted through the scalar path; base: the Baseline's (F, blocks, KV)."""
     tol, conv, head = o["tolerances"], o["convention"], o["include_head"]
-    F_b, N_b, kv_b = base
-    Fm = flops_per_token(cfg, ctx_len, conv, head)
-    Nm = count_params(cfg)["blocks"]
+    (F_b, N_b, kv_b), Fm, Nm = base, flops_per_token(cfg, ctx_len, conv, head), count_params(cfg)["blocks"]
     kvm = cfg.n_kv_head * cfg.hd * _kv_slots(plan_of(cfg), ctx_len)
     rep = {"flops_ratio": Fm / F_b, "params_ratio": Nm / N_b, "kv_ratio": kvm / kv_b,
            # the other head convention, reported beside the matched one (not matched on)
            "flops_ratio_other_head": (flops_per_token(cfg, ctx_len, conv, not head)
                                       / flops_per_token(b, ctx_len, conv, not head))}
-    errs = {"flops": abs(rep["flops_ratio"] - 1), "params": abs(rep["params_ratio"] - 1), "kv": abs(rep["kv_ratio"] - 1)}
-    rep["within_tolerance"] = all(errs[k] <= tol[k] + 1e-12 for k in errs)
-    rep.update(worst=max(errs[k] / tol[k] for k in errs), tolerances=tol, ctx_len=ctx_len, convention=conv,
-               include_head=head, flops=(F_b, Fm), params=(N_b, Nm),
-               kv_bytes_bf16=(4 * kv_b, 4 * kvm), candidates=candidates,
-               seconds=time.perf_counter() - t0)
-    if rep["within_tolerance"]:
-        rep["message"] = "matched within tolerance"
-    else:
-        rep["message"] = (f"no candidate within tolerance (flops {tol['flops']:.0%}, params {tol['params']:.0%}, "
+    ratios = (rep["flops_ratio"], rep["params_ratio"], rep["kv_ratio"])
+    rep.update(within_tolerance=within_tolerance(*ratios, tol), worst=float(mismatch(*ratios, tol)), tolerances=tol,
+               ctx_len=ctx_len, convention=conv, include_head=head, flops=(F_b, Fm), params=(N_b, Nm),
+               kv_bytes_bf16=(4 * kv_b, 4 * kvm), candidates=candidates, seconds=time.perf_counter() - t0,
+               message="matched within tolerance")
+    if not rep["within_tolerance"]:
+        rep["message"] = (f"no candidate within tolerance (flops +0..{tol['flops']:.0%}, params {tol['params']:.0%}, "
                           f"kv {tol['kv']:.0%}); best: flops x{rep['flops_ratio']:.3f}, params "
                           f"x{rep['params_ratio']:.3f}, kv x{rep['kv_ratio']:.3f}")
         warnings.warn(f"match: {rep['message']}", RuntimeWarning, stacklevel=3)
     return rep
+
+
+def _base_counts(b: ModelConfig, ctx_len: float, o: dict) -> tuple[float, float, float]:
+    pb = plan_of(b)   # the Baseline's (F, blocks, KV slots x width): what a match's ratios divide by
+    return (float(_flops(pb, ctx_len, o["convention"], o["include_head"], **_widths(b))),
+            float(_params(pb, **_widths(b))["blocks"]), b.n_kv_head * b.hd * _kv_slots(pb, ctx_len))
+
+
+def fixed_match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, geometry: tuple, **search):
+    """(config, match's report) of a given SMELT geometry (d_model, n_head, n_kv_head, head_dim, d_ff,
+    n_experts) on base_cfg with `loop`: e.g. Appendix A's published configs (configs.PAPER_SMELT)."""
+    t0, o = time.perf_counter(), _search_options(base_cfg, search)
+    _check_ctx(base_cfg, ctx_len)
+    cfg = replace(base_cfg, loop=loop, **dict(zip(("d_model", "n_head", "n_kv_head", "head_dim", "d_ff", "n_experts"),
+                                                  geometry)))
+    _check_cfg(cfg)
+    return cfg, _match_report(base_cfg, cfg, ctx_len, o, _base_counts(base_cfg, ctx_len, o), 1, t0)
 
 
 def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> tuple[ModelConfig, dict]:
@@ -446,34 +467,25 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
     loop.validate(base_cfg.n_layer)
     _check_ctx(base_cfg, ctx_len)
     o = _search_options(base_cfg, search)
-    tol, conv, head = o["tolerances"], o["convention"], o["include_head"]
-    b, sh = base_cfg, base_cfg.n_shared_experts
-    pb, ps = plan_of(b), plan_of(b, loop)
-    F_b = float(_flops(pb, ctx_len, conv, head, **_widths(b)))
-    N_b = float(_params(pb, **_widths(b))["blocks"])
-    kv_b = b.n_kv_head * b.hd * _kv_slots(pb, ctx_len)
+    tol, conv, head, b, sh = o["tolerances"], o["convention"], o["include_head"], base_cfg, base_cfg.n_shared_experts
+    ps, (F_b, N_b, kv_b) = plan_of(b, loop), _base_counts(b, ctx_len, o)
     D, nh, nkv, hd, ff = _grid(b, o, *_head_pairs(b, o, ps, ctx_len, kv_b))
-
-    # expert count: blocks are linear in E -> solve, try the two neighbouring multiples
-    if ps.moe:
+    E = np.zeros_like(D)
+    if ps.moe:   # expert count: blocks are linear in E -> solve, try the two neighbouring multiples
         rest = _params(ps, D, nh, nkv, hd, ff, 0, sh)["blocks"]
         per = _params(ps, D, nh, nkv, hd, ff, 1, sh)["blocks"] - rest
-        m_e = o["expert_multiple"]
-        e_star = (N_b - rest) / per / m_e
+        m_e, e_star = o["expert_multiple"], (N_b - rest) / per / o["expert_multiple"]
         E = np.concatenate([np.floor(e_star), np.ceil(e_star)]) * m_e
         E = np.maximum(E, math.ceil(b.top_k / m_e) * m_e)
         D, nh, nkv, hd, ff = (np.concatenate([a, a]) for a in (D, nh, nkv, hd, ff))
-    else:
-        E = np.zeros_like(D)
     F = _flops(ps, ctx_len, conv, head, D, nh, nkv, hd, ff, E, sh) / F_b
     N = _params(ps, D, nh, nkv, hd, ff, E, sh)["blocks"] / N_b
     KV = nkv * hd * _kv_slots(ps, ctx_len) / kv_b
-    worst = np.maximum.reduce([np.abs(F - 1) / tol["flops"], np.abs(N - 1) / tol["params"], np.abs(KV - 1) / tol["kv"]])
+    worst = mismatch(F, N, KV, tol)
     shape = (np.abs(np.log(ff / (b.d_ff / b.d_model * D)))
              + np.abs(np.log(nh * hd / D / (b.n_head * b.hd / b.d_model)))
              + np.abs(np.log(hd / b.hd)) + np.abs(np.log(nkv / b.n_kv_head)))
     best = np.lexsort((shape, np.floor(worst / o["resolution"] + 1e-9)))[0]
-
     cfg = replace(b, d_model=int(D[best]), n_head=int(nh[best]), n_kv_head=int(nkv[best]), head_dim=int(hd[best]),
                   d_ff=int(ff[best]), n_experts=int(E[best]), loop=loop)
     return cfg, _match_report(b, cfg, ctx_len, o, (F_b, N_b, kv_b), int(D.size), t0)
@@ -515,8 +527,7 @@ def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
 
 
 # Dense bf16 peak of one H200 (as H100 SXM) and the MFU the estimates assume (why 30 %: docs/budget.md).
-H200_PEAK_FLOPS = 989e12
-ASSUMED_MFU = 0.30
+H200_PEAK_FLOPS, ASSUMED_MFU = 989e12, 0.30
 
 
 def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float, peak_flops: float = H200_PEAK_FLOPS,
@@ -542,8 +553,7 @@ def smelt_loop(n_layer: int, n_loops: int = 2, span_fraction: float = 0.5) -> Lo
 
 
 def _row(scale, label, arch, cfg, ctx, control) -> dict:
-    c = count_params(cfg)
-    lc = cfg.loop
+    c, lc = count_params(cfg), cfg.loop
     return dict(scale=scale, sparsity=label, arch=arch, d_model=cfg.d_model, n_layer=cfg.n_layer,
                 n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.hd, d_ff=cfg.d_ff,
                 n_experts=cfg.n_experts, top_k=cfg.top_k,
@@ -556,23 +566,25 @@ def _row(scale, label, arch, cfg, ctx, control) -> dict:
 def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, n_loops: int = 2,
                  span_fraction: float = 0.5, n_shared_experts: int = 0, **search) -> list[dict]:
     """Every cell of a preset's grid: {"scale", "sparsity_label", "ctx_len", "baseline", "smelt" (ModelConfig
-    dicts), "match" (budget.match's report)}, SMELT matched to its Baseline at document length ctx_len.
+    dicts), "match" (budget.match's report, "source": "matched" | "published")}, SMELT matched to its Baseline
+    at document length ctx_len, or the preset's published geometry (LADDERS "smelt", for r 2 and no shared).
 
-    The one ladder builder: `ladder` (budget.py --ladder) and the main job (reproduce.py) both call it,
-    so the same preset and data give the same configs. vocab_size: the data's (the head is not in F,
-    so the match does not depend on it). SMELT loops smelt_loop(n_layer, n_loops, span_fraction);
-    every Baseline (and so its SMELT) gets n_shared_experts shared experts.
+    The one ladder builder: `ladder` (budget.py --ladder) and the main job (reproduce.py) both call it.
+    vocab_size: the data's (the head is not in F: the match does not depend on it). SMELT loops
+    smelt_loop(n_layer, n_loops, span_fraction); every Baseline (so its SMELT) gets n_shared_experts.
     """
     cells = []
     for scale, label, base in preset_baselines(preset):
-        if vocab_size is not None:
-            base = replace(base, vocab_size=vocab_size)
-        if n_shared_experts:
-            base = replace(base, n_shared_experts=n_shared_experts)
+        base = replace(base, vocab_size=vocab_size or base.vocab_size, n_shared_experts=n_shared_experts)
+        loop = smelt_loop(base.n_layer, n_loops, span_fraction)
+        fixed = configs.LADDERS[preset].get("smelt", {}).get((scale, label))
+        published = fixed is not None and loop == smelt_loop(base.n_layer) and not n_shared_experts  # r 2, no shared
+        opts = {**configs.LADDERS[preset].get("search", {}), **search}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
-            cfg, rep = match(base, smelt_loop(base.n_layer, n_loops, span_fraction), ctx_len,
-                             **{**configs.LADDERS[preset].get("search", {}), **search})
+            cfg, rep = (fixed_match(base, loop, ctx_len, fixed, **opts) if published
+                        else match(base, loop, ctx_len, **opts))
+        rep["source"] = "published" if published else "matched"
         cells.append({"scale": scale, "sparsity_label": label, "ctx_len": float(ctx_len),
                       "baseline": base.to_dict(), "smelt": cfg.to_dict(), "match": rep})
     return cells
@@ -580,23 +592,20 @@ def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, n_l
 
 def ladder(preset: str, ctx_len: float | None = None, n_loops: int = 2, span_fraction: float = 0.5,
            n_shared_experts: int = 0, **search) -> list[dict]:
-    """Baseline and matched SMELT table rows for every cell of a preset's grid (scales x sparsities).
-
-    ctx_len: document length for FLOPs (default: `preset_doc_length(preset)`, the measured document
+    """Baseline and matched SMELT table rows for every cell of a preset's grid (scales x sparsities). ctx_len:
+    document length for FLOPs (default: `preset_doc_length(preset)`, the measured document
     length of the preset's prepared data; the paper's configs.PAPER_DOC_LEN for the paper grid). FLOPs leave
     the output head out (SMELT's convention); rows also give the head-inclusive count. n_loops,
     span_fraction, n_shared_experts: as ladder_cells.
     """
-    if preset not in configs.LADDERS:
-        raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
+    _ladder(preset)
     ctx = preset_doc_length(preset) if ctx_len is None else ctx_len
     rows = []
     cells = ladder_cells(preset, ctx, n_loops=n_loops, span_fraction=span_fraction,
                          n_shared_experts=n_shared_experts, **search)
     for i, cell in enumerate(cells):
         base, cfg, rep = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"]), cell["match"]
-        scale, label = cell["scale"], cell["sparsity_label"]
-        control = dense_control(base)
+        scale, label, control = cell["scale"], cell["sparsity_label"], dense_control(base)
         rows.append(_row(scale, label, "Baseline", base, ctx, control))
         row = _row(scale, label, "SMELT", cfg, ctx, control)
         row.update(flops_ratio=rep["flops_ratio"], params_ratio=rep["params_ratio"], kv_ratio=rep["kv_ratio"],
@@ -607,23 +616,18 @@ def ladder(preset: str, ctx_len: float | None = None, n_loops: int = 2, span_fra
             rows[-1]["paper_S"] = pub[0]
             row.update(paper_d_model=pub[1], paper_n_experts=pub[2], paper_flops_ratio=pub[3], paper_kv_ratio=pub[4])
         rows.append(row)
-    for r in rows:
-        r["ctx_len"] = float(ctx)
-    return rows
+    return [{**r, "ctx_len": float(ctx)} for r in rows]
 
 
 def format_ladder(rows: list[dict]) -> str:
-    """A fixed-width table of ladder rows. F, N, KV: the matched ratios (F without the output head,
-    SMELT's convention); F+head: the head-inclusive FLOP ratio, reported, not matched on."""
+    """A fixed-width table of ladder rows. F, N, KV: the matched ratios (F without the head, SMELT's); F+head."""
     paper = "paper_flops_ratio" in rows[-1]
     head = (f"{'scale':>6} {'S label':>7} {'arch':>8} {'D':>5} {'L':>3} {'H/Hkv x hd':>12} {'d_ff':>5} {'E':>4} "
-            f"{'k':>2} {'loop':>8} {'active':>9} {'total':>9} {'S':>6} {'F':>6} {'N':>6} {'KV':>6} {'ok':>3} {'F+head':>6}")
-    if paper:
-        head += f" | {'paper: S':>8} {'D':>5} {'E':>4} {'F':>6} {'KV':>6}"
+            f"{'k':>2} {'loop':>8} {'active':>9} {'total':>9} {'S':>6} {'F':>6} {'N':>6} {'KV':>6} {'ok':>3} {'F+head':>6}"
+            + (f" | {'paper: S':>8} {'D':>5} {'E':>4} {'F':>6} {'KV':>6}" if paper else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
-        smelt = r["arch"] == "SMELT"
-        heads = f"{r['n_head']}/{r['n_kv_head']} x{r['head_dim']}"
+        smelt, heads = r["arch"] == "SMELT", f"{r['n_head']}/{r['n_kv_head']} x{r['head_dim']}"
         s = (f"{r['scale']:>6} {r['sparsity']:>7} {r['arch']:>8} {r['d_model']:>5} {r['n_layer']:>3} "
              f"{heads:>12} {r['d_ff']:>5} {r['n_experts']:>4} "
              f"{r['top_k']:>2} {r['loop']:>8} {r['active'] / 1e6:>8.2f}M {r['blocks'] / 1e6:>8.2f}M {r['S']:>6.1%} ")
@@ -638,8 +642,7 @@ def format_ladder(rows: list[dict]) -> str:
 
 
 def _fraction(text: str) -> float:
-    x = cli.positive_float(text)
-    if x > 1:
+    if (x := cli.positive_float(text)) > 1:
         raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
     return x
 
@@ -683,9 +686,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"preset {args.ladder}: FLOPs per token without the output head at document length "
               f"{rows[0]['ctx_len']:.1f} ({src})\n")
         print(format_ladder(rows))
-        n = sum(r["arch"] == "SMELT" for r in rows)
-        ok = sum(r.get("within_tolerance", False) for r in rows)
-        print(f"\n{ok}/{n} cells within tolerance (F 4 %, N 1 %, KV 4 %); "
+        n, ok = sum(r["arch"] == "SMELT" for r in rows), sum(r.get("within_tolerance", False) for r in rows)
+        print(f"\n{ok}/{n} cells within tolerance (F +0..4 %, N 1 %, KV 4 %); "
               f"{time.perf_counter() - t0:.1f} s total. Ratios are SMELT / Baseline.")
         path = os.path.join(args.out_dir, f"ladder_{args.ladder}.json") if args.out_dir else args.json
         if path:

@@ -14,7 +14,7 @@ RMSNorm and an untied output head. This file holds that template:
   * Decoding: `new_cache`, `forward_step` (prefill or one-token steps; logits equal the full
     forward's) and `generate`. On CPU forward_step runs under cpu_fast.few_row_projections.
   * `init_weights`: N(0, init_std) everywhere; each module's `RESIDUAL_OUT` parameters get
-    std / sqrt(2 * executed depth) (GPT-2's rule, counting visits); `OWN_INIT` modules are skipped.
+    std / sqrt(2 * n_layer) (GPT-2's rule over stored layers, looped or not); `OWN_INIT` modules are skipped.
   * `compile_model`: torch.compile for training (one graph per config, tests/test_compile.py).
 
 `forward` returns (logits, loss), loss = cross-entropy + aux_loss_coef * load-balance loss
@@ -336,14 +336,18 @@ class GPT(nn.Module):
 
     # -- init ------------------------------------------------------------------------------
     def init_weights(self) -> None:
-        """N(0, init_std) for every matrix, 1 for RMSNorm gains; RESIDUAL_OUT / sqrt(2 * executed depth).
+        """N(0, init_std) for every matrix, 1 for RMSNorm gains; RESIDUAL_OUT / sqrt(2 * n_layer).
+
+        One rule for both architectures (SMELT Appendix A: "the same scaling rules"): the depth is the
+        stored layers, not the executed visits, since the loop's 1/r residual scale already normalises the
+        looped span's extra visits (SMELT Eq. 8-9); counting visits would shrink SMELT's init twice.
 
         Each module names its residual-output parameters (`RESIDUAL_OUT`) and the ones it
         initialises itself (`OWN_INIT`: True for the whole module, or a tuple of its parameters);
         `init_roles` collects them. Parameters are drawn in named_parameters() order.
         """
         std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * len(self.plan))
+        out_std = std / math.sqrt(2 * self.cfg.n_layer)
         residual, own = init_roles(self)
         for name, p in self.named_parameters():
             if name in own:

@@ -222,16 +222,28 @@ def test_loss_is_cross_entropy_plus_weighted_router_losses():
 def test_init_is_small_and_depth_scaled():
     m = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=2)))
     assert abs(m.tok_emb.weight.std().item() - 0.02) < 0.003
-    executed = len(m.plan)   # 6 visits
-    assert abs(m.blocks[0].attn.wo.weight.std().item() - 0.02 / (2 * executed) ** 0.5) < 0.002
+    layers = m.cfg.n_layer   # 4 stored layers (6 executed visits: not counted, 1/r scales the loop)
+    assert abs(m.blocks[0].attn.wo.weight.std().item() - 0.02 / (2 * layers) ** 0.5) < 0.002
+
+
+def test_init_rule_is_the_same_for_looped_and_unlooped():
+    """issue 23.2: one init rule for Baseline and SMELT: same depth -> bit-identical weights, loop or not."""
+    torch.manual_seed(5)
+    base = GPT(tiny(n_experts=4, top_k=2)).state_dict()
+    torch.manual_seed(5)
+    looped = GPT(tiny(n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=3))).state_dict()
+    assert base.keys() == looped.keys() and all(torch.equal(base[k], looped[k]) for k in base)
+    wo = GPT(tiny(n_layer=8)).blocks[0].attn.wo.weight   # the rule does follow depth
+    assert abs(wo.std().item() - 0.02 / 16 ** 0.5) < 0.0015
 
 
 def _name_rule_init(self):
-    """Frozen copy of GPT.init_weights before issue 22 (residual outputs chosen by name suffix)."""
+    """Frozen copy of GPT.init_weights before issue 22 (residual outputs chosen by name suffix); its depth
+    term follows issue 23.2's rule (n_layer, not executed visits): the test pins which parameters get it."""
     import math
     nn = torch.nn
     std = self.cfg.init_std
-    out_std = std / math.sqrt(2 * len(self.plan))
+    out_std = std / math.sqrt(2 * self.cfg.n_layer)
     for name, p in self.named_parameters():
         if "adapters" in name or ".plt." in name or name.startswith("plt.") or "kv_gate" in name:
             continue
