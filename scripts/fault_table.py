@@ -104,17 +104,28 @@ def table(cases: dict[str, dict]) -> str:
     return "\n".join(rows).rstrip() + "\n"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    sys.path.insert(0, str(HERE.parent)) if str(HERE.parent) not in sys.path else None   # the repo's cli.py
+    import cli
+    ap = cli.parser(__doc__)
+    ap.add_argument("--tests", default=str(HERE.parent / "tests"), help="test directory or file")
+    cli.add_out_dir(ap, "also write the table to DIR/faults.md (default: print only)", old=())
+    return ap
+
+
 def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tests", default=str(HERE.parent / "tests"), help="test directory or file (default: tests/)")
+    ap = build_parser()
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     cases = run_campaign(args.tests, extra)
     if not cases:
         raise SystemExit(f"fault_table: no @pytest.mark.fault cases under {args.tests}")
     text = table(cases)
     print(text, end="")
+    if args.out_dir:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.out_dir) / "faults.md").write_text(text)
     return text
 
 

@@ -87,7 +87,7 @@ def test_presets_are_one_set():
     assert runs == RUN_PRESETS
     assert set(options(parser_of("budget"))["--ladder"].choices) == RUN_PRESETS
     sized = [n for n in SCRIPTS if "--preset" in options(parser_of(n))]
-    assert set(SCRIPTS) - set(sized) == {"render_notebooks"}          # the one tool that has no run size
+    assert set(SCRIPTS) - set(sized) == {"render_notebooks", "fault_table"}   # the tools that have no run size
     for name in sized:
         assert set(options(parser_of(name))["--preset"].choices) == {"smoke", "tiny", "small"}, name
     assert set(options(parser_of("data"))["--preset"].choices) == set(configs.DATA_PRESETS) == {"smoke", "tiny", "small"}
