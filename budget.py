@@ -355,8 +355,8 @@ def _search_options(base: ModelConfig, search: dict) -> dict:
     for k, v in o["tolerances"].items():
         if k not in TOLERANCES or not v > 0:
             raise ValueError(f"match: tolerances must map flops/params/kv to values > 0, got {k}={v!r}")
-    if not o["resolution"] > 0 or o["ff_band"] < 0 or o["q_band"] < 0:
-        raise ValueError("match: resolution must be > 0 and ff_band, q_band >= 0")
+    if not (0 < o["resolution"] < math.inf and 0 <= o["ff_band"] < math.inf and 0 <= o["q_band"] < math.inf):  # NaN fails
+        raise ValueError(f"match: resolution must be > 0 and ff_band, q_band >= 0, all finite, got {o['resolution']}, {o['ff_band']}, {o['q_band']}")
     return o
 
 

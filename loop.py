@@ -41,6 +41,9 @@ INJECTS = ("add", "norm_half", "norm_gate")
 GATE_RANK = 8  # How-to-Loop's W_down is 8 x 2d
 
 
+MAX_LOOPS = 64   # r above this is refused (the papers use r <= 8)
+
+
 @dataclass
 class LoopConfig:
     start: int = 0            # first looped layer (0-based)
@@ -73,8 +76,8 @@ class LoopConfig:
         def bad(msg):
             raise ValueError(f"LoopConfig: {msg}")
         check_fields(self, "LoopConfig")
-        if self.n_loops < 1:
-            bad(f"n_loops must be >= 1, got {self.n_loops}")
+        if not 1 <= self.n_loops <= MAX_LOOPS:   # each pass keeps its activations for backward: bounded by memory
+            bad(f"n_loops must lie in [1, {MAX_LOOPS}], got {self.n_loops}")
         if self.length < 0 or self.start < 0:
             bad(f"start and length must be >= 0, got start={self.start}, length={self.length}")
         if n_layer is not None and self.start + self.length > n_layer:

@@ -300,6 +300,11 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int,
                  renormalize: bool = True, impl: str = "auto", n_shared: int = 0):
         super().__init__()
+        for name, v in (("d_model", d_model), ("d_ff", d_ff), ("n_experts", n_experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoE: {name} must be an int >= 1, got {v!r}")
+        if not isinstance(renormalize, bool):
+            raise ValueError(f"MoE: renormalize must be True or False, got {renormalize!r}")
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE: need 1 <= top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
         if impl not in IMPLS:

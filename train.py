@@ -156,6 +156,8 @@ class TrainConfig:
                      "flops_ctx", "seed"):
             if getattr(self, name) < 0:
                 bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.flops_ctx > self.block_size:   # attention never spans more than one context
+            bad(f"flops_ctx must be <= block_size ({self.block_size}), got {self.flops_ctx}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             bad(f"min_lr_frac must lie in [0, 1], got {self.min_lr_frac}")
         for name in ("beta1", "beta2"):
