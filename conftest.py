@@ -59,3 +59,12 @@ def _leaves_process_state_as_found():
     changed = _changes(before, _process_state())
     if changed:
         pytest.fail("the test left process-wide state changed:\n  " + "\n  ".join(changed), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """An uninterrupted toy run (tests/toys.py sizes): its results rows and directory, once per test module."""
+    import train
+    from toys import tiny_model, tiny_train
+    run = tmp_path_factory.mktemp("finished")
+    return train.train(tiny_model(), tiny_train(), train.SyntheticData(64), str(run)), run

@@ -46,12 +46,6 @@ NAN, INF = float("nan"), float("inf")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """An uninterrupted run: its rows, directory and metrics."""
-    run = tmp_path_factory.mktemp("finished")
-    rows = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(run))
-    return rows, run
 
 
 # ----------------------------------------------------------------------------------------

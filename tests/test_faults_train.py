@@ -20,11 +20,6 @@ from toys import tiny_model, tiny_train
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    run = tmp_path_factory.mktemp("finished")
-    rows = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(run))
-    return rows, run
 
 
 def strip(rows):
