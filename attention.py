@@ -84,7 +84,8 @@ def build_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor
 FLEX_MIN_HEAD_DIM = 16
 
 
-def attention_kernel(backend: str, device_type: str, head_dim: int, training_shape: bool, masked: bool) -> str:
+def attention_kernel(backend: str, device_type: str, head_dim: int, training_shape: bool, masked: bool,
+                     want_probs: bool = False) -> str:
     """The kernel that runs one attention call: "flex", "sdpa" or "math" (the model-level head-dim rule).
 
     backend is ModelConfig.attn_backend. "auto" takes flex attention on CUDA for full-sequence
@@ -92,8 +93,12 @@ def attention_kernel(backend: str, device_type: str, head_dim: int, training_sha
     Heads narrower than FLEX_MIN_HEAD_DIM cannot run flex on CUDA: "auto" falls back to SDPA with
     the boolean block-diagonal causal mask (exact, tested against flex), an explicit "flex" raises
     a ValueError naming head_dim. Why a fallback for "auto" but an error for "flex": docs/attention.md.
+    want_probs (probes read the probabilities) takes "math" whatever the backend.
+    On CUDA with "auto" (tests/test_attention_consumers.py): training and validation (document ids)
+    run flex; few-shot scoring (no document ids: one sequence per right-padded row) runs SDPA with
+    is_causal, which compiles nothing, whatever the batch's shape; probes run math; decoding SDPA.
     """
-    if backend == "math":
+    if backend == "math" or want_probs:
         return "math"
     narrow = device_type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM
     if backend == "flex":
@@ -156,8 +161,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc:
     B, H, T, hd = q.shape
     S = k.shape[2]
     training_shape = S == T and k_doc is q_doc
-    kernel = "math" if want_probs else attention_kernel(backend, q.device.type, hd, training_shape,
-                                                         q_doc is not None or bool(window))
+    kernel = attention_kernel(backend, q.device.type, hd, training_shape, q_doc is not None or bool(window),
+                              want_probs)
     if kernel == "math":   # explicit softmax: probes read the probabilities
         rep = H // k.shape[1]
         kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
