@@ -6,14 +6,16 @@ FLOPs come from reproduce.plan_cost (budget.run_cost: training FLOPs with the he
 a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Counted exactly from the plan:
   train       optimizer steps per run (one compiled forward+backward each, one host read: train.Trainer),
   validation  checkpoint.logged's validations plus one per branch end, each over data.val_batches,
-  eval        per endpoint: eval.val_loss_report's batches plus the few-shot scoring, counted by running
-              tasks.evaluate_task on a stand-in model that does no math (forward calls, rows, tokens,
-              logit positions, and host reads: _HostReads' calls): whatever batching
-              tasks.score_continuations does, the count is its own,
+  eval        per endpoint: the few-shot scoring, counted by running tasks.evaluate_task on a stand-in model
+              that does no math (forward calls, rows, tokens, logit positions, and host reads: _HostReads'
+              calls): whatever batching tasks.score_continuations does, the count is its own; the
+              validation report is the branch end's, reused (validation.stored_report),
   probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
-Wall time = FLOPs / (peak x MFU) + compiles x compile seconds (a training graph in train, an eager flex
-kernel elsewhere) + eager forward calls x launch overhead + host reads x sync cost, at both ends of each
-range in ASSUMED: estimates, not measurements (why each range: docs/gpu.md). Not yet run on a GPU.
+Compiles: a training graph per run, and one eager flex kernel per run's validation (document ids, one
+shape); scoring (SDPA is_causal) and probes (math) compile nothing (attention.attention_kernel).
+Wall time = FLOPs / (peak x MFU) + compiles x compile seconds + eager forward calls x launch overhead
++ host reads x sync cost, at both ends of each range in ASSUMED: estimates, not measurements (why each
+range: docs/gpu.md). Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -34,14 +36,12 @@ from model import ModelConfig
 # (best, worst) of each assumption; the wall time's low end takes every best, its high end every worst
 ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 100-192): launch- and memory-bound
            "compile_s": (30.0, 90.0),         # a training graph: dynamo + AOT + inductor per run, cold cache
-           "flex_compile_s": (3.0, 20.0),     # eager flex kernel + block mask per model (low: a disk-cache hit)
+           "flex_compile_s": (3.0, 20.0),     # eager flex kernel + block mask per run's validation (low: cached)
            "eager_call_s": (2e-3, 10e-3),     # one uncompiled forward of a looped MoE model (launch-bound)
            "host_read_s": (2e-5, 2e-4)}       # one device-to-host scalar read (a sync; pipeline drained)
 PEAK_FLOPS = budget.H200_PEAK_FLOPS
-VAL_READS_PER_BATCH = 2        # train.evaluate: float(ce_sum), int(cnt)
-REPORT_READS_PER_BATCH = 4     # eval.val_loss_report: float, int, two bincount .cpu()
+VAL_READS_PER_BATCH = 4        # validation.val_loss_report (train.evaluate): float, int, two bincount .cpu()
 TRAIN_READS_PER_STEP = 1       # train.Trainer's step: stats and grad norm read once, before opt.step
-EVAL_BATCH = 8                 # eval.evaluate_endpoint's batch_size default (reproduce passes none)
 PROBE_BATCH = 8                # probes.probe_pairs' batch_size default
 
 
@@ -145,17 +145,13 @@ def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict) -> dic
     validation = _stage(sum(vals * v["tokens"] * (f + h) for f, h in zip(fwd, head)), len(runs),
                         vals * v["calls"] * len(runs), VAL_READS_PER_BATCH * vals * v["calls"] * len(runs),
                         vals * v["calls"] * len(runs))
-    ev = val_counts(data, EVAL_BATCH, plan.block_size, plan.eval_tokens)
     sc = scoring_counts(plan, data.vocab_size, data.tokenizer())
-    per_ep_calls = ev["calls"] + sc["calls"]
-    eval_flops = n_branches * sum(ev["tokens"] * (f + h) + sc["tokens"] * f + sc["positions"] * h
-                                  for f, h in zip(fwd, head))
+    eval_flops = n_branches * sum(sc["tokens"] * f + sc["positions"] * h for f, h in zip(fwd, head))
     n_ep = n_branches * len(runs)
-    evals = _stage(eval_flops, n_ep, per_ep_calls * n_ep,
-                   (REPORT_READS_PER_BATCH * ev["calls"] + sc["host_reads"]) * n_ep, per_ep_calls * n_ep)
+    evals = _stage(eval_flops, 0, sc["calls"] * n_ep, sc["host_reads"] * n_ep, sc["calls"] * n_ep)
     contexts = max(1, plan.probe_tokens // plan.block_size)
     probe_calls = math.ceil(contexts / PROBE_BATCH) * len(runs)
-    probes = _stage(sum(contexts * plan.block_size * (f + h) for f, h in zip(fwd, head)), len(runs),
+    probes = _stage(sum(contexts * plan.block_size * (f + h) for f, h in zip(fwd, head)), 0,
                     probe_calls, 0, probe_calls)
     stages = {"train": train, "validation": validation, "eval": evals, "probes": probes}
     total = {k: sum(s[k] for s in stages.values()) for k in ("flops", "compiles", "forward_calls", "host_reads",

@@ -158,9 +158,12 @@ def plan_costs(request, tmp_path_factory):
 def test_cost_model_stages_are_positive_and_sum_to_the_total(plan_costs):
     *_, c = plan_costs
     for name, s in c["stages"].items():
-        assert s["flops"] > 0 and s["compiles"] > 0 and s["forward_calls"] > 0, name
+        assert s["flops"] > 0 and s["forward_calls"] > 0, name
         lo, hi = s["seconds"]
         assert 0 < lo < hi, name
+    # flex compiles only where it runs: training graphs, validation (one shape); scoring and probes do not
+    assert c["stages"]["train"]["compiles"] == c["stages"]["validation"]["compiles"] == c["runs"]
+    assert c["stages"]["eval"]["compiles"] == c["stages"]["probes"]["compiles"] == 0
     for k in ("flops", "compiles", "forward_calls", "host_reads", "eager_calls"):
         assert c["total"][k] == sum(s[k] for s in c["stages"].values())
     assert c["total"]["seconds"] == pytest.approx([sum(s["seconds"][i] for s in c["stages"].values())
