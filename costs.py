@@ -13,9 +13,10 @@ a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Count
   probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
 Compiles: a training graph per run, and one eager flex kernel per run's validation (document ids, one
 shape); scoring (SDPA is_causal) and probes (math) compile nothing (attention.attention_kernel).
-Wall time = FLOPs / (peak x MFU) + compiles x compile seconds + eager forward calls x launch overhead
-+ host reads x sync cost, at both ends of each range in ASSUMED: estimates, not measurements (why each
-range: docs/gpu.md). Not yet run on a GPU.
+Wall time = FLOPs / (peak x MFU) + compiles x compile seconds / jobs + eager forward calls x launch
+overhead + host reads x sync cost, at both ends of each range in ASSUMED: estimates, not measurements
+(why each range: docs/gpu.md). `jobs` runs share the GPU (reproduce.default_jobs): their compiles
+(host-CPU work) overlap, their GPU work, launches and syncs are counted as if serial. Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 100-192): launc
            "flex_compile_s": (3.0, 20.0),     # eager flex kernel + block mask per run's validation (low: cached)
            "eager_call_s": (2e-3, 10e-3),     # one uncompiled forward of a looped MoE model (launch-bound)
            "host_read_s": (2e-5, 2e-4)}       # one device-to-host scalar read (a sync; pipeline drained)
+# With `jobs` runs on one GPU only the compiles are divided by jobs (each worker compiles on its own cores);
+# FLOPs time, eager calls and host reads stay serial: the workers' kernels take turns on the one device
+# (no MPS), so sharing it is assumed to add no GPU throughput (an assumption on the safe side).
+GPU_HOST = {"cpus": 16, "gpu_bytes": 139 << 30}   # the lent H200 machine: --plan-only's jobs off a GPU
 PEAK_FLOPS = budget.H200_PEAK_FLOPS
 VAL_READS_PER_BATCH = 4        # validation.val_loss_report (train.evaluate): float, int, two bincount .cpu()
 TRAIN_READS_PER_STEP = 1       # train.Trainer's step: stats and grad norm read once, before opt.step
@@ -119,17 +124,23 @@ def run_steps(plan: configs.Plan) -> tuple[int, int]:
     return steps, vals + len(tc.branches)
 
 
-def _stage(flops, compiles, calls, reads, eager_calls, compile_key="flex_compile_s") -> dict:
+def _stage(flops, compiles, calls, reads, eager_calls, compile_key="flex_compile_s", overlap: int = 1) -> dict:
+    """One stage's counts and wall seconds (best, worst); its compiles overlap `overlap` at a time,
+    "compile_seconds" is what they take one after another."""
     lo = {k: v[0] for k, v in ASSUMED.items()}
     hi = {k: v[1] for k, v in ASSUMED.items()}
-    secs = [flops / (PEAK_FLOPS * a["mfu"]) + compiles * a[compile_key] + eager_calls * a["eager_call_s"]
-            + reads * a["host_read_s"] for a in (lo, hi)]
+    serial = [compiles * a[compile_key] for a in (lo, hi)]
+    secs = [flops / (PEAK_FLOPS * a["mfu"]) + c / overlap + eager_calls * a["eager_call_s"]
+            + reads * a["host_read_s"] for a, c in zip((lo, hi), serial)]
     return {"flops": flops, "compiles": compiles, "forward_calls": calls, "host_reads": reads,
-            "eager_calls": eager_calls, "seconds": secs}
+            "eager_calls": eager_calls, "seconds": secs, "compile_seconds": serial, "overlap": overlap}
 
 
-def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict) -> dict:
-    """The cost model of the plan (see the module docstring); cost: reproduce.plan_cost(plan, ladder, ...)."""
+def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict, jobs: int = 1) -> dict:
+    """The cost model of the plan (see the module docstring); cost: reproduce.plan_cost(plan, ladder, ...);
+    jobs: runs sharing the GPU (train and validation compile in the workers, min(jobs, runs) at once)."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"stage_costs: jobs must be an int >= 1, got {jobs!r}")
     runs = configs.plan_runs(Path("."), ladder, plan)
     if len(runs) != len(cost["runs"]):
         raise ValueError(f"stage_costs: plan_cost has {len(cost['runs'])} runs, the plan {len(runs)}")
@@ -139,12 +150,13 @@ def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict) -> dic
     head = [budget.flops_per_token(c, x, include_head=True) / 3 - f for c, x, f in zip(cfgs, ctx, fwd)]
     steps, vals = run_steps(plan)
     n_branches = len(set(plan.branch_steps)) or 1
+    overlap = min(jobs, len(runs))
     train = _stage(cost["total_flops"], len(runs), steps * len(runs), TRAIN_READS_PER_STEP * steps * len(runs), 0,
-                   "compile_s")
+                   "compile_s", overlap)
     v = val_counts(data, plan.batch_size, plan.block_size, plan.eval_tokens)
     validation = _stage(sum(vals * v["tokens"] * (f + h) for f, h in zip(fwd, head)), len(runs),
                         vals * v["calls"] * len(runs), VAL_READS_PER_BATCH * vals * v["calls"] * len(runs),
-                        vals * v["calls"] * len(runs))
+                        vals * v["calls"] * len(runs), overlap=overlap)
     sc = scoring_counts(plan, data.vocab_size, data.tokenizer())
     eval_flops = n_branches * sum(sc["tokens"] * f + sc["positions"] * h for f, h in zip(fwd, head))
     n_ep = n_branches * len(runs)
@@ -156,14 +168,18 @@ def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict) -> dic
     stages = {"train": train, "validation": validation, "eval": evals, "probes": probes}
     total = {k: sum(s[k] for s in stages.values()) for k in ("flops", "compiles", "forward_calls", "host_reads",
                                                                 "eager_calls")}
-    total["seconds"] = [sum(s["seconds"][i] for s in stages.values()) for i in (0, 1)]
+    for key in ("seconds", "compile_seconds"):
+        total[key] = [sum(s[key][i] for s in stages.values()) for i in (0, 1)]
+    total["seconds_one_job"] = [sum(s["seconds"][i] + s["compile_seconds"][i] * (1 - 1 / s["overlap"])
+                                    for s in stages.values()) for i in (0, 1)]
     return {"stages": stages, "total": total, "assumptions": ASSUMED, "peak_flops": PEAK_FLOPS,
-            "scoring_per_endpoint": sc, "endpoints": n_ep, "runs": len(runs)}
+            "scoring_per_endpoint": sc, "endpoints": n_ep, "runs": len(runs), "jobs": jobs}
 
 
 def format_costs(c: dict) -> str:
     a = c["assumptions"]
-    lines = [f"cost model on one GPU ({c['runs']} runs, {c['endpoints']} endpoints; estimates at MFU "
+    lines = [f"cost model on one GPU ({c['runs']} runs, {c['endpoints']} endpoints, {c['jobs']} at a time; "
+             f"estimates at MFU "
              f"{a['mfu'][1]:.0%}-{a['mfu'][0]:.0%} of {c['peak_flops'] / 1e12:.0f} TFLOP/s, "
              f"{a['compile_s'][0]:.0f}-{a['compile_s'][1]:.0f} s per training compile, "
              f"{a['flex_compile_s'][0]:.0f}-{a['flex_compile_s'][1]:.0f} s per eager flex compile, "
@@ -173,14 +189,18 @@ def format_costs(c: dict) -> str:
         lo, hi = (x / 60 for x in s["seconds"])
         lines.append(f"  {name:10s} {s['flops']:9.3g} {s['compiles']:8d} {s['forward_calls']:10d} "
                      f"{s['host_reads']:10d} {lo:5.1f} - {hi:5.1f}")
+    if c["jobs"] > 1:
+        lo, hi = (x / 60 for x in c["total"]["seconds_one_job"])
+        lines.append(f"  {'(1 job)':10s} {'':9s} {'':8s} {'':10s} {'':10s} {lo:5.1f} - {hi:5.1f}   "
+                     f"(the same plan one run at a time: compiles in series)")
     sc = c["scoring_per_endpoint"]
     lines.append(f"  few-shot scoring per endpoint: {sc['rows']} sequences ({sc['tokens'] / 1e6:.1f}M tokens) in "
                  f"{sc['calls']} forward calls, {sc['host_reads']} host reads")
     return "\n".join(lines)
 
 
-def report(plan: configs.Plan, ladder: list[dict], data, cost: dict, log=print) -> dict:
-    """stage_costs, printed with format_costs through log (reproduce.py --plan-only); returns the costs."""
-    c = stage_costs(plan, ladder, data, cost)
+def report(plan: configs.Plan, ladder: list[dict], data, cost: dict, log=print, jobs: int = 1) -> dict:
+    """stage_costs at `jobs`, printed with format_costs through log (reproduce.py --plan-only); returns the costs."""
+    c = stage_costs(plan, ladder, data, cost, jobs)
     log(format_costs(c))
     return c

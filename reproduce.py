@@ -107,12 +107,43 @@ def loop_knobs(plan: configs.Plan) -> dict:
     return {k: getattr(plan, k) for k in LOOP_KNOBS if getattr(plan, k) != default[k]}
 
 
-def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str) -> list:
+# a worker's GPU memory beyond its training step's floor: CUDA context, kernels, allocator slack (estimate)
+CUDA_WORKER_OVERHEAD_BYTES = 2 << 30
+CUDA_MAX_JOBS = 4        # runs sharing one GPU by default: their compiles overlap, their kernels take turns
+
+
+def default_jobs(device: str, cpus: int, gpu_free: int | None = None, gpu_per_run: int | None = None) -> int:
+    """Runs trained at once by default. CPU: min(2, cpus), one thread each. CUDA: the runs share the device
+    (compiling is host-CPU work that overlaps; narrow models leave the GPU idle between small kernels):
+    min(CUDA_MAX_JOBS, cpus // 4), so each worker keeps 4+ cores for inductor, at most the runs that fit
+    gpu_free at gpu_per_run bytes each (when both are known), and at least 1."""
+    if device not in ("cpu", "cuda") or cpus < 1:
+        raise ValueError(f"default_jobs: device must be 'cpu' or 'cuda' and cpus >= 1, got {device!r}, {cpus}")
+    if device == "cpu":
+        return min(2, cpus)
+    jobs = min(CUDA_MAX_JOBS, cpus // 4)
+    if gpu_free is not None and gpu_per_run:
+        jobs = min(jobs, gpu_free // gpu_per_run)
+    return max(1, jobs)
+
+
+def gpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
+    """The GPU memory one worker needs at least: the largest run's training-step floor
+    (checkpoint.memory_floor: its batch and one micro-batch's fp32 logits with their gradient) plus
+    CUDA_WORKER_OVERHEAD_BYTES. A lower bound, used to cap the jobs sharing one GPU."""
+    import checkpoint
+    tc = train_config(plan)
+    return CUDA_WORKER_OVERHEAD_BYTES + max(checkpoint.memory_floor(ModelConfig.from_dict(r.cell[r.arch]), tc)
+                                            for r in configs.plan_runs(Path("."), ladder, plan))
+
+
+def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str, threads: int = 1) -> list:
     """[fn(j) for j in jobs_list], `jobs` at a time in spawned worker processes (largest `cost` first, so
     the workers finish together), calling on_done(k, job, result) as each finishes. Small models on a
     CPU use one core each far better than two cores share one small matmul, so each worker runs with
-    one intra-op thread. A worker that dies (killed, out of memory) is a RuntimeError naming the
-    unfinished jobs (`name(job)`); finished ones are kept by their own files."""
+    `threads` intra-op threads (1 on CPU; on CUDA the cores shared out, for compiling). A worker that
+    dies (killed, out of memory) is a RuntimeError naming the unfinished jobs (`name(job)`); finished
+    ones are kept by their own files."""
     order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
     done: dict[int, object] = {}
     if jobs <= 1:
@@ -125,7 +156,7 @@ def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str) 
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                             initargs=(os.getpid(),)) as pool:
+                             initargs=(os.getpid(), threads)) as pool:
         futures = {pool.submit(fn, jobs_list[i]): i for i in order}
         for k, f in enumerate(as_completed(futures), 1):
             i = futures[f]
@@ -145,14 +176,14 @@ def pool_map(fn, jobs_list: list, jobs: int, cost=None) -> list:
     return pool_run(fn, jobs_list, jobs, cost)
 
 
-def _worker_init(parent: int) -> None:
-    """pool_map's worker setup: one intra-op thread, and die with the parent (a killed reproduce.py must not
+def _worker_init(parent: int, threads: int = 1) -> None:
+    """pool_map's worker setup: `threads` intra-op threads, and die with the parent (a killed reproduce.py must not
     leave workers writing its runs). Linux: PR_SET_PDEATHSIG = SIGKILL via prctl; elsewhere (and as a
     backstop) a daemon thread that exits the worker once its parent pid changes (checked every second)."""
     import signal
     import sys
     import threading
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -248,7 +279,7 @@ def run_time_proxy(cfg: ModelConfig, ctx: float) -> float:
     return budget.flops_per_token(cfg, ctx, include_head=True) * (1 + (attn / cfg.n_layer - 1) / 2)
 
 
-def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int) -> list[dict]:
+def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1) -> list[dict]:
     runs = configs.plan_runs(out, ladder, plan)
     todo = []
     for r in runs:
@@ -271,8 +302,8 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
         log(f"train: run {k}/{len(todo)} done: {job[3].name} val {final['val_loss']:.3f} | elapsed "
             f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
 
-    rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done, name=lambda j: j[3].name)
-            for r in run_rows]
+    rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done, name=lambda j: j[3].name,
+                                       threads=threads) for r in run_rows]
     runfiles.atomic_write_text(out / "results.jsonl", "".join(runfiles.jsonl_line(r) for r in rows))
     return rows
 
@@ -294,7 +325,7 @@ def _eval_one(job: tuple) -> dict:
     return rec
 
 
-def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int) -> dict:
+def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1) -> dict:
     """SMELT 5 on every branch endpoint of every run: validation by source / domain / length, the few-shot
     sweep; then the grid analysis (wins.downstream_report: win counts, Appendix C's above-chance averages
     and one-sided permutation tests over seeds, Section 5.3's three length families, the Eq. 6 calibration
@@ -322,7 +353,7 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
             f"ETA {fmt_time(el / k * (len(todo) - k))}")
 
     res = pool_run(_eval_one, [j for _, j in todo], jobs, lambda j: Path(j[0]).stat().st_size, on_done=on_done,
-                   name=lambda j: j[4])
+                   name=lambda j: j[4], threads=threads)
     for (key, _), rec in zip(todo, res):
         records[key] = rec
     recs = list(records.values())
@@ -379,6 +410,32 @@ def probe_verdicts(prb: dict) -> list[dict]:
 # ----------------------------------------------------------------------------------------
 # Command line
 
+def free_gpu_bytes() -> int:
+    import checkpoint
+    return checkpoint.available_memory(torch.device("cuda"))
+
+
+def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tuple[int, dict]:
+    """(jobs, the run summary's runtime entries): --jobs, else default_jobs for this machine. On CUDA each
+    worker gets cores // jobs intra-op threads, and a --jobs whose runs cannot fit the free GPU memory at
+    gpu_bytes_per_run each is refused (SystemExit naming both) before any training."""
+    cpus = os.cpu_count() or 1
+    if not torch.cuda.is_available():
+        jobs = asked or default_jobs("cpu", cpus)
+        return jobs, {"jobs": jobs, "threads_per_worker": 1 if jobs > 1 else torch.get_num_threads(), "device": "cpu"}
+    per_run, free = gpu_bytes_per_run(plan, ladder), free_gpu_bytes()
+    jobs = asked or default_jobs("cuda", cpus, free, per_run)
+    fmt = lambda n: f"{n / 2**30:.1f} GiB"
+    if jobs > 1 and jobs * per_run > free:
+        raise SystemExit(f"reproduce: --jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "
+                         f"({fmt(per_run)} per run: reproduce.gpu_bytes_per_run), {fmt(free)} is free; "
+                         f"use --jobs {max(1, free // per_run)}")
+    return jobs, {"jobs": jobs, "jobs_from": f"{'--jobs' if asked else 'default_jobs'}, sharing the GPU: {cpus} "
+                                       f"cores, {fmt(free)} free, >= {fmt(per_run)} per run",
+                  "threads_per_worker": max(1, cpus // jobs) if jobs > 1 else torch.get_num_threads(),
+                  "device": "cuda"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = cli.parser(__doc__)
     ap.add_argument("--preset", default="tiny", choices=list(configs.PLANS), help="size of the reproduction")
@@ -387,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read the data from a pack made by `python data.py --preset PRESET --pack DIR` "
                          "(for a machine without network: nothing is downloaded; default: prepare the preset's)")
     ap.add_argument("--jobs", type=cli.positive_int, default=None,
-                    help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; 1 on CUDA)")
+                    help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; on CUDA "
+                         "min(4, cores // 4) sharing the GPU, capped by GPU memory: reproduce.default_jobs)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
     ap.add_argument("--loops", type=cli.positive_int, default=None, metavar="R",
@@ -406,8 +464,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--plan-only trains nothing: {'--skip' if args.skip else '--jobs'} has no effect with it")
     if args.data_dir and not Path(args.data_dir).is_dir():
         ap.error(f"--data-dir {args.data_dir}: no such directory (make a pack with `python data.py --pack DIR`)")
-    if args.jobs and torch.cuda.is_available() and args.jobs > 1:
-        ap.error(f"--jobs {args.jobs}: on CUDA the runs share one device; use --jobs 1")
     if args.jobs and args.jobs > (os.cpu_count() or 1):
         log(f"warning: --jobs {args.jobs} is more than the {os.cpu_count()} CPU cores: the runs will share cores")
     return args
@@ -446,16 +502,19 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     runfiles.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
     if args.plan_only:
         import costs
-        costs.report(plan, ladder, data, cost, log)   # the GPU cost model per stage
+        cuda = torch.cuda.is_available()
+        host = {"cpus": os.cpu_count() or 1, "gpu_bytes": free_gpu_bytes()} if cuda else costs.GPU_HOST
+        jobs = default_jobs("cuda", host["cpus"], host["gpu_bytes"], gpu_bytes_per_run(plan, ladder))
+        log(f"cost model: {jobs} runs at a time, reproduce.default_jobs on {'this' if cuda else 'the lent'} GPU "
+            f"host ({host['cpus']} cores, {host['gpu_bytes'] / 2**30:.0f} GiB{' free' if cuda else ''})")
+        costs.report(plan, ladder, data, cost, log, jobs)   # the GPU cost model per stage
         return out / "plan.json"
     import data as data_mod
     entropy = data_mod.unigram_entropy(data)
     unigram_val = data_mod.unigram_val_loss(data, plan.block_size, plan.eval_tokens)
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
-    jobs = args.jobs or (1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1))
-    runtime = {"jobs": jobs, "threads_per_worker": 1 if jobs > 1 else torch.get_num_threads(),
-               "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    jobs, runtime = choose_jobs(args.jobs, plan, ladder)
     import train as train_mod
     ms = train_mod.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
     runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], cpu_dtype=ms["cpu_dtype"],
@@ -465,12 +524,13 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
                    if runtime["device"] == "cpu" else ms["malloc"])
     log("runtime: " + ", ".join(f"{k} {v}" for k, v in runtime.items()))
     check_disk(plan, ladder, out, jobs)
-    rows = timed("train", stage_train, plan, ladder, data, out, jobs)
+    threads = runtime["threads_per_worker"] if runtime["device"] == "cuda" else 1
+    rows = timed("train", stage_train, plan, ladder, data, out, jobs, threads)
     train_sum = reporting.training_summary(plan, ladder, rows, entropy)
     train_sum["learned"]["unigram_val_loss"] = unigram_val
     runfiles.write_json(out / "training_summary.json", train_sum)
     train_plots.plot_curves(out, ladder, entropy, plan)
-    ev_sum = timed("eval", stage_eval, plan, ladder, data, out, jobs) if "eval" not in args.skip else {}
+    ev_sum = timed("eval", stage_eval, plan, ladder, data, out, jobs, threads) if "eval" not in args.skip else {}
     scal = timed("scaling", stage_scaling, plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
     prb = timed("probes", stage_probes, plan, ladder, data, out) if "probes" not in args.skip else {}
     summary = {**reporting.run_summary(args.preset, stage_s, time.time() - t0), "runtime": runtime}

@@ -1,0 +1,87 @@
+"""Several runs sharing one GPU (issue 24): --jobs on CUDA, the default rule, the workers' threads, and the
+cost model's wall time by jobs. CUDA is reported available by a patch (restored); nothing runs on a GPU."""
+from __future__ import annotations
+
+import operator
+from unittest import mock
+
+import pytest
+import torch
+
+import costs
+import reproduce
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def cuda_reported():
+    """torch.cuda.is_available() returns True inside the test, the real function again after it."""
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        yield
+
+
+@pytest.fixture(scope="module")
+def smoke_plan(tmp_path_factory):
+    import configs
+    plan = configs.PLANS["smoke"]
+    data, _ = reproduce.stage_data(plan)
+    ladder = reproduce.stage_ladder(plan, data, tmp_path_factory.mktemp("ladder"))
+    return plan, ladder, data, reproduce.plan_cost(plan, ladder, len(data.train))
+
+
+def test_parse_args_accepts_several_jobs_on_cuda(cuda_reported):
+    assert torch.cuda.is_available()
+    assert reproduce.parse_args(["--jobs", "4"]).jobs == 4
+    assert reproduce.parse_args([]).jobs is None                 # the default is chosen from the machine
+
+
+@pytest.mark.parametrize("device,cpus,free,per_run,want", [
+    ("cpu", 1, None, None, 1), ("cpu", 2, None, None, 2), ("cpu", 64, None, None, 2),
+    ("cuda", 2, None, None, 1), ("cuda", 8, None, None, 2), ("cuda", 16, None, None, 4), ("cuda", 64, None, None, 4),
+    ("cuda", 16, 139 * GiB, 7 * GiB, 4),                       # the lent H200 host at the small preset: not capped
+    ("cuda", 16, 10 * GiB, 4 * GiB, 2), ("cuda", 16, 3 * GiB, 4 * GiB, 1)])   # capped by memory, never below 1
+def test_default_jobs_rule(device, cpus, free, per_run, want):
+    assert reproduce.default_jobs(device, cpus, free, per_run) == want
+
+
+def test_default_jobs_refuses_what_it_cannot_mean():
+    for args in (("mps", 8), ("cuda", 0)):
+        with pytest.raises(ValueError, match="default_jobs"):
+            reproduce.default_jobs(*args)
+
+
+def test_choose_jobs_on_cuda_shares_the_cores_and_refuses_jobs_beyond_gpu_memory(cuda_reported, smoke_plan):
+    plan, ladder, *_ = smoke_plan
+    per_run = reproduce.gpu_bytes_per_run(plan, ladder)
+    assert per_run > reproduce.CUDA_WORKER_OVERHEAD_BYTES
+    with mock.patch.object(reproduce.os, "cpu_count", return_value=16), \
+            mock.patch.object(reproduce, "free_gpu_bytes", return_value=100 * GiB):
+        jobs, rt = reproduce.choose_jobs(None, plan, ladder)
+        assert (jobs, rt["jobs"], rt["threads_per_worker"], rt["device"]) == (4, 4, 4, "cuda")
+        assert rt["jobs_from"].startswith("default_jobs") and "16 cores" in rt["jobs_from"]
+        assert reproduce.choose_jobs(2, plan, ladder)[1]["threads_per_worker"] == 8
+    with mock.patch.object(reproduce, "free_gpu_bytes", return_value=3 * per_run // 2):
+        with pytest.raises(SystemExit, match="--jobs 3 on one GPU needs .* use --jobs 1"):
+            reproduce.choose_jobs(3, plan, ladder)
+
+
+def test_pool_workers_get_the_threads_they_are_given():
+    assert reproduce.pool_run(operator.call, [torch.get_num_threads] * 2, 2, threads=3) == [3, 3]
+
+
+def test_cost_model_wall_time_falls_with_jobs_by_the_compiles_only(smoke_plan):
+    plan, ladder, data, cost = smoke_plan
+    by = {j: costs.stage_costs(plan, ladder, data, cost, j) for j in (1, 2, 4, 100)}
+    runs = by[1]["runs"]
+    one = by[1]["total"]
+    for i in (0, 1):                                              # best and worst ends
+        assert by[1]["total"]["seconds"][i] > by[2]["total"]["seconds"][i] > by[4]["total"]["seconds"][i]
+        compiled = sum(by[1]["stages"][s]["compile_seconds"][i] for s in ("train", "validation"))
+        for j, c in by.items():
+            assert c["total"]["seconds"][i] == pytest.approx(one["seconds"][i] - compiled * (1 - 1 / min(j, runs)))
+            assert c["total"]["seconds_one_job"][i] == pytest.approx(one["seconds"][i])
+            assert c["total"]["compile_seconds"][i] == one["compile_seconds"][i]   # the same compiles, overlapped
+    assert costs.format_costs(by[4]).count("4 at a time") == 1 and "(1 job)" in costs.format_costs(by[4])
+    with pytest.raises(ValueError, match="jobs must be an int >= 1"):
+        costs.stage_costs(plan, ladder, data, cost, 0)
