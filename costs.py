@@ -6,10 +6,10 @@ FLOPs come from reproduce.plan_cost (budget.run_cost: training FLOPs with the he
 a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Counted exactly from the plan:
   train       optimizer steps per run (one compiled forward+backward each, one host read: train.Trainer),
   validation  checkpoint.logged's validations plus one per branch end, each over data.val_batches,
-  eval        per endpoint: the few-shot scoring, counted by running tasks.evaluate_task on a stand-in model
-              that does no math (forward calls, rows, tokens, logit positions, and host reads: _HostReads'
-              calls): whatever batching tasks.score_continuations does, the count is its own; the
-              validation report is the branch end's, reused (validation.stored_report),
+  eval        per endpoint: the few-shot scoring on CUDA, counted from the batches tasks.score_continuations
+              would run (tasks.scoring_batches; forward calls, rows, padded tokens, logit positions, one
+              host read per batch), no model run; the validation report is the branch end's, reused
+              (validation.stored_report),
   probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
 Compiles: a training graph per run, and one eager flex kernel per run's validation (document ids, one
 shape); scoring (SDPA is_causal) and probes (math) compile nothing (attention.attention_kernel).
@@ -23,11 +23,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
-
-import torch
-import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
 import budget
 import checkpoint
@@ -50,59 +45,24 @@ TRAIN_READS_PER_STEP = 1       # train.Trainer's step: stats and grad norm read 
 PROBE_BATCH = 8                # probes.probe_pairs' batch_size default
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts the calls that read a tensor's values to the host (float(t), int(t), bool(t), t.item(),
-    t.tolist(), t.cpu(), t.numpy()): each one a sync on CUDA. A function mode: one Python call per torch call."""
-    READS = {torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item,
-             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.n += func in self.READS
-        return func(*args, **(kwargs or {}))
-
-
-class _NoMath(nn.Module):
-    """A stand-in GPT for the task scorer: zero logits, no parameters (so it runs on the CPU scoring path
-    that CUDA takes: no new_cache), a norm_f for tasks._head_at to hook (logits only at the answer positions)."""
-
-    def __init__(self, vocab_size: int, block_size: int):
-        super().__init__()
-        self.cfg = SimpleNamespace(vocab_size=vocab_size, block_size=block_size)
-        self.norm_f = nn.Identity()
-
-    def forward(self, idx, doc_ids=None):
-        h = self.norm_f(torch.zeros(*idx.shape, 1))          # (B, M, 1) once _head_at selects positions
-        return h.new_zeros(*h.shape[:2], self.cfg.vocab_size)   # contiguous: fast cross-entropy rows
-
-
 def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
-    """One endpoint's few-shot scoring (the same for every model of the plan): forward calls, rows, tokens,
-    logit positions and host reads, by running tasks.evaluate_task as eval.evaluate_endpoint calls it."""
+    """One endpoint's few-shot scoring on CUDA (the same for every model of the plan): forward calls, rows,
+    padded tokens, logit positions and host reads, from the batches tasks.score_continuations would run
+    (tasks.scoring_batches at BATCH_TOKENS["cuda"]) for every task and k eval.evaluate_endpoint scores
+    (tasks.demos_available): no model runs. One host read per batch (its scores, read once).
+    tests/test_gpu_path.py checks it against evaluate_task run on a stand-in model."""
     import tasks as tasks_mod
-    model = _NoMath(vocab_size, plan.block_size)
     n = Counter()
-
-    def count_in(_mod, args):
-        n["calls"] += 1
-        n["rows"] += args[0].shape[0]
-        n["tokens"] += args[0].numel()
-
-    def count_out(_mod, _args, out):
-        n["positions"] += out.shape[0] * out.shape[1]
-    model.register_forward_pre_hook(count_in)
-    model.register_forward_hook(count_out)             # logits (B, M, V): M positions per row
-    reads = _HostReads()
-    with reads:
-        for name in tasks_mod.resolve_tasks(plan.tasks):
-            task = tasks_mod.get_task(name)
-            most = min(Counter(it.group for it in task.items).values()) - 1   # as eval.evaluate_endpoint skips
-            for k in (k for k in plan.shots if k <= most):
-                tasks_mod.evaluate_task(model, enc, task, k, plan.seeds, plan.max_items, plan.block_size)
-    return {**n, "host_reads": reads.n}
+    for name in tasks_mod.resolve_tasks(plan.tasks):
+        task = tasks_mod.get_task(name)
+        for k in (k for k in plan.shots if k <= tasks_mod.demos_available(task)):
+            req = tasks_mod.task_requests(enc, task, k, plan.seeds, plan.max_items, plan.block_size, enc.eot_token)
+            seqs, ns, batches = tasks_mod.scoring_batches(tasks_mod.continuations(req), plan.block_size, vocab_size,
+                                                          True, tasks_mod.BATCH_TOKENS["cuda"], tasks_mod.MAX_LOGITS)
+            for b in batches:
+                n.update(calls=1, rows=len(b), tokens=len(b) * max(len(seqs[j]) for j in b),
+                         positions=len(b) * max(ns[j] for j in b), host_reads=1)
+    return {k: n[k] for k in ("calls", "rows", "tokens", "positions", "host_reads")}
 
 
 def val_counts(data, batch_size: int, block_size: int, max_tokens: int) -> dict:

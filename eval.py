@@ -47,8 +47,8 @@ import validation
 from checks import JSONFileError
 from calibration import CALIBRATION_MIN_POINTS, calibration_report
 from eval_plots import plot_calibration, plot_shot_sweep
-from tasks import (GENERATED_TASKS, REAL_TASKS, check_int, evaluate_task, forward_logits, get_task, model_device,
-                   resolve_tasks)
+from tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, forward_logits, get_task,
+                   model_device, resolve_tasks)
 from validation import length_bounds, length_bucket, segment_lengths, stored_report, token_nll  # noqa: F401
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -306,7 +306,7 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
         entry = {"origin": task.origin, "kind": task.kind, "category": task.category, "rho": task.rho,
                  "chance": task.chance, "norm": task.norm if task.kind == "mc" else None, "by_k": {},
                  "fit": {}, "short_k": {}}
-        most = min(Counter(it.group for it in task.items).values()) - 1   # demonstrations available
+        most = demos_available(task)
         for k in shots:
             if k > most:
                 log(f"{label}: {name} k={k} skipped: only {most} other items to draw demonstrations from")

@@ -299,6 +299,9 @@ def fit_prompt(item: Item, demos: Sequence[Item], encode, bos: int, block_size: 
     return truncate_left(head, block_size - max(len(t) for t in tails)), tails, 0, True
 
 
+MAX_LOGITS = 1 << 26   # logit entries per scoring batch (rows x answer positions x vocabulary): 256 MiB of fp32
+
+
 def plan_batches(lengths: Sequence[int], n_conts: Sequence[int], vocab: int | None,
                  max_tokens: int, max_logits: int) -> list[list[int]]:
     """Sequence indices in batches, longest first: each batch at most max_tokens padded tokens (rows x its
@@ -318,6 +321,18 @@ def plan_batches(lengths: Sequence[int], n_conts: Sequence[int], vocab: int | No
     return out
 
 
+def scoring_batches(requests: Sequence[tuple[list[int], int]], block_size: int, vocab: int | None,
+                    head_hooked: bool, max_tokens: int, max_logits: int) -> tuple[list, list, list[list[int]]]:
+    """(sequences truncated on the left, continuation lengths, batches of sequence indices): what
+    score_continuations runs, before any model does (costs.scoring_counts counts from it). head_hooked:
+    the head runs at the answer positions only (tasks._head_at), else every position is a logit row."""
+    seqs = [truncate_left(t, block_size) for t, _ in requests]
+    ns = [n for _, n in requests]
+    _check_requests(seqs, ns)
+    lens = [len(s) for s in seqs]
+    return seqs, ns, plan_batches(lens, ns if head_hooked else lens, vocab, max_tokens, max_logits)
+
+
 def _check_requests(seqs: Sequence[list[int]], ns: Sequence[int]) -> None:
     for s, n in zip(seqs, ns):
         if not 0 < n < len(s):
@@ -326,7 +341,7 @@ def _check_requests(seqs: Sequence[list[int]], ns: Sequence[int]) -> None:
 
 @torch.no_grad()
 def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], int]], block_size: int,
-                        pad_id: int = 0, max_tokens: int = 1 << 16, max_logits: int = 1 << 26,
+                        pad_id: int = 0, max_tokens: int = 1 << 16, max_logits: int = MAX_LOGITS,
                         counts: Counter | None = None) -> list[tuple[float, int, bool]]:
     """Each (tokens, n_cont) -> (sum of -log p over the last n_cont tokens, n_cont, all of them the argmax).
 
@@ -338,17 +353,14 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
     """
     model.eval()
     dev = model_device(model)
-    seqs = [truncate_left(t, block_size) for t, _ in requests]
-    ns = [n for _, n in requests]
-    _check_requests(seqs, ns)
     vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
-    lens_all = [len(s) for s in seqs]
-    at = ns if isinstance(getattr(model, "norm_f", None), nn.Module) else lens_all   # no head to hook: every position
+    hooked = isinstance(getattr(model, "norm_f", None), nn.Module)          # no head to hook: every position
+    seqs, ns, batches = scoring_batches(requests, block_size, vocab, hooked, max_tokens, max_logits)
     out: list[tuple[float, int, bool] | None] = [None] * len(seqs)
-    for chunk in plan_batches(lens_all, at, vocab, max_tokens, max_logits):
-        lens = torch.tensor([len(seqs[j]) for j in chunk])
-        n = torch.tensor([ns[j] for j in chunk])
-        T, M = int(lens.max()), int(n.max())
+    for chunk in batches:
+        lens_l = [len(seqs[j]) for j in chunk]
+        T, M = max(lens_l), max(ns[j] for j in chunk)     # from Python ints: no tensor read
+        lens, n = torch.tensor(lens_l), torch.tensor([ns[j] for j in chunk])
         x = torch.tensor([seqs[j] + [pad_id] * (T - len(seqs[j])) for j in chunk]).to(dev)      # (rows, T)
         m = torch.arange(M)
         # row r's logits predicting its last M tokens; its own continuation is the last n[r] of them
@@ -362,7 +374,7 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
         for j, (s, h) in zip(chunk, torch.stack([nll.double(), hit.double()], 1).tolist()):   # one host read
             out[j] = (s, ns[j], bool(h))
         if counts is not None:
-            counts.update(forward_calls=1, sequences=len(chunk), tokens=int(lens.sum()),
+            counts.update(forward_calls=1, sequences=len(chunk), tokens=sum(lens_l),
                           padded_tokens=len(chunk) * T, host_reads=1)
     return out  # type: ignore[return-value]
 
@@ -438,6 +450,17 @@ def check_int(owner: str, name: str, v, lo: int, none_ok: bool = False) -> None:
         raise ValueError(f"{owner}: {name} must be an int >= {lo}{' or None' if none_ok else ''}, got {v!r}")
 
 
+def demos_available(task: Task) -> int:
+    """The most demonstrations every item can draw from its own group (the other items of it): a k above
+    this is skipped by eval.evaluate_endpoint (and so by costs.scoring_counts)."""
+    return min(Counter(it.group for it in task.items).values()) - 1
+
+
+def continuations(req: dict) -> list[tuple[list[int], int]]:
+    """task_requests' (head, tails) -> one (tokens, continuation length) per option: what evaluate_task scores."""
+    return [(head + t, len(t)) for head, tails in req["requests"] for t in tails]
+
+
 def task_requests(enc, task: Task, k: int, seeds: int, max_items: int | None, block_size: int, bos: int) -> dict:
     """The prompts of one task at k shots, before any model runs (fit_prompt for each item and seed).
 
@@ -508,8 +531,8 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
         scores = [sc for head, tails in req["requests"] for sc in score_options(model, head, tails, block_size, bos,
                                                                                 counts=own)]
     else:
-        scores = score_continuations(model, [(head + t, len(t)) for head, tails in req["requests"] for t in tails],
-                                     block_size, pad_id=bos, max_tokens=batch_tokens, counts=own)
+        scores = score_continuations(model, continuations(req), block_size, pad_id=bos, max_tokens=batch_tokens,
+                                     counts=own)
     run_seeds = 1 if k == 0 else seeds
     correct = np.zeros((run_seeds, len(used)))
     nll_s, tok_s = np.zeros(run_seeds), np.zeros(run_seeds, dtype=np.int64)   # gold loss per seed

@@ -188,24 +188,69 @@ def test_cost_model_flops_agree_with_budget(plan_costs):
                                                            * fwd, rel=1e-9)
 
 
-def test_scoring_counts_match_what_evaluate_task_scores(plan_costs):
-    """The stand-in model's counts against evaluate_task's own item counts: one scored sequence per item,
-    seed and option; the eval stage's host reads include every endpoint's scoring reads."""
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's values to the host (float(t), int(t), bool(t), t.item(),
+    t.tolist(), t.cpu(), t.numpy()): each one a sync on CUDA."""
+    READS = {torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item,
+             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+class _NoMath(torch.nn.Module):
+    """A stand-in GPT for the task scorer: zero logits, no parameters (so it takes score_continuations, the
+    path CUDA takes: no new_cache), a norm_f for tasks._head_at to hook (logits only at the answer positions)."""
+
+    def __init__(self, vocab_size: int, block_size: int):
+        super().__init__()
+        self.cfg = SimpleNamespace(vocab_size=vocab_size, block_size=block_size)
+        self.norm_f = torch.nn.Identity()
+
+    def forward(self, idx, doc_ids=None):
+        h = self.norm_f(torch.zeros(*idx.shape, 1))          # (B, M, 1) once _head_at selects positions
+        return h.new_zeros(*h.shape[:2], self.cfg.vocab_size)
+
+
+def _scored_by_a_stand_in(plan, data) -> tuple[Counter, int]:
+    """The slow reference of costs.scoring_counts: every task and k evaluate_endpoint scores, run through
+    tasks.evaluate_task on _NoMath at CUDA's batch size, its forwards and host reads counted; and the
+    sequences evaluate_task's own results say it scored (one per item, seed and option)."""
     import tasks as tasks_mod
+    enc, model = data.tokenizer(), _NoMath(data.vocab_size, plan.block_size)
+    n, rows = Counter(), 0
+    model.register_forward_pre_hook(lambda _m, args: n.update(calls=1, rows=args[0].shape[0],
+                                                              tokens=args[0].numel()))
+    model.register_forward_hook(lambda _m, _a, out: n.update(positions=out.shape[0] * out.shape[1]))
+    reads = _HostReads()
+    with reads:
+        for name in tasks_mod.resolve_tasks(plan.tasks):
+            task = tasks_mod.get_task(name)
+            for k in (k for k in plan.shots if k <= tasks_mod.demos_available(task)):
+                r = tasks_mod.evaluate_task(model, enc, task, k, plan.seeds, plan.max_items, plan.block_size,
+                                            batch_tokens=tasks_mod.BATCH_TOKENS["cuda"])
+                options = [len(task.items[i].options) if task.kind == "mc" else 1 for i in r["items"]]
+                rows += r["seeds"] * sum(options)
+    n["host_reads"] = reads.n
+    return n, rows
+
+
+def test_scoring_counts_equal_what_a_stand_in_model_scores(plan_costs):
+    """costs.scoring_counts (no model: the batches tasks.scoring_batches plans) against evaluate_task run on
+    a stand-in that does no math: the same forward calls, rows, padded tokens, logit positions and host
+    reads, and the rows evaluate_task's results say it scored; the eval stage holds every endpoint's."""
     plan, _, data, _, c = plan_costs
     sc = c["scoring_per_endpoint"]
-    enc, model = data.tokenizer(), costs._NoMath(data.vocab_size, plan.block_size)
-    rows = 0
-    for name in tasks_mod.resolve_tasks(plan.tasks):
-        task = tasks_mod.get_task(name)
-        most = min(Counter(it.group for it in task.items).values()) - 1
-        for k in (k for k in plan.shots if k <= most):
-            r = tasks_mod.evaluate_task(model, enc, task, k, plan.seeds, plan.max_items, plan.block_size)
-            options = [len(task.items[i].options) if task.kind == "mc" else 1 for i in r["items"]]
-            rows += r["seeds"] * sum(options)
-    assert sc["rows"] == rows > 0
-    assert sc["calls"] <= sc["rows"] and sc["tokens"] >= sc["rows"] and sc["host_reads"] > 0
-    assert c["stages"]["eval"]["host_reads"] >= c["endpoints"] * sc["host_reads"]
+    slow, rows = _scored_by_a_stand_in(plan, data)
+    assert sc == dict(slow) and sc["rows"] == rows > 0
+    assert sc["calls"] < sc["rows"] and sc["host_reads"] == sc["calls"]        # batched, one read per batch
+    assert c["stages"]["eval"]["forward_calls"] == c["endpoints"] * sc["calls"]
+    assert c["stages"]["eval"]["host_reads"] == c["endpoints"] * sc["host_reads"]
 
 
 def test_plan_only_prints_the_cost_model(tmp_path, capsys):
