@@ -14,10 +14,10 @@ figure never depends on another machine's or run's timing; targets are printed b
           small on CUDA): time per token vs FLOP ratio (target: within 15 %); MFU on CUDA.
   cells   every tiny cell's Baseline / SMELT training step side by side: tok/s, F ratio, time
           ratio (target: within 10 %), its parts, and the MoE layers' cost above dense.
-Every figure goes to one JSON (--out-dir DIR: DIR/bench.json) as soon as it exists (flex after each dtype,
-steps after each config, the others when they finish), merged with keys already there; a failing benchmark
-leaves {"error": ...} beside its partial figures and the others still run (exit 1). --budget-s S: each
-benchmark under a limit from what is left (run_benchmarks, LIMITS; scripts/gpu_check.sh, docs/gpu.md).
+Every figure goes to one JSON (--out-dir DIR: DIR/bench.json) as soon as it exists (flex per dtype, steps
+per config, train per first step, the others when they finish), merged with keys already there; a failing
+benchmark leaves {"error": ...} beside its partial figures and the others still run (exit 1). --budget-s S:
+each benchmark under a limit from what is left (run_benchmarks, LIMITS; scripts/gpu_check.sh, docs/gpu.md).
 Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the median
 of the timed rounds. Each benchmark in full, and why turns matter on a shared CPU: docs/bench.md.
 Read first: model.py, moe.py (what is measured).
@@ -341,13 +341,14 @@ def packed_doc_ids(batch_size: int, T: int, mean_len: int, seed: int = 0) -> tor
     return starts.long().cumsum(1) - 1
 
 
-def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256) -> dict:
+def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, save=None) -> dict:
     """Training tokens/s of a matched Baseline / SMELT pair (the preset's middle scale, highest sparsity).
 
-    The two models take alternate steps (ABAB...) after two warm-up steps each, so drift in the
-    machine's speed hits both alike; the figure is the median step time of each. On CUDA the
-    models are compiled (static shapes, as train.py) and the rows carry document ids.
-    """
+    Each model's first step is timed alone (on CUDA compile + step; compile_s: it minus the median step),
+    then the two take alternate steps (ABAB...) after two warm-up steps each, so drift hits both alike;
+    the figure is the median step time of each. On CUDA the models are compiled (static shapes, as
+    train.py) and the rows carry document ids. save(res), when given, gets the pair and then each first
+    step as soon as measured (the compiles: what a time limit may cut); the step times come with the return."""
     import budget
     import configs
     import data as data_mod
@@ -358,13 +359,14 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256) -> 
     ctx = base_cfg.block_size
     smelt_cfg, report = budget.match(base_cfg, LoopConfig(start=s, length=m, n_loops=2), ctx,
                                      **configs.LADDERS[preset].get("search", {}))
-    res = {"cell": f"{scale}/{label}", "match": report, "batch_size": batch_size, "block_size": ctx}
     cuda = device.type == "cuda"
     doc = packed_doc_ids(batch_size, ctx, mean_doc).to(device) if cuda else None
     flops_ctx = min(data_mod.effective_doc_length(doc.cpu()), ctx) if cuda else ctx
-    res["flops_ctx"] = flops_ctx
+    res = {"cell": f"{scale}/{label}", "match": report, "batch_size": batch_size, "block_size": ctx,
+           "flops_ctx": flops_ctx}
+    steps_of, save = {}, save or (lambda _res: None)
+    save(res)
     cfgs = {"baseline": base_cfg, "smelt": smelt_cfg}
-    steps_of = {}
     for name, cfg in cfgs.items():
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
@@ -380,12 +382,15 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256) -> 
             opt.step()
             opt.zero_grad(set_to_none=True)
         steps_of[name] = step
+        res[name] = {"first_step_s": interleaved({name: step}, device, warmup=0, iters=1)[name]}   # CUDA: compile
+        save(res)
     med = interleaved(steps_of, device, iters=steps)
     peak = train.peak_flops(device)
     for name, cfg in cfgs.items():
         t = med[name]
         flops = budget.flops_per_token(cfg, flops_ctx, include_head=True)   # what the hardware runs (MFU)
-        res[name] = {"s_per_step": t, "tokens_per_s": batch_size * ctx / t, "flops_per_token": flops}
+        res[name] |= {"s_per_step": t, "compile_s": res[name]["first_step_s"] - t,
+                      "tokens_per_s": batch_size * ctx / t, "flops_per_token": flops}
         if peak:
             res[name]["mfu"] = flops * batch_size * ctx / t / peak
     time_ratio = res["smelt"]["s_per_step"] / res["baseline"]["s_per_step"]
@@ -683,7 +688,8 @@ def main(argv=None) -> int:
             "cells": lambda save, deadline: bench_cells(device),
             "decode": lambda save, deadline: bench_decode(device, dtype),
             "train": lambda save, deadline: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
-                                                        batch_size=args.train_batch or (32 if cuda else 8))}
+                                                        batch_size=args.train_batch or (32 if cuda else 8),
+                                                        save=save)}
     failed = run_benchmarks(runs, which, args.json, args.budget_s)
     if failed:
         print(f"bench: failed: {' '.join(failed)}")

@@ -86,3 +86,36 @@ def test_time_limit_without_seconds_does_not_interrupt():
     with pytest.raises(bench.BenchTimeout, match="timed out"):
         with bench.time_limit(0.05):
             time.sleep(1)
+
+
+def test_bench_train_saves_each_first_step_as_it_is_measured(tmp_path):
+    """bench_train at smoke scale on CPU under run_benchmarks: the pair's setup first, then each model's
+    first step (on CUDA its compile), each save keeping the earlier figures; a time limit hit during
+    SMELT's first step (raised from the save after Baseline's) leaves the setup and Baseline's first step
+    in the JSON beside the error; a full run returns the compile split."""
+    import copy
+    import torch
+    saves = []
+
+    def cut_after_baseline(save, deadline):
+        def keep(res):
+            saves.append(copy.deepcopy(res))
+            save(res)
+            if "baseline" in res and len(saves) == 2:
+                raise bench.BenchTimeout("timed out after 0 s")
+        return bench.bench_train(torch.device("cpu"), "smoke", steps=2, batch_size=2, save=keep)
+    path = str(tmp_path / "bench.json")
+    with bench._threads(1):
+        assert bench.run_benchmarks({"train": cut_after_baseline}, ["train"], path) == ["train"]
+        d = json.loads(Path(path).read_text())["train"]
+        assert "timed out" in d["error"] and d["baseline"]["first_step_s"] > 0 and "smelt" not in d
+        assert [sorted(set(s) & {"baseline", "smelt"}) for s in saves] == [[], ["baseline"]]
+        assert {"cell", "match", "flops_ctx"} <= set(saves[0])
+        saves.clear()
+        res = bench.bench_train(torch.device("cpu"), "smoke", steps=2, batch_size=2,
+                                save=lambda r: saves.append(copy.deepcopy(r)))
+    assert [sorted(set(s) & {"baseline", "smelt"}) for s in saves] == [[], ["baseline"], ["baseline", "smelt"]]
+    assert saves[-1]["baseline"] == {"first_step_s": res["baseline"]["first_step_s"]}
+    for name in ("baseline", "smelt"):
+        r = res[name]
+        assert r["compile_s"] == pytest.approx(r["first_step_s"] - r["s_per_step"]) and r["tokens_per_s"] > 0
