@@ -123,3 +123,16 @@ def test_sdpa_causal_equals_the_masked_paths_on_right_padded_rows(model):
             torch.testing.assert_close(causal[r, :L], masked[r, :L], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(causal[r, :L], by_flex[r, :L], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(causal[1, :21], causal[0, :21])   # rows differ: the comparison can fail
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_scoring_compiles_nothing_at_any_shape(model):
+    """On a GPU, under bf16 autocast: scoring batches of many shapes compile no graph (dynamo's graph
+    counter does not move; eager flex would compile one per shape) and give finite scores."""
+    from torch._dynamo.utils import counters
+    gpu = GPT(_cfg()).cuda().eval()
+    gpu.load_state_dict(model.state_dict())
+    before = counters["stats"]["unique_graphs"]
+    scores = tasks.score_continuations(gpu, _requests(40), 32, max_tokens=128, max_logits=1 << 20)
+    assert counters["stats"]["unique_graphs"] == before
+    assert all(torch.isfinite(torch.tensor(s)) for s, _, _ in scores)
