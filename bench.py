@@ -195,7 +195,22 @@ def _moe_vs_dense(cfg: ModelConfig, device, tokens: int) -> dict:
     return {"moe": moe_step, "dense": lambda: dense(x).square().mean().backward()}
 
 
-def bench_cells(device, batch_size=4, steps=8) -> dict:
+def _visit_step(gpt: GPT, idx, doc):
+    """fwd+bwd of one block visit of gpt at the training shape (its router losses included), for `interleaved`:
+    a middle visit of the plan (inside the looped span for SMELT), on the step's document mask (built once)."""
+    from model import Ctx
+    B, T = idx.shape
+    v = gpt.plan[len(gpt.plan) // 2]
+    ctx = Ctx(torch.arange(T, device=idx.device), gpt.rope_cos[:T], gpt.rope_sin[:T], doc, gpt.cfg.loop.n_loops, B)
+    x = torch.randn(B, T, gpt.cfg.d_model, device=idx.device, requires_grad=True)
+
+    def step():
+        y, st = gpt.blocks[v.layer](x, v, ctx, v.visit)
+        (y.square().mean() + (0 if st is None else st.aux_loss + st.z_loss)).backward()
+    return step
+
+
+def bench_cells(device, batch_size=4, steps=20) -> dict:
     """Per tiny ladder cell, Baseline and SMELT training steps side by side (one thread on CPU, as
     reproduce.py's workers): tok/s, the head-excluded F ratio of the match, the time ratio, and the
     forward+backward and optimizer (clip + AdamW) parts apart. All eight models take turns each round."""
@@ -232,6 +247,9 @@ def bench_cells(device, batch_size=4, steps=8) -> dict:
         layer = interleaved({(k, part): f for k, (gpt, _, _) in runs.items()
                              for part, f in _moe_vs_dense(gpt.cfg, device, batch_size * T).items()},
                             device, warmup=2, iters=steps, clock=clock)
+        idx, _, doc = (t.to(device) for t in d.train_batch(0, batch_size, T, seed=0))
+        visit = interleaved({k: _visit_step(gpt, idx, doc) for k, (gpt, _, _) in runs.items()},
+                            device, warmup=2, iters=steps, clock=clock)
     med = {k: (statistics.median(a + b for a, b in v), statistics.median(a for a, _ in v),
                statistics.median(b for _, b in v)) for k, v in times.items()}
     # the MoE's cost above its dense equivalent, per step: (layer excess) x (MoE visits of the plan)
@@ -240,7 +258,8 @@ def bench_cells(device, batch_size=4, steps=8) -> dict:
     print(f"\nTiny cells, Baseline vs SMELT training step ({device.type}, batch {batch_size} x {T}, "
           f"{'1 thread, thread CPU time' if device.type == 'cpu' else 'wall time'}, median of {steps} interleaved rounds):")
     print(f"  {'cell':12s} {'base tok/s':>10s} {'SMELT tok/s':>11s} {'F ratio':>7s} {'time':>6s} {'time/F':>6s} "
-          f"{'fwd+bwd':>7s} {'optim':>6s} {'params':>6s} {'MoE@dense':>9s}")
+          f"{'fwd+bwd':>7s} {'optim':>6s} {'params':>6s} {'MoE@dense':>9s} {'visits':>6s} {'visit t/F':>9s} "
+          f"{'visits@base':>11s}")
     res, tok = {}, batch_size * T
     for c in cells:
         b, s = med[(c["scale"], c["sparsity_label"], "baseline")], med[(c["scale"], c["sparsity_label"], "smelt")]
@@ -253,15 +272,27 @@ def bench_cells(device, batch_size=4, steps=8) -> dict:
         r["time_ratio_moe_at_dense_cost"] = (s[0] - excess[ks]) / (b[0] - excess[kb])
         r["time_over_flops"] = r["time_ratio"] / r["flops_ratio"]
         r["within_10_percent"] = abs(r["time_over_flops"] - 1) <= 0.10
+        # per block visit: SMELT's time per FLOP against the Baseline's (a visit's FLOPs: F / visits, head excluded)
+        Vb, Vs = len(runs[kb][0].plan), len(runs[ks][0].plan)
+        f_visit = r["flops_ratio"] * Vb / Vs
+        r["visits"] = {"baseline": Vb, "smelt": Vs}
+        r["visit_s"] = {"baseline": visit[kb], "smelt": visit[ks]}
+        r["visit_time_over_flops"] = visit[ks] / visit[kb] / f_visit
+        # the step's time/F had SMELT's visits cost the Baseline's time per FLOP (the rest of its step as measured)
+        r["time_over_flops_visits_at_baseline_cost"] = (s[0] - Vs * visit[ks] + Vs * visit[kb] * f_visit) / b[0] \
+            / r["flops_ratio"]
         name = f"{c['scale']} {c['sparsity_label']}"
         res[name] = r
         print(f"  {name:12s} {r['baseline_tok_s']:10.0f} {r['smelt_tok_s']:11.0f} {r['flops_ratio']:7.3f} "
               f"{r['time_ratio']:6.3f} {r['time_over_flops']:6.3f} {r['fwd_bwd_ratio']:7.3f} "
-              f"{r['optimizer_ratio']:6.3f} {r['params_ratio']:6.3f} {r['time_ratio_moe_at_dense_cost']:9.3f}")
+              f"{r['optimizer_ratio']:6.3f} {r['params_ratio']:6.3f} {r['time_ratio_moe_at_dense_cost']:9.3f} "
+              f"{Vs:>2d} / {Vb:<2d} {r['visit_time_over_flops']:9.3f} {r['time_over_flops_visits_at_baseline_cost']:11.3f}")
     ok = all(r["within_10_percent"] for r in res.values())
     print(f"  target: time ratio within 10 % of the F ratio in every cell -> {'met' if ok else 'NOT met'} "
           f"(params: total-parameter ratio, which the optimizer's time follows; MoE@dense: the time ratio with "
-          f"every MoE visit at the cost of its equal-FLOP dense SwiGLU, measured beside)")
+          f"every MoE visit at the cost of its equal-FLOP dense SwiGLU, measured beside; visits: block visits per "
+          f"step, SMELT / Baseline; visit t/F: one block visit's fwd+bwd, SMELT's time per FLOP over the Baseline's; "
+          f"visits@base: time/F had SMELT's visits the Baseline's time per FLOP)")
     return {"cells": res, "batch_size": batch_size, "block_size": T, "target_met": ok}
 
 

@@ -119,3 +119,42 @@ def test_bench_train_saves_each_first_step_as_it_is_measured(tmp_path):
     for name in ("baseline", "smelt"):
         r = res[name]
         assert r["compile_s"] == pytest.approx(r["first_step_s"] - r["s_per_step"]) and r["tokens_per_s"] > 0
+
+
+def test_visit_step_times_one_block_visit_inside_the_loop():
+    """bench_cells' per-visit timing runs one visit of the plan's middle (a looped visit for SMELT) forward and
+    backward: the gradient reaches that block's weights and no other block's."""
+    import torch
+    from loop import LoopConfig
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32,
+                      n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
+    gpt = GPT(cfg)
+    v = gpt.plan[len(gpt.plan) // 2]
+    assert cfg.loop.in_span(v.layer) and len(gpt.plan) == 6
+    idx = torch.randint(0, 64, (2, 16))
+    doc = torch.zeros(2, 16, dtype=torch.long)
+    bench._visit_step(gpt, idx, doc)()
+    touched = {n.split(".")[1] for n, p in gpt.named_parameters() if n.startswith("blocks.") and p.grad is not None}
+    assert touched == {str(v.layer)}
+    assert gpt.blocks[v.layer].mlp.router.weight.grad.abs().sum() > 0
+
+
+def test_profile_step_lists_the_step_operators(tmp_path, capsys):
+    """scripts/profile_step.py on a smoke cell: the matmuls are among the top operators, the shares are
+    fractions of the profiled time, and the figures it prints are the ones it writes."""
+    import data as data_mod
+    data_mod.prepare("smoke")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import profile_step
+        res = profile_step.main(["--preset", "smoke", "--steps", "1", "--top", "5", "--out-dir", str(tmp_path)])
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert res["cell"] == ["m64", "S~85%"] and res["step_s"] > 0 and res["aten_calls_per_step"] > 100
+    shares = [t["share"] for t in res["top"]]
+    assert len(shares) == 5 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
+    assert "aten::mm" in {t["op"] for t in res["top"]}
+    assert json.loads((tmp_path / "profile.json").read_text()) == json.loads(json.dumps(res))
+    assert f"{res['aten_calls_per_step']:.0f} aten calls per step" in capsys.readouterr().out

@@ -1,0 +1,108 @@
+"""Where one training step's time goes: torch.profiler over one ladder cell's step, as train.py runs it.
+
+The step is train.Objective forward + backward, gradient clipping and AdamW at the preset's batch and
+context (configs.PLANS), one intra-op thread on CPU (as reproduce.py's workers), on the prepared data's
+batches. Prints the median step time, the aten calls per step and the top operators by self time, with
+each operator's share of the step (--out-dir: also DIR/profile.json).
+
+  python scripts/profile_step.py                                  # tiny, t96 S~85 % SMELT
+  python scripts/profile_step.py --scale t64 --sparsity-label "S=0%" --arch baseline --top 30
+
+Needs the preset's data (`python data.py --preset P`). Read with bench.py's `cells` (the same step timed
+side by side for every tiny cell); what the profile showed: README, "CPU speed".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import budget  # noqa: E402
+import cli  # noqa: E402
+import configs  # noqa: E402
+import data as data_mod  # noqa: E402
+import train  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser(__doc__)
+    ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS, help="ladder, batch and data")
+    ap.add_argument("--scale", help="ladder scale, e.g. t64 (default: the ladder's largest)")
+    ap.add_argument("--sparsity-label", help="the cell's sparsity label, e.g. 'S=0%%' (default: the ladder's last)")
+    ap.add_argument("--arch", default="smelt", choices=("baseline", "smelt"), help="which model of the pair")
+    ap.add_argument("--steps", type=cli.positive_int, default=10, help="profiled steps (after 18 timed ones)")
+    ap.add_argument("--top", type=cli.positive_int, default=20, help="operators listed")
+    cli.add_out_dir(ap, "also write DIR/profile.json (default: print only)", old=())
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    plan = configs.PLANS[args.preset]
+    d = data_mod.TokenData(data_mod.default_data_dir(plan.data))
+    ladder = budget.ladder_cells(plan.ladder, budget.preset_doc_length(plan.ladder, d), vocab_size=d.vocab_size)
+    cell = (args.scale or ladder[-1]["scale"], args.sparsity_label or ladder[-1]["sparsity_label"])
+    cells = {(c["scale"], c["sparsity_label"]): c for c in ladder}
+    if cell not in cells:
+        ap.error(f"no {args.preset} cell {cell[0]} {cell[1]}; the ladder has {sorted(cells)}")
+    cfg = ModelConfig.from_dict(cells[cell][args.arch])
+    tc = train.TrainConfig()
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    obj, opt = train.Objective(gpt), train.make_optimizer(gpt, tc)
+    B, T = plan.batch_size, plan.block_size
+
+    def step(i):
+        idx, tgt, doc = d.train_batch(i, B, T, seed=0)
+        ce, n, aux, z, _ = obj(idx, tgt, doc)
+        (ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z).backward()
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), tc.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for i in range(18):
+            t0 = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - t0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(args.steps):
+                step(i)
+    finally:
+        torch.set_num_threads(threads)
+    med = statistics.median(times[3:])   # three warm-up steps left out
+    ka = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ka)
+    calls = sum(e.count for e in ka if e.key.startswith("aten::")) / args.steps
+    print(f"{args.preset} {cell[0]} {cell[1]} {args.arch}: d_model {cfg.d_model}, {cfg.n_layer} layers, "
+          f"{len(gpt.plan)} visits, {cfg.n_experts} experts; median step {1e3 * med:.1f} ms "
+          f"({B * T / med:.0f} tok/s, 1 thread); {calls:.0f} aten calls per step")
+    print(f"  {'operator':60s} {'ms/step':>8s} {'share':>6s} {'calls/step':>10s}")
+    top = []
+    for e in ka[:args.top]:
+        ms, share = e.self_cpu_time_total / 1e3 / args.steps, e.self_cpu_time_total / total
+        top.append({"op": e.key, "ms_per_step": ms, "share": share, "calls_per_step": e.count / args.steps})
+        print(f"  {e.key[:60]:60s} {ms:8.2f} {100 * share:5.1f}% {e.count / args.steps:10.0f}")
+    res = {"preset": args.preset, "cell": list(cell), "arch": args.arch, "step_s": med,
+           "aten_calls_per_step": calls, "top": top}
+    if args.out_dir:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.out_dir) / "profile.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
