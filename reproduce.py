@@ -235,7 +235,7 @@ def plan_cost(plan: configs.Plan, ladder: list[dict], train_tokens: int | None =
         rows.append({"run": r.name, **c, "tpp_final": final / (c["F"] / 6),
                      "tokens_per_param_final": final / budget.count_params(cfg)["blocks"]})
     return {"runs": rows, "tokens_per_run": tokens, "train_tokens": train_tokens,
-            "epochs_per_run": tokens / train_tokens if train_tokens else None,
+            "epochs_per_run": configs.plan_epochs(plan, train_tokens) if train_tokens else None,   # data read, not trained on
             "total_flops": sum(r["flops_with_head"] for r in rows),
             "gpu_minutes": sum(r["gpu_minutes"] for r in rows), "mfu": budget.ASSUMED_MFU,
             "peak_flops": budget.H200_PEAK_FLOPS}
@@ -244,7 +244,8 @@ def plan_cost(plan: configs.Plan, ladder: list[dict], train_tokens: int | None =
 def log_plan_cost(cost: dict) -> None:
     tpp = [r["tpp_final"] for r in cost["runs"]]
     tpn = [r["tokens_per_param_final"] for r in cost["runs"]]
-    ep = f" ({cost['epochs_per_run']:.2f} epochs of the training stream)" if cost.get("epochs_per_run") else ""
+    ep = (f" ({cost['epochs_per_run']:.2f} epochs of the training stream: the stable phase and the one decay window "
+          f"the branches share)" if cost.get("epochs_per_run") else "")
     log(f"plan: {len(cost['runs'])} runs x {cost['tokens_per_run'] / 1e6:.2f}M tokens{ep}; longest endpoint "
         f"{min(tpp):.3g}-{max(tpp):.3g} tokens per dense-equivalent parameter (TPP), {min(tpn):.3g}-{max(tpn):.3g} "
         f"tokens per total parameter; {cost['total_flops']:.3g} FLOPs in all = {cost['gpu_minutes']:.1f} min on "

@@ -48,12 +48,11 @@ def at_depth(ref: ModelConfig, P: int, ctx: int, multiple: int = 4) -> ModelConf
 
     center = ref.d_model * math.sqrt(ref.n_layer / P)
     ds = range(max(multiple, int(0.7 * center) // multiple * multiple), int(1.3 * center) + multiple, multiple)
-    tol, kv_ref = budget.TOLERANCES, budget.kv_bytes_per_token(ref)
+    kv_ref = budget.kv_bytes_per_token(ref)
 
-    def worst(c: ModelConfig) -> float:   # SMELT's objective: the worst mismatch in tolerances
-        return max(abs(budget.flops_per_token(c, ctx) / F_ref - 1) / tol["flops"],
-                   abs(budget.count_params(c)["blocks"] / N_ref - 1) / tol["params"],
-                   abs(budget.kv_bytes_per_token(c) / kv_ref - 1) / tol["kv"])
+    def worst(c: ModelConfig) -> float:   # the matcher's objective: the worst ratio in half-bands (budget.mismatch)
+        return float(budget.mismatch(budget.flops_per_token(c, ctx) / F_ref, budget.count_params(c)["blocks"] / N_ref,
+                                     budget.kv_bytes_per_token(c) / kv_ref))
     return min((build(d) for d in ds), key=worst)
 
 

@@ -85,3 +85,12 @@ def test_cost_model_wall_time_falls_with_jobs_by_the_compiles_only(smoke_plan):
     assert costs.format_costs(by[4]).count("4 at a time") == 1 and "(1 job)" in costs.format_costs(by[4])
     with pytest.raises(ValueError, match="jobs must be an int >= 1"):
         costs.stage_costs(plan, ladder, data, cost, 0)
+
+
+def test_plan_line_epochs_are_configs_plan_epochs(smoke_plan):
+    """The plan line's epochs count the data read (stable phase + the one decay window the branches share,
+    configs.plan_epochs), not the tokens trained on (every branch's decay)."""
+    import configs
+    plan, _, data, cost = smoke_plan
+    assert cost["epochs_per_run"] == configs.plan_epochs(plan, len(data.train))
+    assert cost["epochs_per_run"] < cost["tokens_per_run"] / len(data.train)   # smoke has 3 branches
