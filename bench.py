@@ -286,7 +286,8 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
         print(f"  {name:12s} {r['baseline_tok_s']:10.0f} {r['smelt_tok_s']:11.0f} {r['flops_ratio']:7.3f} "
               f"{r['time_ratio']:6.3f} {r['time_over_flops']:6.3f} {r['fwd_bwd_ratio']:7.3f} "
               f"{r['optimizer_ratio']:6.3f} {r['params_ratio']:6.3f} {r['time_ratio_moe_at_dense_cost']:9.3f} "
-              f"{Vs:>2d} / {Vb:<2d} {r['visit_time_over_flops']:9.3f} {r['time_over_flops_visits_at_baseline_cost']:11.3f}")
+              f"{Vs:>2d} / {Vb:<2d} {r['visit_time_over_flops']:9.3f} "
+              f"{r['time_over_flops_visits_at_baseline_cost']:11.3f}")
     ok = all(r["within_10_percent"] for r in res.values())
     print(f"  target: time ratio within 10 % of the F ratio in every cell -> {'met' if ok else 'NOT met'} "
           f"(params: total-parameter ratio, which the optimizer's time follows; MoE@dense: the time ratio with "

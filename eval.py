@@ -2,9 +2,9 @@
 
 What this file implements (SMELT Sections 3.1 "Evaluation", 5.3 and Appendix E)
 * `val_loss_report`: token-weighted validation cross-entropy over all held-out sources, per
-  source, per domain and per document-length bucket (`length_bounds`: powers of two ending at the
+  source, per domain and per document-length bucket (`validation.length_bounds`: powers of two ending at the
   context length, 32..4096 at 4096, SMELT 5.3's eight buckets). A token is bucketed by its whole
-  document's length where the data offers it, else by its segment's (`segment_lengths`).
+  document's length where the data offers it, else by its segment's (`validation.segment_lengths`).
 * `normalised_shape` divides a pair's per-bucket improvement by its mean, so shapes compare
   across pairs; `long_short_ratio` compares the longer half of the buckets with the shorter half.
 * Endpoints: `load_model` reads a run directory (its ckpt.pt), an endpoint file
@@ -49,7 +49,7 @@ from calibration import CALIBRATION_MIN_POINTS, calibration_report
 from eval_plots import plot_calibration, plot_shot_sweep
 from tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, forward_logits, get_task,
                    model_device, resolve_tasks)
-from validation import length_bounds, length_bucket, segment_lengths, stored_report, token_nll  # noqa: F401
+from validation import stored_report, token_nll
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
 FIT_FIELDS = ("demos_kept", "share_short", "share_cut")   # per task and k: the demonstrations that fit

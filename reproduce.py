@@ -235,7 +235,8 @@ def plan_cost(plan: configs.Plan, ladder: list[dict], train_tokens: int | None =
         rows.append({"run": r.name, **c, "tpp_final": final / (c["F"] / 6),
                      "tokens_per_param_final": final / budget.count_params(cfg)["blocks"]})
     return {"runs": rows, "tokens_per_run": tokens, "train_tokens": train_tokens,
-            "epochs_per_run": configs.plan_epochs(plan, train_tokens) if train_tokens else None,   # data read, not trained on
+            # the data read (stable phase + the shared decay window), not the tokens trained on
+            "epochs_per_run": configs.plan_epochs(plan, train_tokens) if train_tokens else None,
             "total_flops": sum(r["flops_with_head"] for r in rows),
             "gpu_minutes": sum(r["gpu_minutes"] for r in rows), "mfu": budget.ASSUMED_MFU,
             "peak_flops": budget.H200_PEAK_FLOPS}
@@ -518,7 +519,8 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
     import train as train_mod
     ms = train_mod.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
-    runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], cpu_dtype=ms["cpu_dtype"],
+    runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], avx512_bf16=ms["avx512_bf16"],
+                   cpu_dtype=ms["cpu_dtype"],
                    malloc="per worker: " + ("environment" if ms["malloc"] == "environment" else
                                             f"mmap threshold {train_mod.MALLOC_MMAP_BYTES >> 20} MiB, "
                                             f"trim {train_mod.MALLOC_TRIM_BYTES >> 20} MiB")

@@ -17,7 +17,7 @@ does not depend on how the batch is split; weight decay applies to matrices only
 gradient norm raises DivergenceError before the update; so does a finite blow-up (checkpoint.divergence_limit).
 RUN_DIR also holds config.json, metrics.jsonl (one row per logged step), ckpt/ (resume points, only while
 the run is unfinished) and ckpt.pt (a copy of the longest branch's endpoint, what eval.py and probes.py
-load; `load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
+load; `checkpoint.load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
 CUDA: bf16 autocast and torch.compile; CPU: fp32, eager.
 Read first: model.py, budget.py; checkpoints and resume: checkpoint.py; file integrity: runfiles.py.
 Design notes: docs/train.md.
@@ -48,8 +48,8 @@ import budget
 import cli
 import configs
 import data as data_mod
-from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, load_weights,  # noqa: F401
-                        logged, refuse_unrunnable, save_kind)   # load_weights: train.load_weights, as before
+from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
+                        save_kind)
 from checks import check_fields, from_dict, read_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
@@ -73,12 +73,14 @@ def machine_settings(allocator: bool = False) -> dict:
     it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
     allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
     instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
-    on CPU (fast with AMX) changes the numbers, so fp32 stays the CPU default (measured: docs/train.md)."""
+    on CPU changes the numbers and, with AVX512-BF16, was measured 1.4-4.8x slower per tiny step (AMX not
+    measured), so fp32 stays the CPU default (docs/train.md, README "CPU speed")."""
     flags = ""
     with contextlib.suppress(OSError):
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
     out = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in flags.split(),
+           "avx512_bf16": "avx512_bf16" in flags.split(),
            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu_dtype": "fp32",
            "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_") and "environment" or "default"}
     if allocator and out["malloc"] == "default":

@@ -17,6 +17,7 @@ import eval as ev
 import eval_plots
 import runfiles
 import tasks
+import validation
 import wins
 from loop import LoopConfig
 from model import GPT, ModelConfig
@@ -323,12 +324,12 @@ def test_compare_tests_over_seeds_one_sided():
 def test_length_buckets_from_doc_ids():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2],
                         [0] * 16])
-    lengths = ev.segment_lengths(doc)
+    lengths = validation.segment_lengths(doc)
     assert lengths[0].tolist() == [3] * 3 + [2] * 2 + [11] * 11 and lengths[1].tolist() == [16] * 16
-    assert ev.length_bounds(4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
-    assert ev.length_bounds(16) == [1, 2, 4, 8, 16] and ev.length_bounds(100)[-1] == 128
-    assert ev.length_bucket(lengths, 16)[0].tolist() == [4] * 3 + [2] * 2 + [16] * 11
-    assert ev.length_bucket(torch.tensor([40, 9000]), 4096).tolist() == [64, 4096]   # longer: top bucket
+    assert validation.length_bounds(4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert validation.length_bounds(16) == [1, 2, 4, 8, 16] and validation.length_bounds(100)[-1] == 128
+    assert validation.length_bucket(lengths, 16)[0].tolist() == [4] * 3 + [2] * 2 + [16] * 11
+    assert validation.length_bucket(torch.tensor([40, 9000]), 4096).tolist() == [64, 4096]   # longer: top bucket
 
 
 class FakeData:
@@ -349,7 +350,7 @@ class FakeData:
         rows = self.rows[source]
         idx, tgt = rows[:, :-1], rows[:, 1:]
         doc = torch.cumsum(idx == 0, 1)
-        lengths = ev.segment_lengths(doc)                                 # the documents end in the row
+        lengths = validation.segment_lengths(doc)                                 # the documents end in the row
         batches = [(idx[b:b + batch_size], tgt[b:b + batch_size], doc[b:b + batch_size], lengths[b:b + batch_size])
                    for b in range(0, len(rows), batch_size)]
         return iter([bt if kw.get("doc_lengths") else bt[:3] for bt in batches])

@@ -278,7 +278,7 @@ def test_corrupt_ckpt_pt_is_rebuilt_from_its_endpoint(finished, tmp_path):
     ep = (copy / "endpoints" / "branch_0000006.pt").read_bytes()
     for damage in (lambda b: b[:len(b) // 3], lambda b: b[:1000] + bytes([b[1000] ^ 1]) + b[1001:]):
         (copy / "ckpt.pt").write_bytes(damage(ep))
-        sd, meta = T.load_weights(copy)                               # served and rebuilt on load
+        sd, meta = checkpoint.load_weights(copy)                               # served and rebuilt on load
         assert meta["branch"] == 6 and (copy / "ckpt.pt").read_bytes() == ep
         (copy / "ckpt.pt").write_bytes(damage(ep))
         T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))   # and by re-running the run
@@ -468,8 +468,8 @@ def test_crash_anywhere_resumes_bit_for_bit(finished, tmp_path, n):
     drop = lambda rs: [{k: v for k, v in r.items() if k not in ("wall_s", "train")} for r in rs]
     assert drop(again) == drop(rows)
     for b in (3, 6):
-        a, _ = T.load_weights(run / "endpoints" / f"branch_{b:07d}.pt")
-        c, _ = T.load_weights(tmp_path / "endpoints" / f"branch_{b:07d}.pt")
+        a, _ = checkpoint.load_weights(run / "endpoints" / f"branch_{b:07d}.pt")
+        c, _ = checkpoint.load_weights(tmp_path / "endpoints" / f"branch_{b:07d}.pt")
         assert all(torch.equal(a[k], c[k]) for k in a)
     assert not (tmp_path / "ckpt").exists()
 

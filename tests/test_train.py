@@ -175,7 +175,7 @@ def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight)
     assert (run_dir / "ckpt.pt").read_bytes() == (run_dir / "endpoints" / "branch_0000006.pt").read_bytes()
     import eval as ev
     final, _ = ev.load_model(run_dir)
-    end, meta = T.load_weights(run_dir)
+    end, meta = checkpoint.load_weights(run_dir)
     assert meta["branch"] == 6 and all(torch.equal(final.state_dict()[k], v) for k, v in end.items())
 
 
@@ -202,8 +202,8 @@ def test_resume_after_crash_is_bit_for_bit(straight, tmp_path):
     assert drop(resumed) == drop(rows)                             # val losses equal exactly
     assert strip_timing(read_jsonl(tmp_path / "metrics.jsonl")) == strip_timing(read_jsonl(run_dir / "metrics.jsonl"))
     for name in ("branch_0000003.pt", "branch_0000006.pt"):
-        a, _ = T.load_weights(run_dir / "endpoints" / name)
-        b, _ = T.load_weights(tmp_path / "endpoints" / name)
+        a, _ = checkpoint.load_weights(run_dir / "endpoints" / name)
+        b, _ = checkpoint.load_weights(tmp_path / "endpoints" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -353,8 +353,8 @@ def test_torchrun_two_ranks_match_one_process(runs, mode):
     assert 1.0 < rows[0]["F_ctx"] <= 32                              # measured document length
     # the 2-rank endpoint is a full state dict with the same weights
     name = "endpoints/branch_0000003.pt"
-    ref_ck, _ = T.load_weights(d / "one" / name)
-    ck, meta = T.load_weights(out / name)
+    ref_ck, _ = checkpoint.load_weights(d / "one" / name)
+    ck, meta = checkpoint.load_weights(out / name)
     assert ck.keys() == ref_ck.keys() == GPT(tiny_model()).state_dict().keys() and meta["step"] == 4
     for k, v in ck.items():
         torch.testing.assert_close(v, ref_ck[k], rtol=0, atol=1e-5)
