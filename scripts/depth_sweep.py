@@ -7,11 +7,12 @@ architectures are re-matched to the reference's FLOPs, parameters and KV cache:
   Baseline at P  d_model near x sqrt(L/P) (FLOPs grow with depth x width^2), head_dim x L/P (KV
                  grows with depth x head width), query heads at the reference's query width per
                  d_model, experts re-solved for total parameters; of the d_model candidates the one
-                 with the smallest worst mismatch in SMELT's tolerances is kept.
+                 with the smallest worst mismatch in the matcher's bands (budget.mismatch) is kept.
   looped at P    budget.match of SMELT's loop (middle half, twice) against that depth-P Baseline.
 budget.match keeps the base's depth, so the depth-P Baseline is built here first; the table
-reports every run's FLOPs / parameter / KV ratios to the reference, so any residual mismatch
-is visible. Writes results.json, a table and depth_sweep.png
+reports every run's FLOPs / parameter / KV ratios to the reference and whether they lie in the
+matcher's bands ("matched", budget.within_tolerance), so any residual mismatch is visible (at tiny
+widths few depths can be matched: d_model moves in steps of 4). Writes results.json, a table and depth_sweep.png
 (validation loss against effective depth).
 """
 from __future__ import annotations
@@ -79,8 +80,9 @@ def main(argv=None) -> dict:
         for arch, cfg in (("baseline", base), ("looped", looped)):
             specs.append((f"{arch}_L{P}", cfg, {"control": control, "scale": scale, "sparsity_label": label,
                                                 "arch": arch}))
-            info.append({"arch": arch, "physical_layers": P, "head_dim": cfg.hd, "n_head": cfg.n_head,
-                         **exp.budgets(cfg, ref)})
+            b = exp.budgets(cfg, ref)
+            info.append({"arch": arch, "physical_layers": P, "head_dim": cfg.hd, "n_head": cfg.n_head, **b,
+                         "matched": budget.within_tolerance(b["flops_ratio"], b["params_ratio"], b["kv_ratio"])})
     rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
     series = {arch: ([r["effective_layers"] for r in rows if r["arch"] == arch],
                      [r["val_loss"] for r in rows if r["arch"] == arch]) for arch in ("baseline", "looped")}
@@ -92,7 +94,7 @@ def main(argv=None) -> dict:
         ("arch", "arch", ""), ("physical", "physical_layers", "d"), ("effective", "effective_layers", "d"),
         ("D", "d_model", "d"), ("heads", "n_head", "d"), ("hd", "head_dim", "d"), ("E", "n_experts", "d"),
         ("F ratio", "flops_ratio", ".3f"), ("N ratio", "params_ratio", ".3f"), ("KV ratio", "kv_ratio", ".3f"),
-        ("val loss", "val_loss", ".4f")])
+        ("matched", "matched", ""), ("val loss", "val_loss", ".4f")])
 
 
 if __name__ == "__main__":
