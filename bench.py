@@ -165,14 +165,15 @@ def bench_moe_shapes(device) -> dict:
         return {"default": bench_moe(device)}
     cfg = max((ModelConfig.from_dict(c[a]) for c in tiny_cells() for a in ("baseline", "smelt")),
               key=lambda c: c.n_experts)
-    with _threads(1):   # as reproduce.py's training workers
+    with threads(1):   # as reproduce.py's training workers
         return {"tiny": bench_moe(device, 4 * cfg.block_size, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k,
                                   iters=20, label="tiny ladder's largest pool", target=2.0),
                 "small": bench_moe(device, 4096, 160, 160, 32, 4, label="small-like", target=1.5)}
 
 
 @contextlib.contextmanager
-def _threads(n: int):
+def threads(n: int):
+    """torch intra-op threads set to n within the block, restored after (bench and scripts/profile_step.py)."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -198,11 +199,9 @@ def _moe_vs_dense(cfg: ModelConfig, device, tokens: int) -> dict:
 def _visit_step(gpt: GPT, idx, doc):
     """fwd+bwd of one block visit of gpt at the training shape (its router losses included), for `interleaved`:
     a middle visit of the plan (inside the looped span for SMELT), on the step's document mask (built once)."""
-    from model import Ctx
-    B, T = idx.shape
     v = gpt.plan[len(gpt.plan) // 2]
-    ctx = Ctx(torch.arange(T, device=idx.device), gpt.rope_cos[:T], gpt.rope_sin[:T], doc, gpt.cfg.loop.n_loops, B)
-    x = torch.randn(B, T, gpt.cfg.d_model, device=idx.device, requires_grad=True)
+    ctx = gpt.full_ctx(idx, doc)
+    x = torch.randn(*idx.shape, gpt.cfg.d_model, device=idx.device, requires_grad=True)
 
     def step():
         y, st = gpt.blocks[v.layer](x, v, ctx, v.visit)
@@ -226,7 +225,7 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
             torch.manual_seed(0)
             gpt = GPT(ModelConfig.from_dict(c[arch])).to(device)
             runs[(c["scale"], c["sparsity_label"], arch)] = (gpt, train.Objective(gpt), train.make_optimizer(gpt, tc))
-    with _threads(1 if device.type == "cpu" else torch.get_num_threads()):
+    with threads(1 if device.type == "cpu" else torch.get_num_threads()):
         clock = _clock(device)
         for i in range(2 + steps):                         # two warm-up rounds
             idx, tgt, doc = (t.to(device) for t in d.train_batch(i, batch_size, T, seed=0))

@@ -60,8 +60,8 @@ def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
             seqs, ns, batches = tasks_mod.scoring_batches(tasks_mod.continuations(req), plan.block_size, vocab_size,
                                                           True, tasks_mod.BATCH_TOKENS["cuda"], tasks_mod.MAX_LOGITS)
             for b in batches:
-                n.update(calls=1, rows=len(b), tokens=len(b) * max(len(seqs[j]) for j in b),
-                         positions=len(b) * max(ns[j] for j in b), host_reads=1)
+                T, M = tasks_mod.batch_shape(seqs, ns, b)
+                n.update(calls=1, rows=len(b), tokens=len(b) * T, positions=len(b) * M, host_reads=1)
     return {k: n[k] for k in ("calls", "rows", "tokens", "positions", "host_reads")}
 
 

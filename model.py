@@ -368,11 +368,15 @@ class GPT(nn.Module):
             capture: dict | None = None) -> Output:
         """Full forward. capture: a dict that receives {(layer, visit): {name: tensor}} for probes."""
         _check_run_args(self.cfg, idx, targets, doc_ids)
-        B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)
-        ctx = Ctx(pos, self.rope_cos[:T], self.rope_sin[:T], doc_ids, self.cfg.loop.n_loops, B, capture=capture)
+        ctx = self.full_ctx(idx, doc_ids, capture)
         x, router = self._body(self.tok_emb(idx), ctx, doc_ids)
         return self._head(x, targets, router)
+
+    def full_ctx(self, idx: Tensor, doc_ids: Tensor | None = None, capture: dict | None = None) -> Ctx:
+        """The context of a full forward over idx (B, T) from position 0: positions, RoPE rows, document ids."""
+        B, T = idx.shape
+        return Ctx(torch.arange(T, device=idx.device), self.rope_cos[:T], self.rope_sin[:T], doc_ids,
+                   self.cfg.loop.n_loops, B, capture=capture)
 
     def _visits(self, x: Tensor, ctx: Ctx, visits, router: list) -> Tensor:
         """Run visits in order; each visit's loop index is its visit number."""

@@ -527,7 +527,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
                    if runtime["device"] == "cpu" else ms["malloc"])
     log("runtime: " + ", ".join(f"{k} {v}" for k, v in runtime.items()))
     check_disk(plan, ladder, out, jobs)
-    threads = runtime["threads_per_worker"] if runtime["device"] == "cuda" else 1
+    threads = runtime["threads_per_worker"]   # 1 per CPU worker; in-process (jobs 1) it is not used
     rows = timed("train", stage_train, plan, ladder, data, out, jobs, threads)
     train_sum = reporting.training_summary(plan, ladder, rows, entropy)
     train_sum["learned"]["unigram_val_loss"] = unigram_val

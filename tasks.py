@@ -333,6 +333,11 @@ def scoring_batches(requests: Sequence[tuple[list[int], int]], block_size: int, 
     return seqs, ns, plan_batches(lens, ns if head_hooked else lens, vocab, max_tokens, max_logits)
 
 
+def batch_shape(seqs: Sequence[list[int]], ns: Sequence[int], chunk: Sequence[int]) -> tuple[int, int]:
+    """(T, M) of one scoring batch: its rows are padded to T tokens and logits kept at their last M positions."""
+    return max(len(seqs[j]) for j in chunk), max(ns[j] for j in chunk)
+
+
 def _check_requests(seqs: Sequence[list[int]], ns: Sequence[int]) -> None:
     for s, n in zip(seqs, ns):
         if not 0 < n < len(s):
@@ -359,7 +364,7 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
     out: list[tuple[float, int, bool] | None] = [None] * len(seqs)
     for chunk in batches:
         lens_l = [len(seqs[j]) for j in chunk]
-        T, M = max(lens_l), max(ns[j] for j in chunk)     # from Python ints: no tensor read
+        T, M = batch_shape(seqs, ns, chunk)                # from Python ints: no tensor read
         lens, n = torch.tensor(lens_l), torch.tensor([ns[j] for j in chunk])
         x = torch.tensor([seqs[j] + [pad_id] * (T - len(seqs[j])) for j in chunk]).to(dev)      # (rows, T)
         m = torch.arange(M)

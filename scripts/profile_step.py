@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+import bench  # noqa: E402
 import budget  # noqa: E402
 import cli  # noqa: E402
 import configs  # noqa: E402
@@ -70,9 +71,7 @@ def main(argv=None) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with bench.threads(1):   # as reproduce.py's CPU workers
         times = []
         for i in range(18):
             t0 = time.perf_counter()
@@ -81,8 +80,6 @@ def main(argv=None) -> dict:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(args.steps):
                 step(i)
-    finally:
-        torch.set_num_threads(threads)
     med = statistics.median(times[3:])   # three warm-up steps left out
     ka = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ka)

@@ -105,7 +105,7 @@ def test_bench_train_saves_each_first_step_as_it_is_measured(tmp_path):
                 raise bench.BenchTimeout("timed out after 0 s")
         return bench.bench_train(torch.device("cpu"), "smoke", steps=2, batch_size=2, save=keep)
     path = str(tmp_path / "bench.json")
-    with bench._threads(1):
+    with bench.threads(1):
         assert bench.run_benchmarks({"train": cut_after_baseline}, ["train"], path) == ["train"]
         d = json.loads(Path(path).read_text())["train"]
         assert "timed out" in d["error"] and d["baseline"]["first_step_s"] > 0 and "smelt" not in d
