@@ -15,23 +15,19 @@ figure never depends on another machine's or run's timing; targets are printed b
   cells   every tiny cell's Baseline / SMELT training step side by side: tok/s, F ratio, time
           ratio (target: within 10 %), its parts, and the MoE layers' cost above dense.
 Every figure goes to one JSON (--out-dir DIR: DIR/bench.json) as soon as it exists (flex per dtype, steps
-per config, train per first step, the others when they finish), merged with keys already there; a failing
-benchmark leaves {"error": ...} beside its partial figures and the others still run (exit 1). --budget-s S:
-each benchmark under a limit from what is left (run_benchmarks, LIMITS; scripts/gpu_check.sh, docs/gpu.md).
-Timing (`interleaved`): the things compared take turns (ABAB...), warm-up rounds first, then the median
-of the timed rounds. Each benchmark in full, and why turns matter on a shared CPU: docs/bench.md.
+per config, train per first step, the others when they finish); a failing benchmark leaves {"error": ...}
+beside its partial figures and the others still run (exit 1). --budget-s S: each benchmark under a limit
+from what is left (LIMITS; scripts/gpu_check.sh, docs/gpu.md). How things are timed side by side, limited
+and saved: bench_harness.py. Each benchmark in full: docs/bench.md.
 Read first: model.py, moe.py (what is measured).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import statistics
 import time
-import traceback
 import warnings
 
 import torch
@@ -40,20 +36,10 @@ import torch.nn.functional as F
 
 import attention
 import cli
+from bench_harness import clock_for, interleaved, machine, run_benchmarks, sync, threads, update_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 from moe import MoE, compute_dtype
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
 class DenseSwiGLU(nn.Module):
@@ -65,26 +51,6 @@ class DenseSwiGLU(nn.Module):
     def forward(self, x):
         g, u = self.w_in(x).chunk(2, -1)
         return self.w_out(F.silu(g) * u)
-
-
-def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8, clock=time.perf_counter) -> dict:
-    """Median seconds per call of each fn, the fns taking turns (ABCABC...) so drift hits all alike."""
-    times = {name: [] for name in fns}
-    for i in range(warmup + iters):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = clock()
-            fn()
-            _sync(device)
-            if i >= warmup:
-                times[name].append(clock() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _clock(device):
-    """time.thread_time on one CPU thread (the work all runs on it, and other tenants' load does not count),
-    else wall time."""
-    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
 def _autocast(device):
@@ -129,7 +95,7 @@ def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8,
     for f in fns.values():    # compile and warm everything before timing
         f()
     warm_s = time.perf_counter() - t0
-    res = interleaved(fns, device, warmup=1, iters=iters, clock=_clock(device))
+    res = interleaved(fns, device, warmup=1, iters=iters, clock=clock_for(device))
     with _autocast(device):
         dt, auto = compute_dtype(x), "/".join(moe_layer("auto").kernels(x))
     print(f"\nMoE fwd+bwd{' (' + label + ')' if label else ''}, {tokens} tokens, d_model {d_model}, d_ff {d_ff}, "
@@ -169,17 +135,6 @@ def bench_moe_shapes(device) -> dict:
         return {"tiny": bench_moe(device, 4 * cfg.block_size, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k,
                                   iters=20, label="tiny ladder's largest pool", target=2.0),
                 "small": bench_moe(device, 4096, 160, 160, 32, 4, label="small-like", target=1.5)}
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    """torch intra-op threads set to n within the block, restored after (bench and scripts/profile_step.py)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _moe_vs_dense(cfg: ModelConfig, device, tokens: int) -> dict:
@@ -226,21 +181,21 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
             gpt = GPT(ModelConfig.from_dict(c[arch])).to(device)
             runs[(c["scale"], c["sparsity_label"], arch)] = (gpt, train.Objective(gpt), train.make_optimizer(gpt, tc))
     with threads(1 if device.type == "cpu" else torch.get_num_threads()):
-        clock = _clock(device)
+        clock = clock_for(device)
         for i in range(2 + steps):                         # two warm-up rounds
             idx, tgt, doc = (t.to(device) for t in d.train_batch(i, batch_size, T, seed=0))
             for key, (gpt, obj, opt) in runs.items():
                 cfg = gpt.cfg
-                _sync(device)
+                sync(device)
                 t0 = clock()
                 ce, n, aux, z, _ = obj(idx, tgt, doc)
                 (ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z).backward()
-                _sync(device)
+                sync(device)
                 t1 = clock()
                 torch.nn.utils.clip_grad_norm_(gpt.parameters(), tc.grad_clip or float("inf"))
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                _sync(device)
+                sync(device)
                 if i >= 2:
                     times.setdefault(key, []).append((t1 - t0, clock() - t1))
         layer = interleaved({(k, part): f for k, (gpt, _, _) in runs.items()
@@ -469,10 +424,10 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
 
     first = {}
     for backend in ("sdpa", "flex"):      # the first call compiles (flex kernel, block mask): timed apart
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = run(backend)
-        _sync(device)
+        sync(device)
         first[backend] = (time.perf_counter() - t0, out)
     ref, got = first["sdpa"][1], first["flex"][1]
     res = {"shape": dict(B=B, H=H, Hkv=Hkv, T=T, head_dim=hd, documents=int((doc.max(1).values + 1).sum())),
@@ -567,7 +522,7 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None, deadline=
 
         t0 = time.perf_counter()
         loss_c = step()
-        _sync(device)
+        sync(device)
         first_s = time.perf_counter() - t0
         step()                                          # a recompile would show in the graph count
         graphs = int(counters["stats"]["unique_graphs"])   # training graphs only: before the eager step compiles
@@ -596,82 +551,6 @@ BENCHMARKS = ("flex", "steps", "moe", "decode", "train", "cells")
 # docs/gpu.md); a benchmark gets min(cap, what is left once the later ones' floors are set aside)
 LIMITS = {"flex": (110, 40), "steps": (190, 60), "train": (130, 50), "decode": (40, 15), "moe": (60, 20),
           "cells": (300, 60)}
-
-
-class BenchTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """Raise BenchTimeout in the main thread once `seconds` have passed (SIGALRM; None: no limit)."""
-    import signal
-    if seconds is None:
-        yield
-        return
-
-    def alarm(_sig, _frame):
-        raise BenchTimeout(f"timed out after {seconds:.0f} s")
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _update_json(path: str, key: str, value) -> None:
-    """Merge {key: value} into the JSON file at path (created if absent), atomically."""
-    old = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-    old[key] = value
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(old, f, indent=2, default=str)
-    os.replace(tmp, path)
-
-
-def run_benchmarks(runs: dict, which: list[str], json_path: str | None, budget_s: float | None = None) -> list[str]:
-    """runs[name](save, deadline) for each name of which, in order; returns the names that failed.
-
-    Every figure reaches json_path as soon as it exists: a benchmark's save(partial) merges its partial
-    result at once, its result when it returns, so a kill keeps what was measured. With budget_s, each
-    benchmark runs under time_limit(min(cap, left - floors of the later ones)) from LIMITS (deadline: when
-    that ends, for benchmarks that skip what would not finish); a timeout keeps the partial figures.
-    """
-    t_start, failed = time.monotonic(), []
-    for i, name in enumerate(which):
-        partial: dict = {}
-
-        def save(res, name=name, partial=partial):
-            partial.clear()
-            partial.update(res)
-            if json_path:
-                _update_json(json_path, name, res)
-        limit = None
-        if budget_s is not None:
-            left = budget_s - (time.monotonic() - t_start)
-            limit = min(LIMITS[name][0], left - sum(LIMITS[n][1] for n in which[i + 1:]))
-            if limit < LIMITS[name][1]:
-                print(f"bench: {name} skipped: {left:.0f} s of the budget left")
-                failed.append(name)
-                save({"skipped": f"{left:.0f} s of the {budget_s:.0f} s budget left"})
-                continue
-        t0 = time.perf_counter()
-        try:
-            with time_limit(limit):
-                out = runs[name](save, None if limit is None else time.monotonic() + limit)
-        except Exception as e:   # record it and go on: the other figures still count
-            traceback.print_exc()
-            out = {**partial, "error": f"{type(e).__name__}: {e}"}
-            failed.append(name)
-        if isinstance(out, dict):
-            out["bench_seconds"] = time.perf_counter() - t0
-        save(out)
-    return failed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -709,7 +588,7 @@ def main(argv=None) -> int:
             "capability": list(torch.cuda.get_device_capability(device)) if cuda else None}
     print(f"machine: {info['machine']}, torch {info['torch']}")
     if args.json:
-        _update_json(args.json, "machine", info)
+        update_json(args.json, "machine", info)
 
     def steps(save, deadline):
         print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if cuda else ''}):")
@@ -721,7 +600,7 @@ def main(argv=None) -> int:
             "train": lambda save, deadline: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
                                                         batch_size=args.train_batch or (32 if cuda else 8),
                                                         save=save)}
-    failed = run_benchmarks(runs, which, args.json, args.budget_s)
+    failed = run_benchmarks(runs, which, args.json, LIMITS, args.budget_s)
     if failed:
         print(f"bench: failed: {' '.join(failed)}")
     return 1 if failed else 0

@@ -1,4 +1,5 @@
-# Makes the flat top-level modules (model.py, moe.py, ...) importable from tests/.
+"""pytest setup: the flat top-level modules (model.py, moe.py, ...) importable from tests/, the
+`one_thread` fixture, and a guard that fails any test leaving process-wide state changed."""
 import os
 import sys
 

@@ -20,6 +20,7 @@ import torch
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import bench
+import bench_harness
 import budget
 import cli
 
@@ -60,7 +61,7 @@ def main(argv=None) -> dict:
                      "vs_unlooped": t / timing["unlooped"] if t is not None else None,
                      "kv_bytes_per_token": kv, "kv_ratio": kv / base_kv, "kv_mib_at_ctx": kv * ctx / 2 ** 20,
                      "flops_per_token": budget.flops_per_token(cfg, ctx), "params": budget.count_params(cfg)["blocks"]})
-    return exp.finish({"device": bench.machine(), "dtype": str(dtype), "prompt": prompt, "new_tokens": new,
+    return exp.finish({"device": bench_harness.machine(), "dtype": str(dtype), "prompt": prompt, "new_tokens": new,
                        "plt_ratio": timing["plt_ratio"], "sequential_ratio": timing["sequential_ratio"],
                        "executed_depth_ratio": timed["executed_depth_ratio"], "rows": rows,
                        "f_linear": timed.get("F.linear")}, [

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import bench  # noqa: E402
+import bench_harness  # noqa: E402
 import budget  # noqa: E402
 import cli  # noqa: E402
 import configs  # noqa: E402
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with bench.threads(1):   # as reproduce.py's CPU workers
+    with bench_harness.threads(1):   # as reproduce.py's CPU workers
         times = []
         for i in range(18):
             t0 = time.perf_counter()

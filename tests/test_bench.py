@@ -1,4 +1,4 @@
-"""bench.py's budgeted runner and scripts/gpu_check.sh, on CPU: every figure reaches the JSON as soon as
+"""bench_harness.py's budgeted runner and scripts/gpu_check.sh, on CPU: every figure reaches the JSON as soon as
 it exists (a timeout or a kill keeps the earlier ones), each benchmark's limit comes from what is left.
 The benchmarks themselves need CUDA (flex, steps) or are timed, not tested (docs/bench.md)."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import bench
+import bench_harness
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,12 +31,12 @@ def _partial_then_hang(save, deadline):
 
 
 @pytest.mark.fault("kills")
-def test_a_benchmark_timed_out_keeps_its_partial_figures_and_the_next_still_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "LIMITS", {"flex": (1.0, 0.5), "steps": (5.0, 0.5)})
+def test_a_benchmark_timed_out_keeps_its_partial_figures_and_the_next_still_runs(tmp_path):
+    limits = {"flex": (1.0, 0.5), "steps": (5.0, 0.5)}
     path = str(tmp_path / "bench.json")
     runs = {"flex": _partial_then_hang, "steps": lambda save, deadline: {"done": deadline is not None}}
     t0 = time.monotonic()
-    failed = bench.run_benchmarks(runs, ["flex", "steps"], path, budget_s=10)
+    failed = bench_harness.run_benchmarks(runs, ["flex", "steps"], path, limits, budget_s=10)
     assert time.monotonic() - t0 < 10                       # the 30 s sleep was cut at flex's 1 s cap
     d = json.loads(Path(path).read_text())
     assert failed == ["flex"]
@@ -43,12 +44,12 @@ def test_a_benchmark_timed_out_keeps_its_partial_figures_and_the_next_still_runs
     assert d["steps"]["done"] is True
 
 
-def test_a_benchmark_without_time_left_is_skipped_and_recorded(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "LIMITS", {"flex": (100.0, 5.0), "steps": (100.0, 8.0)})
+def test_a_benchmark_without_time_left_is_skipped_and_recorded(tmp_path):
+    limits = {"flex": (100.0, 5.0), "steps": (100.0, 8.0)}
     path = str(tmp_path / "bench.json")
     ran = []
     runs = {n: (lambda save, deadline, n=n: ran.append((n, deadline)) or {"ok": True}) for n in ("flex", "steps")}
-    failed = bench.run_benchmarks(runs, ["flex", "steps"], path, budget_s=10)   # flex: 10 - 8 = 2 s < its floor
+    failed = bench_harness.run_benchmarks(runs, ["flex", "steps"], path, limits, budget_s=10)   # flex: 10 - 8 = 2 s < its floor
     d = json.loads(Path(path).read_text())
     assert failed == ["flex"] and "skipped" in d["flex"]
     assert [n for n, _ in ran] == ["steps"] and ran[0][1] - time.monotonic() <= 10
@@ -61,11 +62,12 @@ def test_a_killed_bench_process_keeps_the_figures_written_before(tmp_path):
     result and the second's partial figures, and is valid JSON (each write is atomic)."""
     path = tmp_path / "bench.json"
     code = textwrap.dedent(f"""
-        import time, bench
+        import time, bench_harness
         def hang(save, deadline):
             save({{"partial": 3.0}})
             time.sleep(60)
-        bench.run_benchmarks({{"flex": lambda s, d: {{"full": 1.0}}, "steps": hang}}, ["flex", "steps"], {str(path)!r})
+        bench_harness.run_benchmarks({{"flex": lambda s, d: {{"full": 1.0}}, "steps": hang}}, ["flex", "steps"],
+                                     {str(path)!r}, {{}})
     """)
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -81,10 +83,10 @@ def test_a_killed_bench_process_keeps_the_figures_written_before(tmp_path):
 
 
 def test_time_limit_without_seconds_does_not_interrupt():
-    with bench.time_limit(None):
+    with bench_harness.time_limit(None):
         time.sleep(0.01)
-    with pytest.raises(bench.BenchTimeout, match="timed out"):
-        with bench.time_limit(0.05):
+    with pytest.raises(bench_harness.BenchTimeout, match="timed out"):
+        with bench_harness.time_limit(0.05):
             time.sleep(1)
 
 
@@ -102,11 +104,11 @@ def test_bench_train_saves_each_first_step_as_it_is_measured(tmp_path):
             saves.append(copy.deepcopy(res))
             save(res)
             if "baseline" in res and len(saves) == 2:
-                raise bench.BenchTimeout("timed out after 0 s")
+                raise bench_harness.BenchTimeout("timed out after 0 s")
         return bench.bench_train(torch.device("cpu"), "smoke", steps=2, batch_size=2, save=keep)
     path = str(tmp_path / "bench.json")
-    with bench.threads(1):
-        assert bench.run_benchmarks({"train": cut_after_baseline}, ["train"], path) == ["train"]
+    with bench_harness.threads(1):
+        assert bench_harness.run_benchmarks({"train": cut_after_baseline}, ["train"], path, {}) == ["train"]
         d = json.loads(Path(path).read_text())["train"]
         assert "timed out" in d["error"] and d["baseline"]["first_step_s"] > 0 and "smelt" not in d
         assert [sorted(set(s) & {"baseline", "smelt"}) for s in saves] == [[], ["baseline"]]
