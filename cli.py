@@ -5,7 +5,7 @@ data.py, scripts/*.py) builds its parser with these helpers; tests/test_cli.py c
 against the rules below and feeds every parser a table of bad values.
   --out-dir DIR   where a command writes its files. The old spellings (--out; --json FILE for bench.py
                   and budget.py) are hidden aliases that print a deprecation line; they will be removed.
-  --device D      auto | cpu | cuda | cuda:N | mps, default auto wherever a command picks a device
+  --device D      auto | cpu | cuda | cuda:N, default auto wherever a command picks a device
                   (auto: cuda when torch sees a GPU, else cpu). Checked when parsed: a typo fails first.
   --preset NAME   a run size (configs.py): smoke | tiny | small | medium | paper for reproduce.py and
                   budget.py --ladder; smoke | tiny | small for the experiment scripts (their length is
@@ -17,14 +17,14 @@ against the rules below and feeds every parser a table of bad values.
   counts          argparse refuses bad values before anything runs: `positive_int` for sizes, counts,
                   steps and seeds-as-counts, `nonneg_int` where 0 has a documented meaning (--shots,
                   --max-items 0 = all, --seed, --bootstrap 0 = skip), `positive_float` for lengths and
-                  budgets, and `choices` for every enumeration. The reasons: docs/cli.md.
+                  budgets, and `choices` for every enumeration. The reasons: docs/cli.md. Read next: checks.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-DEVICE_TYPES = ("cpu", "cuda", "mps")
+DEVICE_TYPES = ("cpu", "cuda")   # the device types the code is tested on
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -113,7 +113,7 @@ def nonneg_float(text: str) -> float:
 
 
 def device(text: str) -> str:
-    """auto, or a device torch knows of a supported type: cpu, cuda, cuda:N, mps."""
+    """auto, or a device torch knows of a supported type: cpu, cuda, cuda:N."""
     if text == "auto":
         return text
     import torch
@@ -122,7 +122,7 @@ def device(text: str) -> str:
     except (RuntimeError, ValueError):
         dev = None
     if dev is None or dev.type not in DEVICE_TYPES:
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda, cuda:N or mps, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
     return text
 
 
@@ -163,6 +163,6 @@ def add_out_dir(ap: argparse.ArgumentParser, help: str, default: str | None = No
 
 
 def add_device(ap: argparse.ArgumentParser, help: str = "where to run: auto (cuda when available, else cpu), "
-                                                          "cpu, cuda, cuda:N or mps") -> None:
+                                                          "cpu, cuda or cuda:N") -> None:
     """--device, default auto, checked when parsed; resolve with `resolve_device`."""
     ap.add_argument("--device", type=device, default="auto", help=help)

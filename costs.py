@@ -17,6 +17,7 @@ Wall time = FLOPs / (peak x MFU) + compiles x compile seconds / jobs + eager for
 overhead + host reads x sync cost, at both ends of each range in ASSUMED: estimates, not measurements
 (why each range: docs/gpu.md). `jobs` runs share the GPU (reproduce.default_jobs): their compiles
 (host-CPU work) overlap, their GPU work, launches and syncs are counted as if serial. Not yet run on a GPU.
+Read next: reproduce.py (which prints it), docs/gpu.md.
 """
 from __future__ import annotations
 

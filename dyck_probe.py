@@ -10,6 +10,7 @@ BOS 0.60 -> 0.02, demonstrations 0.24 -> 0.85 from visit 1 to visit 2.
 Its two claims are registered with the others in probe_claims.py (DYCK_CLAIMS), its figure is
 probe_plots.plot_dyck, and probes.probe_pairs runs it on each SMELT model. The choices where the
 paper is silent (which items, which demonstrations, the selection k) are in docs/dyck_probe.md.
+Read next: reproduce.py.
 """
 from __future__ import annotations
 

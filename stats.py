@@ -21,6 +21,7 @@ rules are written once:
     `welch_difference` (two independent samples), `all_of` (one verdict from a claim's parts).
 
 Pure functions on numpy arrays; no torch. Tested against hand-computed cases (tests/test_stats.py).
+Read next: scaling.py.
 """
 from __future__ import annotations
 
