@@ -16,8 +16,9 @@ Stages (each reads the JSON the previous one wrote; finished work is skipped on 
   7. report    report.write_report: REPORT.md, every claim reproduced / contradicted / not resolved
                by its interval; train_plots.plot_curves: the learning curves.
 This file holds the stages, the worker pool that runs them `--jobs` at a time, the plan's cost and
-disk check, and main. What each preset trains: configs.PLANS (configs.py); how long each takes and
-why: docs/reproduce.md. Read first: configs.py, budget.py, train.py; then report.py.
+disk check, and main. What each preset trains: configs.PLANS (configs.py); how long each takes: the
+README's Presets table; why the scheduling and run-folder rules: docs/reproduce.md.
+Read first: configs.py, budget.py, train.py; then report.py.
 """
 from __future__ import annotations
 
