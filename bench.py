@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     import configs
     ap = cli.parser(__doc__)
     ap.add_argument("which", nargs="*", metavar="{" + ",".join(BENCHMARKS) + "}",
-                    help="benchmarks to run (default: moe, decode, train; on CUDA also flex and steps, first)")
+                    help="benchmarks to run (default: moe, decode, train on CPU; all of them on CUDA, in the order listed)")
     cli.add_device(ap)
     ap.add_argument("--train-preset", default=None, choices=list(configs.LADDERS),
                     help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
