@@ -1,6 +1,7 @@
 """moe.py: grouped matmul against its reference, the MoE layer against its loop and Mixtral's block."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe import MoE, grouped_mm, grouped_mm_reference
 
@@ -60,8 +61,22 @@ def test_moe_matches_per_token_loop(renorm):
     y, st = m(x)
     torch.testing.assert_close(y, m.forward_reference(x), rtol=1e-5, atol=1e-5)
     assert st.tokens_per_expert.sum() == 2 * 7 * 2 and st.topk_idx.shape == (2, 7, 2)
-    assert st.aux_loss >= 1.0 - 1e-5   # Switch loss is >= 1, with equality only at perfect balance
-    assert st.z_loss > 0
+    assert st.aux_loss > 0 and st.z_loss > 0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_router_losses_match_mixtral_and_st_moe(k):
+    """The load-balancing loss equals transformers' Mixtral load_balancing_loss_func divided by k (it
+    sums the top-k token fractions to k; Switch's normalisation is 1 at balance), the z-loss the
+    ST-MoE formula mean(logsumexp(logits)^2), both from the same router logits."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    m = _moe(E=6, k=k)
+    x = torch.randn(2, 7, 32)
+    _, st = m(x)
+    logits = F.linear(x.view(-1, 32), m.router.weight).float()
+    E = m.router.weight.shape[0]
+    torch.testing.assert_close(st.aux_loss, load_balancing_loss_func((logits,), E, k) / k)
+    torch.testing.assert_close(st.z_loss, torch.logsumexp(logits, -1).square().mean())
 
 
 def test_moe_one_expert_takes_all_tokens():
@@ -157,8 +172,42 @@ def test_auto_picks_the_cpu_loop_eagerly_and_rejects_unknown_impls():
         MoE(8, 8, 4, 2, impl="fast")
 
 
-@pytest.mark.parametrize("impl", ["padded", "reference"])
+def _cpu_grouped_mm_or_skip():
+    """torch._grouped_mm has a CPU kernel in torch 2.13 (fp32 and bf16); skip, saying so, where it does not."""
+    try:
+        torch._grouped_mm(torch.zeros(4, 8), torch.zeros(2, 8, 8), offs=torch.tensor([2, 4], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._grouped_mm has no CPU kernel in torch {torch.__version__}: {e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_grouped_mm_kernel_matches_the_reference(dtype):
+    """impl="torch" (the fused CUDA path) on CPU, where torch runs the same op: values (fp32 and bf16) and,
+    in fp32, gradients against grouped_mm_reference, with an empty group among the others."""
+    _cpu_grouped_mm_or_skip()
+    torch.manual_seed(0)
+    sizes = torch.tensor([5, 0, 9, 6])
+    x = torch.randn(20, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 16, 24, dtype=dtype, requires_grad=True)
+    dy = torch.randn(20, 24, dtype=dtype)
+    outs = []
+    for impl in ("torch", "reference"):
+        x.grad = w.grad = None
+        y = grouped_mm(x, w, sizes, impl=impl)
+        if dtype == torch.float32:
+            (y * dy).sum().backward()
+            outs.append([y.detach(), x.grad.clone(), w.grad.clone()])
+        else:
+            outs.append([y.detach().float()])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("impl", ["padded", "reference", "torch"])
 def test_moe_impls_agree_with_the_loop(impl):
+    if impl == "torch":
+        _cpu_grouped_mm_or_skip()
     m = _moe(E=6, k=2)
     x = torch.randn(2, 9, 32, requires_grad=True)
     dy = torch.randn(2, 9, 32)
