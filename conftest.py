@@ -7,6 +7,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import threadpoolctl  # noqa: E402,F401  -- sets KMP_DUPLICATE_LIB_OK on import: once, before any test's snapshot
+import train  # noqa: E402
+
+# glibc's mmap / trim thresholds cannot be read back, so the state guard below cannot check them, and every
+# CPU Trainer raises them (train.machine_settings): raised once here, every test sees the same allocator.
+train.machine_settings(allocator=True)
 
 
 @pytest.fixture(scope="module")
