@@ -113,10 +113,10 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
     on_base = sigmoid4(np.sort(bl), params["a"], params["b"], params["alpha"], params["tau"], params["d"])
     jump = float(np.abs(np.diff(on_base)).max() / max(np.ptp(on_base), 1e-300))
     if not math.isfinite(params["r2"]) or params["r2"] < min_r2:
-        out["why"] = f"the fit explains too little of the Baseline spread (R^2 = {params['r2']:.3f} < {min_r2})"
+        out["why"] = f"the fit explains too little of the Baseline spread (R^2 < {min_r2:g})"  # no estimate printed
     elif jump > CALIBRATION_MAX_JUMP:
-        out["why"] = (f"the fitted curve is a step: {100 * jump:.0f} % of its rise lies between two neighbouring "
-                      f"Baseline losses, so the data do not place its transition")
+        out["why"] = (f"the fitted curve is a step: over {100 * CALIBRATION_MAX_JUMP:.0f} % of its rise lies between "
+                      f"two neighbouring Baseline losses, so the data do not place its transition")
     if out["why"]:
         return out
     pred = sigmoid4(ol, params["a"], params["b"], params["alpha"], params["tau"], params["d"])

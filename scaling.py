@@ -176,33 +176,30 @@ def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
                    f"(< {rules.min_one_minus_S_ratio:g}x)")
     if not res.converged:
         why.append("not converged: L-BFGS-B stopped away from a stationary point")
-    for k in ("a", "c"):
-        v = getattr(co, k)
+    for k in ("a", "c"):                                     # rule names and thresholds only: the estimates
+        v = getattr(co, k)                                   # of a fit that is not identified are not printed
         if k in fixed:
             continue
         if v <= 0:
-            why.append(f"exponent sign: {k} = {short_num(v)} is not > 0")
+            why.append(f"exponent sign: {k} is not > 0")
         elif v < rules.exp_min:
-            why.append(f"exponent bound: {k} = {short_num(v)} within {rules.exp_min:g} of its bound 0")
+            why.append(f"exponent bound: {k} within {rules.exp_min:g} of its bound 0")
         elif v > rules.exp_max:
-            why.append(f"exponent bound: {k} = {short_num(v)} > {rules.exp_max:g}")
+            why.append(f"exponent bound: {k} > {rules.exp_max:g}")
     if "b" not in fixed:
         if co.b < rules.b_min:
-            why.append(f"exponent sign: b = {short_num(co.b)} < 0 (sparser cells fit worse at equal F, "
-                       f"against SMELT's b > 0)")
+            why.append("exponent sign: b < 0 (sparser cells fit worse at equal F, against SMELT's b > 0)")
         elif co.b > rules.b_max:
-            why.append(f"exponent bound: b = {short_num(co.b)} > {rules.b_max:g}")
+            why.append(f"exponent bound: b > {rules.b_max:g}")
     if co.a > 0 and co.c > 0:
-        r = co.c / co.a
         lo, hi = rules.c_over_a
-        if not lo <= r <= hi:
-            why.append(f"exponent ratio: c / a = {short_num(r)} outside [{lo:g}, {hi:g}] "
-                       f"(F* would grow as C^{short_num(co.c / (co.a + co.c))})")
+        if not lo <= co.c / co.a <= hi:
+            why.append(f"exponent ratio: c / a outside [{lo:g}, {hi:g}] (so the F* exponent c / (a + c) is outside "
+                       f"[{lo / (1 + lo):.2g}, {hi / (1 + hi):.2g}])")
     for k in ("a", "c"):
         v, se = getattr(co, k), res.se.get(k, 0.0)
         if k not in fixed and v > 0 and not v >= rules.min_t * se:
-            why.append(f"exponent uncertain: {k} = {short_num(v)} +- {short_num(se)} "
-                       f"(< {rules.min_t:g} standard errors from 0)")
+            why.append(f"exponent uncertain: {k} < {rules.min_t:g} standard errors from 0")
     return why
 
 

@@ -7,6 +7,7 @@ each operator's share of the step (--out-dir: also DIR/profile.json).
 
   python scripts/profile_step.py                                  # tiny, t96 S~85 % SMELT
   python scripts/profile_step.py --scale t64 --sparsity-label "S=0%" --arch baseline --top 30
+  python scripts/profile_step.py --dtype bf16                     # under bf16 autocast (train.py --dtype bf16)
 
 Needs the preset's data (`python data.py --preset P`). Read with bench.py's `cells` (the same step timed
 side by side for every tiny cell); what the profile showed: README, "CPU speed".
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--arch", default="smelt", choices=("baseline", "smelt"), help="which model of the pair")
     ap.add_argument("--steps", type=cli.positive_int, default=10, help="profiled steps (after 18 timed ones)")
     ap.add_argument("--top", type=cli.positive_int, default=20, help="operators listed")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="fp32 (the CPU default) or bf16 autocast, as train.py's --dtype")
     cli.add_out_dir(ap, "also write DIR/profile.json (default: print only)", old=())
     return ap
 
@@ -57,7 +60,8 @@ def main(argv=None) -> dict:
     if cell not in cells:
         ap.error(f"no {args.preset} cell {cell[0]} {cell[1]}; the ladder has {sorted(cells)}")
     cfg = ModelConfig.from_dict(cells[cell][args.arch])
-    tc = train.TrainConfig()
+    tc = train.TrainConfig(device="cpu", dtype=args.dtype)
+    _, autocast = train.select_device(tc, train.Dist())
     torch.manual_seed(0)
     gpt = GPT(cfg)
     obj, opt = train.Objective(gpt), train.make_optimizer(gpt, tc)
@@ -65,7 +69,8 @@ def main(argv=None) -> dict:
 
     def step(i):
         idx, tgt, doc = d.train_batch(i, B, T, seed=0)
-        ce, n, aux, z, _ = obj(idx, tgt, doc)
+        with autocast():
+            ce, n, aux, z, _ = obj(idx, tgt, doc)
         (ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z).backward()
         torch.nn.utils.clip_grad_norm_(gpt.parameters(), tc.grad_clip or float("inf"))
         opt.step()
@@ -84,7 +89,7 @@ def main(argv=None) -> dict:
     ka = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ka)
     calls = sum(e.count for e in ka if e.key.startswith("aten::")) / args.steps
-    print(f"{args.preset} {cell[0]} {cell[1]} {args.arch}: d_model {cfg.d_model}, {cfg.n_layer} layers, "
+    print(f"{args.preset} {cell[0]} {cell[1]} {args.arch} {args.dtype}: d_model {cfg.d_model}, {cfg.n_layer} layers, "
           f"{len(gpt.plan)} visits, {cfg.n_experts} experts; median step {1e3 * med:.1f} ms "
           f"({B * T / med:.0f} tok/s, 1 thread); {calls:.0f} aten calls per step")
     print(f"  {'operator':60s} {'ms/step':>8s} {'share':>6s} {'calls/step':>10s}")
@@ -93,7 +98,7 @@ def main(argv=None) -> dict:
         ms, share = e.self_cpu_time_total / 1e3 / args.steps, e.self_cpu_time_total / total
         top.append({"op": e.key, "ms_per_step": ms, "share": share, "calls_per_step": e.count / args.steps})
         print(f"  {e.key[:60]:60s} {ms:8.2f} {100 * share:5.1f}% {e.count / args.steps:10.0f}")
-    res = {"preset": args.preset, "cell": list(cell), "arch": args.arch, "step_s": med,
+    res = {"preset": args.preset, "cell": list(cell), "arch": args.arch, "dtype": args.dtype, "step_s": med,
            "aten_calls_per_step": calls, "top": top}
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)

@@ -160,3 +160,21 @@ def test_profile_step_lists_the_step_operators(tmp_path, capsys):
     assert "aten::mm" in {t["op"] for t in res["top"]}
     assert json.loads((tmp_path / "profile.json").read_text()) == json.loads(json.dumps(res))
     assert f"{res['aten_calls_per_step']:.0f} aten calls per step" in capsys.readouterr().out
+
+
+def test_profile_step_dtype_bf16_runs_under_autocast():
+    """--dtype bf16 profiles the step under train.py's bf16 autocast: the casts autocast inserts show as
+    extra aten::_to_copy calls per step beside the fp32 profile of the same cell."""
+    import data as data_mod
+    data_mod.prepare("smoke")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import profile_step
+        casts = {}
+        for dt in ("fp32", "bf16"):
+            res = profile_step.main(["--preset", "smoke", "--steps", "1", "--top", "1000", "--dtype", dt])
+            assert res["dtype"] == dt
+            casts[dt] = next(t["calls_per_step"] for t in res["top"] if t["op"] == "aten::_to_copy")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert casts["bf16"] > casts["fp32"] + 100, casts

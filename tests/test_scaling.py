@@ -268,6 +268,20 @@ def test_identify_names_every_failed_rule():
     assert keys(se={**good.se, "c": math.inf}) == {"exponent uncertain"}
 
 
+def test_identify_prints_no_estimate_of_a_fit_it_rejects():
+    """A fit that is not identified prints no numbers: its reasons name the rule and its threshold,
+    never the rejected exponents, their ratio or their standard errors."""
+    good = _fitted()
+    estimates = {"a": 0.0713, "b": -0.0527, "c": 0.6131}             # digits no rule threshold uses
+    bad = replace(good, coeffs=replace(good.coeffs, **estimates), se={"a": 0.0461, "b": 0.0, "c": 0.3917})
+    why = scaling.identify(bad)
+    assert {w.split(":")[0] for w in why} == {"exponent sign", "exponent ratio", "exponent uncertain"}
+    quoted = [*estimates.values(), 0.0461, 0.3917, estimates["c"] / estimates["a"],
+              estimates["c"] / (estimates["a"] + estimates["c"])]
+    for w in why:
+        assert not any(scaling.short_num(abs(v)) in w or f"{abs(v):.2g}" in w for v in quoted), w
+
+
 def test_identifiable_surface_recovers_its_coefficients():
     res = _fitted(noise=0.003)
     assert res.identified, res.why
