@@ -451,7 +451,8 @@ def fixed_match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, geometr
     return cfg, _match_report(base_cfg, cfg, ctx_len, o, _base_counts(base_cfg, ctx_len, o), 1, t0)
 
 
-def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> tuple[ModelConfig, dict]:
+def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: ModelConfig | None = None,
+          **search) -> tuple[ModelConfig, dict]:
     """The looped config matching base_cfg's FLOPs per token, blocks (total non-embedding parameters)
     and KV cache, and a report {"flops_ratio", "params_ratio", "kv_ratio", "within_tolerance", ...}.
 
@@ -459,6 +460,8 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
     The report also holds the worst mismatch in tolerances, the base and matched FLOPs / blocks /
     KV bytes per token, the number of candidates scored and the seconds taken, and a message.
     Depth, top_k, vocab and n_shared_experts are the Baseline's; the loop is `loop`.
+    target: match target's budgets instead (default base_cfg's), base_cfg still giving the depth and the
+    widths the search is centred on (scripts/depth_sweep.py: a depth-P model against a depth-L reference).
     """
     t0 = time.perf_counter()
     _check_cfg(base_cfg)
@@ -466,9 +469,12 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
         raise ValueError(f"match: loop must be a loop.LoopConfig, got {type(loop).__name__}")
     loop.validate(base_cfg.n_layer)
     _check_ctx(base_cfg, ctx_len)
+    tgt = base_cfg if target is None else target
+    if tgt is not base_cfg:
+        _check_cfg(tgt)
     o = _search_options(base_cfg, search)
     tol, conv, head, b, sh = o["tolerances"], o["convention"], o["include_head"], base_cfg, base_cfg.n_shared_experts
-    ps, (F_b, N_b, kv_b) = plan_of(b, loop), _base_counts(b, ctx_len, o)
+    ps, (F_b, N_b, kv_b) = plan_of(b, loop), _base_counts(tgt, ctx_len, o)
     D, nh, nkv, hd, ff = _grid(b, o, *_head_pairs(b, o, ps, ctx_len, kv_b))
     E = np.zeros_like(D)
     if ps.moe:   # expert count: blocks are linear in E -> solve, try the two neighbouring multiples
@@ -488,7 +494,7 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, **search) -> 
     best = np.lexsort((shape, np.floor(worst / o["resolution"] + 1e-9)))[0]
     cfg = replace(b, d_model=int(D[best]), n_head=int(nh[best]), n_kv_head=int(nkv[best]), head_dim=int(hd[best]),
                   d_ff=int(ff[best]), n_experts=int(E[best]), loop=loop)
-    return cfg, _match_report(b, cfg, ctx_len, o, (F_b, N_b, kv_b), int(D.size), t0)
+    return cfg, _match_report(tgt, cfg, ctx_len, o, (F_b, N_b, kv_b), int(D.size), t0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -498,6 +504,12 @@ def _ladder(preset: str) -> dict:
     if preset not in configs.LADDERS:
         raise ValueError(f"preset must be one of {sorted(configs.LADDERS)}, got {preset!r}")
     return configs.LADDERS[preset]
+
+
+def preset_search(preset: str) -> dict:
+    """The match search options of a preset's ladder (configs.LADDERS "search"): every match of the preset's
+    configs (ladder, scripts) starts from them."""
+    return dict(_ladder(preset).get("search", {}))
 
 
 def preset_doc_length(preset: str, data=None) -> float:
@@ -579,7 +591,7 @@ def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, n_l
         loop = smelt_loop(base.n_layer, n_loops, span_fraction)
         fixed = configs.LADDERS[preset].get("smelt", {}).get((scale, label))
         published = fixed is not None and loop == smelt_loop(base.n_layer) and not n_shared_experts  # r 2, no shared
-        opts = {**configs.LADDERS[preset].get("search", {}), **search}
+        opts = {**preset_search(preset), **search}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
             cfg, rep = (fixed_match(base, loop, ctx_len, fixed, **opts) if published

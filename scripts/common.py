@@ -152,10 +152,12 @@ class Experiment:
         return replace(c, n_experts=0, d_ff=c.top_k * c.d_ff, loop=howto_loop())
 
     def match(self, base: ModelConfig, loop, **search) -> tuple[ModelConfig, dict]:
-        """budget.match at the training context; the report (not a warning) says when tolerance is missed."""
+        """budget.match at the training context with the preset ladder's search options (budget.preset_search;
+        `search` adds or overrides), so a script's SMELT is the ladder's; the report (not a warning) says
+        when tolerance is missed."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            return budget.match(base, loop, self.ctx, **search)
+            return budget.match(base, loop, self.ctx, **{**budget.preset_search(self.plan.ladder), **search})
 
     def budgets(self, cfg: ModelConfig, ref: ModelConfig | None = None) -> dict:
         """Stored / active parameters, FLOPs and KV bytes per token of cfg, and the ratios to ref."""
@@ -485,11 +487,11 @@ def fit_noloop_curve(tokens, losses, min_points: int = 4, min_span: float = 2.0,
     out.update(E=E, A=A, alpha=alpha, D_ref=ref, rmse=math.sqrt(sse / D.size))
     near = 0.02
     if not A > 0:
-        out["why"] = f"amplitude A = {A:.3g} <= 0: the fitted loss does not fall with tokens"
+        out["why"] = "amplitude A <= 0: the fitted loss does not fall with tokens"   # no estimate printed
     elif not alpha > 0:
-        out["why"] = f"data exponent alpha = {alpha:.3g} <= 0"
+        out["why"] = "data exponent alpha <= 0"
     elif math.log(alpha / lo) < near or math.log(hi / alpha) < near:
-        out["why"] = f"data exponent alpha = {alpha:.3g} at its search bound [{lo:g}, {hi:g}]"
+        out["why"] = f"data exponent alpha at its search bound [{lo:g}, {hi:g}]"
     else:
         out["identified"] = True
         return out

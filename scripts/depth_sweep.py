@@ -2,59 +2,60 @@
 
   python scripts/depth_sweep.py --preset smoke|tiny|small [--depths 4 6 8] [--scale S] [--sparsity LABEL]
 
-The reference is the preset Baseline (physical depth L). At every physical depth P both
-architectures are re-matched to the reference's FLOPs, parameters and KV cache:
-  Baseline at P  d_model near x sqrt(L/P) (FLOPs grow with depth x width^2), head_dim x L/P (KV
-                 grows with depth x head width), query heads at the reference's query width per
-                 d_model, experts re-solved for total parameters; of the d_model candidates the one
-                 with the smallest worst mismatch in the matcher's bands (budget.mismatch) is kept.
-  looped at P    budget.match of SMELT's loop (middle half, twice) against that depth-P Baseline.
-budget.match keeps the base's depth, so the depth-P Baseline is built here first; the table
-reports every run's FLOPs / parameter / KV ratios to the reference and whether they lie in the
-matcher's bands ("matched", budget.within_tolerance), so any residual mismatch is visible (at tiny
-widths few depths can be matched: d_model moves in steps of 4). Writes results.json, a table and depth_sweep.png
-(validation loss against effective depth).
+The reference is the preset Baseline (physical depth L) and its ladder SMELT. At every other
+physical depth P both architectures are matched to the reference's FLOPs, parameters and KV cache
+by budget.match with target=ref (the preset's search options, head_dim and KV heads searched wide):
+  Baseline at P  unlooped, the search centred on d_model x sqrt(L/P) (FLOPs grow with depth x
+                 width^2), head_dim x L/P (KV grows with depth x head width), the reference's
+                 proportions of query width and d_ff to d_model; experts solved for parameters.
+  looped at P    SMELT's loop (middle half, twice), the search centred on that Baseline.
+The table reports every run's FLOPs / parameter / KV ratios to the reference and whether they lie
+in the matcher's bands ("matched", budget.within_tolerance), so a depth that cannot be matched is
+visible (small P = 9 looped: no head_dim multiple of 8 meets its KV). Writes results.json, a table and
+depth_sweep.png (validation loss against effective depth).
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
 import cli
+from loop import LoopConfig
 from model import ModelConfig
 
 DEPTH_FACTORS = {"smoke": (0.5, 1.0, 1.5), "tiny": (2 / 3, 1.0, 4 / 3), "small": (0.75, 1.0, 1.25, 1.5)}
 
 
-def at_depth(ref: ModelConfig, P: int, ctx: int, multiple: int = 4) -> ModelConfig:
-    """The unlooped config of physical depth P closest to ref's budgets (see the module docstring)."""
-    if P == ref.n_layer:
-        return ref
-    F_ref, N_ref = budget.flops_per_token(ref, ctx), budget.count_params(ref)["blocks"]
-    hd = max(2, round(ref.hd * ref.n_layer / P / 2) * 2)
-    q_per_d = ref.n_head * ref.hd / ref.d_model
+def at_depth(ref: ModelConfig, P: int, ctx: float, **search) -> ModelConfig:
+    """The unlooped config of physical depth P != ref.n_layer matched to ref's budgets (module docstring)."""
+    d = max(4, round(ref.d_model * math.sqrt(ref.n_layer / P) / 4) * 4)   # FLOPs ~ depth x width^2
+    hd = max(2, round(ref.hd * ref.n_layer / P / 2) * 2)                   # KV ~ depth x head width
+    center = replace(ref, n_layer=P, d_model=d, head_dim=hd, d_ff=max(4, round(ref.d_ff * d / ref.d_model / 4) * 4),
+                     n_head=max(1, round(ref.n_head * ref.hd * d / ref.d_model / hd / ref.n_kv_head)) * ref.n_kv_head)
+    return budget.match(center, LoopConfig(), ctx, target=ref, **{**search, **heads_search(ref), "d_range": (0.75, 1.25)})[0]
 
-    def build(d: int) -> ModelConfig:
-        n_head = max(1, round(q_per_d * d / hd / ref.n_kv_head)) * ref.n_kv_head
-        ff = max(multiple, round(ref.d_ff * d / ref.d_model / multiple) * multiple)
-        cfg = replace(ref, n_layer=P, d_model=d, head_dim=hd, n_head=n_head, d_ff=ff)
-        if ref.n_experts:   # total parameters are linear in the expert count
-            k = ref.top_k
-            n0, n1 = (budget.count_params(replace(cfg, n_experts=e))["blocks"] for e in (k, k + 1))
-            cfg = replace(cfg, n_experts=max(k, round(k + (N_ref - n0) / (n1 - n0))))
-        return cfg
 
-    center = ref.d_model * math.sqrt(ref.n_layer / P)
-    ds = range(max(multiple, int(0.7 * center) // multiple * multiple), int(1.3 * center) + multiple, multiple)
-    kv_ref = budget.kv_bytes_per_token(ref)
+def heads_search(ref: ModelConfig) -> dict:
+    """head_dim and KV heads searched wide enough to meet ref's KV width at another depth (KV ~ depth x width);
+    d_ff and query width within +-50 % of the centre's proportions (a wider band lets the expert count
+    absorb the budget: 200 experts of width 4)."""
+    return {"hd_range": (0.5, 2.5), "n_kv_heads": tuple(range(1, 2 * ref.n_kv_head + 1)), "ff_band": 0.5,
+            "q_band": 0.5}
 
-    def worst(c: ModelConfig) -> float:   # the matcher's objective: the worst ratio in half-bands (budget.mismatch)
-        return float(budget.mismatch(budget.flops_per_token(c, ctx) / F_ref, budget.count_params(c)["blocks"] / N_ref,
-                                     budget.kv_bytes_per_token(c) / kv_ref))
-    return min((build(d) for d in ds), key=worst)
+
+def depth_pair(ref: ModelConfig, P: int, ctx: float, search: dict) -> tuple[ModelConfig, ModelConfig]:
+    """(Baseline, looped) of physical depth P, both matched to ref's budgets from the preset's search options
+    `search`; at ref's own depth, the ladder's pair."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # the table's "matched" column says it
+        if P == ref.n_layer:
+            return ref, budget.match(ref, budget.smelt_loop(P), ctx, **search)[0]
+        base = at_depth(ref, P, ctx, **search)
+        return base, budget.match(base, budget.smelt_loop(P), ctx, target=ref, **{**search, **heads_search(ref)})[0]
 
 
 def build_parser():
@@ -75,8 +76,7 @@ def main(argv=None) -> dict:
     depths = args.depths or sorted({max(2, round(ref.n_layer * f)) for f in DEPTH_FACTORS[args.preset]})
     specs, info = [], []
     for P in depths:
-        base = at_depth(ref, P, exp.ctx)
-        looped, _ = exp.match(base, budget.smelt_loop(P))
+        base, looped = depth_pair(ref, P, exp.ctx, budget.preset_search(exp.plan.ladder))
         for arch, cfg in (("baseline", base), ("looped", looped)):
             specs.append((f"{arch}_L{P}", cfg, {"control": control, "scale": scale, "sparsity_label": label,
                                                 "arch": arch}))

@@ -522,3 +522,21 @@ def test_cli_loop_knobs(capsys):
         with pytest.raises(SystemExit):
             budget.build_parser().parse_args([flag, value])
         assert flag in capsys.readouterr().err
+
+
+def test_match_target_matches_another_configs_budgets():
+    """target=ref: the budgets matched are ref's, the depth and the search centre base_cfg's; target=base_cfg
+    is the default match; the report's ratios recount against ref through the scalar path."""
+    ref = budget.preset_baselines("tiny")[-1][2]
+    loop = budget.smelt_loop(ref.n_layer)
+    search = budget.preset_search("tiny")
+    assert budget.match(ref, loop, 100, target=ref, **search)[0] == budget.match(ref, loop, 100, **search)[0]
+    center = replace(ref, n_layer=ref.n_layer + 1, d_model=ref.d_model - 8)
+    cfg, rep = budget.match(center, LoopConfig(), 100, target=ref, d_range=(0.75, 1.25), hd_range=(0.5, 2.5),
+                            n_kv_heads=(1, 2, 3, 4), **search)
+    assert cfg.n_layer == ref.n_layer + 1 and not cfg.loop.active and rep["within_tolerance"], rep["message"]
+    assert rep["flops_ratio"] == pytest.approx(budget.flops_per_token(cfg, 100) / budget.flops_per_token(ref, 100))
+    assert rep["params_ratio"] == pytest.approx(budget.count_params(cfg)["blocks"] / budget.count_params(ref)["blocks"])
+    assert rep["kv_ratio"] == pytest.approx(budget.kv_bytes_per_token(cfg, 2, 100) / budget.kv_bytes_per_token(ref, 2, 100))
+    with pytest.raises(ValueError, match="expected a model.ModelConfig, got dict"):
+        budget.match(center, LoopConfig(), 100, target=ref.to_dict())

@@ -16,11 +16,15 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+import budget
+from model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["span_sweep", "depth_sweep", "loop_count_sweep", "scaling_ladder", "downstream", "probe_runs",
@@ -279,3 +283,46 @@ def test_gpu_check_script_refuses_clearly_without_a_gpu(tmp_path):
                             "PATH": str(Path(sys.executable).parent) + ":" + os.environ.get("PATH", "")},
                        timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stderr
+
+
+# A document length each preset's data can have (budget's tests sweep the range).
+DOC_LENGTH = {"smoke": 62.7, "tiny": 120.4, "small": 800.0}
+
+
+@pytest.mark.parametrize("preset", ["smoke", "tiny", "small"])
+def test_depth_sweep_matches_every_depth_to_the_reference(preset):
+    """Every default depth's Baseline and looped model meet the reference's FLOPs, parameters and KV within
+    SMELT's tolerances (the small P = 9 looped model excepted: no head_dim multiple of 8 meets its KV), with
+    sane widths; at the reference depth the pair is the ladder's."""
+    import depth_sweep
+    ctx, search = DOC_LENGTH[preset], budget.preset_search(preset)
+    cells = [c for c in budget.ladder_cells(preset, ctx) if "85" in c["sparsity_label"]]
+    cell = max(cells, key=lambda c: (c["baseline"]["n_layer"], -cells.index(c)))   # the script's default: the deepest
+    ref = ModelConfig.from_dict(cell["baseline"])
+    F, N, KV = budget.flops_per_token(ref, ctx), budget.count_params(ref)["blocks"], budget.kv_bytes_per_token(ref, 2, ctx)
+    unmatched = set()
+    for P in sorted({max(2, round(ref.n_layer * f)) for f in depth_sweep.DEPTH_FACTORS[preset]}):
+        base, looped = depth_sweep.depth_pair(ref, P, ctx, search)
+        if P == ref.n_layer:
+            assert base == ref and looped.to_dict() == cell["smelt"]
+        assert base.n_layer == looped.n_layer == P and not base.loop.active and looped.loop == budget.smelt_loop(P)
+        for arch, cfg in (("baseline", base), ("looped", looped)):
+            ratios = (budget.flops_per_token(cfg, ctx) / F, budget.count_params(cfg)["blocks"] / N,
+                      budget.kv_bytes_per_token(cfg, 2, ctx) / KV)
+            if not budget.within_tolerance(*ratios):
+                unmatched.add((P, arch))
+            assert cfg.d_ff >= cfg.d_model / 4 and cfg.n_experts <= 4 * ref.n_experts, cfg   # no 200 experts of width 4
+    assert unmatched == ({(9, "looped")} if preset == "small" else set())
+
+
+def test_script_matches_are_the_ladders(tmp_path):
+    """Experiment.match starts from the preset ladder's search options: a script's SMELT of a cell is the
+    ladder's SMELT of that cell."""
+    import common
+    exp = common.Experiment("match_check", common.parser("").parse_args(["--preset", "smoke", "--out-dir", str(tmp_path)]))
+    cells = budget.ladder_cells("smoke", exp.ctx, vocab_size=exp.load_data().vocab_size)
+    assert cells
+    for (scale, label, base), cell in zip(exp.cells(), cells):
+        smelt, rep = exp.match(base, budget.smelt_loop(base.n_layer))
+        want = replace(ModelConfig.from_dict(cell["smelt"]), block_size=base.block_size)
+        assert smelt == want, (scale, label)
