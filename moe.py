@@ -79,6 +79,19 @@ class _GroupedMM(torch.autograd.Function):
         return dx, dw, None
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: torch._grouped_mm's backward rejects the
+    stride-0 (expanded) gradient that e.g. y.sum() produces."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy.contiguous()
+
+
 # Compiled path: the same loops as opaque custom ops, so torch.compile sees one call with a
 # static output shape instead of a data-dependent Python loop (which would break the graph).
 # Eager code does not use them: their first call imports torch._dynamo (seconds per process).
@@ -189,7 +202,7 @@ def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") ->
         return grouped_mm_padded(x, w, group_sizes)
     if impl == "torch":
         offs = torch.cumsum(group_sizes, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, w, offs=offs)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
     if impl == "reference":
         return grouped_mm_reference(x, w, group_sizes)
     raise ValueError(f"grouped_mm: impl must be one of {'|'.join(IMPLS)}, got {impl!r}")
