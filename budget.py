@@ -44,6 +44,7 @@ from model import ModelConfig
 
 CONVENTIONS = ("smelt", "howtoloop")
 TOLERANCES = {"flops": 0.04, "params": 0.01, "kv": 0.04}   # SMELT Table 3.2 (F one-sided: tolerance_bands)
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}   # dense, datasheets: MFU
 
 
 # ----------------------------------------------------------------------------------------
@@ -469,9 +470,8 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: Model
         raise ValueError(f"match: loop must be a loop.LoopConfig, got {type(loop).__name__}")
     loop.validate(base_cfg.n_layer)
     _check_ctx(base_cfg, ctx_len)
-    tgt = base_cfg if target is None else target
-    if tgt is not base_cfg:
-        _check_cfg(tgt)
+    tgt = target or base_cfg
+    _check_cfg(tgt)
     o = _search_options(base_cfg, search)
     tol, conv, head, b, sh = o["tolerances"], o["convention"], o["include_head"], base_cfg, base_cfg.n_shared_experts
     ps, (F_b, N_b, kv_b) = plan_of(b, loop), _base_counts(tgt, ctx_len, o)
@@ -507,8 +507,7 @@ def _ladder(preset: str) -> dict:
 
 
 def preset_search(preset: str) -> dict:
-    """The match search options of a preset's ladder (configs.LADDERS "search"): every match of the preset's
-    configs (ladder, scripts) starts from them."""
+    """A preset ladder's match search options (configs.LADDERS): every match of its configs starts from them."""
     return dict(_ladder(preset).get("search", {}))
 
 
@@ -536,26 +535,6 @@ def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
     return [(scale, label, ModelConfig(vocab_size=p["vocab"], block_size=p["block"], n_layer=L, d_model=d, n_head=nh,
                                        n_kv_head=nkv, head_dim=hd, d_ff=ff, n_experts=E, top_k=p["top_k"]))
             for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
-
-
-# Dense bf16 peak of one H200 (as H100 SXM) and the MFU the estimates assume (why 30 %: docs/budget.md).
-H200_PEAK_FLOPS, ASSUMED_MFU = 989e12, 0.30
-
-
-def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float, peak_flops: float = H200_PEAK_FLOPS,
-             mfu: float = ASSUMED_MFU) -> dict:
-    """What training `cfg` on `tokens` tokens costs: {"tokens", "F" (SMELT F, no head), "F_with_head",
-    "flops" (F x D: SMELT's C), "flops_with_head" (what the hardware runs), "tpp" (tokens per dense-
-    equivalent parameter, D / (F/6), SMELT 4.3), "tokens_per_param" (D / total non-embedding params),
-    "gpu_minutes" (flops_with_head / (peak x mfu))}."""
-    if not tokens > 0 or not math.isfinite(tokens):
-        raise ValueError(f"run_cost: tokens must be a finite number > 0, got {tokens!r}")
-    if not 0 < mfu <= 1 or not peak_flops > 0:
-        raise ValueError(f"run_cost: need 0 < mfu <= 1 and peak_flops > 0, got mfu={mfu!r}, peak_flops={peak_flops!r}")
-    F, Fh = flops_per_token(cfg, ctx_len), flops_per_token(cfg, ctx_len, include_head=True)
-    return {"tokens": float(tokens), "F": F, "F_with_head": Fh, "flops": F * tokens, "flops_with_head": Fh * tokens,
-            "tpp": tokens / (F / 6), "tokens_per_param": tokens / count_params(cfg)["blocks"],
-            "gpu_minutes": Fh * tokens / (peak_flops * mfu) / 60}
 
 
 def smelt_loop(n_layer: int, n_loops: int = 2, span_fraction: float = 0.5) -> LoopConfig:

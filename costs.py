@@ -2,7 +2,7 @@
 
   stage_costs(plan, ladder, data, plan_cost) -> {"stages": {"train", "validation", "eval", "probes"}, "total",
                                                  "assumptions"}; format_costs(...) -> the table reproduce.py prints.
-FLOPs come from reproduce.plan_cost (budget.run_cost: training FLOPs with the head); a forward is a third of
+FLOPs come from reproduce.plan_cost (run_cost: training FLOPs with the head); a forward is a third of
 a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Counted exactly from the plan:
   train       optimizer steps per run (one compiled forward+backward each, one host read: train.Trainer),
   validation  checkpoint.logged's validations plus one per branch end, each over data.val_batches,
@@ -40,10 +40,23 @@ ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 100-192): launc
 # FLOPs time, eager calls and host reads stay serial: the workers' kernels take turns on the one device
 # (no MPS), so sharing it is assumed to add no GPU throughput (an assumption on the safe side).
 GPU_HOST = {"cpus": 16, "gpu_bytes": 139 << 30}   # the lent H200 machine: --plan-only's jobs off a GPU
-PEAK_FLOPS = budget.H200_PEAK_FLOPS
+PEAK_FLOPS = budget.PEAK_BF16_FLOPS["H200"]
 VAL_READS_PER_BATCH = 4        # validation.val_loss_report (train.evaluate): float, int, two bincount .cpu()
 TRAIN_READS_PER_STEP = 1       # train.Trainer's step: stats and grad norm read once, before opt.step
 PROBE_BATCH = 8                # probes.probe_pairs' batch_size default
+
+
+def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float) -> dict:
+    """What training `cfg` on `tokens` tokens costs: {"tokens", "F" (SMELT F, no head), "F_with_head",
+    "flops" (F x D: SMELT's C), "flops_with_head" (what the hardware runs), "tpp" (tokens per dense-
+    equivalent parameter, D / (F/6), SMELT 4.3), "tokens_per_param" (D / total non-embedding params),
+    "gpu_minutes" (flops_with_head on one H200 at ASSUMED's MFU: (best, worst))}."""
+    if not tokens > 0 or not math.isfinite(tokens):
+        raise ValueError(f"run_cost: tokens must be a finite number > 0, got {tokens!r}")
+    F, Fh = budget.flops_per_token(cfg, ctx_len), budget.flops_per_token(cfg, ctx_len, include_head=True)
+    return {"tokens": float(tokens), "F": F, "F_with_head": Fh, "flops": F * tokens, "flops_with_head": Fh * tokens,
+            "tpp": tokens / (F / 6), "tokens_per_param": tokens / budget.count_params(cfg)["blocks"],
+            "gpu_minutes": [Fh * tokens / (PEAK_FLOPS * m) / 60 for m in ASSUMED["mfu"]]}
 
 
 def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:

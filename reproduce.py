@@ -34,6 +34,7 @@ import torch
 import budget
 import cli
 import configs
+import costs
 import report as reporting
 import runfiles
 import train_plots
@@ -225,13 +226,13 @@ def run_tokens(plan: configs.Plan) -> int:
 
 
 def plan_cost(plan: configs.Plan, ladder: list[dict], train_tokens: int | None = None) -> dict:
-    """What the plan's training costs, from budget.run_cost: per run and in total (GPU minutes at budget's
-    stated MFU on one H200; the CPU figures are measured, see the README)."""
+    """What the plan's training costs, from costs.run_cost: per run and in total (GPU minutes of its FLOPs on one
+    H200 at the cost model's MFU range; the CPU figures are measured, see the README)."""
     rows = []
     tokens = run_tokens(plan)
     for r in configs.plan_runs(Path("."), ladder, plan):
         cfg = ModelConfig.from_dict(r.cell[r.arch])
-        c = budget.run_cost(cfg, r.cell["ctx_len"], tokens)
+        c = costs.run_cost(cfg, r.cell["ctx_len"], tokens)
         final = (max(plan.branch_steps) + plan.decay_steps) * plan.batch_size * plan.block_size
         rows.append({"run": r.name, **c, "tpp_final": final / (c["F"] / 6),
                      "tokens_per_param_final": final / budget.count_params(cfg)["blocks"]})
@@ -239,8 +240,8 @@ def plan_cost(plan: configs.Plan, ladder: list[dict], train_tokens: int | None =
             # the data read (stable phase + the shared decay window), not the tokens trained on
             "epochs_per_run": configs.plan_epochs(plan, train_tokens) if train_tokens else None,
             "total_flops": sum(r["flops_with_head"] for r in rows),
-            "gpu_minutes": sum(r["gpu_minutes"] for r in rows), "mfu": budget.ASSUMED_MFU,
-            "peak_flops": budget.H200_PEAK_FLOPS}
+            "gpu_minutes": [sum(r["gpu_minutes"][i] for r in rows) for i in (0, 1)], "mfu": costs.ASSUMED["mfu"],
+            "peak_flops": costs.PEAK_FLOPS}
 
 
 def log_plan_cost(cost: dict) -> None:
@@ -250,8 +251,9 @@ def log_plan_cost(cost: dict) -> None:
           f"the branches share)" if cost.get("epochs_per_run") else "")
     log(f"plan: {len(cost['runs'])} runs x {cost['tokens_per_run'] / 1e6:.2f}M tokens{ep}; longest endpoint "
         f"{min(tpp):.3g}-{max(tpp):.3g} tokens per dense-equivalent parameter (TPP), {min(tpn):.3g}-{max(tpn):.3g} "
-        f"tokens per total parameter; {cost['total_flops']:.3g} FLOPs in all = {cost['gpu_minutes']:.1f} min on "
-        f"one H200 at an assumed {100 * cost['mfu']:.0f} % MFU")
+        f"tokens per total parameter; {cost['total_flops']:.3g} FLOPs in all = {cost['gpu_minutes'][0]:.1f}-"
+        f"{cost['gpu_minutes'][1]:.1f} min on one H200 at an assumed {100 * cost['mfu'][0]:.0f}-{100 * cost['mfu'][1]:.0f} % MFU "
+        f"(training FLOPs only; the whole job: --plan-only's cost model)")
 
 
 def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int) -> dict:
@@ -504,7 +506,6 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     log_plan_cost(cost)
     runfiles.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
     if args.plan_only:
-        import costs
         cuda = torch.cuda.is_available()
         host = {"cpus": os.cpu_count() or 1, "gpu_bytes": free_gpu_bytes()} if cuda else costs.GPU_HOST
         jobs = default_jobs("cuda", host["cpus"], host["gpu_bytes"], gpu_bytes_per_run(plan, ladder))

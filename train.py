@@ -56,16 +56,14 @@ from model import GPT, ModelConfig, compile_model
 from runfiles import run_lock
 from validation import token_nll, val_loss_report
 
-# Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak FLOP/s of a CUDA device (PEAK_BF16_FLOPS by name), None when unknown or not CUDA."""
+    """Dense bf16 peak FLOP/s of a CUDA device (budget.PEAK_BF16_FLOPS by name), None when unknown or not CUDA."""
     if torch.device(device).type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return next((v for k, v in budget.PEAK_BF16_FLOPS.items() if k in name), None)
 
 
 def machine_settings(allocator: bool = False) -> dict:

@@ -188,6 +188,24 @@ def test_cost_model_flops_agree_with_budget(plan_costs):
                                                            * fwd, rel=1e-9)
 
 
+def test_plan_cost_gpu_minutes_use_the_cost_models_mfu(plan_costs, capsys):
+    """The plan line's GPU minutes are its training FLOPs (head included) at costs.ASSUMED's MFU range on one
+    H200: one MFU assumption for the plan line and the cost model."""
+    import reproduce
+    plan, ladder, data, cost, _ = plan_costs
+    for r in cost["runs"]:
+        assert r["flops_with_head"] == pytest.approx(r["F_with_head"] * r["tokens"], rel=1e-12)
+        assert r["gpu_minutes"] == pytest.approx([r["flops_with_head"] / (costs.PEAK_FLOPS * m) / 60
+                                                  for m in costs.ASSUMED["mfu"]], rel=1e-12)
+    assert cost["gpu_minutes"] == pytest.approx([cost["total_flops"] / (costs.PEAK_FLOPS * m) / 60
+                                                 for m in costs.ASSUMED["mfu"]], rel=1e-9)
+    reproduce.log_plan_cost(cost)
+    lo, hi = cost["gpu_minutes"]
+    assert f"= {lo:.1f}-{hi:.1f} min on one H200 at an assumed 15-5 % MFU" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="tokens must be a finite number > 0"):
+        costs.run_cost(ModelConfig.from_dict(ladder[0]["baseline"]), 64, 0)
+
+
 class _HostReads(TorchFunctionMode):
     """Counts the calls that read a tensor's values to the host (float(t), int(t), bool(t), t.item(),
     t.tolist(), t.cpu(), t.numpy()): each one a sync on CUDA."""

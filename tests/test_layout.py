@@ -1,6 +1,7 @@
-"""The README's reading promise, checked: every module (the root's and scripts/) at most 700 lines, its
-docstring a screen (at most 30 lines), no function over 100 lines, and every root module named in the
-README, so a new file is placed in the reading order rather than found by accident."""
+"""The README's reading promise (DESIGN.md's size rules), checked: every module (the root's and scripts/) at
+most 700 lines, its docstring a screen (at most 25 lines), no function over 100 lines and no class over
+300, a chain of module-level imports between root modules at most 7 modules long, and every root module
+named in the README, so a new file is placed in the reading order rather than found by accident."""
 from __future__ import annotations
 
 import ast
@@ -10,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted([*ROOT.glob("*.py"), *(ROOT / "scripts").glob("*.py")])
-MAX_LINES, MAX_DOC_LINES, MAX_FUNCTION_LINES = 700, 30, 100
+MAX_LINES, MAX_DOC_LINES, MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_IMPORT_CHAIN = 700, 25, 100, 300, 7
 
 
 def test_the_modules_are_found():
@@ -28,6 +29,33 @@ def test_module_reads_in_one_sitting(path):
     long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree)
             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{path.name}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+    big = [(c.name, c.end_lineno - c.lineno + 1) for c in ast.walk(tree)
+           if isinstance(c, ast.ClassDef) and c.end_lineno - c.lineno + 1 > MAX_CLASS_LINES]
+    assert not big, f"{path.name}: classes over {MAX_CLASS_LINES} lines: {big}"
+
+
+def _module_imports(path: Path, names: set) -> set:
+    """The root modules `path` imports at module level (a function-level import is read only when called)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+    return (out & names) - {path.stem}
+
+
+def test_import_chains_are_short():
+    """The longest chain of module-level imports between root modules (a -> b: a imports b) has at most
+    MAX_IMPORT_CHAIN modules, and there is no cycle."""
+    roots = {p.stem: p for p in MODULES if p.parent == ROOT}
+    deps = {m: _module_imports(p, set(roots)) for m, p in roots.items()}
+
+    def longest(m: str, seen: tuple = ()) -> tuple:
+        assert m not in seen, f"import cycle: {' -> '.join(seen + (m,))}"
+        return (m,) + max((longest(d, seen + (m,)) for d in deps[m]), key=len, default=())
+    worst = max((longest(m) for m in roots), key=len)
+    assert len(worst) <= MAX_IMPORT_CHAIN, f"import chain of {len(worst)} modules: {' -> '.join(worst)}"
 
 
 def test_every_root_module_is_named_in_the_readme():
