@@ -254,10 +254,13 @@ def test_ladder_table_uses_the_shared_check(preset):
     # data is not prepared on a fresh machine: the measured document lengths of smoke / tiny data, and one from small's
     # tested range (the paper preset has its own fixed length)
     ctx = {"smoke": 62.7, "tiny": 120.4, "small": 800}.get(preset)
-    rows = [r for r in budget.ladder(preset, ctx) if r["arch"] == "SMELT"]
-    for r in rows:
+    table = budget.ladder(preset, ctx)
+    rows = [r for r in table if r["arch"] == "SMELT"]
+    for base, r in zip(table[0::2], table[1::2]):            # (Baseline, SMELT) per cell
         assert r["within_tolerance"] == budget.within_tolerance(r["flops_ratio"], r["params_ratio"], r["kv_ratio"])
         assert r["within_tolerance"] and 1.0 <= r["flops_ratio"] <= 1.04, r
+        assert r["flops_ratio"] == pytest.approx(r["flops"] / base["flops"], rel=1e-12)      # F without the head
+        assert r["flops_ratio_with_head"] == pytest.approx(r["flops_with_head"] / base["flops_with_head"], rel=1e-12)
 
 
 def test_small_ladder_is_8_aligned():
@@ -540,3 +543,16 @@ def test_match_target_matches_another_configs_budgets():
     assert rep["kv_ratio"] == pytest.approx(budget.kv_bytes_per_token(cfg, 2, 100) / budget.kv_bytes_per_token(ref, 2, 100))
     with pytest.raises(ValueError, match="expected a model.ModelConfig, got dict"):
         budget.match(center, LoopConfig(), 100, target=ref.to_dict())
+
+
+def test_plt_kv_window_flops_by_hand():
+    """PLT KV sharing (kv_window w) adds, on each span layer's later loop, a per-head gate (n_head x D) and
+    attention over w window keys: mean min(t, w) over t in (0, ctx] = w - w^2 / (2 ctx) for w < ctx."""
+    base = small(loop=LoopConfig(1, 2, 2, parallel=True))
+    win = small(loop=LoopConfig(1, 2, 2, parallel=True, kv_window=4))
+    ctx, q = 16, base.n_head * base.hd
+    window_visits = 2                                     # layers 1 and 2, loop 2 each
+    keys = 4 - 4 ** 2 / (2 * ctx)
+    extra = window_visits * (6 * base.n_head * base.d_model + 12 * q * keys)
+    assert budget.flops_per_token(win, ctx) - budget.flops_per_token(base, ctx) == pytest.approx(extra, rel=1e-12)
+    assert budget.count_params(win)["blocks"] - budget.count_params(base)["blocks"] == 2 * base.n_head * base.d_model

@@ -804,3 +804,20 @@ def test_length_tilt_claim_needs_a_gain_not_a_loss():
     fam["n_negative"] = 0        # SMELT gains everywhere: the same interval is decided as usual
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "contradicted"
+
+
+def test_segment_lengths_match_a_per_row_loop():
+    """validation.segment_lengths against the obvious loop: each position gets the length of its run of equal
+    document ids within its own row (rows never share a segment, whatever their ids)."""
+    g = torch.Generator().manual_seed(0)
+    doc = torch.randint(0, 3, (4, 9), generator=g).cumsum(1) % 3        # many short runs, ids reused across rows
+    want = torch.zeros_like(doc)
+    for b in range(doc.shape[0]):
+        t = 0
+        while t < doc.shape[1]:
+            e = t
+            while e < doc.shape[1] and doc[b, e] == doc[b, t]:
+                e += 1
+            want[b, t:e] = e - t
+            t = e
+    assert torch.equal(validation.segment_lengths(doc), want)

@@ -104,6 +104,9 @@ def test_guard_needs_a_sustained_window(finished):
         t._guard(5, 3, limit + 2, None)
     with pytest.raises(checkpoint.DivergenceError, match="validation loss nan"):
         t._guard(5, None, None, math.nan)
+    # the stable run blew up after step 3; branch 3 forked before it and reads only stable rows <= 3
+    t.trail = [(None, s, limit - 1) for s in (1, 2, 3)] + [(None, s, limit + 5) for s in (4, 5)]
+    t._guard(6, 3, limit + 5, None)                          # branch 3: low, low, high: no stop
 
 
 # ---------------------------------------------------------------------------- metrics.jsonl

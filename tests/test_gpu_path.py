@@ -193,8 +193,12 @@ def test_plan_cost_gpu_minutes_use_the_cost_models_mfu(plan_costs, capsys):
     H200: one MFU assumption for the plan line and the cost model."""
     import reproduce
     plan, ladder, data, cost, _ = plan_costs
+    cfgs = {r.name: ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(Path("."), ladder, plan)}
     for r in cost["runs"]:
+        cfg = cfgs[r["run"]]
         assert r["flops_with_head"] == pytest.approx(r["F_with_head"] * r["tokens"], rel=1e-12)
+        assert r["tpp"] == pytest.approx(r["tokens"] / (r["F"] / 6), rel=1e-12)    # D / (F/6): SMELT's TPP
+        assert r["tokens_per_param"] == pytest.approx(r["tokens"] / budget.count_params(cfg)["blocks"], rel=1e-12)
         assert r["gpu_minutes"] == pytest.approx([r["flops_with_head"] / (costs.PEAK_FLOPS * m) / 60
                                                   for m in costs.ASSUMED["mfu"]], rel=1e-12)
     assert cost["gpu_minutes"] == pytest.approx([cost["total_flops"] / (costs.PEAK_FLOPS * m) / 60

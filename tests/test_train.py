@@ -233,6 +233,36 @@ def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
                 T.SyntheticData(64), str(run))
 
 
+def test_needed_checkpoints_by_hand():
+    """Retention keeps, per pending branch, its own latest checkpoint, else the latest stable one at or before
+    its fork (the fork step itself included); a finished run keeps none."""
+    need = checkpoint.needed_checkpoints
+    stable = {(None, 4), (None, 8)}
+    assert need(stable, [8]) == {(None, 8)}                        # the fork checkpoint at exactly b
+    assert need(stable, [6]) == {(None, 4)}                        # the latest before the fork
+    assert need(stable, [2]) == set()                              # nothing before it: start over
+    assert need(stable | {(8, 9)}, [8]) == {(8, 9)}                # a branch's own checkpoint wins
+    assert need(stable | {(8, 9), (8, 10)}, [4, 8]) == {(None, 4), (8, 10)}
+    assert need(stable | {(8, 9)}, []) == set()
+
+
+# a valid other value of every trajectory field of tiny_train()
+OTHER_TRAJECTORY = {"lr": 0.02, "min_lr_frac": 0.1, "warmup_steps": 1, "stable_steps": 8, "decay_steps": 3,
+                    "batch_size": 2, "block_size": 16, "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6,
+                    "grad_clip": 2.0, "seed": 1}
+
+
+@pytest.mark.parametrize("field", checkpoint.TRAJECTORY)
+def test_every_trajectory_field_is_checked_on_resume(straight, field):
+    """A checkpoint made with another value of any checkpoint.TRAJECTORY field (the seed too) is refused, naming it."""
+    assert set(OTHER_TRAJECTORY) == set(checkpoint.TRAJECTORY)
+    _, run_dir, _ = straight
+    src = run_dir / "endpoints" / "branch_0000003.pt"
+    stored = getattr(tiny_train(), field)
+    with pytest.raises(runfiles.CheckpointError, match=rf"train\.{field}: stored {stored!r}, this run"):
+        checkpoint.load_checkpoint(src, tiny_model(), tiny_train(**{field: OTHER_TRAJECTORY[field]}))
+
+
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
     path = tmp_path / "c.pt"
     runfiles.atomic_save({"x": torch.ones(3)}, path)
