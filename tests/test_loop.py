@@ -40,6 +40,30 @@ def test_plan_scales_and_parts():
     assert {v.attn_scale for v in off} == {1.0}
 
 
+def test_plan_visits_for_part_attn_and_mlp_in_full():
+    """Every Visit field for part="attn" / "mlp": the repeated sub-layer runs each visit at 1/r, the other once unscaled."""
+    V, t = L.Visit, 1 / 3
+    attn = L.plan(4, LoopConfig(start=1, length=2, n_loops=3, part="attn"))
+    assert attn == [V(0, 0, True, True, 1.0, 1.0),
+                    V(1, 0, True, False, t, 1.0), V(2, 0, True, False, t, 1.0),
+                    V(1, 1, True, False, t, 1.0), V(2, 1, True, False, t, 1.0),
+                    V(1, 2, True, True, t, 1.0), V(2, 2, True, True, t, 1.0),     # MLP once: the last visit
+                    V(3, 0, True, True, 1.0, 1.0)]
+    mlp = L.plan(4, LoopConfig(start=1, length=2, n_loops=3, part="mlp"))
+    assert mlp == [V(0, 0, True, True, 1.0, 1.0),
+                   V(1, 0, True, True, 1.0, t), V(2, 0, True, True, 1.0, t),      # attention once: the first visit
+                   V(1, 1, False, True, 1.0, t), V(2, 1, False, True, 1.0, t),
+                   V(1, 2, False, True, 1.0, t), V(2, 2, False, True, 1.0, t),
+                   V(3, 0, True, True, 1.0, 1.0)]
+    per = L.plan(3, LoopConfig(start=0, length=2, n_loops=2, part="mlp", schedule="per_layer"))
+    assert per == [V(0, 0, True, True, 1.0, .5), V(0, 1, False, True, 1.0, .5),
+                   V(1, 0, True, True, 1.0, .5), V(1, 1, False, True, 1.0, .5), V(2, 0, True, True, 1.0, 1.0)]
+    off = L.plan(3, LoopConfig(start=0, length=2, n_loops=2, part="attn", residual_scale=False))
+    assert [(v.attn, v.mlp, v.attn_scale, v.mlp_scale) for v in off] == [
+        (True, False, 1.0, 1.0), (True, False, 1.0, 1.0), (True, True, 1.0, 1.0), (True, True, 1.0, 1.0),
+        (True, True, 1.0, 1.0)]
+
+
 def test_one_loop_is_exactly_the_plain_model():
     torch.manual_seed(0)
     plain = GPT(tiny(n_experts=4, top_k=2)).eval()
