@@ -138,10 +138,21 @@ def test_decode_equals_full_forward_for_every_loop_variant(lk, moe):
 
 
 def test_plt_shift_zeroes_state_at_document_starts():
+    """shift_states: h_(n-1) per token; zero at document starts; column 0 takes h_prev when given, else zero."""
     h = torch.arange(1, 7, dtype=torch.float).view(1, 6, 1)
     doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
     assert L.shift_states(h, doc).flatten().tolist() == [0, 1, 2, 0, 4, 5]
     assert L.shift_states(h, None, torch.tensor([[9.0]])).flatten().tolist() == [9, 1, 2, 3, 4, 5]
+    # with doc ids and h_prev: column 0 continues the previous chunk (its state from h_prev, never a reset);
+    # a document start inside the chunk still resets, per row
+    h2 = torch.tensor([[1., 2., 3., 4.], [5., 6., 7., 8.]])[..., None].repeat(1, 1, 2)   # (2, 4, 2)
+    doc2 = torch.tensor([[3, 3, 4, 4], [7, 8, 8, 8]])
+    prev = torch.tensor([[9., -9.], [10., -10.]])
+    got = L.shift_states(h2, doc2, prev)
+    assert got.tolist() == [[[9, -9], [1, 1], [0, 0], [3, 3]],
+                            [[10, -10], [0, 0], [6, 6], [7, 7]]]
+    assert L.shift_states(h2, doc2).tolist() == [[[0, 0], [1, 1], [0, 0], [3, 3]],
+                                                 [[0, 0], [0, 0], [6, 6], [7, 7]]]
 
 
 def test_plt_gate_starts_at_half():
