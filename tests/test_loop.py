@@ -115,6 +115,36 @@ def test_adapters_are_noops_at_init_and_train(kind):
     assert b[0].abs().sum() > 0 and not torch.allclose(b[0], b[1])   # loops specialise
 
 
+@pytest.mark.parametrize("kind", ["lora", "matrix", "softmax"])
+def test_adapter_matches_explicit_delta_w_with_random_mixing(kind):
+    """LoopAdapter with random A, B, M: loop l gives x @ (sum_j mix[l, j] B_j A_j)^T (softmax rows), stacked == per-loop."""
+    torch.manual_seed(0)
+    n, d_in, d_out, rank = 3, 5, 4, 2
+    ad = L.LoopAdapter(d_in, d_out, n, rank, kind)
+    with torch.no_grad():
+        ad.B.normal_()
+        if kind != "lora":
+            ad.M.copy_(torch.randn(n, n) * 2)             # not symmetric, rows and columns unnormalised
+    A, B = ad.A.detach().double(), ad.B.detach().double()
+    if kind == "lora":
+        mix = torch.eye(n, dtype=torch.double)
+    else:
+        M = ad.M.detach().double()
+        mix = M if kind == "matrix" else M.exp() / M.exp().sum(1, keepdim=True)   # softmax over j, per row l
+        assert not torch.allclose(M, M.t())
+    if kind == "softmax":
+        torch.testing.assert_close(ad.mixing().double().sum(1), torch.ones(n, dtype=torch.double))
+        torch.testing.assert_close(ad.mixing().double(), mix)
+    dW = [sum(mix[l, j] * B[j] @ A[j] for j in range(n)) for l in range(n)]   # (d_out, d_in) per loop
+    x = torch.randn(n, 2, 3, d_in)
+    stacked = ad(x, None)
+    assert stacked.shape == (n, 2, 3, d_out)
+    for l in range(n):
+        ref = (x[l].double() @ dW[l].t()).float()
+        torch.testing.assert_close(ad(x[l], l), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stacked[l], ref, rtol=1e-5, atol=1e-5)
+
+
 LOOP_VARIANTS = (
     [dict(start=1, length=2, n_loops=r, schedule=s, part=p) for r in (2, 3)
      for s in ("block", "per_layer") for p in ("both", "attn", "mlp")]
