@@ -13,11 +13,15 @@ def tiny(**kw) -> ModelConfig:
 
 
 def live(model: GPT) -> GPT:
-    """Give zero-initialised parameters (adapter B, PLT gates) random values so they matter."""
+    """Give zero-initialised parameters (adapter B, PLT gates) random values so they matter, and move the
+    Loop Matrix adapters' M off the identity (an asymmetric M: mixing along the wrong axis shows)."""
     torch.manual_seed(1)
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.abs().sum() == 0:
             torch.nn.init.normal_(p, std=0.05)
+        elif ".adapters." in name and name.endswith(".M"):   # matrix M = I (softmax M = 0 is drawn above)
+            with torch.no_grad():
+                p.add_(torch.randn_like(p) * 0.5)
     return model.eval()
 
 
