@@ -87,6 +87,34 @@ def test_residual_scale_applies_one_over_r_to_span_updates():
     torch.testing.assert_close(ca[(1, 0)]["attn_write"], 0.5 * cb[(1, 0)]["attn_write"])
 
 
+@pytest.mark.parametrize("part", ["both", "mlp"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_residual_scale_applies_one_over_r_to_every_mlp_write(moe, part):
+    """Hand-run residual stream: every in-span MLP write is (1/r) * mlp(mlp_norm(x + attn_write)), outside it 1x."""
+    torch.manual_seed(0)
+    r = 2
+    m = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=r, part=part),
+                 **(dict(n_experts=4, top_k=2) if moe else {}))).eval()
+    idx = torch.randint(0, 64, (2, 8))
+    cap = {}
+    with torch.no_grad():
+        logits = m.run(idx, capture=cap).logits
+        x = m.tok_emb(idx)
+        order = L.schedule(4, m.cfg.loop)
+        assert len(order) == 6
+        for layer, v in order:
+            c, blk = cap[(layer, v)], m.blocks[layer]
+            scale = 1 / r if layer in (1, 2) else 1.0           # SMELT Eq. 8-9: 1/r inside the span only
+            torch.testing.assert_close(c["x"], x)
+            x = x + c.get("attn_write", 0)
+            h = blk.mlp_norm(x)
+            torch.testing.assert_close(c["mlp_norm"], h)
+            f = blk.mlp(h)[0] if moe else blk.mlp(h)
+            torch.testing.assert_close(c["mlp_write"], scale * f, rtol=1e-5, atol=1e-6)
+            x = x + scale * f
+        torch.testing.assert_close(logits, m.lm_head(m.norm_f(x)), rtol=1e-5, atol=1e-5)
+
+
 def test_state_dict_of_plain_model_loads_into_adapter_and_plt_models():
     plain = GPT(tiny()).state_dict()
     for lk in (dict(adapter="matrix"), dict(parallel=True, inject="norm_gate"), dict(parallel=True, kv_window=4)):
