@@ -141,8 +141,10 @@ def test_generate_greedy_matches_argmax_of_full_forward():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
-                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True))])
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True)),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True, kv_window=4))])
 def test_document_masking_isolates_documents(kw):
+    """Packed documents: rewriting one changes no other, and a packed document equals it run alone (PLT windows too)."""
     torch.manual_seed(0)
     m = live(GPT(tiny(**kw)))
     idx = torch.randint(0, 64, (1, 24))
