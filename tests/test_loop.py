@@ -246,3 +246,57 @@ def test_kv_window_cache_is_smaller():
     per_layer = 2 * 2 * 8 * 4                              # k+v, n_kv_head 2, head_dim 8, fp32 bytes
     assert full.nbytes() == per_layer * 32 * (2 + 2 * 3)   # 2 unlooped layers + 2 span layers x 3 loops
     assert win.nbytes() == per_layer * (32 * 4 + 2 * 2 * 4)  # loop 1 full, 2 later loops x window 4
+
+
+def test_window_mask_lets_each_query_see_itself_and_the_key_before_it():
+    """build_mask with window w=2 over 5 positions: causal band of width 2; empty slots (-1) and other documents hidden."""
+    from attention import build_mask
+    pos = torch.arange(5)
+    got = build_mask(pos, pos, None, None, window=2)
+    assert got.shape == (1, 1, 5, 5)
+    assert got[0, 0].int().tolist() == [[1, 0, 0, 0, 0],
+                                        [1, 1, 0, 0, 0],
+                                        [0, 1, 1, 0, 0],
+                                        [0, 0, 1, 1, 0],
+                                        [0, 0, 0, 1, 1]]
+    assert build_mask(pos, pos, None, None)[0, 0].int().tolist() == torch.ones(5, 5).tril().int().tolist()
+    ring = torch.tensor([3, -1, 1, 2, 4])             # key positions of a ring, one empty slot
+    doc = torch.tensor([[0, 0, 0, 1, 1]])
+    got = build_mask(torch.tensor([4]), ring, doc[:, 4:], doc[:, ring.clamp(min=0)], window=3)
+    assert got[0, 0].int().tolist() == [[1, 0, 0, 0, 1]]   # 3, 4; not 2 (other document), 1 (outside the window)
+
+
+def test_kv_window_ring_holds_the_last_w_keys_the_budget_counts():
+    """PLT KV sharing: each later loop's ring holds exactly the last w positions' keys (w slots, as
+    budget.kv_bytes_per_token counts them); the mask reads w - 1 of them (the newest key comes with the query)."""
+    import budget
+    from attention import build_mask
+    torch.manual_seed(0)
+    w, r, T, B = 3, 3, 10, 2
+    cfg = tiny(loop=LoopConfig(start=1, length=2, n_loops=r, parallel=True, kv_window=w))
+    m = live(GPT(cfg))
+    idx = torch.randint(0, 64, (B, T))
+    cap = {}
+    with torch.no_grad():
+        m.run(idx, capture=cap)
+    cache = m.new_cache(B, T)
+    assert cache.nbytes() == pytest.approx(B * T * budget.kv_bytes_per_token(cfg, 4, ctx_len=T), rel=1e-12)  # fp32
+    n = 0
+    for chunk in (4,) + (1,) * (T - 4):
+        if n:
+            ring_pos = cache.kv[("ring", 1)].pos
+            assert int(build_mask(torch.tensor([n]), ring_pos, None, None, w).sum()) == w - 1
+        m.forward_step(idx[:, n:n + chunk], cache)
+        n += chunk
+        for layer in (1, 2):
+            ring = cache.kv[("ring", layer)]
+            assert ring.k.shape == (B * (r - 1), cfg.n_kv_head, w, cfg.hd)
+            assert sorted(ring.pos.tolist()) == list(range(n - w, n))
+            for p in range(n - w, n):
+                slot = p % w
+                assert int(ring.pos[slot]) == p
+                for l in range(1, r):
+                    torch.testing.assert_close(ring.k[(l - 1) * B:l * B, :, slot], cap[(layer, l)]["k"][:, :, p],
+                                               rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(ring.v[(l - 1) * B:l * B, :, slot], cap[(layer, l)]["v"][:, :, p],
+                                               rtol=1e-4, atol=1e-4)
