@@ -40,6 +40,30 @@ def test_plan_scales_and_parts():
     assert {v.attn_scale for v in off} == {1.0}
 
 
+def test_plan_visits_for_part_attn_and_mlp_in_full():
+    """Every Visit field for part="attn" / "mlp": the repeated sub-layer runs each visit at 1/r, the other once unscaled."""
+    V, t = L.Visit, 1 / 3
+    attn = L.plan(4, LoopConfig(start=1, length=2, n_loops=3, part="attn"))
+    assert attn == [V(0, 0, True, True, 1.0, 1.0),
+                    V(1, 0, True, False, t, 1.0), V(2, 0, True, False, t, 1.0),
+                    V(1, 1, True, False, t, 1.0), V(2, 1, True, False, t, 1.0),
+                    V(1, 2, True, True, t, 1.0), V(2, 2, True, True, t, 1.0),     # MLP once: the last visit
+                    V(3, 0, True, True, 1.0, 1.0)]
+    mlp = L.plan(4, LoopConfig(start=1, length=2, n_loops=3, part="mlp"))
+    assert mlp == [V(0, 0, True, True, 1.0, 1.0),
+                   V(1, 0, True, True, 1.0, t), V(2, 0, True, True, 1.0, t),      # attention once: the first visit
+                   V(1, 1, False, True, 1.0, t), V(2, 1, False, True, 1.0, t),
+                   V(1, 2, False, True, 1.0, t), V(2, 2, False, True, 1.0, t),
+                   V(3, 0, True, True, 1.0, 1.0)]
+    per = L.plan(3, LoopConfig(start=0, length=2, n_loops=2, part="mlp", schedule="per_layer"))
+    assert per == [V(0, 0, True, True, 1.0, .5), V(0, 1, False, True, 1.0, .5),
+                   V(1, 0, True, True, 1.0, .5), V(1, 1, False, True, 1.0, .5), V(2, 0, True, True, 1.0, 1.0)]
+    off = L.plan(3, LoopConfig(start=0, length=2, n_loops=2, part="attn", residual_scale=False))
+    assert [(v.attn, v.mlp, v.attn_scale, v.mlp_scale) for v in off] == [
+        (True, False, 1.0, 1.0), (True, False, 1.0, 1.0), (True, True, 1.0, 1.0), (True, True, 1.0, 1.0),
+        (True, True, 1.0, 1.0)]
+
+
 def test_one_loop_is_exactly_the_plain_model():
     torch.manual_seed(0)
     plain = GPT(tiny(n_experts=4, top_k=2)).eval()
@@ -61,6 +85,34 @@ def test_residual_scale_applies_one_over_r_to_span_updates():
     # layer 0 is outside the span: same input, same write; layer 1 visit 0: same input, half the write
     torch.testing.assert_close(ca[(0, 0)]["attn_write"], cb[(0, 0)]["attn_write"])
     torch.testing.assert_close(ca[(1, 0)]["attn_write"], 0.5 * cb[(1, 0)]["attn_write"])
+
+
+@pytest.mark.parametrize("part", ["both", "mlp"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_residual_scale_applies_one_over_r_to_every_mlp_write(moe, part):
+    """Hand-run residual stream: every in-span MLP write is (1/r) * mlp(mlp_norm(x + attn_write)), outside it 1x."""
+    torch.manual_seed(0)
+    r = 2
+    m = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=r, part=part),
+                 **(dict(n_experts=4, top_k=2) if moe else {}))).eval()
+    idx = torch.randint(0, 64, (2, 8))
+    cap = {}
+    with torch.no_grad():
+        logits = m.run(idx, capture=cap).logits
+        x = m.tok_emb(idx)
+        order = L.schedule(4, m.cfg.loop)
+        assert len(order) == 6
+        for layer, v in order:
+            c, blk = cap[(layer, v)], m.blocks[layer]
+            scale = 1 / r if layer in (1, 2) else 1.0           # SMELT Eq. 8-9: 1/r inside the span only
+            torch.testing.assert_close(c["x"], x)
+            x = x + c.get("attn_write", 0)
+            h = blk.mlp_norm(x)
+            torch.testing.assert_close(c["mlp_norm"], h)
+            f = blk.mlp(h)[0] if moe else blk.mlp(h)
+            torch.testing.assert_close(c["mlp_write"], scale * f, rtol=1e-5, atol=1e-6)
+            x = x + scale * f
+        torch.testing.assert_close(logits, m.lm_head(m.norm_f(x)), rtol=1e-5, atol=1e-5)
 
 
 def test_state_dict_of_plain_model_loads_into_adapter_and_plt_models():
@@ -91,6 +143,36 @@ def test_adapters_are_noops_at_init_and_train(kind):
     assert b[0].abs().sum() > 0 and not torch.allclose(b[0], b[1])   # loops specialise
 
 
+@pytest.mark.parametrize("kind", ["lora", "matrix", "softmax"])
+def test_adapter_matches_explicit_delta_w_with_random_mixing(kind):
+    """LoopAdapter with random A, B, M: loop l gives x @ (sum_j mix[l, j] B_j A_j)^T (softmax rows), stacked == per-loop."""
+    torch.manual_seed(0)
+    n, d_in, d_out, rank = 3, 5, 4, 2
+    ad = L.LoopAdapter(d_in, d_out, n, rank, kind)
+    with torch.no_grad():
+        ad.B.normal_()
+        if kind != "lora":
+            ad.M.copy_(torch.randn(n, n) * 2)             # not symmetric, rows and columns unnormalised
+    A, B = ad.A.detach().double(), ad.B.detach().double()
+    if kind == "lora":
+        mix = torch.eye(n, dtype=torch.double)
+    else:
+        M = ad.M.detach().double()
+        mix = M if kind == "matrix" else M.exp() / M.exp().sum(1, keepdim=True)   # softmax over j, per row l
+        assert not torch.allclose(M, M.t())
+    if kind == "softmax":
+        torch.testing.assert_close(ad.mixing().double().sum(1), torch.ones(n, dtype=torch.double))
+        torch.testing.assert_close(ad.mixing().double(), mix)
+    dW = [sum(mix[l, j] * B[j] @ A[j] for j in range(n)) for l in range(n)]   # (d_out, d_in) per loop
+    x = torch.randn(n, 2, 3, d_in)
+    stacked = ad(x, None)
+    assert stacked.shape == (n, 2, 3, d_out)
+    for l in range(n):
+        ref = (x[l].double() @ dW[l].t()).float()
+        torch.testing.assert_close(ad(x[l], l), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stacked[l], ref, rtol=1e-5, atol=1e-5)
+
+
 LOOP_VARIANTS = (
     [dict(start=1, length=2, n_loops=r, schedule=s, part=p) for r in (2, 3)
      for s in ("block", "per_layer") for p in ("both", "attn", "mlp")]
@@ -114,10 +196,21 @@ def test_decode_equals_full_forward_for_every_loop_variant(lk, moe):
 
 
 def test_plt_shift_zeroes_state_at_document_starts():
+    """shift_states: h_(n-1) per token; zero at document starts; column 0 takes h_prev when given, else zero."""
     h = torch.arange(1, 7, dtype=torch.float).view(1, 6, 1)
     doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
     assert L.shift_states(h, doc).flatten().tolist() == [0, 1, 2, 0, 4, 5]
     assert L.shift_states(h, None, torch.tensor([[9.0]])).flatten().tolist() == [9, 1, 2, 3, 4, 5]
+    # with doc ids and h_prev: column 0 continues the previous chunk (its state from h_prev, never a reset);
+    # a document start inside the chunk still resets, per row
+    h2 = torch.tensor([[1., 2., 3., 4.], [5., 6., 7., 8.]])[..., None].repeat(1, 1, 2)   # (2, 4, 2)
+    doc2 = torch.tensor([[3, 3, 4, 4], [7, 8, 8, 8]])
+    prev = torch.tensor([[9., -9.], [10., -10.]])
+    got = L.shift_states(h2, doc2, prev)
+    assert got.tolist() == [[[9, -9], [1, 1], [0, 0], [3, 3]],
+                            [[10, -10], [0, 0], [6, 6], [7, 7]]]
+    assert L.shift_states(h2, doc2).tolist() == [[[0, 0], [1, 1], [0, 0], [3, 3]],
+                                                 [[0, 0], [0, 0], [6, 6], [7, 7]]]
 
 
 def test_plt_gate_starts_at_half():
@@ -153,3 +246,57 @@ def test_kv_window_cache_is_smaller():
     per_layer = 2 * 2 * 8 * 4                              # k+v, n_kv_head 2, head_dim 8, fp32 bytes
     assert full.nbytes() == per_layer * 32 * (2 + 2 * 3)   # 2 unlooped layers + 2 span layers x 3 loops
     assert win.nbytes() == per_layer * (32 * 4 + 2 * 2 * 4)  # loop 1 full, 2 later loops x window 4
+
+
+def test_window_mask_lets_each_query_see_itself_and_the_key_before_it():
+    """build_mask with window w=2 over 5 positions: causal band of width 2; empty slots (-1) and other documents hidden."""
+    from attention import build_mask
+    pos = torch.arange(5)
+    got = build_mask(pos, pos, None, None, window=2)
+    assert got.shape == (1, 1, 5, 5)
+    assert got[0, 0].int().tolist() == [[1, 0, 0, 0, 0],
+                                        [1, 1, 0, 0, 0],
+                                        [0, 1, 1, 0, 0],
+                                        [0, 0, 1, 1, 0],
+                                        [0, 0, 0, 1, 1]]
+    assert build_mask(pos, pos, None, None)[0, 0].int().tolist() == torch.ones(5, 5).tril().int().tolist()
+    ring = torch.tensor([3, -1, 1, 2, 4])             # key positions of a ring, one empty slot
+    doc = torch.tensor([[0, 0, 0, 1, 1]])
+    got = build_mask(torch.tensor([4]), ring, doc[:, 4:], doc[:, ring.clamp(min=0)], window=3)
+    assert got[0, 0].int().tolist() == [[1, 0, 0, 0, 1]]   # 3, 4; not 2 (other document), 1 (outside the window)
+
+
+def test_kv_window_ring_holds_the_last_w_keys_the_budget_counts():
+    """PLT KV sharing: each later loop's ring holds exactly the last w positions' keys (w slots, as
+    budget.kv_bytes_per_token counts them); the mask reads w - 1 of them (the newest key comes with the query)."""
+    import budget
+    from attention import build_mask
+    torch.manual_seed(0)
+    w, r, T, B = 3, 3, 10, 2
+    cfg = tiny(loop=LoopConfig(start=1, length=2, n_loops=r, parallel=True, kv_window=w))
+    m = live(GPT(cfg))
+    idx = torch.randint(0, 64, (B, T))
+    cap = {}
+    with torch.no_grad():
+        m.run(idx, capture=cap)
+    cache = m.new_cache(B, T)
+    assert cache.nbytes() == pytest.approx(B * T * budget.kv_bytes_per_token(cfg, 4, ctx_len=T), rel=1e-12)  # fp32
+    n = 0
+    for chunk in (4,) + (1,) * (T - 4):
+        if n:
+            ring_pos = cache.kv[("ring", 1)].pos
+            assert int(build_mask(torch.tensor([n]), ring_pos, None, None, w).sum()) == w - 1
+        m.forward_step(idx[:, n:n + chunk], cache)
+        n += chunk
+        for layer in (1, 2):
+            ring = cache.kv[("ring", layer)]
+            assert ring.k.shape == (B * (r - 1), cfg.n_kv_head, w, cfg.hd)
+            assert sorted(ring.pos.tolist()) == list(range(n - w, n))
+            for p in range(n - w, n):
+                slot = p % w
+                assert int(ring.pos[slot]) == p
+                for l in range(1, r):
+                    torch.testing.assert_close(ring.k[(l - 1) * B:l * B, :, slot], cap[(layer, l)]["k"][:, :, p],
+                                               rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(ring.v[(l - 1) * B:l * B, :, slot], cap[(layer, l)]["v"][:, :, p],
+                                               rtol=1e-4, atol=1e-4)

@@ -13,11 +13,15 @@ def tiny(**kw) -> ModelConfig:
 
 
 def live(model: GPT) -> GPT:
-    """Give zero-initialised parameters (adapter B, PLT gates) random values so they matter."""
+    """Give zero-initialised parameters (adapter B, PLT gates) random values so they matter, and move the
+    Loop Matrix adapters' M off the identity (an asymmetric M: mixing along the wrong axis shows)."""
     torch.manual_seed(1)
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.abs().sum() == 0:
             torch.nn.init.normal_(p, std=0.05)
+        elif ".adapters." in name and name.endswith(".M"):   # matrix M = I (softmax M = 0 is drawn above)
+            with torch.no_grad():
+                p.add_(torch.randn_like(p) * 0.5)
     return model.eval()
 
 
@@ -137,8 +141,10 @@ def test_generate_greedy_matches_argmax_of_full_forward():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
-                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True))])
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True)),
+                                dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True, kv_window=4))])
 def test_document_masking_isolates_documents(kw):
+    """Packed documents: rewriting one changes no other, and a packed document equals it run alone (PLT windows too)."""
     torch.manual_seed(0)
     m = live(GPT(tiny(**kw)))
     idx = torch.randint(0, 64, (1, 24))
