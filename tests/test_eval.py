@@ -100,6 +100,37 @@ def test_demonstrations_vary_with_seed_and_are_batched():
     assert len(prompts) > 1               # seeds change the choice / order of demonstrations
 
 
+def _demos_of_every_request(monkeypatch, task, k, seeds, max_items, block_size):
+    """task_requests on `task`, recording each fit_prompt call as (query item index, demonstration indices)."""
+    index, seen, fit = {id(it): j for j, it in enumerate(task.items)}, [], tasks.fit_prompt
+
+    def spy(item, demos, *a, **kw):
+        seen.append((index[id(item)], [index[id(d)] for d in demos]))
+        return fit(item, demos, *a, **kw)
+    with monkeypatch.context() as mp:
+        mp.setattr(tasks, "fit_prompt", spy)
+        out = tasks.task_requests(CharTok(), task, k, seeds, max_items, block_size, bos=0)
+    assert len(seen) == len(out["requests"]) == len(out["used"]) * (1 if k == 0 else seeds)
+    return seen
+
+
+def test_scored_item_is_never_its_own_demonstration(monkeypatch):
+    """task_requests draws each item's demonstrations from the *other* items of its group (no answer leak)."""
+    items = [tasks.Item(f"q{i} =", f" a{i}", group="g") for i in range(3)]
+    toy = tasks.Task("toy3", "gen", items, 0.0, None, "toy", "generated")
+    seen = _demos_of_every_request(monkeypatch, toy, k=2, seeds=6, max_items=None, block_size=128)
+    assert len(seen) == 18
+    for i, demos in seen:                 # 3 items, k = 2: the demonstrations are exactly the other two
+        assert sorted(demos) == sorted({0, 1, 2} - {i}), f"item {i} drew demonstrations {demos}"
+    real = tasks.load_bigbench("cs_algorithms")           # two groups (lcs, valid_parentheses)
+    for k in (1, 3):
+        seen = _demos_of_every_request(monkeypatch, real, k=k, seeds=4, max_items=40, block_size=4096)
+        assert len(seen) == 160
+        for i, demos in seen:
+            assert i not in demos and len(demos) == k, f"k={k}: item {i} drew demonstrations {demos}"
+            assert {real.items[j].group for j in demos} == {real.items[i].group}
+
+
 def test_prompt_moves_trailing_space_into_the_continuation():
     demo, item = tasks.Item("\nQ: 1+1\nA: ", "2"), tasks.Item("\nQ: 2+2\nA: ", "4", prefix="add:", sep="\n")
     ctx, conts = tasks.build_prompt(item, [demo])
