@@ -1,4 +1,5 @@
 """stats.py against hand-computed cases."""
+import itertools
 import math
 
 import numpy as np
@@ -114,3 +115,23 @@ def test_ratio_interval_is_the_central_percentiles_of_its_draws():
     draws = [(lambda i: num[i].sum() / den[i].sum())(g.integers(0, 50, 50)) for _ in range(300)]
     assert (r.lo, r.hi) == pytest.approx(tuple(np.percentile(draws, [2.5, 97.5])), rel=1e-12)
     assert r.mean == pytest.approx(num.sum() / den.sum())
+
+
+def test_sampled_permutation_p_counts_the_observed_pattern():
+    """Beyond 16 pairs p = (1 + hits) / (n + 1) over n sampled sign patterns: never 0, 1/(n+1) when nothing beats d."""
+    # 20 equal positive differences: only the all-plus pattern (chance 2^-20 a draw) reaches the observed mean
+    assert stats.permutation_test(np.ones(20), np.zeros(20), n=999, alternative="greater") == pytest.approx(1 / 1000)
+    assert stats.permutation_test(np.ones(20), np.zeros(20), n=999) == pytest.approx(1 / 1000)
+    # a mixed case, hits counted by hand from the same generator (one chunk: n * m < 2^22)
+    d = np.random.default_rng(8).normal(0.3, 1.0, 24)
+    signs = np.random.default_rng(11).integers(0, 2, size=(500, 24)) * 2 - 1
+    hits = int(((signs * d).mean(1) >= d.mean() - 1e-12).sum())
+    assert 10 < hits < 490
+    p = stats.permutation_test(d, np.zeros(24), n=500, seed=11, alternative="greater")
+    assert p == pytest.approx((1 + hits) / 501, rel=1e-12)
+    # 17 pairs (sampled) against all 2^17 sign patterns enumerated here: equal within Monte Carlo error
+    d17 = d[:17]
+    every = np.array(list(itertools.product((1, -1), repeat=17)), dtype=float)
+    exact = float((np.abs((every * d17).mean(1)) >= abs(d17.mean()) - 1e-12).mean())
+    assert stats.permutation_test(d17, np.zeros(17), n=20000, seed=2) == pytest.approx(exact, abs=0.01)
+
