@@ -135,3 +135,9 @@ def test_sampled_permutation_p_counts_the_observed_pattern():
     exact = float((np.abs((every * d17).mean(1)) >= abs(d17.mean()) - 1e-12).mean())
     assert stats.permutation_test(d17, np.zeros(17), n=20000, seed=2) == pytest.approx(exact, abs=0.01)
 
+
+@pytest.mark.parametrize("lo, hi, claim", [(0.0, 0.3, ">"), (-0.3, 0.0, "<"), (-0.3, 0.0, ">"), (0.0, 0.3, "<")])
+def test_verdict_interval_touching_the_value_is_not_resolved(lo, hi, claim):
+    """An interval with a bound exactly at `value` is not wholly on either side: "not resolved" (strict rule)."""
+    assert stats.verdict(stats.Interval((lo + hi) / 2, lo, hi, 3), claim) == "not resolved"
+    assert stats.verdict(stats.Interval(1.0 + (lo + hi) / 2, 1.0 + lo, 1.0 + hi, 3), claim, 1.0) == "not resolved"
