@@ -88,6 +88,23 @@ def test_gold_loss_and_exact_match_on_the_rigged_model():
     assert r["gold_loss"] == pytest.approx((3 * a + b) / 4, rel=1e-5)   # token-weighted micro average
 
 
+def test_summary_completion_pools_tokens_over_tasks():
+    """summarise's "completion" is sum(gold nll) / sum(gold tokens) over the generation tasks (micro), not the
+    mean of per-task gold losses; "core" is the mean centred accuracy over every task."""
+    def t(kind, nll, toks, centred, origin="bigbench"):
+        r = {"acc": centred, "centred": centred}
+        if kind == "gen":
+            r.update(gold_nll_sum=nll, gold_tokens=toks, gold_loss=nll / toks if toks else math.nan)
+        return {"origin": origin, "kind": kind, "headline_k": 2, "by_k": {"0": dict(r), "2": r}}
+    # losses 2.0 over 10 tokens and 4.0 over 2: pooled 28 / 12 = 2.333, the macro mean would be 3.0
+    s = ev.summarise({"a": t("gen", 20.0, 10, 0.1), "b": t("gen", 8.0, 2, 0.3), "c": t("mc", None, None, 0.5),
+                      "g": t("gen", 3.0, 1, 0.0, origin="generated")})
+    assert s["real"]["completion"] == pytest.approx(28 / 12)
+    assert s["real"]["by_k"]["2"]["completion"] == pytest.approx(28 / 12)
+    assert s["real"]["core"] == pytest.approx(0.3) and s["real"]["n_tasks"] == 3
+    assert s["generated"]["completion"] == pytest.approx(3.0)
+
+
 def test_demonstrations_vary_with_seed_and_are_batched():
     items = [tasks.Item(f"q{i} =", f" {i % 7}") for i in range(12)]
     t = tasks.Task("toy", "gen", items, 0.0, None, "toy", "generated")
