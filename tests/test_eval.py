@@ -833,6 +833,30 @@ def test_downstream_claims_and_report(tmp_path):
     assert any("core not identified" in n for n in figs["notes"])
 
 
+def test_run_unit_pairs_each_training_seed_of_a_cell():
+    """unit="run" averages a run pair's branches and keeps each (cell, seed) apart: n = cells x seeds, and the
+    interval is paired_difference over those run means."""
+    import stats
+    rng = np.random.default_rng(1)
+    recs, runs = [], {}
+    for c, scale in enumerate(("t32", "t64", "t96")):
+        for seed in (0, 1):
+            delta = 0.05 + 0.1 * seed + 0.02 * c                # the seeds of one cell differ: not one unit
+            for branch in (10, 20):
+                b = 3.0 - 0.1 * c + 0.05 * seed + 0.01 * rng.standard_normal()
+                sm = b - delta + 0.01 * rng.standard_normal()
+                runs.setdefault((scale, seed), []).append((b, sm))
+                recs.append(rec("baseline", scale, "S~50%", branch, seed=seed, summary={"real": {"completion": b}}))
+                recs.append(rec("smelt", scale, "S~50%", branch, seed=seed, summary={"real": {"completion": sm}}))
+    want = stats.paired_difference([np.mean([v[0] for v in vs]) for vs in runs.values()],
+                                   [np.mean([v[1] for v in vs]) for vs in runs.values()])
+    [c] = [c for c in wins.downstream_claims(recs, unit="run") if c["id"] == "real completion difference"]
+    assert c["n"] == 6 and c["unit"] == "matched run pair"
+    assert c["interval"] == pytest.approx(want.to_dict()) and c["verdict"] == "reproduced"
+    [e] = [c for c in wins.downstream_claims(recs) if c["id"] == "real completion difference"]
+    assert e["n"] == 12
+
+
 def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
     res = {"tasks": {"up": task({0: [0.2], 2: [0.3, 0.5]}), "flat": task({0: [0.0], 2: [0.0, 0.0]}),
                      "real0": task({0: [0.0], 2: [0.0, 0.0]}, chance=None, origin="bigbench")}}
