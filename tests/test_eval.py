@@ -857,6 +857,28 @@ def test_run_unit_pairs_each_training_seed_of_a_cell():
     assert e["n"] == 12
 
 
+@pytest.mark.parametrize("grows", [True, False])
+def test_residual_growth_is_largest_scale_minus_smallest(grows):
+    """_residual_growth's interval is Welch(largest scale's SMELT residuals - smallest's), scales in natural
+    order (t32 < t128): larger residuals at t128 -> above 0, reproduced; the reverse -> contradicted."""
+    from scipy.stats import ttest_ind
+    small, large = [0.010, 0.020, 0.015], [0.050, 0.062, 0.055]
+    if not grows:
+        small, large = large, small
+    recs, res = [], []
+    for branch, (rs, rl) in zip((10, 20, 30), zip(small, large)):
+        for scale, r in (("t128", rl), ("t32", rs)):       # records interleave the scales; residuals follow them
+            recs += [rec("baseline", scale, "S~50%", branch), rec("smelt", scale, "S~50%", branch)]
+            res.append(r)
+    cal = {"metrics": {"completion": {"identified": True, "residuals": res}}}
+    [c] = [c for c in wins.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual growth"]
+    ref = ttest_ind(large, small, equal_var=False).confidence_interval()
+    assert (c["interval"]["lo"], c["interval"]["hi"]) == pytest.approx((ref.low, ref.high))
+    assert c["interval"]["mean"] == pytest.approx(np.mean(large) - np.mean(small)) and c["n"] == 6
+    assert "(t128 vs t32)" in c["claim"]
+    assert c["verdict"] == ("reproduced" if grows else "contradicted")
+
+
 def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
     res = {"tasks": {"up": task({0: [0.2], 2: [0.3, 0.5]}), "flat": task({0: [0.0], 2: [0.0, 0.0]}),
                      "real0": task({0: [0.0], 2: [0.0, 0.0]}, chance=None, origin="bigbench")}}
