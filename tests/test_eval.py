@@ -898,3 +898,16 @@ def test_length_tilt_claim_needs_a_gain_not_a_loss():
     fam["n_negative"] = 0        # SMELT gains everywhere: the same interval is decided as usual
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "contradicted"
+
+
+def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
+    """The tilt claim is withheld only when SMELT's gain is negative in *most* contrasts (n_negative * 2 > n):
+    1 of 2 negative is a tie, and the interval is decided as usual."""
+    import stats
+    fam = {"paper": 1.52, "n_contrasts": 2, "n_negative": 1, "why": None,
+           "long_short": stats.Interval(1.5, 1.2, 1.8, 2, 0.95, "bootstrap").to_dict()}
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "reproduced" and c["interval"] == pytest.approx(fam["long_short"]) and c["why"] is None
+    fam["n_negative"] = 2
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "not resolved" and c["interval"] is None
