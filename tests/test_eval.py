@@ -88,6 +88,23 @@ def test_gold_loss_and_exact_match_on_the_rigged_model():
     assert r["gold_loss"] == pytest.approx((3 * a + b) / 4, rel=1e-5)   # token-weighted micro average
 
 
+def test_summary_completion_pools_tokens_over_tasks():
+    """summarise's "completion" is sum(gold nll) / sum(gold tokens) over the generation tasks (micro), not the
+    mean of per-task gold losses; "core" is the mean centred accuracy over every task."""
+    def t(kind, nll, toks, centred, origin="bigbench"):
+        r = {"acc": centred, "centred": centred}
+        if kind == "gen":
+            r.update(gold_nll_sum=nll, gold_tokens=toks, gold_loss=nll / toks if toks else math.nan)
+        return {"origin": origin, "kind": kind, "headline_k": 2, "by_k": {"0": dict(r), "2": r}}
+    # losses 2.0 over 10 tokens and 4.0 over 2: pooled 28 / 12 = 2.333, the macro mean would be 3.0
+    s = ev.summarise({"a": t("gen", 20.0, 10, 0.1), "b": t("gen", 8.0, 2, 0.3), "c": t("mc", None, None, 0.5),
+                      "g": t("gen", 3.0, 1, 0.0, origin="generated")})
+    assert s["real"]["completion"] == pytest.approx(28 / 12)
+    assert s["real"]["by_k"]["2"]["completion"] == pytest.approx(28 / 12)
+    assert s["real"]["core"] == pytest.approx(0.3) and s["real"]["n_tasks"] == 3
+    assert s["generated"]["completion"] == pytest.approx(3.0)
+
+
 def test_demonstrations_vary_with_seed_and_are_batched():
     items = [tasks.Item(f"q{i} =", f" {i % 7}") for i in range(12)]
     t = tasks.Task("toy", "gen", items, 0.0, None, "toy", "generated")
@@ -98,6 +115,37 @@ def test_demonstrations_vary_with_seed_and_are_batched():
     prompts = {tasks.build_prompt(items[0], [items[j] for j in random.Random(f"toy/{s}/0").sample(range(1, 12), 3)])[0]
                for s in range(4)}
     assert len(prompts) > 1               # seeds change the choice / order of demonstrations
+
+
+def _demos_of_every_request(monkeypatch, task, k, seeds, max_items, block_size):
+    """task_requests on `task`, recording each fit_prompt call as (query item index, demonstration indices)."""
+    index, seen, fit = {id(it): j for j, it in enumerate(task.items)}, [], tasks.fit_prompt
+
+    def spy(item, demos, *a, **kw):
+        seen.append((index[id(item)], [index[id(d)] for d in demos]))
+        return fit(item, demos, *a, **kw)
+    with monkeypatch.context() as mp:
+        mp.setattr(tasks, "fit_prompt", spy)
+        out = tasks.task_requests(CharTok(), task, k, seeds, max_items, block_size, bos=0)
+    assert len(seen) == len(out["requests"]) == len(out["used"]) * (1 if k == 0 else seeds)
+    return seen
+
+
+def test_scored_item_is_never_its_own_demonstration(monkeypatch):
+    """task_requests draws each item's demonstrations from the *other* items of its group (no answer leak)."""
+    items = [tasks.Item(f"q{i} =", f" a{i}", group="g") for i in range(3)]
+    toy = tasks.Task("toy3", "gen", items, 0.0, None, "toy", "generated")
+    seen = _demos_of_every_request(monkeypatch, toy, k=2, seeds=6, max_items=None, block_size=128)
+    assert len(seen) == 18
+    for i, demos in seen:                 # 3 items, k = 2: the demonstrations are exactly the other two
+        assert sorted(demos) == sorted({0, 1, 2} - {i}), f"item {i} drew demonstrations {demos}"
+    real = tasks.load_bigbench("cs_algorithms")           # two groups (lcs, valid_parentheses)
+    for k in (1, 3):
+        seen = _demos_of_every_request(monkeypatch, real, k=k, seeds=4, max_items=40, block_size=4096)
+        assert len(seen) == 160
+        for i, demos in seen:
+            assert i not in demos and len(demos) == k, f"k={k}: item {i} drew demonstrations {demos}"
+            assert {real.items[j].group for j in demos} == {real.items[i].group}
 
 
 def test_prompt_moves_trailing_space_into_the_continuation():
@@ -785,6 +833,52 @@ def test_downstream_claims_and_report(tmp_path):
     assert any("core not identified" in n for n in figs["notes"])
 
 
+def test_run_unit_pairs_each_training_seed_of_a_cell():
+    """unit="run" averages a run pair's branches and keeps each (cell, seed) apart: n = cells x seeds, and the
+    interval is paired_difference over those run means."""
+    import stats
+    rng = np.random.default_rng(1)
+    recs, runs = [], {}
+    for c, scale in enumerate(("t32", "t64", "t96")):
+        for seed in (0, 1):
+            delta = 0.05 + 0.1 * seed + 0.02 * c                # the seeds of one cell differ: not one unit
+            for branch in (10, 20):
+                b = 3.0 - 0.1 * c + 0.05 * seed + 0.01 * rng.standard_normal()
+                sm = b - delta + 0.01 * rng.standard_normal()
+                runs.setdefault((scale, seed), []).append((b, sm))
+                recs.append(rec("baseline", scale, "S~50%", branch, seed=seed, summary={"real": {"completion": b}}))
+                recs.append(rec("smelt", scale, "S~50%", branch, seed=seed, summary={"real": {"completion": sm}}))
+    want = stats.paired_difference([np.mean([v[0] for v in vs]) for vs in runs.values()],
+                                   [np.mean([v[1] for v in vs]) for vs in runs.values()])
+    [c] = [c for c in wins.downstream_claims(recs, unit="run") if c["id"] == "real completion difference"]
+    assert c["n"] == 6 and c["unit"] == "matched run pair"
+    assert c["interval"] == pytest.approx(want.to_dict()) and c["verdict"] == "reproduced"
+    [e] = [c for c in wins.downstream_claims(recs) if c["id"] == "real completion difference"]
+    assert e["n"] == 12
+
+
+@pytest.mark.parametrize("grows", [True, False])
+def test_residual_growth_is_largest_scale_minus_smallest(grows):
+    """_residual_growth's interval is Welch(largest scale's SMELT residuals - smallest's), scales in natural
+    order (t32 < t128): larger residuals at t128 -> above 0, reproduced; the reverse -> contradicted."""
+    from scipy.stats import ttest_ind
+    small, large = [0.010, 0.020, 0.015], [0.050, 0.062, 0.055]
+    if not grows:
+        small, large = large, small
+    recs, res = [], []
+    for branch, (rs, rl) in zip((10, 20, 30), zip(small, large)):
+        for scale, r in (("t128", rl), ("t32", rs)):       # records interleave the scales; residuals follow them
+            recs += [rec("baseline", scale, "S~50%", branch), rec("smelt", scale, "S~50%", branch)]
+            res.append(r)
+    cal = {"metrics": {"completion": {"identified": True, "residuals": res}}}
+    [c] = [c for c in wins.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual growth"]
+    ref = ttest_ind(large, small, equal_var=False).confidence_interval()
+    assert (c["interval"]["lo"], c["interval"]["hi"]) == pytest.approx((ref.low, ref.high))
+    assert c["interval"]["mean"] == pytest.approx(np.mean(large) - np.mean(small)) and c["n"] == 6
+    assert "(t128 vs t32)" in c["claim"]
+    assert c["verdict"] == ("reproduced" if grows else "contradicted")
+
+
 def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
     res = {"tasks": {"up": task({0: [0.2], 2: [0.3, 0.5]}), "flat": task({0: [0.0], 2: [0.0, 0.0]}),
                      "real0": task({0: [0.0], 2: [0.0, 0.0]}, chance=None, origin="bigbench")}}
@@ -821,3 +915,16 @@ def test_segment_lengths_match_a_per_row_loop():
             want[b, t:e] = e - t
             t = e
     assert torch.equal(validation.segment_lengths(doc), want)
+
+
+def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
+    """The tilt claim is withheld only when SMELT's gain is negative in *most* contrasts (n_negative * 2 > n):
+    1 of 2 negative is a tie, and the interval is decided as usual."""
+    import stats
+    fam = {"paper": 1.52, "n_contrasts": 2, "n_negative": 1, "why": None,
+           "long_short": stats.Interval(1.5, 1.2, 1.8, 2, 0.95, "bootstrap").to_dict()}
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "reproduced" and c["interval"] == pytest.approx(fam["long_short"]) and c["why"] is None
+    fam["n_negative"] = 2
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "not resolved" and c["interval"] is None

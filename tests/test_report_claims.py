@@ -134,3 +134,17 @@ def test_expert_overlap_falls_as_sparsity_rises():
     one = {"pairs": {"s_S85": _probe_pair(1.2, 16, 64, rng)}}
     assert probe_claims.overlap_by_sparsity(one)["interval"] is None
     assert report._overlap_claim(one)[3] == "not resolved"
+
+
+def test_icl_significant_needs_a_strict_majority():
+    """"most tasks significant" is 2 * significant > tested: 1 of 2 is not most (not resolved), 2 of 3 is."""
+    def verdict_of(ps):
+        icl = {f"t{i}": _task({0: (0.0, True), 8: (0.1, True)}, p=p) for i, p in enumerate(ps)}
+        out = []
+        wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+        [(a, kw)] = [(a, kw) for cid, a, kw in out if cid == "icl significant"]
+        return a[5], a[7], kw["verdict"]
+    tested, why, v = verdict_of([0.01, 0.2])
+    assert (tested, v) == (2, "not resolved") and why.startswith("1 of 2 tasks significant")
+    assert verdict_of([0.01, 0.02, 0.2])[::2] == (3, "reproduced")
+    assert verdict_of([0.01, 0.02, 0.2, 0.3])[::2] == (4, "not resolved")

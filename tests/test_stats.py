@@ -1,4 +1,5 @@
 """stats.py against hand-computed cases."""
+import itertools
 import math
 
 import numpy as np
@@ -81,3 +82,62 @@ def test_bootstrap_and_ratio_intervals_cover_the_truth():
 def test_bad_input_is_named(bad):
     with pytest.raises(ValueError, match="x "):
         stats.mean_interval(bad)
+
+
+def _reference_draws(x, stat, n_draws, seed):
+    """The resamples bootstrap_interval makes: default_rng(seed), one rng.integers(0, n, n) index per draw."""
+    rng = np.random.default_rng(seed)
+    return np.array([stat(x[rng.integers(0, x.size, x.size)]) for _ in range(n_draws)])
+
+
+@pytest.mark.parametrize("level", [0.95, 0.8])
+def test_bootstrap_interval_is_the_central_percentiles_of_its_draws(level):
+    """bootstrap_interval's bounds are np.percentile of its own draws at 50(1 -/+ level): [2.5, 97.5] at 95 %."""
+    x = np.random.default_rng(3).exponential(1.0, 60)
+    iv = stats.bootstrap_interval(x, n_draws=400, level=level, seed=7)
+    want = np.percentile(_reference_draws(x, np.mean, 400, 7), [50 * (1 - level), 50 * (1 + level)])
+    assert (iv.lo, iv.hi) == pytest.approx(tuple(want), rel=1e-12)
+    assert iv.mean == pytest.approx(x.mean()) and (iv.n, iv.level, iv.method) == (60, level, "bootstrap")
+    if level == 0.95:                     # the same as scipy's percentile bootstrap, up to Monte Carlo error
+        from scipy.stats import bootstrap
+        ref = bootstrap((x,), np.mean, n_resamples=4000, method="percentile", random_state=0).confidence_interval
+        big = stats.bootstrap_interval(x, n_draws=4000, seed=7)
+        assert (big.lo, big.hi) == pytest.approx((ref.low, ref.high), abs=0.015)
+
+
+def test_ratio_interval_is_the_central_percentiles_of_its_draws():
+    """ratio_interval's bounds are np.percentile [2.5, 97.5] of sum(num) / sum(den) over its paired resamples."""
+    rng = np.random.default_rng(4)
+    den = rng.uniform(0.5, 1.5, 50)
+    num = 2.0 * den + rng.normal(0, 0.3, 50)
+    r = stats.ratio_interval(num, den, n_draws=300, seed=5)
+    g = np.random.default_rng(5)
+    draws = [(lambda i: num[i].sum() / den[i].sum())(g.integers(0, 50, 50)) for _ in range(300)]
+    assert (r.lo, r.hi) == pytest.approx(tuple(np.percentile(draws, [2.5, 97.5])), rel=1e-12)
+    assert r.mean == pytest.approx(num.sum() / den.sum())
+
+
+def test_sampled_permutation_p_counts_the_observed_pattern():
+    """Beyond 16 pairs p = (1 + hits) / (n + 1) over n sampled sign patterns: never 0, 1/(n+1) when nothing beats d."""
+    # 20 equal positive differences: only the all-plus pattern (chance 2^-20 a draw) reaches the observed mean
+    assert stats.permutation_test(np.ones(20), np.zeros(20), n=999, alternative="greater") == pytest.approx(1 / 1000)
+    assert stats.permutation_test(np.ones(20), np.zeros(20), n=999) == pytest.approx(1 / 1000)
+    # a mixed case, hits counted by hand from the same generator (one chunk: n * m < 2^22)
+    d = np.random.default_rng(8).normal(0.3, 1.0, 24)
+    signs = np.random.default_rng(11).integers(0, 2, size=(500, 24)) * 2 - 1
+    hits = int(((signs * d).mean(1) >= d.mean() - 1e-12).sum())
+    assert 10 < hits < 490
+    p = stats.permutation_test(d, np.zeros(24), n=500, seed=11, alternative="greater")
+    assert p == pytest.approx((1 + hits) / 501, rel=1e-12)
+    # 17 pairs (sampled) against all 2^17 sign patterns enumerated here: equal within Monte Carlo error
+    d17 = d[:17]
+    every = np.array(list(itertools.product((1, -1), repeat=17)), dtype=float)
+    exact = float((np.abs((every * d17).mean(1)) >= abs(d17.mean()) - 1e-12).mean())
+    assert stats.permutation_test(d17, np.zeros(17), n=20000, seed=2) == pytest.approx(exact, abs=0.01)
+
+
+@pytest.mark.parametrize("lo, hi, claim", [(0.0, 0.3, ">"), (-0.3, 0.0, "<"), (-0.3, 0.0, ">"), (0.0, 0.3, "<")])
+def test_verdict_interval_touching_the_value_is_not_resolved(lo, hi, claim):
+    """An interval with a bound exactly at `value` is not wholly on either side: "not resolved" (strict rule)."""
+    assert stats.verdict(stats.Interval((lo + hi) / 2, lo, hi, 3), claim) == "not resolved"
+    assert stats.verdict(stats.Interval(1.0 + (lo + hi) / 2, 1.0 + lo, 1.0 + hi, 3), claim, 1.0) == "not resolved"
