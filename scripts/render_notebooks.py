@@ -10,11 +10,11 @@ notebooks/, the same way tests/test_notebooks.py runs them) and writes the execu
 notebooks/rendered/NAME.ipynb, which GitHub and any notebook viewer display with its figures.
 Figures are PNG at 60 dpi (a matplotlibrc handed to the kernel), so the copies stay small.
 
-Each copy records in its metadata["looped_moe"] the sha256 of its source's cells (`source_sha256`)
-and the versions it was rendered with; tests/test_notebooks.py compares that hash and the cell
-sources with notebooks/NAME.ipynb, without executing anything, and fails with this command when a
-notebook changed and its copy was not re-rendered. Re-render after editing a notebook, or after a
-change to a module a notebook uses that changes what it shows.
+Each copy records in its metadata["looped_moe"] the sha256 of its source's cells (`source_sha256`), of
+each project module the notebook imports (`modules_sha256`) and the versions it was rendered with;
+tests/test_notebooks.py compares those hashes and the cell sources with the files, without executing
+anything, and fails with this command when a notebook or a module it imports changed and its copy
+was not re-rendered (so a copy cannot show numbers older than the code).
 """
 from __future__ import annotations
 
@@ -46,15 +46,41 @@ def source_sha256(nb) -> str:
     return hashlib.sha256(json.dumps(cells, ensure_ascii=False).encode()).hexdigest()
 
 
+def modules_sha256(nb) -> dict:
+    """{NAME.py: sha256} of the project's root modules the notebook's code cells import directly (what it shows
+    moves with them; modules those import are not followed)."""
+    import ast
+    names = set()
+    for c in nb["cells"]:
+        if c["cell_type"] != "code":
+            continue
+        src = c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+        try:
+            tree = ast.parse("\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!"))))
+        except SyntaxError:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                names |= {a.name.split(".")[0] for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+                names.add(n.module.split(".")[0])
+    return {f"{m}.py": hashlib.sha256((ROOT / f"{m}.py").read_bytes()).hexdigest()
+            for m in sorted(names) if (ROOT / f"{m}.py").is_file()}
+
+
 def stale(path: Path, out_dir: Path = RENDERED) -> str | None:
-    """Why notebooks/NAME.ipynb's rendered copy is out of date, or None when it is current."""
+    """Why notebooks/NAME.ipynb's rendered copy is out of date (the notebook, or a module it imports, changed since
+    it was rendered), or None when it is current."""
     import nbformat
     copy = out_dir / path.name
     if not copy.is_file():
         return f"{copy.relative_to(ROOT) if copy.is_relative_to(ROOT) else copy} is missing"
-    want = source_sha256(nbformat.read(str(path), as_version=4))
-    got = nbformat.read(str(copy), as_version=4).metadata.get(KEY, {}).get("source_sha256")
-    return None if got == want else f"{copy.name} was rendered from another version of {path.name}"
+    src, meta = nbformat.read(str(path), as_version=4), nbformat.read(str(copy), as_version=4).metadata.get(KEY, {})
+    if meta.get("source_sha256") != source_sha256(src):
+        return f"{copy.name} was rendered from another version of {path.name}"
+    old, new = meta.get("modules_sha256"), modules_sha256(src)
+    changed = sorted(m for m in new if (old or {}).get(m) != new[m])
+    return f"{copy.name} was rendered before a change to {', '.join(changed)}" if changed else None
 
 
 def render(path: Path, out_dir: Path = RENDERED) -> Path:
@@ -81,7 +107,7 @@ def render(path: Path, out_dir: Path = RENDERED) -> Path:
                 else:
                     os.environ[k] = v
     nb.metadata[KEY] = {
-        "source": f"notebooks/{path.name}", "source_sha256": digest,
+        "source": f"notebooks/{path.name}", "source_sha256": digest, "modules_sha256": modules_sha256(nb),
         "rendered_by": "python scripts/render_notebooks.py",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "matplotlib": matplotlib.__version__},

@@ -100,6 +100,8 @@ def test_rendered_copy_is_current_and_shows_figures(path, monkeypatch):
     meta = out.metadata.get(render_notebooks.KEY, {})
     assert meta.get("source_sha256") == render_notebooks.source_sha256(src), (
         f"{path.name} changed since its copy was rendered: run {RENDER} {path.stem}")
+    assert render_notebooks.stale(path) is None, f"{render_notebooks.stale(path)}: run {RENDER} {path.stem}"
+    assert meta["modules_sha256"], f"{copy.name} records no module it imports"
     assert [(c.cell_type, c.source) for c in out.cells] == [(c.cell_type, c.source) for c in src.cells]
     code = [c for c in out.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code), f"{copy.name}: a code cell was not executed"
@@ -107,3 +109,17 @@ def test_rendered_copy_is_current_and_shows_figures(path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"], f"{copy.name} holds an error"
     figures = [o for o in outputs if "image/png" in o.get("data", {})]
     assert figures, f"{copy.name} shows no figure"
+
+
+def test_a_module_change_makes_the_copy_stale(tmp_path, monkeypatch):
+    """A rendered copy is stale once a module its notebook imports changed: its recorded hash no longer matches."""
+    nbformat, _ = _tooling()
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import render_notebooks
+    path = NOTEBOOKS[0]
+    copy = nbformat.read(str(RENDERED / path.name), as_version=4)
+    name = sorted(copy.metadata[render_notebooks.KEY]["modules_sha256"])[0]
+    assert render_notebooks.stale(path, RENDERED) is None
+    copy.metadata[render_notebooks.KEY]["modules_sha256"][name] = "0" * 64     # as if rendered from another version
+    nbformat.write(copy, str(tmp_path / path.name))
+    assert render_notebooks.stale(path, tmp_path) == f"{path.name} was rendered before a change to {name}"
