@@ -354,7 +354,7 @@ def overlap_by_sparsity(result: dict, n_draws: int = 1000, seed: int = 0) -> dic
     for n, c in zip(names, cells):
         if c.value("expert_frac") is not None:
             cfg = result["pairs"][n]["baseline"].get("config", {})
-            groups.setdefault((cfg.get("d_model"), cfg.get("n_layers")), []).append(c)
+            groups.setdefault((cfg.get("d_model"), cfg.get("n_layer")), []).append(c)
     pool = lambda c: c.meta["n_experts"]
     ends = [(min(g, key=pool), max(g, key=pool)) for g in groups.values() if len({pool(c) for c in g}) > 1]
     if not ends:
