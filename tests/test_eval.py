@@ -454,6 +454,31 @@ def test_calibration_recovers_a_known_sigmoid():
         calibration.calibrate(losses, scores[:3], other_l, other_s)
 
 
+def test_calibration_does_not_depend_on_the_baseline_order_and_counts_extrapolated_others():
+    """Shuffled Baseline points give the sorted fit (the step check sorts by loss); others outside its loss range count."""
+    true = dict(a=0.6, b=0.1, alpha=3.0, tau=3.2, d=-1)
+    losses = np.linspace(2.4, 4.2, 12)
+    perm = np.random.default_rng(0).permutation(12)
+    other_l = np.array([2.0, 3.0, 4.5, 4.2])                       # below, inside, above, on the edge
+    other_s = calibration.sigmoid4(other_l, **true)
+    ref = calibration.calibrate(losses, calibration.sigmoid4(losses, **true), other_l, other_s)
+    shuf = calibration.calibrate(losses[perm], calibration.sigmoid4(losses[perm], **true), other_l, other_s)
+    assert ref["identified"] and shuf["identified"], shuf["why"]
+    assert shuf["params"] == pytest.approx(ref["params"], rel=1e-6, abs=1e-9)
+    assert ref["extrapolated"] == shuf["extrapolated"] == 2
+
+
+def test_calibration_chance_floor_refuses_only_when_every_score_is_at_chance():
+    """chance: refused when all Baseline scores are <= chance; a curve that reaches the floor at high loss is fitted."""
+    losses = np.linspace(2.4, 4.2, 12)
+    scores = calibration.sigmoid4(losses, 0.6, 0.0, 3.0, 3.2, -1)
+    scores[-3:] = 0.0                                              # the worst Baselines sit at chance
+    assert calibration.calibration_problem(losses, scores, chance=0.0) is None
+    assert "at or below chance" in calibration.calibration_problem(losses, scores - 0.6, chance=0.0)
+    c = calibration.calibrate(losses, scores, [3.0], [0.3], chance=0.0)
+    assert c["identified"] and c["params"]["r2"] > 0.99
+
+
 @pytest.mark.parametrize("scores, why", [
     (np.zeros(12), "same"),                                           # all-zero accuracies: the old R^2 = nan plot
     (-np.linspace(0.0, 0.1, 12), "at or below chance"),               # centred accuracy never above chance
