@@ -219,6 +219,28 @@ def test_noise_free_cell_bootstrap_refits_record_the_true_a_c_gamma_gain_and_tpp
         [tpp(PAPER_SMELT, 1e20, 0.9), tpp(PAPER_BASELINE, 1e20, 0.9)], bs.tpp[:, :, 0].shape), rtol=1e-4)
 
 
+def test_gain_cell_c_ref_reaches_the_targets_frontier_loss_and_keeps_negative_gains():
+    """gain_cell: C_ref = C / (1 - gain) is where the reference frontier reaches the target's loss at C; a gain
+    below 0 but above GAIN_FLOOR (-9999 %) is reported, not dropped."""
+    wide = {k: (1e-30, 1e60) for k in ("C", "F", "D")}
+    C, S = 1e20, 0.95
+    g = scaling_analysis.gain_cell(PAPER_SMELT, PAPER_BASELINE, C, S, wide, wide, ("smelt", "baseline"))
+    assert 0 < g["gain"] < 1 and g["pct"] == pytest.approx(100 * g["gain"]) and not g["extrapolated"]
+    assert frontier_loss(PAPER_BASELINE, g["C_ref"], S) == pytest.approx(frontier_loss(PAPER_SMELT, C, S), rel=1e-9)
+    back = scaling_analysis.gain_cell(PAPER_BASELINE, PAPER_SMELT, C, S, wide, wide, ("baseline", "smelt"))
+    assert scaling.GAIN_FLOOR < back["gain"] < 0 and back["C_ref"] < C
+    assert frontier_loss(PAPER_SMELT, back["C_ref"], S) == pytest.approx(frontier_loss(PAPER_BASELINE, C, S), rel=1e-9)
+
+
+def test_fit_subsets_pins_all_three_exponents_to_the_shared_fit():
+    """fit_subsets: a subset drawn with other exponents still gets exactly the shared a, b and c (only E, A, K move)."""
+    shared = PAPER_SMELT
+    other = replace(shared, a=shared.a * 1.2, c=shared.c * 0.8, E=shared.E + 0.1)
+    kw = dict(sparsities=(0.85, 0.95), fracs=(0.25, 0.5, 1.0))
+    fits = fit_subsets({"x": grid(other, **kw)}, shared, n_starts=1)
+    assert (fits["x"].a, fits["x"].b, fits["x"].c) == (shared.a, shared.b, shared.c)
+
+
 def _cell_row(arch, scale, label, S, F=1e9, D=1e10, loss=3.0):
     return {"arch": arch, "scale": scale, "sparsity_label": label, "S": S, "F": F, "D": D, "val_loss": loss}
 
