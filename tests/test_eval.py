@@ -479,6 +479,29 @@ def test_calibration_chance_floor_refuses_only_when_every_score_is_at_chance():
     assert c["identified"] and c["params"]["r2"] > 0.99
 
 
+def test_calibration_report_reads_each_metric_its_origin_headline_k_and_chance():
+    """calibration_report: "generated core" reads the generated summary, a task its headline k, a task's chance floor
+    is its centred exact chance (all Baselines below it: refused), a NaN metric is named missing, not fitted."""
+    sig = lambda l, a, b, al, tau, d: float(calibration.sigmoid4(l, a, b, al, tau, d))
+
+    def ep(loss, bump=0.0, scale="s"):
+        by_k = {"0": {"centred": sig(loss, 0.2, 0.4, 3.0, 3.0, -1)}, "10": {"centred": sig(loss, 0.8, 0.0, 3.0, 3.1, -1) + bump}}
+        floor = {"10": {"centred": sig(loss, 0.2, 0.05, 4.0, 3.0, -1)}}   # centred 0.05-0.25, below chance 1/3
+        return {"run": f"r{loss}", "scale": scale, "val": {"loss": loss},
+                "summary": {"real": {"core": sig(loss, 0.5, 0.0, 4.0, 3.0, -1), "completion": float("nan")},
+                            "generated": {"core": sig(loss, 0.3, 0.1, 4.0, 3.0, -1) + 2 * bump}},
+                "tasks": {"t": {"category": "Symbolic", "headline_k": 10, "by_k": by_k},
+                          "floor": {"category": "World", "headline_k": 10, "rho": 0.25, "chance": 0.5, "by_k": floor}}}
+    base = [ep(x) for x in (2.5, 2.8, 3.0, 3.2, 3.6)]
+    rep = calibration.calibration_report(base, [ep(2.9, 0.03, "big")])
+    assert rep["metrics"]["generated core"]["residuals"] == pytest.approx([0.06], abs=1e-3)
+    assert rep["metrics"]["core"]["residuals"] == pytest.approx([0.0], abs=1e-3)
+    assert rep["metrics"]["task/t"]["residuals"] == pytest.approx([0.03], abs=1e-3)
+    assert "missing" in rep["metrics"]["completion"]["why"] and not rep["metrics"]["completion"]["identified"]
+    assert "at or below chance" in rep["not_identified"]["task/floor"]
+    assert rep["by_category"] == {"Symbolic": pytest.approx({"big": 0.03, "all": 0.03}, abs=1e-3)}
+
+
 @pytest.mark.parametrize("scores, why", [
     (np.zeros(12), "same"),                                           # all-zero accuracies: the old R^2 = nan plot
     (-np.linspace(0.0, 0.1, 12), "at or below chance"),               # centred accuracy never above chance
