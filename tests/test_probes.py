@@ -179,6 +179,29 @@ def test_per_visit_measures_match_a_direct_reference_on_the_capture():
     assert s["expert_overlap_random"] == pytest.approx(2 * 2 / 8)
 
 
+def test_cross_visit_cosines_per_head_for_pv_and_the_unit_block_matches_the_result():
+    """PV's cross-visit cosine is per token and head (Q, K, V: per token over the full vector); the units block's
+    ucos_same / ucos_other pool to the result's same-layer and non-matching update-cosine means."""
+    m = tiny_model()
+    idx, _, doc = batches(1)[0]
+    cap = capture_of(m, idx, doc)
+    acc = probes.ProbeAccumulator(m.plan, 4, 8, 2)
+    acc.update(cap, doc)
+    res = acc.result()
+    cos = lambda a, b: torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).mean().item()
+    heads = lambda x: x.view(*x.shape[:2], 4, -1)
+    for layer in (1, 2):
+        a, b = cap[(layer, 0)], cap[(layer, 1)]
+        d = res["cross_visit"][f"L{layer}.v1-v2"]["cosine"]
+        assert d["PV"] == pytest.approx(cos(heads(a["pv"]), heads(b["pv"])), rel=1e-5)
+        assert abs(cos(heads(a["pv"]), heads(b["pv"])) - cos(a["pv"], b["pv"])) > 1e-4   # the two differ here
+        assert d["Q"] == pytest.approx(cos(a["q"], b["q"]), rel=1e-5)
+    q = res["units"]["quantities"]
+    pooled = lambda n: np.asarray(q[n]["sum"]).sum(0) / np.sum(q[n]["count"])
+    assert pooled("ucos_same") == pytest.approx(res["update_cosine"]["cross_visit_diagonal"], rel=1e-6)
+    assert pooled("ucos_other") == pytest.approx([res["update_cosine"]["other_cross_visit_mean"]] * 2, rel=1e-6)
+
+
 def test_identity_looped_layers_give_identical_visits():
     """Looped layers that write nothing: both visits see the same input through the real model."""
     m = tiny_model()
