@@ -187,6 +187,83 @@ def test_val_doc_lengths(td):
     assert int(first[3][0, 0]) == lengths[0]
 
 
+def test_batch_doc_ids_count_eots_from_zero_in_every_row(td):
+    """_batch: targets are the row shifted by one; doc ids start at 0 even when a row opens on an EOT, +1 at each EOT."""
+    e = td.eot
+    rows = np.array([[e, 5, 6, e, 7, 8, e], [3, 4, e, 9, e, e, 2]])
+    idx, tgt, doc = td._batch(rows)
+    assert idx.tolist() == rows[:, :-1].tolist() and tgt.tolist() == rows[:, 1:].tolist()
+    assert doc.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 2, 3]]
+
+
+def test_split_source_holds_out_every_10th_doc_up_to_the_cap_and_never_trains_on_it():
+    """_split_source: documents 0, 10, 20, ... of the seeded order go to validation while it is under val_cap, all
+    others (and the held-out ones past the cap) to training; each document is EOT + its tokens."""
+    enc = tokenizer.get_tokenizer(512)
+    docs = [lambda i=i: f"document number {i}: " + "word " * (i % 7 + 3) for i in range(60)]
+    cap = 3 * len(enc.encode_ordinary(docs[0]())) + 3             # about three held-out documents' worth
+    val, train, n_tokens, n_bytes = data._split_source("src", docs, 10**9, enc, np.uint16, cap)
+    order = np.random.default_rng(data._seed("src")).permutation(60)
+    text = lambda i: corpus.clean(docs[i]())[0]                    # short documents: one cleaned part each
+    enc_doc = lambda i: [enc.eot_token] + enc.encode_ordinary(text(i))
+    want_val, n_val = [], 0
+    for j in range(0, 60, 10):
+        if n_val < cap:
+            want_val.append(enc_doc(order[j]))
+            n_val += len(want_val[-1])
+    assert [v.tolist() for v in val] == want_val and 2 <= len(val) < 6
+    assert [t.tolist() for t in train] == [enc_doc(i) for j, i in enumerate(order) if enc_doc(i) not in want_val]
+    assert n_tokens == sum(len(enc_doc(i)) for i in range(60)) == sum(map(len, val)) + sum(map(len, train))
+    assert n_bytes == sum(len(text(i).encode()) for i in range(60))
+
+
+def test_val_batches_keep_whole_contexts_when_the_stream_is_a_multiple_of_T(td):
+    """A held-out stream of n*T tokens gives n - 1 contexts of T tokens (each needs T + 1 for its targets)."""
+    for source in td.sources:
+        n = len(td._val[source])
+        T = next((t for t in range(8, 200) if n % t == 0 and n // t >= 2), None)
+        if T is not None:
+            break
+    assert T is not None
+    batches = list(td.val_batches(source, 4, T))
+    assert sum(b[0].shape[0] for b in batches) == n // T - 1
+    assert all(b[i].shape[1] == T for b in batches for i in range(3))
+    last = batches[-1][0][-1]                                      # the last context: tokens [n - 2T, n - T)
+    assert torch.equal(last, torch.from_numpy(np.asarray(td._val[source][n - 2 * T:n - T], dtype=np.int64)))
+
+
+def test_capped_validation_is_a_systematic_sample_over_the_whole_stream(td):
+    """max_tokens: contexts at round(linspace(0, total - 1, n)) of the source's contexts, the first and the last included."""
+    source = td.sources[0]
+    full = torch.cat([b[0] for b in td.val_batches(source, 8, 32)])
+    capped = torch.cat([b[0] for b in td.val_batches(source, 8, 32, max_tokens=5 * 32)])
+    slots = np.unique(np.linspace(0, len(full) - 1, 5).round().astype(int))
+    assert len(full) > 10 and torch.equal(capped, full[slots])
+
+
+def test_train_doc_index_points_at_every_document_start(smoke_dir, td):
+    """train_docs.npy: one row per training document, its start (an EOT) in train.bin and its source index."""
+    idx = np.load(smoke_dir / "train_docs.npy")
+    train = np.asarray(td.train)
+    assert idx[0, 0] == 0 and np.array_equal(idx[:, 0], np.flatnonzero(train == td.eot))
+    counts = np.bincount(idx[:, 1], minlength=len(td.manifest["sources"]))
+    by_name = dict(zip(td.manifest["sources"], counts))
+    assert all(by_name[s] == td.manifest["sources"][s]["train_docs"] for s in td.sources)
+
+
+def test_unigram_val_loss_matches_a_direct_reference(td):
+    """The add-one unigram model's token-weighted validation loss, recomputed from the streams."""
+    counts = np.bincount(np.asarray(td.train), minlength=td.vocab_size) + 1.0
+    logp = np.log(counts / counts.sum())
+    tot, n = 0.0, 0
+    for src in td.sources:
+        for _, tgt, _ in td.val_batches(src, 64, 32, 2048):
+            t = tgt.numpy().ravel()
+            t = t[t != -1]
+            tot, n = tot - logp[t].sum(), n + t.size
+    assert data.unigram_val_loss(td, 32, 2048) == pytest.approx(tot / n, rel=1e-12)
+
+
 def test_html_and_clean_helpers():
     html = ('<html><head><title>x</title></head><body><div class="navheader">Prev Next</div>'
             "<h1>Title</h1><p>Some   text &amp; more</p><pre>  code\n    indented</pre></body></html>")

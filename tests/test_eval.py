@@ -454,6 +454,54 @@ def test_calibration_recovers_a_known_sigmoid():
         calibration.calibrate(losses, scores[:3], other_l, other_s)
 
 
+def test_calibration_does_not_depend_on_the_baseline_order_and_counts_extrapolated_others():
+    """Shuffled Baseline points give the sorted fit (the step check sorts by loss); others outside its loss range count."""
+    true = dict(a=0.6, b=0.1, alpha=3.0, tau=3.2, d=-1)
+    losses = np.linspace(2.4, 4.2, 12)
+    perm = np.random.default_rng(0).permutation(12)
+    other_l = np.array([2.0, 3.0, 4.5, 4.2])                       # below, inside, above, on the edge
+    other_s = calibration.sigmoid4(other_l, **true)
+    ref = calibration.calibrate(losses, calibration.sigmoid4(losses, **true), other_l, other_s)
+    shuf = calibration.calibrate(losses[perm], calibration.sigmoid4(losses[perm], **true), other_l, other_s)
+    assert ref["identified"] and shuf["identified"], shuf["why"]
+    assert shuf["params"] == pytest.approx(ref["params"], rel=1e-6, abs=1e-9)
+    assert ref["extrapolated"] == shuf["extrapolated"] == 2
+
+
+def test_calibration_chance_floor_refuses_only_when_every_score_is_at_chance():
+    """chance: refused when all Baseline scores are <= chance; a curve that reaches the floor at high loss is fitted."""
+    losses = np.linspace(2.4, 4.2, 12)
+    scores = calibration.sigmoid4(losses, 0.6, 0.0, 3.0, 3.2, -1)
+    scores[-3:] = 0.0                                              # the worst Baselines sit at chance
+    assert calibration.calibration_problem(losses, scores, chance=0.0) is None
+    assert "at or below chance" in calibration.calibration_problem(losses, scores - 0.6, chance=0.0)
+    c = calibration.calibrate(losses, scores, [3.0], [0.3], chance=0.0)
+    assert c["identified"] and c["params"]["r2"] > 0.99
+
+
+def test_calibration_report_reads_each_metric_its_origin_headline_k_and_chance():
+    """calibration_report: "generated core" reads the generated summary, a task its headline k, a task's chance floor
+    is its centred exact chance (all Baselines below it: refused), a NaN metric is named missing, not fitted."""
+    sig = lambda l, a, b, al, tau, d: float(calibration.sigmoid4(l, a, b, al, tau, d))
+
+    def ep(loss, bump=0.0, scale="s"):
+        by_k = {"0": {"centred": sig(loss, 0.2, 0.4, 3.0, 3.0, -1)}, "10": {"centred": sig(loss, 0.8, 0.0, 3.0, 3.1, -1) + bump}}
+        floor = {"10": {"centred": sig(loss, 0.2, 0.05, 4.0, 3.0, -1)}}   # centred 0.05-0.25, below chance 1/3
+        return {"run": f"r{loss}", "scale": scale, "val": {"loss": loss},
+                "summary": {"real": {"core": sig(loss, 0.5, 0.0, 4.0, 3.0, -1), "completion": float("nan")},
+                            "generated": {"core": sig(loss, 0.3, 0.1, 4.0, 3.0, -1) + 2 * bump}},
+                "tasks": {"t": {"category": "Symbolic", "headline_k": 10, "by_k": by_k},
+                          "floor": {"category": "World", "headline_k": 10, "rho": 0.25, "chance": 0.5, "by_k": floor}}}
+    base = [ep(x) for x in (2.5, 2.8, 3.0, 3.2, 3.6)]
+    rep = calibration.calibration_report(base, [ep(2.9, 0.03, "big")])
+    assert rep["metrics"]["generated core"]["residuals"] == pytest.approx([0.06], abs=1e-3)
+    assert rep["metrics"]["core"]["residuals"] == pytest.approx([0.0], abs=1e-3)
+    assert rep["metrics"]["task/t"]["residuals"] == pytest.approx([0.03], abs=1e-3)
+    assert "missing" in rep["metrics"]["completion"]["why"] and not rep["metrics"]["completion"]["identified"]
+    assert "at or below chance" in rep["not_identified"]["task/floor"]
+    assert rep["by_category"] == {"Symbolic": pytest.approx({"big": 0.03, "all": 0.03}, abs=1e-3)}
+
+
 @pytest.mark.parametrize("scores, why", [
     (np.zeros(12), "same"),                                           # all-zero accuracies: the old R^2 = nan plot
     (-np.linspace(0.0, 0.1, 12), "at or below chance"),               # centred accuracy never above chance

@@ -97,6 +97,49 @@ def test_router_losses_match_mixtral_and_st_moe(k):
     torch.testing.assert_close(st.z_loss, torch.logsumexp(logits, -1).square().mean())
 
 
+@pytest.mark.parametrize("renorm", [True, False])
+def test_router_weights_are_softmax_topk_renormalised_or_raw(renorm):
+    """topk_weight: the top-k of softmax(x W_r), divided by their sum when renormalize, else the raw probabilities."""
+    m = _moe(E=6, k=2, renorm=renorm)
+    x = torch.randn(2, 7, 32)
+    _, st = m(x)
+    p = F.linear(x.view(-1, 32), m.router.weight).float().softmax(-1)
+    top = p.topk(2, dim=-1)
+    want = top.values / top.values.sum(-1, keepdim=True) if renorm else top.values
+    assert torch.equal(st.topk_idx.view(-1, 2), top.indices)
+    torch.testing.assert_close(st.topk_weight.view(-1, 2), want)
+    assert (st.topk_weight.sum(-1) < 0.999).all() != renorm        # raw top-2 of 6 experts sum below one
+
+
+def test_router_loss_gradients_match_mixtral_and_st_moe():
+    """d aux / d W_r and d z / d W_r equal autograd through Mixtral's load_balancing_loss_func / k and the ST-MoE formula."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    m = _moe(E=6, k=2)
+    x = torch.randn(2, 7, 32)
+    _, st = m(x)
+    g_aux = torch.autograd.grad(st.aux_loss, m.router.weight, retain_graph=True)
+    g_z = torch.autograd.grad(st.z_loss, m.router.weight)
+    w = m.router.weight.detach().clone().requires_grad_(True)
+    want_aux, = torch.autograd.grad(load_balancing_loss_func((F.linear(x.view(-1, 32), w),), 6, 2) / 2, w)
+    want_z, = torch.autograd.grad(torch.logsumexp(F.linear(x.view(-1, 32), w), -1).square().mean(), w)
+    assert want_aux.abs().max() > 1e-4 and want_z.abs().max() > 1e-4
+    torch.testing.assert_close(g_aux[0], want_aux)
+    torch.testing.assert_close(g_z[0], want_z)
+
+
+def test_router_softmax_and_losses_in_fp32_under_bf16_autocast():
+    """Under bf16 autocast the router's softmax, weights and losses are fp32 (of the bf16 logits), as its comment says."""
+    m = _moe(E=6, k=2)
+    x = torch.randn(2, 7, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, st = m(x)
+        logits = F.linear(x.view(-1, 32), m.router.weight).float()
+    assert st.topk_weight.dtype == st.aux_loss.dtype == st.z_loss.dtype == torch.float32
+    top = logits.softmax(-1).topk(2, dim=-1).values
+    torch.testing.assert_close(st.topk_weight.view(-1, 2), top / top.sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(st.z_loss, torch.logsumexp(logits, -1).square().mean(), rtol=1e-6, atol=1e-6)
+
+
 def test_moe_one_expert_takes_all_tokens():
     m = _moe(E=4, k=1)
     with torch.no_grad():

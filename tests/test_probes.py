@@ -152,6 +152,56 @@ def test_identical_visits_hand_built_capture():
     assert res["summary"]["update_cosine_cross_visit"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_per_visit_measures_match_a_direct_reference_on_the_capture():
+    """x_rms, update_rms (attn + mlp write), relative_update ||dx||/||x||, sink mass (queries past their document's
+    first token) and the overlap fraction / k, recomputed by hand from one real capture."""
+    m = tiny_model()
+    idx, _, doc = batches(1)[0]
+    cap = capture_of(m, idx, doc)
+    acc = probes.ProbeAccumulator(m.plan, 4, 8, 2)
+    acc.update(cap, doc)
+    res = acc.result()
+    T, D = idx.shape[1], cap[(0, 0)]["x"].shape[-1]
+    start = [0 if t < 11 else 11 for t in range(T)]                  # batches(): documents [0, 11) and [11, T)
+    for (layer, visit), name in probes.visit_labels(m.plan).items():
+        c, d = cap[(layer, visit)], res["per_visit"][name]
+        x = c["x"].double()
+        upd = c["attn_write"].double() + c["mlp_write"].double()
+        assert d["x_rms"] == pytest.approx((x.norm(dim=-1) / math.sqrt(D)).mean().item(), rel=1e-5)
+        assert d["update_rms"] == pytest.approx((upd.norm(dim=-1) / math.sqrt(D)).mean().item(), rel=1e-5)
+        assert d["relative_update"] == pytest.approx((upd.norm(dim=-1) / x.norm(dim=-1)).mean().item(), rel=1e-5)
+        p = c["attn_probs"].double()
+        sink = [p[b, h, t, start[t]].item() for b in range(p.shape[0]) for h in range(4) for t in range(T)
+                if t != start[t]]
+        assert d["sink_mass"] == pytest.approx(sum(sink) / len(sink), rel=1e-5)
+    s = res["summary"]
+    assert s["expert_overlap_frac"] == pytest.approx(s["expert_overlap"] / 2)
+    assert s["expert_overlap_random"] == pytest.approx(2 * 2 / 8)
+
+
+def test_cross_visit_cosines_per_head_for_pv_and_the_unit_block_matches_the_result():
+    """PV's cross-visit cosine is per token and head (Q, K, V: per token over the full vector); the units block's
+    ucos_same / ucos_other pool to the result's same-layer and non-matching update-cosine means."""
+    m = tiny_model()
+    idx, _, doc = batches(1)[0]
+    cap = capture_of(m, idx, doc)
+    acc = probes.ProbeAccumulator(m.plan, 4, 8, 2)
+    acc.update(cap, doc)
+    res = acc.result()
+    cos = lambda a, b: torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).mean().item()
+    heads = lambda x: x.view(*x.shape[:2], 4, -1)
+    for layer in (1, 2):
+        a, b = cap[(layer, 0)], cap[(layer, 1)]
+        d = res["cross_visit"][f"L{layer}.v1-v2"]["cosine"]
+        assert d["PV"] == pytest.approx(cos(heads(a["pv"]), heads(b["pv"])), rel=1e-5)
+        assert abs(cos(heads(a["pv"]), heads(b["pv"])) - cos(a["pv"], b["pv"])) > 1e-4   # the two differ here
+        assert d["Q"] == pytest.approx(cos(a["q"], b["q"]), rel=1e-5)
+    q = res["units"]["quantities"]
+    pooled = lambda n: np.asarray(q[n]["sum"]).sum(0) / np.sum(q[n]["count"])
+    assert pooled("ucos_same") == pytest.approx(res["update_cosine"]["cross_visit_diagonal"], rel=1e-6)
+    assert pooled("ucos_other") == pytest.approx([res["update_cosine"]["other_cross_visit_mean"]] * 2, rel=1e-6)
+
+
 def test_identity_looped_layers_give_identical_visits():
     """Looped layers that write nothing: both visits see the same input through the real model."""
     m = tiny_model()

@@ -136,6 +136,55 @@ def test_expert_overlap_falls_as_sparsity_rises():
     assert report._overlap_claim(one)[3] == "not resolved"
 
 
+def _const_probe_result():
+    """One pair, 4 units, every unit the same hand-set value of each Section 6 sum (count 1), and a 3-prompt Dyck study."""
+    one = {"ratio_update": [[1.0, 2.0]], "ratio_attn_write": [[1.0, 3.0]], "ratio_mlp_write": [[1.0, 1.5]],
+           "ratio_attn_norm": [[1.0, 1.2]], "ratio_mlp_norm": [[1.0, 1.6]], "ucos_same": [0.5], "ucos_other": [0.2],
+           "cos_Q": [0.9], "cos_K": [0.8], "cos_V": [0.6], "top8_same": [0.6], "top8_control": [0.3],
+           "expert_overlap": [1.0], "sink": [[0.4, 0.1]]}
+    U = 4
+    smelt = {"units": {"keys": list(range(U)), "quantities": {
+        k: {"sum": [v] * U, "count": [1.0] * U} for k, v in one.items()}},
+        "config": {"top_k": 2, "n_experts": 8}, "per_visit": {"L1.v1": {"visit": 1}, "L1.v2": {"visit": 2}}}
+    dyck = {"visits": [1, 2], "prompt_keys": [[0, 1], [0, 2], [1, 1]],
+            "mass": {"bos": [[0.6, 0.0], [0.5, 0.1], [0.7, 0.2]], "demo": [[0.2, 0.8], [0.3, 0.9], [0.1, 0.4]]}}
+    return {"pairs": {"p": {"smelt": smelt, "baseline": {}, "dyck": dyck}}}
+
+
+def test_probe_claims_directions_and_values_on_hand_set_sums():
+    """Each Section 6 claim's quantity (ratio v2/v1, gaps same - other, K - V, overlap - k^2/n, sink and Dyck
+    visit 2 - visit 1) and its paper direction, from constant hand-set unit sums."""
+    want = {"update_ratio": (">", 1.0, 2.0), "attn_write_ratio": (">", 1.0, 3.0), "moe_write_ratio": (">", 1.0, 1.5),
+            "norm_ratio": (">", 1.0, 1.4), "update_cosine": (">", 0.0, 0.3), "q_stabler_than_v": (">", 0.0, 0.3),
+            "k_stabler_than_v": (">", 0.0, 0.2), "top8_overlap": (">", 0.0, 0.3), "expert_overlap": (">", 0.0, 0.5),
+            "sink_shrinks": ("<", 0.0, -0.3), "dyck_bos_falls": ("<", 0.0, -0.5), "dyck_demo_rises": (">", 0.0, 0.5)}
+    cs = {c["id"]: c for c in probe_claims.claims(_const_probe_result(), n_draws=20)}
+    assert set(cs) == set(want)
+    for cid, (direction, value, mean) in want.items():
+        c = cs[cid]
+        assert (c["direction"], c["value"]) == (direction, value), cid
+        assert c["interval"].mean == pytest.approx(mean), cid
+        assert c["verdict"] == "reproduced", cid
+    assert cs["expert_overlap"]["parts"] == pytest.approx({"expert_frac": 0.5, "expert_random_frac": 0.25})
+    assert cs["update_cosine"]["parts"] == pytest.approx({"ucos_same": 0.5, "ucos_other": 0.2})
+
+
+def test_expert_overlap_by_sparsity_groups_real_configs_by_width_and_depth():
+    """Two scales of the same width but different depth (ModelConfig.to_dict keys) are two scales, not one."""
+    from model import ModelConfig
+
+    def pair(overlap, n_experts, n_layer):
+        smelt = {"units": {"keys": list(range(4)), "quantities": {"expert_overlap": {
+            "sum": [[overlap]] * 4, "count": [1.0] * 4}}}, "config": {"top_k": 2, "n_experts": n_experts}}
+        base = ModelConfig(vocab_size=64, block_size=32, n_layer=n_layer, d_model=64, n_head=4, n_kv_head=2, d_ff=64)
+        return {"smelt": smelt, "baseline": {"config": base.to_dict()}}
+    res = {"pairs": {"a_S0": pair(1.9, 2, 4), "a_S85": pair(1.2, 16, 4), "b_S85": pair(1.0, 16, 6),
+                     "b_S95": pair(0.6, 48, 6)}}
+    o = probe_claims.overlap_by_sparsity(res, n_draws=20)
+    assert o["n_scales"] == 2
+    assert o["interval"].mean == pytest.approx(((1.2 - 1.9) + (0.6 - 1.0)) / 2 / 2)
+
+
 def test_icl_significant_needs_a_strict_majority():
     """"most tasks significant" is 2 * significant > tested: 1 of 2 is not most (not resolved), 2 of 3 is."""
     def verdict_of(ps):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import replace
 
@@ -200,6 +201,66 @@ def test_failed_draw_share_counts_unidentified_refits():
     assert bs.failed_share == pytest.approx((n - sum(ok)) / n)
     assert sum(bs.failures.values()) == bs.n_failed
     assert set(bs.failures) <= {"target: compute range", "target: sparsity range", "target: exponent uncertain"}
+
+
+def test_noise_free_cell_bootstrap_refits_record_the_true_a_c_gamma_gain_and_tpp():
+    """Noise-free grids: every identified refit is the truth, so coefs = (a, c, ac/(a+c)) and gain / TPP are the true ones."""
+    kw = dict(sparsities=(0.85, 0.95), fracs=(0.25, 0.5, 1.0))
+    tgt, ref = grid(PAPER_SMELT, **kw), grid(PAPER_BASELINE, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bs = cell_bootstrap(tgt, ref, 1e19, 0.9, tpp_C=1e20, n_draws=4, seed=1, n_jobs=1,
+                            init=(PAPER_SMELT, PAPER_BASELINE), n_starts=1)
+    assert len(bs.coefs) >= 2
+    want = np.array([[co.a, co.c, co.a * co.c / (co.a + co.c)] for co in (PAPER_SMELT, PAPER_BASELINE)])
+    np.testing.assert_allclose(bs.coefs, np.broadcast_to(want, bs.coefs.shape), rtol=1e-5)
+    np.testing.assert_allclose(bs.gain[:, 0, 0], ce_gain(PAPER_SMELT, PAPER_BASELINE, 1e19, 0.9), rtol=1e-4)
+    np.testing.assert_allclose(bs.tpp[:, :, 0], np.broadcast_to(
+        [tpp(PAPER_SMELT, 1e20, 0.9), tpp(PAPER_BASELINE, 1e20, 0.9)], bs.tpp[:, :, 0].shape), rtol=1e-4)
+
+
+def test_gain_cell_c_ref_reaches_the_targets_frontier_loss_and_keeps_negative_gains():
+    """gain_cell: C_ref = C / (1 - gain) is where the reference frontier reaches the target's loss at C; a gain
+    below 0 but above GAIN_FLOOR (-9999 %) is reported, not dropped."""
+    wide = {k: (1e-30, 1e60) for k in ("C", "F", "D")}
+    C, S = 1e20, 0.95
+    g = scaling_analysis.gain_cell(PAPER_SMELT, PAPER_BASELINE, C, S, wide, wide, ("smelt", "baseline"))
+    assert 0 < g["gain"] < 1 and g["pct"] == pytest.approx(100 * g["gain"]) and not g["extrapolated"]
+    assert frontier_loss(PAPER_BASELINE, g["C_ref"], S) == pytest.approx(frontier_loss(PAPER_SMELT, C, S), rel=1e-9)
+    back = scaling_analysis.gain_cell(PAPER_BASELINE, PAPER_SMELT, C, S, wide, wide, ("baseline", "smelt"))
+    assert scaling.GAIN_FLOOR < back["gain"] < 0 and back["C_ref"] < C
+    assert frontier_loss(PAPER_SMELT, back["C_ref"], S) == pytest.approx(frontier_loss(PAPER_BASELINE, C, S), rel=1e-9)
+
+
+def test_fit_subsets_pins_all_three_exponents_to_the_shared_fit():
+    """fit_subsets: a subset drawn with other exponents still gets exactly the shared a, b and c (only E, A, K move)."""
+    shared = PAPER_SMELT
+    other = replace(shared, a=shared.a * 1.2, c=shared.c * 0.8, E=shared.E + 0.1)
+    kw = dict(sparsities=(0.85, 0.95), fracs=(0.25, 0.5, 1.0))
+    fits = fit_subsets({"x": grid(other, **kw)}, shared, n_starts=1)
+    assert (fits["x"].a, fits["x"].b, fits["x"].c) == (shared.a, shared.b, shared.c)
+
+
+def _cell_row(arch, scale, label, S, F=1e9, D=1e10, loss=3.0):
+    return {"arch": arch, "scale": scale, "sparsity_label": label, "S": S, "F": F, "D": D, "val_loss": loss}
+
+
+def test_group_fits_only_cells_both_archs_have_and_leaves_the_control_out():
+    """_group: a cell only one architecture has is left out of both fits (named unmatched); control rows are drawn
+    only (a looped control's S < 0 clipped to 0), unless include_dense fits them."""
+    rows = [_cell_row("baseline", "a", "S=90%", 0.9), _cell_row("smelt", "a", "S=90%", 0.9),
+            _cell_row("baseline", "b", "S=90%", 0.9), _cell_row("smelt", "c", "S=90%", 0.9),
+            _cell_row("baseline", "a", scaling.CONTROL_LABEL, 0.0), _cell_row("smelt", "a", scaling.CONTROL_LABEL, -0.04)]
+    g = scaling_analysis._group(rows, False, "smelt", "baseline")
+    assert g.unmatched == ["b/S=90%", "c/S=90%"] and g.n_control_rows == 2
+    assert {a: sorted(set(p.cell)) for a, p in g.pts.items()} == {"baseline": ["a/S=90%"], "smelt": ["a/S=90%"]}
+    assert list(g.control["smelt"].S) == [0.0]
+    assert g.cols == {"S=90%": pytest.approx(0.9)} and g.had_rows == {"baseline", "smelt"}
+    rows[-1]["S"] = 0.06
+    d = scaling_analysis._group(rows, True, "smelt", "baseline")
+    assert d.cols == {scaling.CONTROL_LABEL: pytest.approx(0.03), "S=90%": pytest.approx(0.9)}
+    assert d.n_control_rows == 0 and d.control == {}
+    assert sorted(set(d.pts["smelt"].cell)) == ["a/S=0%", "a/S=90%"]
 
 
 def test_cell_bootstrap_rejects_mismatched_cells():

@@ -86,6 +86,79 @@ def test_wsd_schedule_warmup_stable_and_cosine_branches():
     assert T.lr_at(tc, 2 + 3, branch=2) == pytest.approx(0.1 + 0.65 * 0.5)
 
 
+def _grad_norm_at_opt_step(trainer):
+    """Wrap trainer.opt.step to record the global gradient norm the optimizer is handed (after clipping)."""
+    seen, orig = [], trainer.opt.step
+
+    def spy(*a, **kw):
+        grads = [p.grad.detach().flatten() for p in trainer.gpt.parameters() if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.cat(grads)).item())
+        return orig(*a, **kw)
+    trainer.opt.step = spy
+    return seen
+
+
+def test_step_clips_the_global_grad_norm_and_logs_the_unclipped_norm(tmp_path):
+    """grad_clip=c: AdamW sees gradients of global norm exactly c; the row logs the pre-clip norm; 0: no clipping."""
+    runs = {}
+    for clip in (0.0, 0.05):
+        t = T.Trainer(tiny_model(), tiny_train(grad_clip=clip), T.SyntheticData(64), tmp_path / f"c{clip}")
+        seen = _grad_norm_at_opt_step(t)
+        runs[clip] = (t.step(0, 0, 1e-3), seen[0])
+    (row0, seen0), (row_c, seen_c) = runs[0.0], runs[0.05]
+    assert row0["grad_norm"] > 0.5                                 # well above the clip: clipping must act
+    assert seen0 == pytest.approx(row0["grad_norm"], rel=1e-5)    # 0: gradients untouched
+    assert row_c["grad_norm"] == pytest.approx(row0["grad_norm"], rel=1e-6)   # logged before clipping
+    assert seen_c == pytest.approx(0.05, rel=1e-4)
+
+
+def test_step_row_loss_terms_match_the_models_own_loss(tmp_path):
+    """Step 0's logged loss, ce, aux, z and load_max (worst visit's max/mean expert load) are GPT.run's on the same
+    batch, and the step's lr is set on every parameter group."""
+    cfg = tiny_model(aux_loss_coef=0.05, z_loss_coef=0.2)
+    t = T.Trainer(cfg, tiny_train(), T.SyntheticData(64), tmp_path / "r")
+    idx, tgt, doc = T.SyntheticData(64).train_batch(0, 4, 32)
+    with torch.no_grad():
+        out = t.gpt.run(idx, tgt, doc)
+    row = t.step(0, 0, 1e-3)
+    assert row["ce"] == pytest.approx(out.ce.item(), rel=1e-5)
+    assert row["aux"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    assert row["z"] == pytest.approx(out.z_loss.item(), rel=1e-5)
+    assert row["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+    assert row["loss"] - row["ce"] > 0.1                           # the z term is visible at this weight
+    loads = [st.tokens_per_expert.double() for _, st in out.router]
+    assert len(loads) > 1 and len({round(float(l.max() / l.mean()), 9) for l in loads}) > 1
+    assert row["load_max"] == pytest.approx(max(float(l.max() / l.mean()) for l in loads), rel=1e-9)
+    assert len(t.opt.param_groups) == 2 and all(g["lr"] == 1e-3 for g in t.opt.param_groups)   # decay and no-decay
+
+
+def test_wsd_schedule_without_warmup_starts_at_the_peak():
+    """warmup_steps=0: every stable step at lr, a branch decaying from lr to the floor."""
+    tc = T.TrainConfig(lr=0.5, min_lr_frac=0.2, warmup_steps=0, stable_steps=8, branch_steps=[4], decay_steps=2)
+    assert [T.lr_at(tc, s) for s in range(8)] == [0.5] * 8
+    assert [T.lr_at(tc, 4 + j, branch=4) for j in range(2)] == pytest.approx([0.3, 0.1])
+
+
+def test_metrics_rows_tokens_and_ce_mean_over_the_steps_since_the_last_row(tmp_path, monkeypatch):
+    """log_interval=2: each metrics row's tokens = step x batch x block, ce_mean = mean of the per-step ce since the
+    previous row (ce_steps of them), ce = the row's own step."""
+    ces, step = [], T.Trainer.step
+
+    def rec(self, *a, **kw):
+        row = step(self, *a, **kw)
+        ces.append(row["ce"])
+        return row
+    monkeypatch.setattr(T.Trainer, "step", rec)
+    T.train(tiny_model(), tiny_train(log_interval=2, branch_steps=[6], ckpt_interval=0), T.SyntheticData(64),
+            str(tmp_path / "r"))
+    m = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in m] == [2, 4, 6, 8] and len(ces) == 8
+    for r in m:
+        window = ces[r["step"] - 2:r["step"]]
+        assert r["tokens"] == r["step"] * 4 * 32 and r["ce_steps"] == 2 and r["ce"] == window[-1]
+        assert r["ce_mean"] == pytest.approx(sum(window) / 2, rel=1e-12)
+
+
 def test_weight_decay_on_matrices_not_on_norms_embeddings_or_loop_mixing():
     cfg = tiny_model(loop=LoopConfig(start=1, length=2, n_loops=2, adapter="matrix", adapter_rank=2))
     gpt = GPT(cfg)
