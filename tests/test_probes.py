@@ -152,15 +152,20 @@ def test_identical_visits_hand_built_capture():
     assert res["summary"]["update_cosine_cross_visit"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_per_visit_measures_match_a_direct_reference_on_the_capture():
-    """x_rms, update_rms (attn + mlp write), relative_update ||dx||/||x||, sink mass (queries past their document's
-    first token) and the overlap fraction / k, recomputed by hand from one real capture."""
+def _one_capture():
+    """(model, idx, capture, result) of one tiny-model batch through a ProbeAccumulator (4 heads, 8 experts, top-2)."""
     m = tiny_model()
     idx, _, doc = batches(1)[0]
     cap = capture_of(m, idx, doc)
     acc = probes.ProbeAccumulator(m.plan, 4, 8, 2)
     acc.update(cap, doc)
-    res = acc.result()
+    return m, idx, cap, acc.result()
+
+
+def test_per_visit_measures_match_a_direct_reference_on_the_capture():
+    """x_rms, update_rms (attn + mlp write), relative_update ||dx||/||x||, sink mass (queries past their document's
+    first token) and the overlap fraction / k, recomputed by hand from one real capture."""
+    m, idx, cap, res = _one_capture()
     T, D = idx.shape[1], cap[(0, 0)]["x"].shape[-1]
     start = [0 if t < 11 else 11 for t in range(T)]                  # batches(): documents [0, 11) and [11, T)
     for (layer, visit), name in probes.visit_labels(m.plan).items():
@@ -182,12 +187,7 @@ def test_per_visit_measures_match_a_direct_reference_on_the_capture():
 def test_cross_visit_cosines_per_head_for_pv_and_the_unit_block_matches_the_result():
     """PV's cross-visit cosine is per token and head (Q, K, V: per token over the full vector); the units block's
     ucos_same / ucos_other pool to the result's same-layer and non-matching update-cosine means."""
-    m = tiny_model()
-    idx, _, doc = batches(1)[0]
-    cap = capture_of(m, idx, doc)
-    acc = probes.ProbeAccumulator(m.plan, 4, 8, 2)
-    acc.update(cap, doc)
-    res = acc.result()
+    m, idx, cap, res = _one_capture()
     cos = lambda a, b: torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).mean().item()
     heads = lambda x: x.view(*x.shape[:2], 4, -1)
     for layer in (1, 2):
