@@ -72,7 +72,7 @@ def check_rows(rows: Sequence[dict]) -> None:
             if r[k] <= 0:
                 raise ValueError(f"{where}: {k} = {r[k]!r} must be > 0")
         # a control cell's looped model may measure S slightly below 0 (matching moves its FLOPs by up to
-        # 4 %); control rows are not fitted (unless include_dense), so only sparse rows need S in [0, 1)
+        # 4 %); control rows are fitted only with include_dense, at S clipped to 0 (split_control)
         lo = -0.5 if r["sparsity_label"] == CONTROL_LABEL else -S_ROUNDING
         if not lo <= r["S"] < 1:
             raise ValueError(f"{where}: S = {r['S']!r} must lie in [{0 if lo > -0.5 else lo}, 1) (a fraction)")
@@ -101,11 +101,11 @@ def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
 
 def split_control(rows: Sequence[dict], include_dense: bool = False) -> tuple[list[dict], list[dict]]:
     """(rows to fit, control rows left out): the control is every row whose sparsity_label is
-    CONTROL_LABEL, for both architectures, whatever S it measures (OWNERS.md).  include_dense
-    keeps them in the fit (and returns no control rows)."""
+    CONTROL_LABEL, for both architectures, whatever S it measures (SMELT 4.3).  include_dense
+    keeps them in the fit (and returns no control rows), a looped control's S below 0 clipped to 0."""
     control = [r for r in rows if r["sparsity_label"] == CONTROL_LABEL]
     if include_dense:
-        return list(rows), []
+        return [{**r, "S": max(float(r["S"]), 0.0)} if r["sparsity_label"] == CONTROL_LABEL else r for r in rows], []
     return [r for r in rows if r["sparsity_label"] != CONTROL_LABEL], control
 
 

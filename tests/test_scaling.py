@@ -488,6 +488,10 @@ def test_s0_control_is_selected_by_cell(good_report):
     assert {(r["arch"], r["S"]) for r in control} == {("baseline", 0.0), ("smelt", 0.06)}
     assert all(r["S"] >= 0.85 for r in fitted)
     assert scaling_analysis.split_control(rows, include_dense=True) == (rows, [])
+    looped = [{**r, "S": -0.014} if r["sparsity_label"] == "S=0%" and r["arch"] == "smelt" else r for r in rows]
+    kept, none = scaling_analysis.split_control(looped, include_dense=True)   # SMELT's control: F ratio up to 1.04
+    assert none == [] and min(r["S"] for r in kept) == 0.0 and len(kept) == len(rows)
+    assert scaling_analysis.to_points([r for r in kept if r["arch"] == "smelt"]).S.min() == 0.0
     import configs                                      # the label configs.py's ladders give the control
     assert configs.PAPER_POOLS[0][0] == scaling.CONTROL_LABEL
 
