@@ -12,8 +12,8 @@ half-split layout), grouped-query attention with `head_dim` independent of d_mod
     masked tiles) except for heads narrower than 16, which CUDA flex cannot run; "math" is the
     explicit softmax that probes read. `attend` runs it; masks are built once per forward.
   * `KV`, `Cache`: every attention visit keeps its own KV cache (KV grows with executed
-    visits); PLT with `kv_window = w` shares loop 1's cache and keeps a ring of w positions
-    per later loop (How-to-Loop's KV sharing, mixed by a per-head gate).
+    visits); PLT with `kv_window = w` shares loop 1's cache and keeps a ring of the w - 1 positions
+    before the current one per later loop (How-to-Loop's KV sharing, mixed by a per-head gate).
   * `Attention`: the sub-layer, with per-loop adapters on q/k/v/o inside a looped span
     (loop.LoopAdapter, chosen by model.Block), PLT's batched one-token step and the
     captures probes.py reads.
@@ -189,7 +189,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc:
 
 @dataclass
 class KV:
-    """One attention visit's cache. Full caches hold positions [0, max_len); rings hold the last w."""
+    """One attention visit's cache. Full caches hold positions [0, max_len); rings hold the last w - 1."""
     k: Tensor                 # (B', Hkv, capacity, hd)
     v: Tensor
     ring: bool = False
@@ -323,18 +323,19 @@ class Attention(nn.Module):
         return self._mix(x, yg, yl)
 
     def _ring_attend(self, q, k, v, ring: KV, rows, ctx):
-        """Attend over (ring contents + new keys) within the window, then keep the last w in the ring."""
+        """Attend over (ring contents + new keys) within the window, then keep the last n slots in the ring."""
         T = q.shape[2]
         K = torch.cat([ring.k[rows], k], dim=2)
         V = torch.cat([ring.v[rows], v], dim=2)
         k_pos = torch.cat([ring.pos, ctx.q_pos])
         y, _ = attend(q, K, V, ctx.q_pos, k_pos, None, None, self.window, "sdpa")
-        w = ring.k.shape[2]
-        keep = ctx.q_pos[-min(T, w):]
-        slots = keep % w
-        ring.k[rows, :, slots] = k[:, :, -len(keep):]
-        ring.v[rows, :, slots] = v[:, :, -len(keep):]
-        ctx.ring_pos_updates.append((ring, slots, keep))
+        n = ring.k.shape[2]                       # w - 1: a window of w positions ends at the query's own key
+        if n:
+            keep = ctx.q_pos[-min(T, n):]
+            slots = keep % n
+            ring.k[rows, :, slots] = k[:, :, -len(keep):]
+            ring.v[rows, :, slots] = v[:, :, -len(keep):]
+            ctx.ring_pos_updates.append((ring, slots, keep))
         return y
 
     def _shared_kv_step(self, q, k, v, x, ctx, visit):

@@ -202,7 +202,8 @@ def _flops(p: Plan, ctx: float, convention: str, include_head: bool, d, nh, nkv,
 
 def _kv_slots(p: Plan, ctx: float | None) -> float:
     """Cached (key, value) positions per token, summed over attention visits."""
-    later = p.window_layers * (p.n_loops - 1) * (1 - min(p.window, ctx) / ctx) if p.window else 0
+    # a later loop's ring holds the w - 1 keys before the query's own (attention.Attention._ring_attend)
+    later = p.window_layers * (p.n_loops - 1) * (1 - min(p.window - 1, ctx) / ctx) if p.window else 0
     return p.attn_visits - later
 
 
@@ -277,7 +278,7 @@ def flops_per_token(cfg: ModelConfig, ctx_len: float, convention: str = "smelt",
 
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, ctx_len: float | None = None):
     """KV-cache bytes per token: 2 * n_kv_head * head_dim * bytes per executed attention visit. With PLT
-    KV sharing (kv_window > 0) later loops keep rings of w slots: pass ctx_len (the cache length); a float."""
+    KV sharing (kv_window = w > 0) later loops keep rings of w - 1 slots: pass ctx_len (the cache length); a float."""
     _check_cfg(cfg)
     if isinstance(bytes_per_elem, bool) or not isinstance(bytes_per_elem, int) or bytes_per_elem <= 0:
         raise ValueError(f"bytes_per_elem must be a positive int, got {bytes_per_elem!r}")

@@ -57,7 +57,7 @@ class LoopConfig:
     parallel: bool = False    # PLT: shifted cross-loop inputs, batched decoding
     inject: str = "norm_gate"  # PLT re-injection: "add" | "norm_half" | "norm_gate"
     shift: bool = True        # PLT: False is the paper's unshifted control (h^(l-1)_n)
-    kv_window: int = 0        # 0: one KV cache per loop; w>0: later loops share loop 1's cache + own window of w
+    kv_window: int = 0        # 0: one KV cache per loop; w>0: later loops share loop 1's cache + own window of w keys
 
     def __post_init__(self):
         self.validate()

@@ -463,7 +463,7 @@ class GPT(nn.Module):
             elif visit.visit == 0:
                 if lc.kv_window:
                     kv[("full", visit.layer)] = alloc(B, max_len)
-                    kv[("ring", visit.layer)] = alloc((lc.n_loops - 1) * B, min(lc.kv_window, max_len), True)
+                    kv[("ring", visit.layer)] = alloc((lc.n_loops - 1) * B, min(lc.kv_window - 1, max_len), True)
                 else:
                     kv[("plt", visit.layer)] = alloc(lc.n_loops * B, max_len)
         plt_h = (torch.zeros(lc.n_loops - 1, B, cfg.d_model, device=device, dtype=dtype)

@@ -182,7 +182,8 @@ LOOP_VARIANTS = (
     + [dict(start=0, length=4, n_loops=2, parallel=True),                      # full-stack PLT
        dict(start=1, length=2, n_loops=2, parallel=True, shift=False),         # unshifted control
        dict(start=1, length=2, n_loops=3, parallel=True, kv_window=3),
-       dict(start=1, length=2, n_loops=2, parallel=True, kv_window=2, adapter="matrix")])
+       dict(start=1, length=2, n_loops=2, parallel=True, kv_window=2, adapter="matrix"),
+       dict(start=1, length=2, n_loops=2, parallel=True, kv_window=1)])         # empty ring: only its own key
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -245,7 +246,7 @@ def test_kv_window_cache_is_smaller():
     win = GPT(tiny(loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True, kv_window=4))).new_cache(1, 32)
     per_layer = 2 * 2 * 8 * 4                              # k+v, n_kv_head 2, head_dim 8, fp32 bytes
     assert full.nbytes() == per_layer * 32 * (2 + 2 * 3)   # 2 unlooped layers + 2 span layers x 3 loops
-    assert win.nbytes() == per_layer * (32 * 4 + 2 * 2 * 4)  # loop 1 full, 2 later loops x window 4
+    assert win.nbytes() == per_layer * (32 * 4 + 2 * 2 * 3)  # loop 1 full, 2 later loops x ring of w - 1 = 3
 
 
 def test_window_mask_lets_each_query_see_itself_and_the_key_before_it():
@@ -266,9 +267,10 @@ def test_window_mask_lets_each_query_see_itself_and_the_key_before_it():
     assert got[0, 0].int().tolist() == [[1, 0, 0, 0, 1]]   # 3, 4; not 2 (other document), 1 (outside the window)
 
 
-def test_kv_window_ring_holds_the_last_w_keys_the_budget_counts():
-    """PLT KV sharing: each later loop's ring holds exactly the last w positions' keys (w slots, as
-    budget.kv_bytes_per_token counts them); the mask reads w - 1 of them (the newest key comes with the query)."""
+def test_kv_window_ring_holds_the_last_w_minus_1_keys_the_budget_counts():
+    """PLT KV sharing: each later loop's ring holds exactly the last w - 1 positions' keys (w - 1 slots, as
+    budget.kv_bytes_per_token counts them), and the window mask reads every one of them (the w-th key is
+    the query's own)."""
     import budget
     from attention import build_mask
     torch.manual_seed(0)
@@ -285,15 +287,15 @@ def test_kv_window_ring_holds_the_last_w_keys_the_budget_counts():
     for chunk in (4,) + (1,) * (T - 4):
         if n:
             ring_pos = cache.kv[("ring", 1)].pos
-            assert int(build_mask(torch.tensor([n]), ring_pos, None, None, w).sum()) == w - 1
+            assert int(build_mask(torch.tensor([n]), ring_pos, None, None, w).sum()) == w - 1   # no slot unread
         m.forward_step(idx[:, n:n + chunk], cache)
         n += chunk
         for layer in (1, 2):
             ring = cache.kv[("ring", layer)]
-            assert ring.k.shape == (B * (r - 1), cfg.n_kv_head, w, cfg.hd)
-            assert sorted(ring.pos.tolist()) == list(range(n - w, n))
-            for p in range(n - w, n):
-                slot = p % w
+            assert ring.k.shape == (B * (r - 1), cfg.n_kv_head, w - 1, cfg.hd)
+            assert sorted(ring.pos.tolist()) == list(range(n - w + 1, n))
+            for p in range(n - w + 1, n):
+                slot = p % (w - 1)
                 assert int(ring.pos[slot]) == p
                 for l in range(1, r):
                     torch.testing.assert_close(ring.k[(l - 1) * B:l * B, :, slot], cap[(layer, l)]["k"][:, :, p],
