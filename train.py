@@ -14,7 +14,8 @@ SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stabl
              L(F, S, D) to. "endpoint" names the branch's weights, endpoints/branch_XXXXXXX.pt.
 Cross-entropy is summed per micro-batch and divided by the global batch's target count, so the gradient
 does not depend on how the batch is split; weight decay applies to matrices only. A non-finite loss or
-gradient norm raises DivergenceError before the update; so does a finite blow-up (checkpoint.divergence_limit).
+gradient norm raises DivergenceError before the update; a finite blow-up (checkpoint.divergence_limit) raises
+it at a logged step, after the update.
 RUN_DIR also holds config.json, metrics.jsonl (one row per logged step), ckpt/ (resume points, only while
 the run is unfinished) and ckpt.pt (a copy of the longest branch's endpoint, what eval.py and probes.py
 load; `checkpoint.load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
@@ -66,6 +67,9 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in budget.PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
+
+
 def machine_settings(allocator: bool = False) -> dict:
     """What this machine offers and what a run here uses (one line of the run's summary; reproduce.py may print
     it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
@@ -80,7 +84,7 @@ def machine_settings(allocator: bool = False) -> dict:
            "torch_threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in flags.split(),
            "avx512_bf16": "avx512_bf16" in flags.split(),
            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu_dtype": "fp32",
-           "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_") and "environment" or "default"}
+           "malloc": "environment" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default"}
     if allocator and out["malloc"] == "default":
         with contextlib.suppress(OSError, AttributeError):
             import ctypes
@@ -90,10 +94,6 @@ def machine_settings(allocator: bool = False) -> dict:
     return out
 
 
-MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
-
-
-# Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
 def _opt(default, help: str):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help})
@@ -156,7 +156,7 @@ class TrainConfig:
                      "flops_ctx", "seed"):
             if getattr(self, name) < 0:
                 bad(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.flops_ctx > self.block_size:   # attention never spans more than one context
+        if self.block_size and self.flops_ctx > self.block_size:   # 0: the model's; Trainer checks it then
             bad(f"flops_ctx must be <= block_size ({self.block_size}), got {self.flops_ctx}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             bad(f"min_lr_frac must lie in [0, 1], got {self.min_lr_frac}")
@@ -418,16 +418,21 @@ class Trainer(Checkpoints):
         for m in range(A):
             rows = slice(m * self.micro, (m + 1) * self.micro)
             with self._sync_context(m == A - 1), self.autocast():
-                ce_sum, _, aux, z, load = self.model(idx[rows], tgt[rows], None if doc is None else doc[rows])
+                ce_sum, _, aux, z, tpe = self.model(idx[rows], tgt[rows], None if doc is None else doc[rows])
                 loss = ce_sum * scale + (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z) / A
             loss.backward()
             stats += torch.stack([ce_sum.detach().float(), aux.detach().float() / A, z.detach().float() / A])
+            if tpe is not None and tpe.numel():   # (MoE layers, E) tokens per expert, summed over micro-batches
+                load = tpe.float() if load is None else load + tpe.float()
         gn = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), tc.grad_clip or float("inf"))
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         if d.world > 1:
             dist.all_reduce(stats)
-        balance = load is not None and load.numel()
-        load_max = ((lf := load.float()).max(1).values / lf.mean(1)).max() if balance else gn.new_zeros(())
+            if load is not None:
+                dist.all_reduce(load)
+        load_max = gn.new_zeros(())
+        if load is not None:   # the global batch's busiest expert against the mean, worst layer
+            load_max = (load.max(1).values / load.mean(1)).max()
         # one host read for all the row and the guard need (each float() would be a sync); float64 holds each exactly
         s, n, a, zz, g, lm = torch.stack([t.double() for t in (stats[0], n_global, stats[1], stats[2], gn,
                                                                load_max)]).tolist()
@@ -441,8 +446,8 @@ class Trainer(Checkpoints):
                                   f"is {self._last_good()}")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if balance:
-            row["load_max"] = lm   # worst expert vs mean (1 = balanced)
+        if load is not None:
+            row["load_max"] = lm   # worst expert vs mean over the global batch (1 = balanced)
         return row
 
     # -- phases ------------------------------------------------------------------------------

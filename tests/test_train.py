@@ -132,6 +132,31 @@ def test_step_row_loss_terms_match_the_models_own_loss(tmp_path):
     assert len(t.opt.param_groups) == 2 and all(g["lr"] == 1e-3 for g in t.opt.param_groups)   # decay and no-decay
 
 
+def test_load_max_pools_every_micro_batch(tmp_path):
+    """With grad_accum 2, load_max is the global batch's busiest expert against the mean (tokens per expert summed
+    over both micro-batches), not the last micro-batch's."""
+    t = T.Trainer(tiny_model(), tiny_train(grad_accum=2), T.SyntheticData(64), tmp_path / "r")
+    idx, tgt, doc = T.SyntheticData(64).train_batch(0, 4, 32)
+    with torch.no_grad():
+        halves = [t.gpt.run(idx[r], tgt[r], doc[r]) for r in (slice(0, 2), slice(2, 4))]
+    per_half = [[st.tokens_per_expert.double() for _, st in out.router] for out in halves]
+    pooled = [a + b for a, b in zip(*per_half)]
+    want = max(float(l.max() / l.mean()) for l in pooled)
+    last = max(float(l.max() / l.mean()) for l in per_half[1])
+    assert abs(want - last) > 1e-3                                 # the two readings differ on this batch
+    assert t.step(0, 0, 1e-3)["load_max"] == pytest.approx(want, rel=1e-9)
+
+
+def test_flops_ctx_with_the_models_block_size_is_checked_once_it_is_known(tmp_path):
+    """block_size 0 means the model's: a flops_ctx is accepted by the config and checked by the Trainer against
+    the model's block_size (32 here)."""
+    T.TrainConfig(flops_ctx=16.0).validate()
+    t = T.Trainer(tiny_model(), tiny_train(block_size=0, flops_ctx=16.0), T.SyntheticData(64), tmp_path / "ok")
+    assert t.tc.block_size == 32 and t.flops_ctx == 16.0
+    with pytest.raises(ValueError, match=r"flops_ctx must be <= block_size \(32\), got 40.0"):
+        T.Trainer(tiny_model(), tiny_train(block_size=0, flops_ctx=40.0), T.SyntheticData(64), tmp_path / "bad")
+
+
 def test_wsd_schedule_without_warmup_starts_at_the_peak():
     """warmup_steps=0: every stable step at lr, a branch decaying from lr to the floor."""
     tc = T.TrainConfig(lr=0.5, min_lr_frac=0.2, warmup_steps=0, stable_steps=8, branch_steps=[4], decay_steps=2)
