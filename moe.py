@@ -288,7 +288,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
 
     def forward(self, x_ND: Tensor):
-        logits = F.linear(x_ND, self.weight).float()                  # (N, E) in fp32
+        with torch.autocast(x_ND.device.type, enabled=False):     # routing decisions from fp32 logits
+            logits = F.linear(x_ND.float(), self.weight.float())   # (N, E)
         probs = logits.softmax(-1)
         w, idx = probs.topk(self.top_k, dim=-1)                        # (N, k)
         if self.renormalize:

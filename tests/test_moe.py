@@ -127,13 +127,15 @@ def test_router_loss_gradients_match_mixtral_and_st_moe():
     torch.testing.assert_close(g_z[0], want_z)
 
 
-def test_router_softmax_and_losses_in_fp32_under_bf16_autocast():
-    """Under bf16 autocast the router's softmax, weights and losses are fp32 (of the bf16 logits), as its comment says."""
+def test_router_logits_softmax_and_losses_in_fp32_under_bf16_autocast():
+    """Under bf16 autocast the router's logits (not bf16 products upcast), softmax, weights and losses are fp32:
+    top-k choices and the z-loss do not see bf16 rounding."""
     m = _moe(E=6, k=2)
     x = torch.randn(2, 7, 32)
+    logits = F.linear(x.view(-1, 32), m.router.weight)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, st = m(x)
-        logits = F.linear(x.view(-1, 32), m.router.weight).float()
+        assert F.linear(x.view(-1, 32), m.router.weight).dtype == torch.bfloat16   # what autocast would do
     assert st.topk_weight.dtype == st.aux_loss.dtype == st.z_loss.dtype == torch.float32
     top = logits.softmax(-1).topk(2, dim=-1).values
     torch.testing.assert_close(st.topk_weight.view(-1, 2), top / top.sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
