@@ -192,8 +192,7 @@ class KV:
     """One attention visit's cache. Full caches hold positions [0, max_len); rings hold the last w - 1."""
     k: Tensor                 # (B', Hkv, capacity, hd)
     v: Tensor
-    ring: bool = False
-    pos: Tensor | None = None  # (capacity,) absolute position held in each ring slot, -1 = empty
+    pos: Tensor | None = None  # rings only: (capacity,) absolute position held in each slot, -1 = empty
 
 
 @dataclass
@@ -221,7 +220,7 @@ class Cache:
         def rep(t: Tensor) -> Tensor:   # (r*B, ...) -> (r*B*n, ...), loop-major as before
             return t.view(-1, B, *t.shape[1:]).repeat_interleave(n, dim=1).reshape(-1, *t.shape[1:])
 
-        kv = {name: KV(rep(c.k), rep(c.v), c.ring, None if c.pos is None else c.pos.clone())
+        kv = {name: KV(rep(c.k), rep(c.v), None if c.pos is None else c.pos.clone())
               for name, c in self.kv.items()}
         plt_h = None if self.plt_h is None else self.plt_h.repeat_interleave(n, dim=1)
         return Cache(kv, B * n, self.max_len, self.length, plt_h)

@@ -57,7 +57,8 @@ class Plan:
     mlp_visits: int             # executed feed-forward sub-layers per token
     n_loops: int                # adapter L (rows of A, B, M)
     adapter: str; rank: int
-    adapter_layers: int         # layers holding adapters
+    adapter_attn_layers: int    # layers whose attention holds adapters (a repeated sub-layer in the span)
+    adapter_mlp_layers: int     # layers whose dense MLP holds adapters
     adapter_attn_visits: int    # attention visits through adapted projections
     adapter_mlp_visits: int     # dense MLP visits through adapted projections
     window: int                 # PLT kv_window (0: none)
@@ -73,15 +74,16 @@ def plan_of(cfg: ModelConfig, loop: LoopConfig | None = None) -> Plan:
     visits = looping.plan(cfg.n_layer, lc)
     moe = cfg.n_experts > 0
     looped = [lc.active and lc.in_span(i) for i in range(cfg.n_layer)]
-    ad = lc.adapter != "none"
+    ad_attn = [lc.adapted(i, "attn") for i in range(cfg.n_layer)]
+    ad_mlp = [lc.adapted(i, "mlp") and not moe for i in range(cfg.n_layer)]   # MoE layers carry no adapters
     win = lc.kv_window if lc.active else 0
     attn_v, mlp_v = looping.executed_visits(cfg.n_layer, lc)
     return Plan(
         n_layer=cfg.n_layer, moe=moe, top_k=cfg.top_k, vocab=cfg.vocab_size, tied=cfg.tie_embeddings,
         attn_visits=attn_v, mlp_visits=mlp_v, n_loops=lc.n_loops, adapter=lc.adapter, rank=lc.adapter_rank,
-        adapter_layers=sum(looped) if ad else 0,
-        adapter_attn_visits=sum(v.attn for v in visits if ad and looped[v.layer]),
-        adapter_mlp_visits=sum(v.mlp for v in visits if ad and looped[v.layer] and not moe),
+        adapter_attn_layers=sum(ad_attn), adapter_mlp_layers=sum(ad_mlp),
+        adapter_attn_visits=sum(v.attn for v in visits if ad_attn[v.layer]),
+        adapter_mlp_visits=sum(v.mlp for v in visits if ad_mlp[v.layer]),
         window=win, window_layers=sum(looped) if win else 0,
         window_visits=sum(v.attn and v.visit >= 1 for v in visits if win and looped[v.layer]),
         n_inject=lc.n_loops - 1 if lc.parallel else 0, inject=lc.inject)
@@ -156,7 +158,7 @@ def _sublayers(p: Plan, d, nh, nkv, hd, ff, E, sh, counted=1) -> dict:
             "attn_norm": (L, p.attn_visits, _norm(d, counted)),
             "mlp_norm": (L, p.mlp_visits, _norm(d, counted)),
             "final_norm": (1, 1, _norm(d, counted)),
-            "attn_adapters": (p.adapter_layers, p.adapter_attn_visits,
+            "attn_adapters": (p.adapter_attn_layers, p.adapter_attn_visits,
                               _adapters(p, [(d, q), (d, kv), (d, kv), (q, d)])),   # q, k, v, o
             "kv_gates": (p.window_layers, p.window_visits, _kv_gate(d, nh)),
             "plt": (p.n_inject, p.n_inject, _plt_inject(d, p.inject, counted))}
@@ -166,7 +168,7 @@ def _sublayers(p: Plan, d, nh, nkv, hd, ff, E, sh, counted=1) -> dict:
                     shared_experts=(L, p.mlp_visits, _shared_experts(d, ff, sh)))
     else:
         subs.update(swiglu=(L, p.mlp_visits, _swiglu(d, ff)),
-                    mlp_adapters=(p.adapter_layers, p.adapter_mlp_visits,
+                    mlp_adapters=(p.adapter_mlp_layers, p.adapter_mlp_visits,
                                   _adapters(p, [(d, ff), (d, ff), (ff, d)])))      # gate, up, down
     return subs
 

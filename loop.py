@@ -51,7 +51,7 @@ class LoopConfig:
     n_loops: int = 1          # r: passes over the span
     schedule: str = "block"   # "block": span, span, ...; "per_layer": each layer r times in a row
     part: str = "both"        # "both" | "attn" | "mlp": which sub-layer is repeated
-    residual_scale: bool = True  # scale each repeated sub-layer update inside the span by 1/r
+    residual_scale: bool = True  # scale each repeated sub-layer update inside the span by 1/r (SMELT; How to Loop: False)
     adapter: str = "none"     # "none" | "lora" | "matrix" | "softmax"
     adapter_rank: int = 8
     parallel: bool = False    # PLT: shifted cross-loop inputs, batched decoding
@@ -69,6 +69,10 @@ class LoopConfig:
 
     def in_span(self, layer: int) -> bool:
         return self.start <= layer < self.start + self.length
+
+    def adapted(self, layer: int, sublayer: str) -> bool:
+        """Whether `sublayer` ("attn" | "mlp") of `layer` carries per-loop adapters: only a repeated one does."""
+        return self.active and self.in_span(layer) and self.adapter != "none" and self.part in ("both", sublayer)
 
     def validate(self, n_layer: int | None = None) -> None:
         """Raise ValueError naming the field and the rule it breaks (n_layer None: the rules that
@@ -235,14 +239,14 @@ class RMSNorm(nn.Module):
 
 class PLTInject(nn.Module):
     """combine(e, h) for one loop l >= 2; e and h are (..., D)."""
-    OWN_INIT = True   # the zero-initialised gate starts at exactly 50/50: model.GPT.init_weights skips it
+    OWN_INIT = ("up.weight", "up.bias")   # zero: the gate starts at exactly 50/50 (down gets GPT's N(0, std))
 
-    def __init__(self, d_model: int, inject: str):
+    def __init__(self, d_model: int, inject: str, eps: float = 1e-6):
         super().__init__()
         self.inject = inject
         if inject != "add":
-            self.norm_e = RMSNorm(d_model)
-            self.norm_h = RMSNorm(d_model)
+            self.norm_e = RMSNorm(d_model, eps)
+            self.norm_h = RMSNorm(d_model, eps)
         if inject == "norm_gate":
             self.down = nn.Linear(2 * d_model, GATE_RANK, bias=False)
             self.up = nn.Linear(GATE_RANK, d_model, bias=True)

@@ -149,7 +149,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(Fd, D, bias=False)
         lc = cfg.loop
         self.adapters = (make_adapters({"gate": (D, Fd), "up": (D, Fd), "down": (Fd, D)}, lc)
-                         if lc.active and lc.in_span(layer) and lc.adapter != "none" else None)
+                         if lc.adapted(layer, "mlp") else None)
 
     def forward(self, x: Tensor, loop: int | None = None, n_loops: int = 1) -> Tensor:
         if self.adapters is None:
@@ -171,9 +171,7 @@ class Block(nn.Module):
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         lc = cfg.loop
-        # the block picks the adapted layers, so attention.py needs no loop code
-        adapted = lc.active and lc.in_span(layer) and lc.adapter != "none"
-        self.attn = Attention(cfg, layer, partial(make_adapters, loop=lc) if adapted else None)
+        self.attn = Attention(cfg, layer, partial(make_adapters, loop=lc) if lc.adapted(layer, "attn") else None)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.n_experts > 0:
             self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.router_renormalize, cfg.moe_impl,
@@ -327,7 +325,7 @@ class GPT(nn.Module):
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         lc = cfg.loop
-        self.plt = (nn.ModuleList(PLTInject(cfg.d_model, lc.inject) for _ in range(lc.n_loops - 1))
+        self.plt = (nn.ModuleList(PLTInject(cfg.d_model, lc.inject, cfg.norm_eps) for _ in range(lc.n_loops - 1))
                     if lc.parallel else None)
         cos, sin = rope_table(cfg.block_size, cfg.hd, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -451,7 +449,7 @@ class GPT(nn.Module):
 
         def alloc(rows, cap, ring=False):
             z = lambda: torch.zeros(rows, Hkv, cap, hd, device=device, dtype=dtype)
-            return KV(z(), z(), ring, torch.full((cap,), -1, device=device, dtype=torch.long) if ring else None)
+            return KV(z(), z(), torch.full((cap,), -1, device=device, dtype=torch.long) if ring else None)
 
         kv = {}
         for visit in self.plan:
@@ -502,7 +500,7 @@ class GPT(nn.Module):
             inputs = [e] + [self.plt[l - 1](e, cache.plt_h[l - 1][:, None]) for l in range(1, r)]
             h = torch.cat(inputs, dim=0)                                    # (r*B, 1, D)
             for i in range(lc.start, lc.start + lc.length):
-                h, _ = self.blocks[i](h, self._span_visit(i, 0), ctx, None)
+                h, _ = self.blocks[i](h, self._span_visit(i, 0), ctx, None)   # PLT: part="both", same scales every loop
             outs = list(h.view(r, B, 1, -1))
         else:   # a chunk (prefill) or the unshifted control: loops in order, as in training
             outs = self._plt_loops(e, ctx, None, cache.plt_h, [])
@@ -539,23 +537,19 @@ class GPT(nn.Module):
                 logits = self.forward_step(nxt, cache)[:, -1]
         return torch.cat(out, dim=1)
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 # ----------------------------------------------------------------------------------------
 # Compiling for training
 
-def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="inductor", fresh: bool = True) -> nn.Module:
+def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="inductor") -> nn.Module:
     """torch.compile a training module (train.Objective, or DDP around it) the way train.py runs it.
 
     dynamic=False: every distinct shape gets its own static graph (automatic dynamic shapes would
-    recompile the next run's shapes symbolically, with slower kernels). fresh=True:
-    `torch._dynamo.reset()` first, so one process training many runs never reaches dynamo's
-    recompile limit (why per run: docs/model.md); it clears every compiled function of the process,
-    so it belongs where one training run owns the process (train.Trainer). fullgraph=True makes any
+    recompile the next run's shapes symbolically, with slower kernels). `torch._dynamo.reset()` first,
+    so one process training many runs never reaches dynamo's recompile limit (why per run:
+    docs/model.md); it clears every compiled function of the process, so it belongs where one
+    training run owns the process (train.Trainer). fullgraph=True makes any
     graph break an error (tests/test_compile.py); training leaves it off: a break costs speed, not the run.
     """
-    if fresh:
-        torch._dynamo.reset()
+    torch._dynamo.reset()
     return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)

@@ -143,6 +143,23 @@ def test_adapters_are_noops_at_init_and_train(kind):
     assert b[0].abs().sum() > 0 and not torch.allclose(b[0], b[1])   # loops specialise
 
 
+@pytest.mark.parametrize("part", ["both", "attn", "mlp"])
+def test_adapters_sit_only_on_repeated_sublayers_and_every_row_trains(part):
+    """part="attn": only attention repeats, so only it gets per-loop adapters (a once-run MLP would train one row
+    of r); part="mlp" the reverse. Every adapter row then gets a gradient, and budget counts what is stored."""
+    import budget
+    cfg = tiny(loop=LoopConfig(start=1, length=2, n_loops=2, part=part, adapter="lora", adapter_rank=2))
+    m = live(GPT(cfg)).train()
+    for i, blk in enumerate(m.blocks):
+        assert (blk.attn.adapters is not None) == (i in (1, 2) and part != "mlp")
+        assert (blk.mlp.adapters is not None) == (i in (1, 2) and part != "attn")
+    m(torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12)))[1].backward()
+    rows = [(n, p.grad[l]) for n, p in m.named_parameters() if ".adapters." in n for l in range(2)]
+    assert rows and all(g is not None and g.abs().sum() > 0 for _, g in rows)
+    assert budget.count_params(cfg)["blocks"] == sum(p.numel() for n, p in m.named_parameters()
+                                                     if n.startswith("blocks.") or n.startswith("norm"))
+
+
 @pytest.mark.parametrize("kind", ["lora", "matrix", "softmax"])
 def test_adapter_matches_explicit_delta_w_with_random_mixing(kind):
     """LoopAdapter with random A, B, M: loop l gives x @ (sum_j mix[l, j] B_j A_j)^T (softmax rows), stacked == per-loop."""
@@ -224,6 +241,17 @@ def test_plt_gate_starts_at_half():
     cos = torch.nn.functional.cosine_similarity
     assert cos(raw, e).abs().max() < 0.05             # ~ 1 / sqrt(1 + 100^2): the raw sum drowns the token
     assert cos(inj(e, h), e).min() > 0.65             # ~ 0.707 after normalising both halves
+
+
+def test_plt_gate_init_zero_up_and_model_std_down():
+    """GPT's init: the gate's up projection and bias stay zero (g = 1/2), its down projection is drawn
+    N(0, init_std) like every matrix, and the two norms' gains are 1."""
+    torch.manual_seed(0)
+    m = GPT(tiny(d_model=64, loop=LoopConfig(start=1, length=2, n_loops=3, parallel=True, inject="norm_gate")))
+    for inj in m.plt:
+        assert not inj.up.weight.any() and not inj.up.bias.any()
+        assert inj.down.weight.std().item() == pytest.approx(m.cfg.init_std, rel=0.1)
+        assert torch.equal(inj.norm_e.weight, torch.ones(64)) and inj.norm_e.eps == m.cfg.norm_eps
 
 
 @pytest.mark.parametrize("lk", [dict(), dict(kv_window=3)])

@@ -245,15 +245,19 @@ def test_init_rule_is_the_same_for_looped_and_unlooped():
 
 def _name_rule_init(self):
     """Frozen copy of GPT.init_weights before issue 22 (residual outputs chosen by name suffix); its depth
-    term follows issue 23.2's rule (n_layer, not executed visits): the test pins which parameters get it."""
+    term follows issue 23.2's rule (n_layer, not executed visits): the test pins which parameters get it. A PLT
+    gate's down projection is an ordinary matrix (N(0, std)); only its zero up projection is skipped."""
     import math
     nn = torch.nn
     std = self.cfg.init_std
     out_std = std / math.sqrt(2 * self.cfg.n_layer)
     for name, p in self.named_parameters():
-        if "adapters" in name or ".plt." in name or name.startswith("plt.") or "kv_gate" in name:
+        plt_down = name.startswith("plt.") and name.endswith(".down.weight")
+        if "adapters" in name or (name.startswith("plt.") and not plt_down) or "kv_gate" in name:
             continue
-        if p.dim() == 1:
+        if plt_down:
+            nn.init.normal_(p, 0.0, std)
+        elif p.dim() == 1:
             nn.init.ones_(p)
         elif name.endswith(("wo.weight", "down.weight", "w_out")):
             nn.init.normal_(p, 0.0, out_std)
