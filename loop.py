@@ -17,9 +17,10 @@ stack of physical layers is executed; model.py calls the layers in the order giv
     projection: "lora" Delta W_l = B_l A_l; "matrix" Delta W_l = sum_j M[l, j] B_j A_j (M = I at
     init); "softmax" the rows of M through a softmax (uniform at init). B = 0: a no-op at init.
   * `PLTInject` / `shift_states` (How-to-Loop Definition 2): loop l >= 2 at token n takes
-    combine(e_n, h^(l-1)_(n-1)): "add" (original PLT), "norm_half" (RMS-normalise both, 1/2-1/2)
-    or "norm_gate" (plus a low-rank sigmoid gate that starts at exactly 50/50). The shift never
-    crosses a document boundary (a document's first token gets h = 0).
+    combine(e_n, h^(l-1)_(n-1)), e the span's input (the embedding when the span starts at layer 0):
+    "add" (original PLT), "norm_half" (RMS-normalise both, 1/2-1/2) or "norm_gate" (plus a low-rank
+    sigmoid gate that starts at exactly 50/50). The shift never crosses a document boundary (a
+    document's first token gets h = 0).
 
 Read after model.py (it runs this plan); design choices (adapters on MoE blocks, PLT limits): docs/loop.md.
 """
@@ -182,8 +183,8 @@ class LoopAdapter(nn.Module):
     Parameters: A (L, rank, d_in), B (L, d_out, rank) and, for "matrix"/"softmax", M (L, L).
     Cost: L * rank * (d_in + d_out) (+ L^2), against L * d_in * d_out for separate loops.
     """
-
-    OWN_INIT = True   # B = 0 (and M = I or 0) make it a no-op at init: model.GPT.init_weights skips it
+    OWN_INIT = True      # B = 0 (and M = I or 0) make it a no-op at init: model.GPT.init_weights skips it
+    NO_DECAY = ("M",)    # the loop-mixing matrix is not pulled towards 0 (train.decay_split)
 
     def __init__(self, d_in: int, d_out: int, n_loops: int, rank: int, kind: str):
         super().__init__()
@@ -225,7 +226,7 @@ def make_adapters(shapes: dict[str, tuple[int, int]], loop: LoopConfig) -> nn.Mo
 
 
 # ----------------------------------------------------------------------------------------
-# Parallel Loop Transformer: the input of loop l >= 2 (How-to-Loop Definition 2)
+# RMSNorm: every block's pre-norm (model.py imports it from here) and PLT's re-injection norms
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -236,6 +237,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
+
+# ----------------------------------------------------------------------------------------
+# Parallel Loop Transformer: the input of loop l >= 2 (How-to-Loop Definition 2)
 
 class PLTInject(nn.Module):
     """combine(e, h) for one loop l >= 2; e and h are (..., D)."""

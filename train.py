@@ -195,11 +195,13 @@ def lr_at(tc: TrainConfig, step: int, branch: int | None = None) -> float:
 
 
 def decay_split(gpt: nn.Module) -> tuple[list[str], list[str]]:
-    """(names with weight decay, names without): matrices decay; gains, biases, embeddings, loop mixing M do not."""
+    """(names with weight decay, names without): matrices decay; gains, biases, embeddings and what a module
+    declares in NO_DECAY (loop.LoopAdapter's mixing M) do not."""
     emb = {id(m.weight) for m in gpt.modules() if isinstance(m, nn.Embedding)}
+    declared = {id(getattr(m, n)) for m in gpt.modules() for n in getattr(m, "NO_DECAY", ()) if hasattr(m, n)}
     decay, keep = [], []
     for name, p in gpt.named_parameters():
-        no = p.dim() < 2 or id(p) in emb or name.endswith(".M")
+        no = p.dim() < 2 or id(p) in emb or id(p) in declared
         (keep if no else decay).append(name)
     return decay, keep
 
