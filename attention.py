@@ -254,22 +254,16 @@ class Attention(nn.Module):
             self.kv_gate = nn.Linear(D, H, bias=False)
             nn.init.zeros_(self.kv_gate.weight)   # per-head gate starts at 1/2
 
-    def proj(self, name: str, lin: nn.Linear, x: Tensor, loop: int | None, n_loops: int) -> Tensor:
-        y = lin(x)
-        if self.adapters is not None:
-            if loop is None:   # stacked PLT batch: (r*B, T, d) -> loop dim first
-                xs = x.reshape(n_loops, -1, *x.shape[1:])
-                y = y + self.adapters[name](xs, None).reshape(y.shape)
-            else:
-                y = y + self.adapters[name](x, loop)
-        return y
+    def proj(self, name: str, lin: nn.Linear, x: Tensor, loop: int | None) -> Tensor:
+        """lin(x), plus the loop's adapter correction inside an adapted span (loop None: stacked PLT batch)."""
+        return lin(x) if self.adapters is None else self.adapters[name].add_to(lin(x), x, loop)
 
     def forward(self, x: Tensor, ctx: Ctx, visit: Visit, loop: int | None) -> Tensor:
         B, T, _ = x.shape
-        H, Hkv, hd, r = self.n_head, self.n_kv_head, self.hd, ctx.n_loops
-        q = self.proj("q", self.wq, x, loop, r).view(B, T, H, hd).transpose(1, 2)
-        k = self.proj("k", self.wk, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
-        v = self.proj("v", self.wv, x, loop, r).view(B, T, Hkv, hd).transpose(1, 2)
+        H, Hkv, hd = self.n_head, self.n_kv_head, self.hd
+        q = self.proj("q", self.wq, x, loop).view(B, T, H, hd).transpose(1, 2)
+        k = self.proj("k", self.wk, x, loop).view(B, T, Hkv, hd).transpose(1, 2)
+        v = self.proj("v", self.wv, x, loop).view(B, T, Hkv, hd).transpose(1, 2)
         cos, sin = ctx.cos, ctx.sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cap = ctx.capture.setdefault((visit.layer, visit.visit), {}) if ctx.capture is not None else None
@@ -286,7 +280,7 @@ class Attention(nn.Module):
             if cap is not None:   # (the KV-sharing paths mix two attentions: no single probability map)
                 cap["attn_probs"] = probs
         y = y.transpose(1, 2).reshape(B, T, H * hd)                  # (B, T, H*hd): PV
-        out = self.proj("o", self.wo, y, loop, r)
+        out = self.proj("o", self.wo, y, loop)
         if cap is not None:
             cap.update(pv=y, o=out)
         return out

@@ -202,6 +202,13 @@ class LoopAdapter(nn.Module):
             return None
         return self.M.softmax(-1) if self.kind == "softmax" else self.M
 
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, loop: int | None) -> torch.Tensor:
+        """y = W x of the shared projection plus this adapter's correction: loop `loop`'s, or with loop=None
+        each loop's on a stacked PLT batch x (L*B, ..., d_in), loop-major (model.GPT's batched step)."""
+        if loop is None:
+            x = x.reshape(self.A.shape[0], -1, *x.shape[1:])
+        return y + self(x, loop).reshape(y.shape)
+
     def forward(self, x: torch.Tensor, loop: int | None) -> torch.Tensor:
         """x (..., d_in) for one loop, or x (L, ..., d_in) with loop=None (all loops stacked)."""
         M = self.mixing()

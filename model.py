@@ -151,18 +151,13 @@ class SwiGLU(nn.Module):
         self.adapters = (make_adapters({"gate": (D, Fd), "up": (D, Fd), "down": (Fd, D)}, lc)
                          if lc.adapted(layer, "mlp") else None)
 
-    def forward(self, x: Tensor, loop: int | None = None, n_loops: int = 1) -> Tensor:
+    def forward(self, x: Tensor, loop: int | None = None) -> Tensor:
+        """loop: this visit's loop index for the adapters (None: x is a stacked PLT batch, loop-major)."""
         if self.adapters is None:
             return self.down(F.silu(self.gate(x)) * self.up(x))
-        xs = x.reshape(n_loops, -1, *x.shape[1:]) if loop is None else x
-
-        def proj(name, lin, inp, inp_s):
-            d = self.adapters[name](inp_s, loop)
-            return lin(inp) + d.reshape(*inp.shape[:-1], -1)
-
-        h = F.silu(proj("gate", self.gate, x, xs)) * proj("up", self.up, x, xs)
-        hs = h.reshape(n_loops, -1, *h.shape[1:]) if loop is None else h
-        return proj("down", self.down, h, hs)
+        ad = self.adapters
+        h = F.silu(ad["gate"].add_to(self.gate(x), x, loop)) * ad["up"].add_to(self.up(x), x, loop)
+        return ad["down"].add_to(self.down(h), h, loop)
 
 
 class Block(nn.Module):
@@ -196,7 +191,7 @@ class Block(nn.Module):
             if isinstance(self.mlp, MoE):
                 m, stats = self.mlp(h)
             else:
-                m = self.mlp(h, loop, ctx.n_loops)
+                m = self.mlp(h, loop)
             m = visit.mlp_scale * m
             x = x + m
             if cap is not None:
