@@ -160,7 +160,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc:
     """
     B, H, T, hd = q.shape
     S = k.shape[2]
-    training_shape = S == T and k_doc is q_doc
+    training_shape = S == T and k_doc is q_doc   # keys are the queries' own sequence (no cached prefix)
     kernel = attention_kernel(backend, q.device.type, hd, training_shape, q_doc is not None or bool(window),
                               want_probs)
     if kernel == "math":   # explicit softmax: probes read the probabilities
@@ -301,7 +301,8 @@ class Attention(nn.Module):
         return g * y_global + (1 - g) * y_local
 
     def _shared_kv(self, q, k, v, x, ctx, visit):
-        """Training / chunked decoding for a loop >= 2 with KV sharing (original PLT)."""
+        """Training / chunked decoding for a loop >= 2 with KV sharing (original PLT). Its window and ring
+        attentions run SDPA with an explicit mask whatever attn_backend says (a reference path, not tuned)."""
         if ctx.cache is None:
             k1, v1 = ctx.shared[visit.layer]
             yg, _ = attend(q, k1, v1, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, masks=ctx.masks)
