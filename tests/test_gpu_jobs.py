@@ -83,8 +83,11 @@ def test_cost_model_wall_time_falls_with_jobs_by_the_compiles_only(smoke_plan):
             assert c["total"]["seconds_one_job"][i] == pytest.approx(one["seconds"][i])
             assert c["total"]["compile_seconds"][i] == one["compile_seconds"][i]   # the same compiles, overlapped
     assert costs.format_costs(by[4]).count("4 at a time") == 1 and "(1 job)" in costs.format_costs(by[4])
-    with pytest.raises(ValueError, match="jobs must be an int >= 1"):
-        costs.stage_costs(plan, ladder, data, cost, 0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="jobs must be an int >= 1"):
+            costs.stage_costs(plan, ladder, data, cost, bad)
+    with pytest.raises(ValueError, match="plan_cost has 1 runs"):
+        costs.stage_costs(plan, ladder, data, {**cost, "runs": cost["runs"][:1]})
 
 
 def test_plan_line_epochs_are_configs_plan_epochs(smoke_plan):

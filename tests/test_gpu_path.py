@@ -188,6 +188,52 @@ def test_cost_model_flops_agree_with_budget(plan_costs):
                                                            * fwd, rel=1e-9)
 
 
+def test_cost_model_counts_per_stage(plan_costs):
+    """Counted from the plan: one host read per optimizer step; four per validation batch; an endpoint per run and
+    branch, each scoring every task; eval FLOPs the body on every padded token plus the head at the logit positions
+    only; the probes' eager calls batches of PROBE_BATCH contexts per run."""
+    plan, ladder, data, cost, c = plan_costs
+    runs = configs.plan_runs(Path("."), ladder, plan)
+    n, branches = len(runs), len(set(plan.branch_steps))
+    st, sc = c["stages"], c["scoring_per_endpoint"]
+    assert st["train"]["host_reads"] == (plan.stable_steps + branches * plan.decay_steps) * n
+    v = costs.val_counts(data, plan.batch_size, plan.block_size, plan.eval_tokens)
+    _, vals = costs.run_steps(plan)
+    assert st["validation"]["host_reads"] == 4 * st["validation"]["forward_calls"] == 4 * vals * v["calls"] * n
+    assert c["endpoints"] == branches * n and st["eval"]["forward_calls"] == branches * n * sc["calls"]
+    body = [budget.flops_per_token(ModelConfig.from_dict(r.cell[r.arch]), r.cell["ctx_len"]) / 3 for r in runs]
+    head = [budget.flops_per_token(ModelConfig.from_dict(r.cell[r.arch]), r.cell["ctx_len"], include_head=True) / 3 - b
+            for r, b in zip(runs, body)]
+    assert sc["positions"] < sc["tokens"]
+    assert st["eval"]["flops"] == pytest.approx(branches * sum(sc["tokens"] * b + sc["positions"] * h
+                                                               for b, h in zip(body, head)), rel=1e-9)
+    contexts = plan.probe_tokens // plan.block_size
+    assert st["probes"]["eager_calls"] == st["probes"]["forward_calls"] == -(-contexts // costs.PROBE_BATCH) * n
+
+
+def test_stage_wall_time_by_hand(monkeypatch):
+    """_stage's wall time, best and worst end: FLOPs / (peak x MFU) + compiles x compile seconds / overlap
+    + eager calls x launch overhead + host reads x sync cost (round assumptions, so by hand); the compile
+    seconds are the eager flex kernel's unless the training graph's are named."""
+    monkeypatch.setattr(costs, "PEAK_FLOPS", 1e12)
+    monkeypatch.setattr(costs, "ASSUMED", {"mfu": (0.5, 0.25), "compile_s": (10.0, 20.0), "flex_compile_s": (1.0, 2.0),
+                                           "eager_call_s": (0.1, 0.2), "host_read_s": (0.01, 0.02)})
+    s = costs._stage(2e12, 4, 50, 70, 20, "compile_s", overlap=2)
+    assert s["seconds"] == pytest.approx([4 + 20 + 2 + 0.7, 8 + 40 + 4 + 1.4])
+    assert s["compile_seconds"] == pytest.approx([40.0, 80.0]) and s["forward_calls"] == 50
+    flex = costs._stage(0.0, 3, 0, 0, 0)
+    assert flex["seconds"] == flex["compile_seconds"] == pytest.approx([3.0, 6.0])
+
+
+def test_run_steps_count_validations_by_hand():
+    """run_steps: stable 10 steps, branches forking at 4 and 8 with 5 decay steps each, validation every 4 steps:
+    20 optimizer steps; validations after steps 4 and 8 (stable), 8 (branch 4's 5..9), 12 (branch 8's 9..13),
+    plus one at each branch end: 6."""
+    plan = replace(configs.PLANS["smoke"], stable_steps=10, branch_steps=[4, 8], decay_steps=5, eval_interval=4)
+    assert costs.run_steps(plan) == (20, 6)
+    assert costs.run_steps(replace(plan, eval_interval=0)) == (20, 2)
+
+
 def test_plan_cost_gpu_minutes_use_the_cost_models_mfu(plan_costs, capsys):
     """The plan line's GPU minutes are its training FLOPs (head included) at costs.ASSUMED's MFU range on one
     H200: one MFU assumption for the plan line and the cost model."""

@@ -453,9 +453,10 @@ def test_dyck_prompts_honour_k_and_mark_demonstration_answers():
 
 def test_dyck_case_study_mechanics():
     enc = enc512()
-    m = tiny_model(vocab_size=512, block_size=192)
+    m = tiny_model(vocab_size=512, block_size=192).train()
     out = dyck_probe.dyck_case_study(m, enc, ks=(1, 2, 4), n_items=2)
     assert out["ks"] == [1, 2, 4] and set(out["by_k"]) == {"1", "2", "4"} and out["n_prompts"] == 6
+    assert m.training                                                  # run in eval mode, its mode then restored
     assert out["visits"] == [1, 2] and out["layers"] == [1, 2]
     E = torch.tensor(out["ablation_effect"])                            # (span layers, heads)
     li, hi = divmod(int(E.argmax()), 4)
@@ -474,6 +475,12 @@ def test_dyck_case_study_mechanics():
         m2.blocks[L].attn.wo.weight[:, h * 8:(h + 1) * 8] = 0
     again = dyck_probe.dyck_case_study(m2, enc, prompts=P)
     assert out["selection_k"] == 4                                     # the head is chosen on the k = 4 prompts
+    assert out["by_k"]["4"]["target_loss"] == pytest.approx(out["selection_loss"], rel=1e-6)
+    assert sum(r["n"] * r["target_loss"] for r in out["by_k"].values()) / 6 == pytest.approx(out["clean_loss"], rel=1e-6)
+    for bad in (-1, 4):                                                # 4 heads: 0 to 3
+        with pytest.raises(ValueError, match="head must be in"):
+            with dyck_probe.ablate_head(m, L, bad):
+                pass
     assert again["selection_loss"] - out["selection_loss"] == pytest.approx(out["head"]["effect"], abs=1e-5)
     every = dyck_probe.dyck_case_study(m, enc, prompts=P, select_k=None)   # or on every prompt
     assert every["selection_k"] is None and every["selection_loss"] == pytest.approx(out["clean_loss"])

@@ -15,6 +15,7 @@ from scipy.optimize import minimize, minimize_scalar
 
 import scaling
 import scaling_analysis
+import scaling_tables
 from scaling import (PAPER_BASELINE, PAPER_BUDGETS, PAPER_CE_GAIN_PCT, PAPER_SMELT, PAPER_SPARSITIES,
                      PAPER_TPP_1E21, Coeffs, Points, ce_gain, fit, fit_result, frontier_loss, huber_objective, loss,
                      optimal_flops_per_token, tpp)
@@ -79,6 +80,38 @@ def test_chinchilla_peer_fit_matches_epoch_replication():
     got = [co.E, co.A / 6 ** co.a, co.K, co.a, co.c]
     np.testing.assert_allclose(got, [1.817, 477.8, 2143.9, 0.3473, 0.3672], rtol=1e-3)
     assert co.b == 0.0
+
+
+def test_a_pinned_b_is_kept_when_the_data_has_one_sparsity():
+    """One sparsity level leaves b unidentifiable, and the fit pins b = 0 (with a warning) only when the
+    caller pinned nothing: a b the caller pins (here SMELT's own) is kept, without a warning."""
+    p = grid(PAPER_SMELT, sparsities=(0.9,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = fit_result(p.F, p.S, p.D, p.L, fixed={"b": PAPER_SMELT.b})
+    assert res.fixed == {"b": PAPER_SMELT.b} and res.coeffs.b == PAPER_SMELT.b
+    np.testing.assert_allclose(as_array(res.coeffs), as_array(PAPER_SMELT), rtol=1e-6)
+
+
+def test_centred_parameters_are_the_same_surface():
+    """_Design.to_theta (how `init` starts enter the fit) and to_coeffs: the centred vector of a Coeffs gives
+    log L of Eq. 2 itself through log_model, and maps back to the same coefficients."""
+    p = grid(PAPER_SMELT)
+    des = scaling._Design(p.F, p.S, p.D, p.L)
+    for co in (PAPER_SMELT, PAPER_BASELINE):
+        th = des.to_theta(co)
+        np.testing.assert_allclose(des.log_model(th)[0], np.log(loss(co, p.F, p.S, p.D)), rtol=1e-12)
+        np.testing.assert_allclose(as_array(des.to_coeffs(th)), as_array(co), rtol=1e-12)
+
+
+def test_gauss_newton_standard_errors_are_the_least_squares_ones():
+    """On a linear model (J = X) the Gauss-Newton standard errors are the textbook least-squares ones,
+    sqrt(diag(s^2 (X^T X)^-1)) with s^2 = RSS / (N - P), whatever the columns' scales; inf when N <= P."""
+    rng = np.random.default_rng(1)
+    X, r = rng.normal(size=(20, 3)) * np.array([1.0, 1e3, 1e-2]), rng.normal(size=20)
+    want = np.sqrt(np.diag(float(r @ r) / (20 - 3) * np.linalg.inv(X.T @ X)))
+    np.testing.assert_allclose(scaling._gauss_newton_se(X, r, 1e12), want, rtol=1e-9)
+    assert np.all(np.isinf(scaling._gauss_newton_se(X[:3], r[:3], 1e12)))
 
 
 # ----------------------------------------------------------------------------- frontier and paper tables
@@ -329,6 +362,16 @@ def test_identify_names_every_failed_rule():
     assert keys(se={**good.se, "c": math.inf}) == {"exponent uncertain"}
 
 
+def test_identify_accepts_data_exactly_at_each_threshold():
+    """The rules are inclusive (docs/scaling.md): 12 points for six coefficients (2 per coefficient), C spanning
+    exactly 10x, F and D exactly 2x, 1 - S exactly 1.5x, and a and c exactly 2 standard errors from 0 all pass."""
+    good = _fitted()
+    at = replace(good, n_points=12, ranges={"C": (2.0, 20.0), "F": (1e9, 2e9), "D": (5e9, 1e10),
+                                            "one_minus_S": (0.5, 0.75)},
+                 se={**good.se, "a": good.coeffs.a / 2, "c": good.coeffs.c / 2})
+    assert scaling.identify(at) == []
+
+
 def test_identify_prints_no_estimate_of_a_fit_it_rejects():
     """A fit that is not identified prints no numbers: its reasons name the rule and its threshold,
     never the rejected exponents, their ratio or their standard errors."""
@@ -471,6 +514,33 @@ def test_analyse_on_an_unidentifiable_surface_prints_no_derived_number(bad_repor
     assert not re.search(r"[+-]\d+\.\d", md)          # no signed percentage anywhere: no gain was computed
     assert rep["figures"] == ["loss_vs_compute.png"] and not (out / "ce_gain.png").exists()
     assert json.loads((out / "coeffs.json").read_text())["smelt"]["identified"] is False
+
+
+def test_table_formatters():
+    """format_table's markdown, by hand; a gain as a signed percentage ("< -9999" past GAIN_FLOOR), the failed
+    share in percent, TPP as an integer from 10 up to 1e6 else 3 digits, and each reason key once."""
+    assert scaling_tables.format_table("T", ["r1", "r2"], ["a", "b"], [["1", "2"], ["3", "4"]]) == (
+        "### T\n\n| | a | b |\n|---|---|---|\n| r1 | 1 | 2 |\n| r2 | 3 | 4 |\n")
+    assert [scaling_tables.pct_text(g) for g in (0.1234, -0.5, -100.0, None)] == ["+12.3", "-50.0", "< -9999", "< -9999"]
+    assert scaling_tables.failed_text(0.025) == " (2.5 % of draws failed)" and scaling_tables.failed_text(None) == ""
+    assert [scaling_tables.tpp_text(x) for x in (9.5, 56.4, 999_999.0, 2.5e7)] == ["9.5", "56", "999999", "2.5e+07"]
+    assert scaling_tables.why_short(["compute range: a", "F range: b", "compute range: c"]) == (
+        "not identified (compute range, F range; details in the coefficients table)")
+
+
+def test_tables_md_rows_have_as_many_cells_as_their_header(good_report, bad_report):
+    """Every row of every table in tables.md has its header's number of cells, identified or not (a short row
+    shifts every later column in a markdown viewer)."""
+    for _, out in (good_report, bad_report):
+        n_tables, header = 0, None
+        for line in (out / "tables.md").read_text().splitlines():
+            if not line.startswith("|"):
+                header = None
+            elif header is None:
+                header, n_tables = line.count("|"), n_tables + 1
+            else:
+                assert line.count("|") == header, line
+        assert n_tables >= 2
 
 
 def test_s0_control_is_selected_by_cell(good_report):
@@ -629,6 +699,29 @@ def test_bad_inputs_raise_or_warn():
     floor = Coeffs(1.0, 1e3, 1e6, 0.4, 0.1, 0.7)                      # target floor far below the reference's
     with pytest.warns(UserWarning, match="below the reference floor"):
         assert ce_gain(floor, PAPER_BASELINE, 1e25, 0.9) == 1.0
+
+
+def test_sparsity_at_its_bounds():
+    """S = 1 exactly (nothing active) is refused by the fit, and a NaN S by the frontier; an S within rounding
+    below 0 is clipped to exactly 0, so control points at -1e-12 and at 0 share one sparsity (b pinned to 0)."""
+    p = grid(PAPER_SMELT)
+    with pytest.raises(ValueError, match="S must be < 1"):
+        fit(p.F, np.where(np.arange(len(p.S)) == 5, 1.0, p.S), p.D, p.L)
+    with pytest.raises(ValueError, match="sparsity S must be a finite fraction"):
+        ce_gain(PAPER_SMELT, PAPER_BASELINE, 1e21, np.nan)
+    S = np.where(np.arange(len(p.S)) % 2 == 0, -1e-12, 0.0)
+    assert scaling.check_points(p.F, S, p.D, p.L)[1].tolist() == [0.0] * len(S)
+    with pytest.warns(UserWarning, match="b is unidentifiable"):
+        res = fit_result(p.F, S, p.D, loss(PAPER_SMELT, p.F, 0.0, p.D))
+    assert res.fixed == {"b": 0.0} and res.ranges["one_minus_S"] == (1.0, 1.0)
+
+
+def test_ce_gain_warns_when_any_budget_is_below_the_reference_floor():
+    """Vectorised over budgets: the floor warning fires when some (not all) entries pass the reference's E."""
+    floor = Coeffs(1.0, 1e3, 1e6, 0.4, 0.1, 0.7)            # frontier 1.97 at 1e17, 1.01 at 1e25; E_ref = 1.44
+    with pytest.warns(UserWarning, match="below the reference floor"):
+        g = ce_gain(floor, PAPER_BASELINE, np.array([1e17, 1e25]), 0.9)
+    assert g[0] == pytest.approx(float(ce_gain(floor, PAPER_BASELINE, 1e17, 0.9))) and g[0] < 1.0 and g[1] == 1.0
 
 
 def test_analyse_rejects_bad_rows_naming_the_row(tmp_path):
