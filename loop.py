@@ -139,16 +139,14 @@ class Visit:
 def schedule(n_layer: int, loop: LoopConfig) -> list[tuple[int, int]]:
     """Execution order as (layer, visit) pairs."""
     loop.validate(n_layer)
-    r = loop.n_loops if loop.active else 1
-    span = list(range(loop.start, loop.start + loop.length)) if r > 1 else []
-    pre = range(0, loop.start) if r > 1 else range(n_layer)
-    post = range(loop.start + loop.length, n_layer) if r > 1 else range(0)
-    order = [(i, 0) for i in pre]
+    if not loop.active:
+        return [(i, 0) for i in range(n_layer)]
+    r, span = loop.n_loops, range(loop.start, loop.start + loop.length)
+    pre = [(i, 0) for i in range(loop.start)]
+    post = [(i, 0) for i in range(loop.start + loop.length, n_layer)]
     if loop.schedule == "block":
-        order += [(i, v) for v in range(r) for i in span]
-    else:
-        order += [(i, v) for i in span for v in range(r)]
-    return order + [(i, 0) for i in post]
+        return pre + [(i, v) for v in range(r) for i in span] + post
+    return pre + [(i, v) for i in span for v in range(r)] + post   # per_layer
 
 
 def plan(n_layer: int, loop: LoopConfig) -> list[Visit]:

@@ -342,11 +342,15 @@ class GPT(nn.Module):
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layer)
         residual, own = init_roles(self)
+        gains = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)}
         for name, p in self.named_parameters():
             if name in own:
                 continue   # adapters / PLT gates own their init (zero where it must be a no-op)
-            if p.dim() == 1:
-                nn.init.ones_(p)                                   # RMSNorm gains
+            if name in gains:
+                nn.init.ones_(p)
+            elif p.dim() < 2:   # a bias or gain of a new module: it must say how it starts
+                raise ValueError(f"GPT.init_weights: {name} is not an RMSNorm gain nor a matrix; "
+                                 f"declare its init in its module's OWN_INIT")
             elif name in residual:
                 nn.init.normal_(p, 0.0, out_std)
             else:

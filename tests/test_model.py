@@ -292,6 +292,17 @@ def test_init_by_declared_roles_equals_the_old_name_rule(kw, monkeypatch):
     assert torch.equal(torch.rand(4), ref_next)
 
 
+def test_init_refuses_a_vector_it_has_no_rule_for():
+    """A bias (or any 1-D parameter that is not an RMSNorm gain) of a module added to the model gets no silent
+    init rule: init_weights names it, unless its module declares OWN_INIT."""
+    m = GPT(tiny())
+    m.blocks[0].extra = torch.nn.Linear(4, 4, bias=True)
+    with pytest.raises(ValueError, match=r"blocks\.0\.extra\.bias is not an RMSNorm gain nor a matrix"):
+        m.init_weights()
+    m.blocks[0].extra.OWN_INIT = ("bias",)
+    m.init_weights()
+
+
 def test_residual_out_is_read_per_module_not_by_name():
     """A module declaring an unusually named parameter in RESIDUAL_OUT gets the depth-scaled std;
     an OWN_INIT module is left as it initialised itself."""
