@@ -556,3 +556,34 @@ def test_plt_kv_window_flops_by_hand():
     extra = window_visits * (6 * base.n_head * base.d_model + 12 * q * keys)
     assert budget.flops_per_token(win, ctx) - budget.flops_per_token(base, ctx) == pytest.approx(extra, rel=1e-12)
     assert budget.count_params(win)["blocks"] - budget.count_params(base)["blocks"] == 2 * base.n_head * base.d_model
+
+
+def test_plan_runs_names_every_run_and_repeats_one_cell():
+    """Each cell's Baseline then SMELT at seed 0, and the repeated cell (its scale and label both) again at seeds
+    1 .. train_seeds-1, each in OUT/runs/<cell key>_<arch>[_seedN]; without a plan (or a repeat) one seed each."""
+    from pathlib import Path
+    ladder = [{"scale": "t64", "sparsity_label": "S=0%"}, {"scale": "t64", "sparsity_label": "S~85%"},
+              {"scale": "t96", "sparsity_label": "S~85%"}]
+    plan = configs.PLANS["tiny"]
+    assert (plan.repeat, plan.train_seeds) == (("t64", "S~85%"), 3)
+    runs = configs.plan_runs(Path("out"), ladder, plan)
+    want = ["t64_S0_baseline", "t64_S0_smelt", "t64_S85_baseline", "t64_S85_smelt", "t64_S85_baseline_seed1",
+            "t64_S85_smelt_seed1", "t64_S85_baseline_seed2", "t64_S85_smelt_seed2", "t96_S85_baseline", "t96_S85_smelt"]
+    assert [r.name for r in runs] == want and all(r.dir == Path("out") / "runs" / r.name for r in runs)
+    assert [(r.arch, r.seed, r.key) for r in runs[4:6]] == [("baseline", 1, "t64_S85"), ("smelt", 1, "t64_S85")]
+    one = [n for n in want if "seed" not in n]
+    assert [r.name for r in configs.plan_runs(Path("out"), ladder)] == one
+    assert [r.name for r in configs.plan_runs(Path("out"), ladder, replace(plan, repeat=None))] == one
+    assert configs.run_dirs(Path("out"), ladder)[1] == (ladder[0], "smelt", Path("out/runs/t64_S0_smelt"))
+
+
+def test_presets_are_consistent():
+    """Each plan trains at its ladder's context and names a data preset; a data preset's planned tokens are
+    its domains' (smoke fills two); an unknown data preset is refused by name."""
+    for name, plan in configs.PLANS.items():
+        assert plan.block_size == configs.LADDERS[plan.ladder]["block"], name
+        assert plan.data in configs.DATA_PRESETS, name
+    assert configs.DATA_PRESETS["smoke"].planned_tokens == 2 * 150_000
+    assert configs.DATA_PRESETS["tiny"].planned_tokens == 5 * 1_000_000
+    with pytest.raises(ValueError, match=r"preset must be one of \['small', 'smoke', 'tiny'\], got 'huge'"):
+        configs.data_preset("huge")

@@ -976,3 +976,31 @@ def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
     fam["n_negative"] = 2
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] is None
+
+
+def test_prompt_keeps_newlines_in_the_context_and_lists_every_option():
+    """Only trailing spaces move into the continuations: a query ending in a newline keeps it in the context.
+    A multiple-choice item has one continuation per option, in order; demonstrations read in the order given."""
+    demos = [tasks.Item("Q: 1+1\nA:\n", "2"), tasks.Item("Q: 1+2\nA:\n", "3")]
+    ctx, conts = tasks.build_prompt(tasks.Item("Q: 2+2\nA:\n", "4"), demos)
+    assert ctx == "Q: 1+1\nA:\n2\nQ: 1+2\nA:\n3\nQ: 2+2\nA:\n" and conts == ["4"]
+    ctx, conts = tasks.build_prompt(tasks.Item("Q: 2+2\nA: ", "4", options=["3", "4", "5"]), [])
+    assert ctx == "Q: 2+2\nA:" and conts == [" 3", " 4", " 5"]
+
+
+def test_scoring_batches_truncate_check_and_budget_the_answer_logits():
+    """scoring_batches cuts each sequence to the block on the left (BOS kept), refuses a continuation that does
+    not leave at least one context token, and budgets logits by the answer positions when the head is hooked
+    (every position otherwise; one row per batch when the vocabulary is unknown)."""
+    reqs = [([0] + list(range(1, 40)), 3), ([0] + list(range(1, 10)), 2), ([0] + [1] * 20, 5)]
+    plan = lambda **kw: tasks.scoring_batches(reqs, **{**dict(block_size=32, vocab=100, head_hooked=True,
+                                                                max_tokens=1 << 16, max_logits=1000), **kw})
+    seqs, ns, batches = plan()
+    assert seqs[0] == [0] + list(range(9, 40)) and seqs[1:] == [r[0] for r in reqs[1:]] and ns == [3, 2, 5]
+    assert batches == [[0, 2], [1]]                       # 2 rows x 5 answer positions x 100 = the 1000 budget
+    assert plan(head_hooked=False)[2] == [[0], [2], [1]]  # 32 logit rows each: one sequence per batch
+    assert plan(vocab=None)[2] == [[0], [2], [1]]
+    assert plan(max_logits=1 << 26)[2] == [[0, 2, 1]]
+    for bad in [([0, 1, 2], 3), ([0, 1, 2], 0), ([0] + [1] * 40, 32)]:   # the last: 32 of the 32 kept tokens
+        with pytest.raises(ValueError, match="does not fit"):
+            tasks.scoring_batches([bad], 32, 100, True, 1 << 16, 1 << 26)

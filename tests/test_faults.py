@@ -59,6 +59,7 @@ MODEL_BAD = [
     (dict(n_experts=2.5), "n_experts"), (dict(n_experts=True), "n_experts"), (dict(d_model=64.0), "d_model"),
     (dict(vocab_size=-1), "vocab_size"), (dict(block_size=INF), "block_size"), (dict(head_dim=7.5), "head_dim"),
     (dict(top_k=NAN), "top_k"), (dict(moe_impl=3), "moe_impl"), (dict(attn_backend="tpu"), "attn_backend"),
+    (dict(d_model=None), "d_model"), (dict(rope_theta=True), "rope_theta"),
     (dict(loop=dict(start=1, length=2, n_loops=NAN)), "n_loops"),
     (dict(loop=dict(start=1, length=2, n_loops=2.0)), "n_loops"),
     (dict(loop=dict(start=1, length=2, n_loops=2, residual_scale="false")), "residual_scale"),
@@ -78,7 +79,8 @@ TRAIN_BAD = [
     (dict(branch_steps=[2.5]), r"branch_steps\[0\]"), (dict(branch_steps=3), "branch_steps"),
     (dict(device="tpu"), "device"), (dict(device="cuda:x"), "device"), (dict(compile="yes"), "compile"),
     (dict(fsdp=1), "fsdp"), (dict(dtype="fp16"), "dtype"), (dict(dist_backend="tcp"), "dist_backend"),
-    (dict(out_dir=""), "out_dir"), (dict(log_interval=0), "log_interval"),
+    (dict(out_dir=""), "out_dir"), (dict(out_dir=5), "out_dir"), (dict(log_interval=0), "log_interval"),
+    (dict(lr=True), "lr"), (dict(stable_steps=None), "stable_steps"),
 ]
 
 
@@ -197,8 +199,25 @@ def test_unparseable_json_names_file_and_line(tmp_path, finished):
         data_mod.TokenData(man.parent)
 
 
+@pytest.mark.fault("corruption")
+def test_json_errors_say_truncated_only_when_the_input_ended_early(tmp_path):
+    """The "truncated" hint is given when the parser ran out of input (an interrupted write), not for a
+    malformed file that is complete; read_json with keys names the missing ones."""
+    for text in ('{"a": 1, "b":', "[1, 2", '{"a": "unterminated'):
+        with pytest.raises(JSONFileError, match=r"^x\.json:1:\d+: not valid JSON: .* \(truncated"):
+            checks.parse_json(text, "x.json")
+    with pytest.raises(JSONFileError, match=r"^x\.json:1:\d+: not valid JSON: [^(]*$"):
+        checks.parse_json('{"a": 1,, "b": 2}', "x.json")
+    p = tmp_path / "plain.json"
+    p.write_text(json.dumps({"a": 1}))
+    assert checks.read_json(p, ("a",)) == {"a": 1}
+    with pytest.raises(JSONFileError, match=r"plain\.json: missing key\(s\) \['b', 'c'\]"):
+        checks.read_json(p, ("a", "b", "c"))
+
+
 @pytest.mark.parametrize("fault,msg", [
     ("truncate_middle", r"results\.jsonl:1:\d+: not valid JSON"),
+    ("truncate_second", r"results\.jsonl:2:\d+: not valid JSON"),
     ("edit_value", r"results\.jsonl:2: row content differs from its sha256"),
     ("drop_hash", r"results\.jsonl:1: missing key\(s\) \['sha256'\]"),
     ("missing_keys", r"results\.jsonl:1: missing key\(s\) \['config', 'train'\]"),
@@ -209,6 +228,8 @@ def test_damaged_results_rows_are_named(finished, tmp_path, fault, msg):
     lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
     if fault == "truncate_middle":
         lines[0] = lines[0][:100] + "\n"
+    elif fault == "truncate_second":
+        lines[1] = lines[1][:100] + "\n"
     elif fault == "edit_value":
         lines[1] = lines[1].replace(f'"val_loss": {rows[1]["val_loss"]}', '"val_loss": 1.0')
     elif fault == "drop_hash":
@@ -514,6 +535,81 @@ def test_hashed_json_refuses_edits_and_a_damaged_cache_is_recomputed(tmp_path, c
     with pytest.raises(JSONFileError, match="stage.json"):
         runfiles.read_json(p)
     assert runfiles.read_cache(tmp_path / "absent.json") is None
+
+
+@pytest.mark.fault("corruption")
+def test_a_json_file_that_is_not_an_object_or_not_text_is_named(tmp_path, capsys):
+    """A hashed-JSON reader refuses, naming the file, a file whose JSON is not an object (a number, a list, a
+    string) or whose bytes are not text, and read_cache recomputes each instead of crashing."""
+    p = tmp_path / "stage.json"
+    for text, why in [("5", "expected a JSON object, got int"), ("[1]", "expected a JSON object, got list"),
+                      ('"sha256"', "expected a JSON object, got str")]:
+        p.write_text(text)
+        with pytest.raises(JSONFileError, match=rf"stage\.json: {why}"):
+            runfiles.read_json(p)
+        assert runfiles.read_cache(p) is None
+        with pytest.raises(JSONFileError, match=rf"stage\.json: {why}"):
+            checks.read_json(p, ("a",))
+    p.write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(JSONFileError, match=r"stage\.json: not a text file"):
+        checks.read_json(p)
+    assert runfiles.read_cache(p) is None and "not a text file" in capsys.readouterr().out
+
+
+@pytest.mark.fault("corruption")
+def test_a_hashed_file_without_model_weights_is_refused(tmp_path):
+    """load_file checks more than the hash: a torch file this code wrote but that holds no 'model' weights
+    or no meta['model'] is not a checkpoint, and is refused naming the file before any caller reads it."""
+    for name, obj in [("no_meta_model.pt", {"model": {}, "meta": "{}"}),
+                      ("no_weights.pt", {"meta": json.dumps({"model": {}})})]:
+        runfiles.atomic_save(obj, tmp_path / name)
+        with pytest.raises(runfiles.CheckpointError, match=rf"{tmp_path / name} lacks 'model'"):
+            runfiles.load_file(tmp_path / name)
+    runfiles.atomic_save({"model": {"w": torch.ones(2)}, "meta": json.dumps({"model": {}})}, tmp_path / "ok.pt")
+    assert torch.equal(runfiles.load_file(tmp_path / "ok.pt")["model"]["w"], torch.ones(2))
+
+
+@pytest.mark.fault("corruption")
+def test_blank_lines_in_a_jsonl_file_are_skipped_not_an_end(tmp_path):
+    """A blank line (an editor's, or a newline doubled) is skipped: every row after it is still read."""
+    p = tmp_path / "results.jsonl"
+    p.write_text(runfiles.jsonl_line({"step": 1}) + "\n  \n" + runfiles.jsonl_line({"step": 2}))
+    assert runfiles.read_jsonl(p) == [{"step": 1}, {"step": 2}]
+
+
+@pytest.mark.fault("corruption")
+def test_hashed_json_missing_a_required_key_is_refused_and_recomputed(tmp_path, capsys):
+    """An intact, hashed JSON file that lacks a key the reader needs (written by an older version) is refused
+    naming the key, so read_cache recomputes it instead of handing on a record without it."""
+    p = tmp_path / "stage.json"
+    runfiles.write_json(p, {"loss": 3.25})
+    with pytest.raises(JSONFileError, match=r"stage\.json: missing key\(s\) \['rows'\]"):
+        runfiles.read_json(p, ("loss", "rows"))
+    assert runfiles.read_cache(p, ("loss", "rows")) is None and "missing key(s) ['rows']" in capsys.readouterr().out
+    assert runfiles.read_cache(p, ("loss",)) == {"loss": 3.25}
+
+
+@pytest.mark.fault("kills")
+def test_a_torn_tail_is_cut_back_to_the_last_whole_row(tmp_path):
+    """repair_torn_tail keeps every whole row with its newline, so the next append starts a line of its
+    own; a file that ends in a newline is left as it is."""
+    p = tmp_path / "results.jsonl"
+    whole = runfiles.jsonl_line({"branch_step": 3}) + runfiles.jsonl_line({"branch_step": 6})
+    p.write_text(whole + '{"branch_step": 9, "va')
+    assert runfiles.repair_torn_tail(p) and p.read_text() == whole
+    with open(p, "a") as f:
+        f.write(runfiles.jsonl_line({"branch_step": 9}))
+    assert [r["branch_step"] for r in runfiles.read_jsonl(p)] == [3, 6, 9]
+    assert not runfiles.repair_torn_tail(p) and not runfiles.repair_torn_tail(tmp_path / "absent.jsonl")
+
+
+@pytest.mark.fault("concurrency")
+def test_the_lock_file_names_only_the_current_holder(tmp_path):
+    """The lock file is rewritten by each holder: a longer pid left by an earlier holder does not remain
+    behind the current one (the second writer's message names the pid read from it)."""
+    (tmp_path / ".lock").write_text("9" * 40 + "\n" + "stale\n")
+    with runfiles.run_lock(tmp_path):
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
 
 
 # ----------------------------------------------------------------------------------------

@@ -97,3 +97,20 @@ def test_plan_line_epochs_are_configs_plan_epochs(smoke_plan):
     plan, _, data, cost = smoke_plan
     assert cost["epochs_per_run"] == configs.plan_epochs(plan, len(data.train))
     assert cost["epochs_per_run"] < cost["tokens_per_run"] / len(data.train)   # smoke has 3 branches
+
+
+def test_plan_cost_rates_the_longest_endpoint(smoke_plan):
+    """Tokens per parameter and TPP are stated at the longest branch's endpoint: its stable steps and its
+    decay window (not the run's total tokens, which count every branch's decay)."""
+    from pathlib import Path
+
+    import budget
+    import configs
+    from model import ModelConfig
+    plan, ladder, _, cost = smoke_plan
+    final = (max(plan.branch_steps) + plan.decay_steps) * plan.batch_size * plan.block_size
+    runs = {r.name: ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(Path("."), ladder, plan)}
+    assert [r["run"] for r in cost["runs"]] == list(runs) and final < cost["tokens_per_run"]
+    for r in cost["runs"]:
+        assert r["tokens_per_param_final"] == pytest.approx(final / budget.count_params(runs[r["run"]])["blocks"])
+        assert r["tpp_final"] == pytest.approx(final / (r["F"] / 6))

@@ -197,3 +197,104 @@ def test_icl_significant_needs_a_strict_majority():
     assert (tested, v) == (2, "not resolved") and why.startswith("1 of 2 tasks significant")
     assert verdict_of([0.01, 0.02, 0.2])[::2] == (3, "reproduced")
     assert verdict_of([0.01, 0.02, 0.2, 0.3])[::2] == (4, "not resolved")
+
+
+def _summary_rows():
+    """Results rows of a two-cell grid: each run's branch at D=100 sits 0.5 nats above its final one at D=200;
+    the repeated cell m64 S~85% has seeds 0-2 and a Baseline seed 3 without its SMELT."""
+    finals = {("m48", "S=0%", "baseline", 0): 3.7, ("m48", "S=0%", "smelt", 0): 3.0,
+              ("m64", "S~85%", "baseline", 0): 3.0, ("m64", "S~85%", "smelt", 0): 2.9,
+              ("m64", "S~85%", "baseline", 1): 3.1, ("m64", "S~85%", "smelt", 1): 2.95,
+              ("m64", "S~85%", "baseline", 2): 3.2, ("m64", "S~85%", "smelt", 2): 3.15,
+              ("m64", "S~85%", "baseline", 3): 3.3}
+    return [{"scale": s, "sparsity_label": lab, "arch": a, "seed": seed, "D": D, "S": 0.5,
+             "val_loss": v + (0.5 if D == 100 else 0.0)} for (s, lab, a, seed), v in finals.items() for D in (200, 100)]
+
+
+def test_training_summary_pairs_final_losses_and_carries_the_seed_noise():
+    """SMELT - Baseline at each run's longest branch: paired over the repeated cell's seeds (a Baseline without
+    its SMELT left out), and per cell at seed 0 with a t-interval from the seed-to-seed sd of the paired
+    difference (n - 1 degrees of freedom); "learned" margins are the entropy minus each loss."""
+    import configs
+    ladder = [{"scale": "m48", "sparsity_label": "S=0%"}, {"scale": "m64", "sparsity_label": "S~85%"}]
+    ts = report.training_summary(configs.PLANS["smoke"], ladder, _summary_rows(), entropy=5.0)
+    rep = ts["repeat"]
+    assert (rep["seeds"], rep["baseline"], rep["smelt"]) == (3, [3.0, 3.1, 3.2], [2.9, 2.95, 3.15])
+    iv = stats.paired_difference([3.0, 3.1, 3.2], [2.9, 2.95, 3.15])
+    assert rep["diff"]["mean"] == pytest.approx(-0.1) and (rep["diff"]["lo"], rep["diff"]["hi"]) == (iv.lo, iv.hi)
+    half = stats.t_quantile(0.975, 2) * np.std([-0.1, -0.15, -0.05], ddof=1)
+    cells = {c["scale"]: c for c in ts["cells"]}
+    assert cells["m48"]["diff"]["mean"] == pytest.approx(-0.7)
+    assert (cells["m48"]["diff"]["lo"], cells["m48"]["diff"]["hi"]) == pytest.approx((-0.7 - half, -0.7 + half))
+    assert cells["m48"]["verdict"] == "reproduced" and cells["m64"]["verdict"] == "not resolved"
+    assert (cells["m48"]["baseline"], cells["m48"]["smelt"]) == (3.7, 3.0)
+    assert (ts["cells_reproduced"], ts["cells_contradicted"], ts["all_cells_verdict"]) == (1, 0, "not resolved")
+    lr = ts["learned"]
+    assert lr["min_margin_final"] == pytest.approx(1.3) and lr["min_margin"] == pytest.approx(0.8)
+    assert not lr["all_final"] and not lr["all_endpoints"] and lr["below"] == 12 and lr["endpoints"] == 18
+
+
+def test_probe_verdict_needs_both_intervals():
+    """A probe claim is reproduced only when the held-out interval and the across-pairs interval agree."""
+    below, straddles = stats.Interval(-0.3, -0.5, -0.1, 8), stats.Interval(-0.1, -0.4, 0.2, 3)
+    claim = lambda a: {"interval": below, "across_pairs": a, "direction": "<", "value": 0.0}
+    assert [c["verdict"] for c in report.probe_claims([claim(below), claim(straddles), claim(None)])] == [
+        "reproduced", "not resolved", "not resolved"]
+
+
+def test_ce_gain_claim_reads_only_the_in_window_budgets():
+    """An extrapolated budget neither decides the CE gain verdict nor appears in its text."""
+    cell = lambda lab, lo, hi, ext: {"sparsity_label": lab, "budget": 1e16, "text": f"{lab} text", "extrapolated": ext,
+                                     "interval": stats.Interval((lo + hi) / 2, lo, hi, 100).to_dict()}
+    scal = {"gains": {"available": True, "cells": [cell("S~85%", 0.02, 0.08, False), cell("S~95%", -0.3, -0.1, True)]}}
+    row = report._ce_gain_claim(scal)
+    assert row[3] == "reproduced" and "S~85% text" in row[2] and "S~95%" not in row[2]
+    scal["gains"]["cells"][1]["extrapolated"] = False
+    assert report._ce_gain_claim(scal)[3] == "contradicted"
+
+
+def test_tpp_claim_needs_the_whole_interval_inside_six_percent():
+    """A TPP ratio interval wholly below 0.94 contradicts "within 6 %", as one wholly above 1.06 does."""
+    low = _scal()
+    low["derived"]["tpp_ratio/S~95%"] = _entry(0.92, 0.91, 0.93)
+    assert {r[0].split(":")[0]: r for r in report._scaling_claims(low)}[
+        "TPP of SMELT within 6 % of the Baseline's"][3] == "contradicted"
+
+
+def test_code_claim_reads_the_middle_sparsity_column():
+    """The per-domain gains are read at the middle of the sparsity columns (S~95% of three), not the first."""
+    scal = _scal()
+    scal["sparsity"] = {"S~85%": 0.85, "S~95%": 0.95, "S~97%": 0.97}
+    scal["subsets"]["val_loss_by_domain"]["gains"] = {d: {"S~85%": {"gain": g1}, "S~95%": {"gain": g2},
+                                                         "S~97%": {"gain": g1}}
+                                                     for d, g1, g2 in (("code", 0.1, 0.3), ("web", 0.2, 0.05))}
+    assert "(S~95%: code +30.0 %, web +5.0 %)" in report._code_claim(scal)
+
+
+def test_loop_count_and_figure_links(tmp_path):
+    """loop_count is None when the matched SMELTs differ in r; a figure link is relative to the out dir, None
+    for an absent file, and a file outside the out dir is refused by name."""
+    cell = lambda r: {"smelt": {"loop": {"n_loops": r}}}
+    assert report.loop_count([cell(2), cell(3)]) is None and report.loop_count([cell(2), cell(2)]) == 2
+    (tmp_path / "out" / "figures").mkdir(parents=True)
+    (tmp_path / "out" / "figures" / "a.png").write_bytes(b"png")
+    (tmp_path / "b.png").write_bytes(b"png")
+    out = tmp_path / "out"
+    assert report.figure_link("figures/a.png", out) == "figures/a.png"
+    assert report.figure_link(out / "figures" / "a.png", out) == "figures/a.png"
+    assert report.figure_link("figures/missing.png", out) is None
+    with pytest.raises(ValueError, match=r"b\.png lies outside the out dir"):
+        report.figure_link(tmp_path / "b.png", out)
+
+
+def test_span_sweep_winner_is_50_percent_in_every_sparsity(tmp_path):
+    """Table 3.3's claim: the lowest validation loss at 50 % span for each sparsity label of the sweep."""
+    def verdict(best_by_label):
+        rows = [{"sparsity_label": lab, "span_pct": s, "val_loss": 3.0 - 0.1 * (s == best)}
+                for lab, best in best_by_label.items() for s in (25, 50, 75)]
+        (tmp_path / "span_sweep").mkdir(exist_ok=True)
+        (tmp_path / "span_sweep" / "results.json").write_text(json.dumps({"rows": rows, "best_span": best_by_label}))
+        return {r[0]: r[3] for r in report._ablation_claims(tmp_path)}[
+            "the lowest validation loss at 50 % span, every sparsity"]
+    assert verdict({"S~85%": 50, "S~95%": 50}) == "reproduced"
+    assert verdict({"S~85%": 50, "S~95%": 25}) == "contradicted"

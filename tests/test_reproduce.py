@@ -2,6 +2,7 @@
 and a re-run skips finished work."""
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,105 @@ def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
     assert "visit v+1 vs v" in report.visits_label(3) and "2-3" in report.visits_label(3)
     cell = {"smelt": {"loop": {"n_loops": 3}}}
     assert report.loop_count([cell, cell]) == 3 and report.loop_count([]) is None
+
+
+def _fake_cells():
+    """Four ladder cells as budget.ladder_cells returns them, with only the fields stage_ladder reads."""
+    match = {"flops_ratio": 1.0, "params_ratio": 1.0, "kv_ratio": 1.0, "within_tolerance": True}
+    return [{"scale": s, "sparsity_label": lab, "match": match, "smelt": {"d_model": 32, "n_experts": 2}}
+            for s in ("m48", "m64") for lab in ("S=0%", "S~85%")]
+
+
+def test_stage_ladder_keeps_the_plans_scales_and_cells(tmp_path, monkeypatch):
+    """plan.scales keeps the first N scales, plan.cells only the named (scale, label) cells, and ladder.json holds
+    exactly what is kept; a plan whose block differs from its ladder's is refused before any matching."""
+    from dataclasses import replace
+
+    import budget
+    monkeypatch.setattr(budget, "ladder_cells", lambda preset, ctx, vocab_size=None, **kw: _fake_cells())
+    monkeypatch.setattr(budget, "preset_doc_length", lambda preset, data=None: 32.0)
+    data = type("D", (), {"vocab_size": 512})()
+    plan = configs.PLANS["smoke"]
+    key = lambda cells: [(c["scale"], c["sparsity_label"]) for c in cells]
+    assert key(reproduce.stage_ladder(replace(plan, scales=1), data, tmp_path)) == [("m48", "S=0%"), ("m48", "S~85%")]
+    cells = reproduce.stage_ladder(replace(plan, cells=(("m64", "S~85%"), ("m48", "S=0%"))), data, tmp_path)
+    assert key(cells) == [("m48", "S=0%"), ("m64", "S~85%")] and key(reproduce.read_ladder(tmp_path)) == key(cells)
+    with pytest.raises(ValueError, match="no ladder cell left"):
+        reproduce.stage_ladder(replace(plan, scales=1, cells=(("m64", "S~85%"),)), data, tmp_path)
+    with pytest.raises(ValueError, match=r"block_size=32 differs from configs.LADDERS\['smoke'\]'s 64"):
+        reproduce.stage_ladder(replace(plan, block_size=32), data, tmp_path)
+
+
+def test_run_tokens_count_the_stable_phase_and_every_branch():
+    plan = configs.PLANS["smoke"]
+    assert reproduce.run_tokens(plan) == (30 + 3 * 6) * 8 * 64
+
+
+def test_pool_run_starts_the_costliest_first_and_returns_results_in_job_order():
+    """Results line up with the jobs as given, whatever order they ran in (largest cost first)."""
+    seen = []
+    got = reproduce.pool_run(lambda j: 10 * j, [1, 3, 2], 1, cost=lambda j: j,
+                             on_done=lambda k, job, res: seen.append((k, job, res)))
+    assert got == [10, 30, 20] and seen == [(1, 3, 30), (2, 2, 20), (3, 1, 10)]
+
+
+def test_disk_check_counts_what_earlier_invocations_wrote(tmp_path, monkeypatch):
+    """Training needs the estimated peak minus what out/runs already holds: a re-run that fits once earlier
+    runs are counted goes ahead, one that does not is refused before any training, naming both sizes."""
+    import shutil
+    from collections import namedtuple
+
+    import checkpoint
+    from toys import tiny_model
+    cfg = tiny_model().to_dict()
+    ladder = [{"scale": "m48", "sparsity_label": "S=0%", "baseline": cfg, "smelt": cfg}]
+    est = {"runs": 2, "final": 800, "peak": 1000}
+    monkeypatch.setattr(checkpoint, "plan_disk_estimate", lambda cfgs, tc, jobs: est)
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "ckpt.pt").write_bytes(b"x" * 300)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 0, 750))
+    assert reproduce.check_disk(configs.PLANS["smoke"], ladder, tmp_path, 1)["peak"] == 1000   # 700 more, 750 free
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 0, 650))
+    with pytest.raises(SystemExit, match="not enough disk"):
+        reproduce.check_disk(configs.PLANS["smoke"], ladder, tmp_path, 1)
+
+
+def test_default_out_dir_names_another_loop_count(tmp_path, monkeypatch):
+    """--loops R other than the preset's r writes to runs/reproduce_PRESET_rR, so it never mixes with the
+    preset's own out dir; --loops equal to the preset's r is the preset's out dir."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(reproduce, "_pipeline", lambda args, plan, out: (out, plan.n_loops))
+    assert reproduce.main(["--preset", "smoke"]) == (Path("runs/reproduce_smoke"), 2)
+    assert reproduce.main(["--preset", "smoke", "--loops", "2"]) == (Path("runs/reproduce_smoke"), 2)
+    assert reproduce.main(["--preset", "smoke", "--loops", "3"]) == (Path("runs/reproduce_smoke_r3"), 3)
+
+
+def test_damaged_json_during_the_pipeline_is_one_line(tmp_path, monkeypatch):
+    """A JSONFileError (a damaged ladder.json, a hand-edited cache) ends reproduce.py with one line naming the
+    file, not a traceback."""
+    from checks import JSONFileError
+
+    def damaged(args, plan, out):
+        raise JSONFileError(f"{out / 'ladder.json'}: content differs from its sha256 (edited or corrupt)")
+    monkeypatch.setattr(reproduce, "_pipeline", damaged)
+    with pytest.raises(SystemExit, match=rf"^reproduce: {tmp_path / 'ladder.json'}: content differs"):
+        reproduce.cli_main(["--preset", "smoke", "--out-dir", str(tmp_path)])
+
+
+def test_probes_stage_names_every_matched_pair_with_its_seed(tmp_path, monkeypatch):
+    """Each matched pair is (cell key, with _seedN for seed replicates; Baseline dir; SMELT dir)."""
+    import probes
+    seen = []
+
+    def stop(pairs, *a, **kw):
+        seen.extend(pairs)
+        raise RuntimeError("stop")
+    monkeypatch.setattr(probes, "probe_pairs", stop)
+    ladder = [{"scale": "m48", "sparsity_label": "S=0%"}, {"scale": "m64", "sparsity_label": "S~85%"}]
+    with pytest.raises(RuntimeError, match="stop"):
+        reproduce.stage_probes(configs.PLANS["smoke"], ladder, None, tmp_path)
+    runs = tmp_path / "runs"
+    assert seen == [(k, str(runs / f"{cell}_baseline{seed}"), str(runs / f"{cell}_smelt{seed}"))
+                    for k, cell, seed in (("m48_S0", "m48_S0", ""), ("m64_S85", "m64_S85", ""),
+                                          ("m64_S85_seed1", "m64_S85", "_seed1"))]
