@@ -62,7 +62,10 @@ def _projections(model: nn.Module) -> list[nn.Linear]:
     for m in model.modules():
         lins += [getattr(m, name) for name in getattr(m, "DECODE_PROJECTIONS", ())]
     head = getattr(model, "lm_head", None)
-    return lins + ([head] if head is not None else [])
+    lins += [head] if head is not None else []
+    if biased := [type(m).__name__ for m in lins if m.bias is not None]:   # _few_row_forward drops a bias
+        raise ValueError(f"cpu_fast.few_row_projections: projections with a bias are not supported ({biased})")
+    return lins
 
 
 @contextlib.contextmanager

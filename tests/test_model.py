@@ -101,6 +101,16 @@ def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
     assert not any("forward" in p.__dict__ for p in projections)
 
 
+def test_few_row_layout_refuses_a_projection_with_a_bias():
+    """The few-row forward multiplies by the weight only: a projection given a bias is refused by name rather than
+    decoded without it."""
+    import cpu_fast
+    m = GPT(tiny()).eval()
+    m.blocks[1].attn.wq = torch.nn.Linear(m.cfg.d_model, m.cfg.n_head * m.cfg.hd, bias=True)
+    with pytest.raises(ValueError, match="projections with a bias are not supported"):
+        m.forward_step(torch.randint(0, 64, (1, 3)), m.new_cache(1, 4))
+
+
 def test_one_row_projection_is_plain_f_linear_on_one_thread():
     """On one thread the 1-row product is not padded (the GEMV is the faster kernel there)."""
     import cpu_fast
