@@ -15,8 +15,10 @@ What this file implements (SMELT Section 3.1 "Evaluation", 5.1 and Appendix E)
 * `evaluate_task` (prompts from `task_requests`): one task at k shots over demonstration seeds, with
   the demonstrations kept and the prompts cut. Multiple choice by each option's
   log-likelihood (DCLM's per-token mean, lm-eval's per-character acc_norm, or the raw sum);
-  generation by exact match (teacher-forced: the same as greedy decoding) and gold-completion loss;
-  mean and standard error over seeds.
+  generation by exact match (teacher-forced: every gold token is the argmax, which greedy decoding
+  reproduces; what follows the answer is not scored: llm-foundry's LM accuracy, as DCLM) and
+  gold-completion loss; mean and standard error over seeds. The scored item and its duplicates
+  are never among its demonstrations.
 * `centred_accuracy` (DCLM Core, SMELT Eq. 11: (a - rho) / (1 - rho), DCLM v2's random baselines)
   and `chance_of` (a task's exact chance rate).
 
@@ -456,9 +458,11 @@ def check_int(owner: str, name: str, v, lo: int, none_ok: bool = False) -> None:
 
 
 def demos_available(task: Task) -> int:
-    """The most demonstrations every item can draw from its own group (the other items of it): a k above
-    this is skipped by eval.evaluate_endpoint (and so by costs.scoring_counts)."""
-    return min(Counter(it.group for it in task.items).values()) - 1
+    """The most demonstrations every item can draw from its own group (its items other than the item and its
+    duplicates): a k above this is skipped by eval.evaluate_endpoint (and so by costs.scoring_counts)."""
+    size = Counter(it.group for it in task.items)
+    copies = Counter((it.group, it.query, it.answer) for it in task.items)
+    return min(size[g] - n for (g, _, _), n in copies.items())
 
 
 def continuations(req: dict) -> list[tuple[list[int], int]]:
@@ -486,9 +490,10 @@ def task_requests(enc, task: Task, k: int, seeds: int, max_items: int | None, bl
         if max_items is not None and len(out["used"]) >= max_items:
             break
         item = task.items[i]
-        pool = [j for j in by_group[item.group] if j != i]
+        same = (item.query, item.answer)   # a duplicate of the item (gen_modadd: 49 sums) would hand it its answer
+        pool = [j for j in by_group[item.group] if j != i and (task.items[j].query, task.items[j].answer) != same]
         if k > len(pool):
-            raise ValueError(f"{task.name}: {k} demonstrations requested, only {len(pool)} other items")
+            raise ValueError(f"{task.name}: {k} demonstrations requested, only {len(pool)} other distinct items")
         prompts = [fit_prompt(item, [task.items[j] for j in random.Random(f"{task.name}/{s}/{i}").sample(pool, k)],
                               encode, bos, block_size) for s in run_seeds]
         if max(len(t) for p in prompts for t in p[1]) > block_size - 2:

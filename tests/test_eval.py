@@ -148,6 +148,22 @@ def test_scored_item_is_never_its_own_demonstration(monkeypatch):
             assert {real.items[j].group for j in demos} == {real.items[i].group}
 
 
+def test_a_duplicate_of_the_scored_item_is_never_its_demonstration(monkeypatch):
+    """Items that repeat (gen_modadd has 49 possible sums for 200 items) are excluded from each other's
+    demonstrations, so no prompt shows its own query with its answer; demos_available counts what is left."""
+    items = [tasks.Item(f"q{i % 3} =", f" a{i % 3}", group="g") for i in range(6)]   # each item twice
+    toy = tasks.Task("dup6", "gen", items, 0.0, None, "toy", "generated")
+    assert tasks.demos_available(toy) == 4
+    seen = _demos_of_every_request(monkeypatch, toy, k=4, seeds=3, max_items=None, block_size=128)
+    for i, demos in seen:
+        assert sorted(demos) == [j for j in range(6) if j % 3 != i % 3], f"item {i} drew {demos}"
+    modadd = tasks.get_task("gen_modadd")
+    for k in (8, 32):
+        for i, demos in _demos_of_every_request(monkeypatch, modadd, k=k, seeds=3, max_items=60, block_size=4096):
+            it = modadd.items[i]
+            assert all((modadd.items[j].query, modadd.items[j].answer) != (it.query, it.answer) for j in demos)
+
+
 def test_prompt_moves_trailing_space_into_the_continuation():
     demo, item = tasks.Item("\nQ: 1+1\nA: ", "2"), tasks.Item("\nQ: 2+2\nA: ", "4", prefix="add:", sep="\n")
     ctx, conts = tasks.build_prompt(item, [demo])
