@@ -15,10 +15,9 @@ What this file implements (SMELT Section 3.1 "Evaluation", 5.1 and Appendix E)
 * `evaluate_task` (prompts from `task_requests`): one task at k shots over demonstration seeds, with
   the demonstrations kept and the prompts cut. Multiple choice by each option's
   log-likelihood (DCLM's per-token mean, lm-eval's per-character acc_norm, or the raw sum);
-  generation by exact match (teacher-forced: every gold token is the argmax, which greedy decoding
-  reproduces; what follows the answer is not scored: llm-foundry's LM accuracy, as DCLM) and
-  gold-completion loss; mean and standard error over seeds. The scored item and its duplicates
-  are never among its demonstrations.
+  generation by exact match (every gold token the argmax; what follows is not scored: llm-foundry's
+  LM accuracy, as DCLM) and gold-completion loss; mean and SE over seeds. Never among an item's
+  demonstrations: the item and its duplicates.
 * `centred_accuracy` (DCLM Core, SMELT Eq. 11: (a - rho) / (1 - rho), DCLM v2's random baselines)
   and `chance_of` (a task's exact chance rate).
 
