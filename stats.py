@@ -82,11 +82,12 @@ def t_quantile(p: float, dof: int) -> float:
 
 
 def mean_interval(x: Sequence[float], level: float = 0.95) -> Interval:
-    """Student-t interval of the mean of x; with one value there is no interval (bounds nan)."""
+    """Student-t interval of the mean of x; with one value, or values without spread (their sd says nothing
+    about the noise: a zero-width interval would read as certain), there is no interval (bounds nan)."""
     _check_level(level)
     a = _vector(x, "x")
     n, m = a.size, float(a.mean())
-    if n < 2:
+    if n < 2 or float(a.std(ddof=1)) == 0.0:
         return Interval(m, math.nan, math.nan, n, level, "t")
     half = t_quantile(0.5 + level / 2, n - 1) * float(a.std(ddof=1)) / math.sqrt(n)
     return Interval(m, m - half, m + half, n, level, "t")

@@ -462,11 +462,11 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
             b = [float(np.mean([v[0] for v in vs])) for vs in vals.values()]
             s = [float(np.mean([v[1] for v in vs])) for vs in vals.values()]
             iv = stats.paired_difference(b, s)
-            why = None if iv.resolved else f"{len(b)} pair: no interval"
-            if key == "core" and max(b + s) <= 0:
-                why = "both models at or below chance (centred accuracy <= 0) in every pair"
+            why, verdict = (None if iv.resolved else f"{len(b)} pair(s) without spread: no interval"), None
+            if key == "core" and max(b + s) <= 0:   # centred accuracies below chance rank nothing
+                why, verdict = "both models at or below chance (centred accuracy <= 0) in every pair", "not resolved"
             claim(f"{metric} difference", f"SMELT - Baseline {what}, {src} {direction} 0", paper, direction, 0.0, iv,
-                  len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair", why)
+                  len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair", why, verdict)
     if calibration is not None and calibration.get("error"):
         claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0",
               PAPER_RESIDUAL_POSITIVE, ">", 0.0, None, 0, "SMELT endpoint",

@@ -897,6 +897,19 @@ def test_downstream_claims_and_report(tmp_path):
     assert any("core not identified" in n for n in figs["notes"])
 
 
+def test_core_difference_below_chance_gets_no_verdict():
+    """Both models below chance (centred accuracy < 0) in every pair: a difference with an interval clear of 0
+    still ranks nothing, so the claim is "not resolved" with why, its interval kept for the record."""
+    recs = []
+    for i, scale in enumerate(("t32", "t64", "t96")):
+        for branch in (10, 20):
+            b = -0.3 + 0.01 * i + 0.003 * (branch == 20)
+            recs.append(rec("baseline", scale, "S~50%", branch, summary={"real": {"core": b}}))
+            recs.append(rec("smelt", scale, "S~50%", branch, summary={"real": {"core": b + 0.1 + 0.001 * i}}))
+    [c] = [c for c in wins.downstream_claims(recs) if c["id"] == "real core difference"]
+    assert c["interval"]["lo"] > 0 and c["verdict"] == "not resolved" and "at or below chance" in c["why"]
+
+
 def test_run_unit_pairs_each_training_seed_of_a_cell():
     """unit="run" averages a run pair's branches and keeps each (cell, seed) apart: n = cells x seeds, and the
     interval is paired_difference over those run means."""

@@ -23,6 +23,14 @@ def test_one_value_has_no_interval_and_no_verdict():
     assert "no interval" in iv.fmt()
 
 
+def test_values_without_spread_have_no_interval():
+    """Two seeds with the same accuracy gain (accuracies are multiples of 1/items) give sd 0: no interval and no
+    verdict, not a zero-width interval that reads as certain."""
+    iv = stats.paired_difference([5 / 12] * 2, [6 / 12] * 2)
+    assert iv.mean == pytest.approx(1 / 12) and not iv.resolved and math.isnan(iv.lo) and math.isnan(iv.hi)
+    assert stats.verdict(iv, ">") == "not resolved"
+
+
 def test_paired_difference_removes_shared_noise():
     rng = np.random.default_rng(0)
     shared = rng.normal(0, 1.0, 8)              # seed-to-seed noise common to both models
