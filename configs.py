@@ -113,7 +113,7 @@ class DataPreset:
     @property
     def planned_tokens(self) -> int:
         """Train + validation tokens aimed for; the training stream differs (measured: smoke 300,347 as
-        whole documents overshoot, tiny 4.42M of 5M as validation is held out)."""
+        whole documents overshoot, tiny 4.46M of 5M as validation is held out)."""
         return self.tokens_per_domain * self.domains
 
 
@@ -179,7 +179,7 @@ PLANS = {
                         "repeat_copy_logic"), shots=(0, 2, 8), seeds=2, max_items=12, bootstrap=40,
                  probe_tokens=4096, repeat=("t64", "S~85%"), train_seeds=3, eval_interval=750),
     # small: no repeated data (SMELT 3.1): the stable phase and the decay window every branch shares read
-    # (420 + 70) x 32 x 1024 = 16.1M tokens, 0.80 of the planned 20M, 0.85 of the 18.8M measured (plan_epochs)
+    # (420 + 70) x 32 x 1024 = 16.1M tokens, 0.80 of the planned 20M, 0.96 of the 16.7M measured (plan_epochs)
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
                   stable_steps=420, branch_steps=[70, 210, 420], decay_steps=70, eval_tokens=32768,
                   seeds=5, max_items=100, bootstrap=1000, probe_tokens=32768, repeat=("s128", "S~85%"),

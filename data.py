@@ -203,24 +203,26 @@ def _split_source(name: str, docs: list[corpus.Doc], budget: int, enc: tiktoken.
                   val_cap: int) -> tuple[list[np.ndarray], list[np.ndarray], int, int]:
     """Tokenise a source's documents in a seeded order until `budget` tokens: (val, train, tokens, text bytes).
 
-    Every 10th document (or part of a long one) is held out while the held-out tokens are below val_cap.
+    Every 10th document is held out, with all its parts (corpus.clean splits a long one), while the held-out
+    tokens are below val_cap; parts of a held-out document past the cap are dropped, never trained on.
     """
     eot = enc.eot_token
     val: list[np.ndarray] = []
     train: list[np.ndarray] = []
     n_val_tokens = n_tokens = n_bytes = 0
-    texts = (t for i in np.random.default_rng(_seed(name)).permutation(len(docs)) for t in corpus.clean(docs[i]()))
-    for j, text in enumerate(texts):  # lazily: documents past the budget are never read
+    for j, i in enumerate(np.random.default_rng(_seed(name)).permutation(len(docs))):
         if n_tokens >= budget and train:
-            break
-        doc = np.array([eot] + enc.encode_ordinary(text), dtype=dtype)
-        n_tokens += len(doc)
-        n_bytes += len(text.encode())
-        if j % 10 == 0 and n_val_tokens < val_cap:
-            val.append(doc)
-            n_val_tokens += len(doc)
-        else:
-            train.append(doc)
+            break                     # lazily: documents past the budget are never read
+        held = j % 10 == 0 and n_val_tokens < val_cap
+        for text in corpus.clean(docs[i]()):
+            full = n_val_tokens >= val_cap if held else (n_tokens >= budget and bool(train))
+            if full:   # held out: the rest is dropped, never trained on; training: the budget is reached
+                break
+            part = np.array([eot] + enc.encode_ordinary(text), dtype=dtype)
+            n_tokens += len(part)
+            n_bytes += len(text.encode())
+            (val if held else train).append(part)
+            n_val_tokens += len(part) if held else 0
     return val, train, n_tokens, n_bytes
 
 

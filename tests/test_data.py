@@ -220,6 +220,26 @@ def test_split_source_holds_out_every_10th_doc_up_to_the_cap_and_never_trains_on
     assert n_bytes == sum(len(text(i).encode()) for i in range(60))
 
 
+def test_split_source_holds_out_whole_documents_with_every_part(monkeypatch):
+    """A long document is split into parts (corpus.clean); the hold-out is decided per document, so all its parts
+    go to one side and no held-out document is partly trained on; parts of one past val_cap are dropped."""
+    monkeypatch.setattr(corpus, "MAX_DOC_CHARS", 120)                # every document below splits into parts
+    enc = tokenizer.get_tokenizer(512)
+    para = lambda i, p: f"doc{i} part{p} " + "text " * 12
+    docs = [lambda i=i: "\n\n".join(para(i, p) for p in range(3)) for i in range(40)]
+    assert all(len(corpus.clean(d())) >= 2 for d in docs)
+    owner = lambda part: int(enc.decode(part[1:].tolist()).split()[0][3:])   # "docN" opens every part
+    val, train, _, _ = data._split_source("src", docs, 10**9, enc, np.uint16, 10**9)
+    order = np.random.default_rng(data._seed("src")).permutation(40)
+    assert {owner(p) for p in val} == {int(order[j]) for j in (0, 10, 20, 30)}
+    assert not {owner(p) for p in val} & {owner(p) for p in train}
+    assert len(val) == sum(len(corpus.clean(docs[int(order[j])]())) for j in (0, 10, 20, 30))   # every part
+    first = sum(map(len, val[:1]))                                   # a cap inside the first held-out document
+    val, train, n_tokens, _ = data._split_source("src", docs, 10**9, enc, np.uint16, first)
+    assert [owner(p) for p in val] == [int(order[0])] and int(order[0]) not in {owner(p) for p in train}
+    assert n_tokens == sum(map(len, val)) + sum(map(len, train))     # the dropped parts count nowhere
+
+
 def test_val_batches_keep_whole_contexts_when_the_stream_is_a_multiple_of_T(td):
     """A held-out stream of n*T tokens gives n - 1 contexts of T tokens (each needs T + 1 for its targets)."""
     for source in td.sources:

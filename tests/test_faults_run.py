@@ -124,7 +124,7 @@ def test_an_edited_pack_is_refused_naming_pack_json(tmp_path):
     dest = tmp_path / "pack"
     data_mod.pack("smoke", dest)
     info = json.loads((dest / "PACK.json").read_text())
-    (dest / "PACK.json").write_text(json.dumps({**info, "dataset": "data/tiny-v1"}))
+    (dest / "PACK.json").write_text(json.dumps({**info, "dataset": "data/tiny-v2"}))
     with pytest.raises(JSONFileError, match=r"PACK.json: content differs from its sha256.*build the pack again"):
         data_mod.use_pack(dest, "smoke")
 

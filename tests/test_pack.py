@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import corpus
 import data
 import tokenizer
 
@@ -54,7 +55,7 @@ def test_smoke_pack_trains_with_the_network_cut(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOPED_MOE_CACHE", str(tmp_path / "cache"))
     info = data.pack("smoke", tmp_path / "pack")
     assert 0 < info["bytes"] < data.PACK_LIMIT
-    assert info["dataset"] == "data/smoke-v1" and not any(f.startswith("tiktoken/") for f in info["files"])
+    assert info["dataset"] == f"data/smoke-v{corpus.FORMAT_VERSION}" and not any(f.startswith("tiktoken/") for f in info["files"])
     env = {**os.environ, "LOOPED_MOE_CACHE": str(tmp_path / "empty"), "OMP_NUM_THREADS": "1"}   # only the pack
     r = subprocess.run(prefix + [sys.executable, "-c", OFFLINE_RUN, str(tmp_path / "out"), str(tmp_path / "pack")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -98,7 +99,7 @@ def test_pack_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(FileExistsError, match="without PACK.json"):
         data.pack("smoke", tmp_path / "stuff")
     data.pack("smoke", tmp_path / "pack")
-    shard = tmp_path / "pack" / "data" / "smoke-v1" / "train.bin"
+    shard = tmp_path / "pack" / "data" / f"smoke-v{corpus.FORMAT_VERSION}" / "train.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(data.CorruptDataError, match="train.bin"):
         data.use_pack(tmp_path / "pack")
