@@ -279,6 +279,12 @@ def panel_intervals(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of:
 # ----------------------------------------------------------------------------------------
 # Claims
 
+def _verdict(d: dict, direction: str, value: float) -> str:
+    """The held-out interval's verdict where the across-pairs (training noise) interval agrees, else not resolved."""
+    v = stats.verdict(d["interval"], direction, value)
+    return v if v == stats.verdict(d["across_pairs"], direction, value) else "not resolved"
+
+
 def claims(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | None = None) -> list[dict]:
     """Section 6's claims on a `probes.probe_pairs` result, each a paired quantity with intervals.
 
@@ -287,8 +293,9 @@ def claims(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | 
     held-out document groups resampled jointly for all pairs; prompts for Dyck), per_pair
     {name: Interval}, weakest (Interval of the least favourable pair: "in every cell"),
     across_pairs (t-interval over the pairs' point estimates), parts (the two sides, averaged over
-    pairs), unit, and verdict = stats.verdict(interval, direction, value). Quantities no pair has
-    (a dense pair has no expert overlap) give interval None: not resolved.
+    pairs), unit, and verdict: stats.verdict of `interval` (held-out sampling) where the across-pairs
+    interval (training noise, seed replicates included) gives the same verdict, else not resolved.
+    Quantities no pair has (a dense pair has no expert overlap) give interval None: not resolved.
     """
     names, cells = _cells_of or _cells(result)
     U = len(cells[0].keys) if cells else 0
@@ -309,7 +316,7 @@ def claims(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | 
             d["parts"] = {p: float(np.mean([c.value(p) for _, c in have])) for p in cl.parts}
         else:
             d.update(interval=None, weakest=None, per_pair={}, across_pairs=None, parts={})
-        d["verdict"] = stats.verdict(d["interval"], cl.direction, cl.value)
+        d["verdict"] = _verdict(d, cl.direction, cl.value)
         out.append(d)
     out += _dyck_claims(result, n_draws, seed)
     return out
@@ -340,7 +347,7 @@ def _dyck_claims(result: dict, n_draws: int, seed: int) -> list[dict]:
                                           else float(diff[i].mean()), n_draws, seed) for i, n in enumerate(dy)}
             d["across_pairs"] = stats.mean_interval(diff.mean(1))
             d["parts"] = {"visit 1": float(M[:, :, 0].mean()), "visit 2": float(M[:, :, 1].mean())}
-        d["verdict"] = stats.verdict(d["interval"], sign, value)
+        d["verdict"] = _verdict(d, sign, value)
         out.append(d)
     return out
 

@@ -88,19 +88,6 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
     return out
 
 
-def probe_claims(claims: list[dict]) -> list[dict]:
-    """probe_claims.claims(prb) with a verdict that needs both intervals: held-out sampling (bootstrap over document
-    groups, the mean over pairs) and training (a t-interval over the pairs, seed replicates included)."""
-    import stats
-    out = []
-    for c in claims:
-        v1 = stats.verdict(c["interval"], c["direction"], c["value"])
-        v2 = stats.verdict(c.get("across_pairs"), c["direction"], c["value"])
-        c["verdict"] = v1 if v1 == v2 else "not resolved"
-        out.append(c)
-    return out
-
-
 # The paper's words for the claims this file states (SMELT, quoted with their section)
 PAPER = {
     "lower": "\"At comparable measured compute, SMELT reaches lower loss in every cell\" (Sec. 4.1, Fig. 8)",
@@ -500,7 +487,7 @@ def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> 
 
 def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev_sum, scal, prb, summary: dict,
                  ts: dict, cost: dict, pclaims: list[dict] = ()) -> Path:
-    """REPORT.md from the stages' results; pclaims: probe_claims(probe_claims.claims(prb)) ([] without probes)."""
+    """REPORT.md from the stages' results; pclaims: probe_claims.claims(prb) ([] without probes)."""
     pclaims = list(pclaims) if prb.get("pairs") else []
     L = _section_summary(plan_name, summary)
     L += _section_plan(plan, ladder, rows, cost)

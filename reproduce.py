@@ -409,7 +409,7 @@ def probe_verdicts(prb: dict) -> list[dict]:
     if not prb.get("pairs"):
         return []
     import probe_claims
-    return reporting.probe_claims(probe_claims.claims(prb))
+    return probe_claims.claims(prb)
 
 
 # ----------------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ def test_probe_claims_directions_and_values_on_hand_set_sums():
         c = cs[cid]
         assert (c["direction"], c["value"]) == (direction, value), cid
         assert c["interval"].mean == pytest.approx(mean), cid
-        assert c["verdict"] == "reproduced", cid
+        assert stats.verdict(c["interval"], direction, value) == "reproduced", cid
+        assert c["verdict"] == "not resolved", cid          # one pair: no interval of the training noise
     assert cs["expert_overlap"]["parts"] == pytest.approx({"expert_frac": 0.5, "expert_random_frac": 0.25})
     assert cs["update_cosine"]["parts"] == pytest.approx({"ucos_same": 0.5, "ucos_other": 0.2})
 
@@ -236,9 +237,10 @@ def test_training_summary_pairs_final_losses_and_carries_the_seed_noise():
 
 def test_probe_verdict_needs_both_intervals():
     """A probe claim is reproduced only when the held-out interval and the across-pairs interval agree."""
+    import probe_claims
     below, straddles = stats.Interval(-0.3, -0.5, -0.1, 8), stats.Interval(-0.1, -0.4, 0.2, 3)
-    claim = lambda a: {"interval": below, "across_pairs": a, "direction": "<", "value": 0.0}
-    assert [c["verdict"] for c in report.probe_claims([claim(below), claim(straddles), claim(None)])] == [
+    claim = lambda a: {"interval": below, "across_pairs": a}
+    assert [probe_claims._verdict(claim(a), "<", 0.0) for a in (below, straddles, None)] == [
         "reproduced", "not resolved", "not resolved"]
 
 
