@@ -32,6 +32,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -367,6 +368,10 @@ class Trainer(Checkpoints):
                              f"{data.vocab_size}")
         self.model_cfg, self.tc, self.data = model_cfg, tc, data
         self.meta = dict(meta or {})
+        if model_cfg.loop.active and "control" not in self.meta and self.d.rank == 0:
+            print("train: S of this looped model is measured against its own dense control; SMELT Eq. 1 measures "
+                  "a matched looped model at its Baseline's scale: pass meta['control'] (reproduce.py does)",
+                  file=sys.stderr, flush=True)
         self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
         self.device, self.autocast = select_device(tc, self.d)
         refuse_unrunnable(model_cfg, tc, self.d.world, self.device)

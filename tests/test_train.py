@@ -147,6 +147,16 @@ def test_load_max_pools_every_micro_batch(tmp_path):
     assert t.step(0, 0, 1e-3)["load_max"] == pytest.approx(want, rel=1e-9)
 
 
+def test_a_looped_model_without_the_baselines_control_is_said(tmp_path, capsys):
+    """S of a looped model is measured at its Baseline's scale (SMELT Eq. 1): without meta["control"] the Trainer
+    says, before training, that it falls back to the model's own dense control; with one it says nothing."""
+    T.Trainer(tiny_model(), tiny_train(), T.SyntheticData(64), tmp_path / "a")
+    assert "its own dense control" in capsys.readouterr().err
+    control = tiny_model(loop=LoopConfig(), n_experts=2)
+    T.Trainer(tiny_model(), tiny_train(), T.SyntheticData(64), tmp_path / "b", {"control": control})
+    assert "own dense control" not in capsys.readouterr().err
+
+
 def test_flops_ctx_with_the_models_block_size_is_checked_once_it_is_known(tmp_path):
     """block_size 0 means the model's: a flops_ctx is accepted by the config and checked by the Trainer against
     the model's block_size (32 here)."""
