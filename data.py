@@ -408,6 +408,15 @@ class TokenData:
         """Token count (with its EOT) of every held-out document of a source, in stream order."""
         return np.diff(np.append(self._val_starts[source], len(self._val[source])))
 
+    def val_slots(self, source: str, block_size: int, max_tokens: int | None = None) -> np.ndarray:
+        """Which contexts val_batches reads: slot k covers tokens [k*T, (k+1)*T] of the held-out stream."""
+        if source not in self._val:
+            raise KeyError(f"unknown source {source!r}; present: {self.sources}")
+        total = (len(self._val[source]) - 1) // block_size
+        n_ctx = total if max_tokens is None else min(total, max(1, max_tokens // block_size))
+        return (np.unique(np.linspace(0, total - 1, n_ctx).round().astype(np.int64)) if n_ctx < total
+                else np.arange(total))
+
     def val_batches(self, source: str, batch_size: int, block_size: int, max_tokens: int | None = None,
                     doc_lengths: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
         """The source's fixed validation contexts (non-overlapping, in stream order): idx, targets, doc_ids.
@@ -418,13 +427,8 @@ class TokenData:
         With doc_lengths=True a fourth (B, T) tensor gives the length of each position's document,
         for bucketing loss by document length. A trailing partial context is dropped.
         """
-        if source not in self._val:
-            raise KeyError(f"unknown source {source!r}; present: {self.sources}")
+        slots = self.val_slots(source, block_size, max_tokens)   # checks the source
         stream, T = self._val[source], block_size
-        total = (len(stream) - 1) // T
-        n_ctx = total if max_tokens is None else min(total, max(1, max_tokens // T))
-        slots = np.unique(np.linspace(0, total - 1, n_ctx).round().astype(np.int64)) if n_ctx < total \
-            else np.arange(total)
         lengths = self.val_doc_lengths(source)
         for b in range(0, len(slots), batch_size):
             starts = slots[b:b + batch_size] * T

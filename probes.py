@@ -494,8 +494,9 @@ class Sample:
 def held_out_sample(data, tokens: int, block_size: int) -> Sample:
     """About `tokens` validation tokens in contexts of block_size: the same number of contexts from every
     domain present, spread round-robin over each domain's sources (a short source passes its share on),
-    each source's contexts in stream order from its start. Units: contexts of one source that share a
-    document (one cut by a context boundary) form one unit."""
+    each source's contexts spread over its held-out stream (data.val_slots, as validation reads them).
+    Units: neighbouring contexts of one source that share a document (one cut by a context boundary, or
+    one long enough to span the gap between two sampled contexts) form one unit."""
     if tokens < block_size or block_size < 2:
         raise ValueError(f"held_out_sample: need tokens >= block_size >= 2, got tokens={tokens}, "
                          f"block_size={block_size}")
@@ -519,10 +520,13 @@ def held_out_sample(data, tokens: int, block_size: int) -> Sample:
             if n == 0:
                 continue
             x, _, dd = next(iter(data.val_batches(s, n, block_size, n * block_size)))[:3]
-            starts = set(np.concatenate([[0], np.cumsum(lengths[s])[:-1]]).tolist())
+            first = data.val_slots(s, block_size, n * block_size) * block_size    # each context's first token
+            doc_starts = np.concatenate([[0], np.cumsum(lengths[s])[:-1]])
+            doc_first = np.searchsorted(doc_starts, first, side="right") - 1       # document of its first token
+            doc_last = np.searchsorted(doc_starts, first + block_size - 1, side="right") - 1   # and of its last
             group = 0
             for j in range(x.shape[0]):
-                if j > 0 and j * block_size in starts:               # a document starts exactly here
+                if j > 0 and doc_first[j] != doc_last[j - 1]:   # no document runs on from the previous context
                     group += 1
                 units.append((s, group))
             idx.append(x)

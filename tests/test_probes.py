@@ -376,13 +376,17 @@ class FakeData:
     def val_doc_lengths(self, source):
         return self.lengths[source]
 
+    val_slots = data.TokenData.val_slots   # the real choice of contexts: spread over the stream
+
+    @property
+    def _val(self):
+        return self.stream
+
     def val_batches(self, source, batch_size, block_size, max_tokens=None):
         st, T = self.stream[source], block_size
-        n = (len(st) - 1) // T
-        if max_tokens is not None:
-            n = min(n, max(1, max_tokens // T))
-        for b in range(0, n, batch_size):
-            rows = torch.stack([st[i * T:i * T + T + 1] for i in range(b, min(b + batch_size, n))])
+        slots = self.val_slots(source, T, max_tokens)
+        for b in range(0, len(slots), batch_size):
+            rows = torch.stack([st[k * T:k * T + T + 1] for k in slots[b:b + batch_size]])
             idx = rows[:, :-1]
             doc = torch.cumsum(idx == self.eot, 1)
             yield idx, rows[:, 1:], doc - doc[:, :1]
@@ -401,10 +405,13 @@ def test_held_out_sample_spans_domains_equally():
     assert desc["tokens_by_domain"] == {"code": 128, "math": 128, "prose": 128}
     assert desc["tokens_by_source"] == {"c1": 64, "c2": 64, "m1": 128, "p1": 64, "p2": 64}   # round-robin; x1 too short
     assert s.idx.shape == (12, 32) and len(s.units) == 12
-    # c2's documents start at 0, 64, 128: its two contexts (0-31, 32-63) share one document; c1's too.
-    # p1's documents are 20 tokens long: no boundary falls exactly on 32, so both its contexts form one unit
-    # (contexts are cut mid-document); m1 has one 500-token document.
-    assert s.units.count(("c2", 0)) == 2 and s.units.count(("m1", 0)) == 4
+    # Two of a source's contexts are taken spread over its stream (data.val_slots): c1 reads tokens 0-31 and
+    # 352-383, in its documents [0, 100) and [100, 400): two units; c2 (documents at 0, 64, 128) 0-31 and
+    # 288-319: two; p1 (20-token documents) 0-31 and 352-383: two; p2 (one 90-token document) 0-31 and 32-63:
+    # one; m1's four contexts (slots 0, 5, 9, 14) all lie in its one 500-token document: one unit.
+    assert s.units == [("c1", 0), ("c1", 1), ("c2", 0), ("c2", 1), ("m1", 0), ("m1", 0), ("m1", 0), ("m1", 0),
+                       ("p1", 0), ("p1", 1), ("p2", 0), ("p2", 0)]
+    assert torch.equal(s.idx[1], d.stream["c1"][352:384])
     d2 = FakeData({"a": ("code", [32, 32, 40])})                      # a document starts exactly at 32
     s2 = probes.held_out_sample(d2, tokens=64, block_size=32)
     assert s2.units == [("a", 0), ("a", 1)]
