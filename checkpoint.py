@@ -16,6 +16,7 @@ train.py inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoin
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -93,6 +94,15 @@ def _flat(d: dict, prefix: str = "") -> dict:
     for k, v in d.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
+
+
+def data_fingerprint(data) -> str:
+    """What a run's batches are drawn from: the sha256 of every shard in a TokenData's manifest (not the manifest's
+    own hash, which changes with the build time), or a stand-in's whole manifest (train.SyntheticData)."""
+    m = getattr(data, "manifest", {})
+    files = m.get("files")
+    blob = json.dumps({k: v["sha256"] for k, v in files.items()} if files else m, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def config_diff(stored: dict, current: dict, prefix: str) -> list[str]:
@@ -326,8 +336,13 @@ class Checkpoints:
         rows and a killed writer's temp files (rank 0; all ranks call this)."""
         tc = self.tc
         cfg_path = self.run_dir / "config.json"
+        fingerprint = data_fingerprint(self.data)
         if cfg_path.exists():
-            diff = _run_diff(read_json(cfg_path, keys=("model", "train")), self.model_cfg, tc)
+            stored = read_json(cfg_path, keys=("model", "train"))
+            diff = _run_diff(stored, self.model_cfg, tc)
+            if stored.get("data_sha256", fingerprint) != fingerprint:   # a rebuilt dataset: other batches on resume
+                diff.append(f"data_sha256: stored {stored['data_sha256'][:12]}, this run {fingerprint[:12]} "
+                            f"(the dataset's shards differ)")
             if diff:
                 raise CheckpointError(f"{cfg_path} describes another run: {'; '.join(diff)}; use a new run directory")
         data_dir = getattr(self.data, "dir", None) or getattr(self.data, "manifest", {}).get("preset")
@@ -335,7 +350,8 @@ class Checkpoints:
         if self.d.rank == 0:
             meta = {k: v for k, v in self.meta.items() if k != "control"}
             atomic_write_text(cfg_path, json.dumps({"model": self.model_cfg.to_dict(), "train": asdict(tc),
-                                                    "data_dir": str(data_dir), "meta": meta}, indent=2))
+                                                    "data_dir": str(data_dir), "data_sha256": fingerprint,
+                                                    "meta": meta}, indent=2))
             repair_torn_tail(self.run_dir / "results.jsonl")
             quarantine_damaged_rows(self.run_dir / "metrics.jsonl")
             for d in (self.run_dir, self.ckpt_dir, self.run_dir / "endpoints"):   # a killed writer's temp files

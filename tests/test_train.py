@@ -287,6 +287,22 @@ def test_stable_run_and_branches_write_results_metrics_and_checkpoints(straight)
     assert meta["branch"] == 6 and all(torch.equal(final.state_dict()[k], v) for k, v in end.items())
 
 
+def test_a_run_directory_refuses_a_rebuilt_dataset(tmp_path):
+    """config.json records the sha256 of the data's shards: resuming (or re-running) a run directory on data whose
+    shards differ (a source skipped before is now present, say) is refused before any step, naming it."""
+    import checkpoint
+    from runfiles import CheckpointError
+    run_dir = tmp_path / "r"
+    T.Trainer(tiny_model(), tiny_train(stable_steps=2, branch_steps=[2], decay_steps=1), T.SyntheticData(64),
+              run_dir).run()
+    stored = json.loads((run_dir / "config.json").read_text())["data_sha256"]
+    assert stored == checkpoint.data_fingerprint(T.SyntheticData(64)) != checkpoint.data_fingerprint(T.SyntheticData(32))
+    other = T.Trainer(tiny_model(), tiny_train(stable_steps=2, branch_steps=[2], decay_steps=1), T.SyntheticData(32),
+                      run_dir)
+    with pytest.raises(CheckpointError, match=r"describes another run: data_sha256: stored .* shards differ"):
+        other.run()
+
+
 def test_rerun_of_finished_run_skips_training(straight):
     rows, run_dir, _ = straight
     before = (run_dir / "metrics.jsonl").read_text()
