@@ -423,14 +423,14 @@ def icl_claims(icl: dict, claim) -> None:
 
 
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
-                      unit: str = "endpoint", icl: dict | None = None) -> list[dict]:
+                      unit: str = "run", icl: dict | None = None) -> list[dict]:
     """The main job's downstream claims, each an interval decided by stats.verdict (SMELT 5.1, 5.3).
 
     For each origin (real BIG-bench tasks, generated tasks): SMELT - Baseline gold-completion loss
     (claim < 0) and centred accuracy (claim > 0), as stats.paired_difference over the matched pairs.
-    unit="endpoint" pairs every matched endpoint (cell, seed, branch); unit="run" first averages
-    each run pair's endpoints (cell, seed), so the units are independent trainings: endpoints of one
-    run share a trajectory, and the endpoint interval counts them as if they did not.
+    unit="run" (default) first averages each run pair's endpoints (cell, seed), so the units are
+    independent trainings; unit="endpoint" pairs every matched endpoint (cell, seed, branch), whose
+    interval counts the endpoints of one run (one trajectory) as if they were independent.
     calibration (calibration_report): the mean Eq. 7 residual of every identified metric, with its
     t-interval over SMELT endpoints (claim > 0); a metric whose fit is not identified is listed
     with verdict "not resolved" and why. families (length_families): SMELT's long/short ratio > 1.
@@ -528,7 +528,7 @@ def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
 
 
 def downstream_report(records: Sequence[dict], margin: float = 0.0, n_boot: int = 2000, n_perm: int = 10000,
-                      unit: str = "endpoint") -> dict:
+                      unit: str = "run") -> dict:
     """Everything SMELT Section 5 reports from a grid's endpoint evaluations (evaluate_endpoint outputs).
 
     Returns {"n_endpoints", "n_pairs", "wins" (win_counts), "icl" (icl_sweep), "families"

@@ -870,7 +870,7 @@ def test_downstream_claims_and_report(tmp_path):
                             summary={"real": {"core": 0.0, "completion": comp_b}}))
             recs.append(rec("smelt", scale, label, branch, loss=loss - 0.05, tasks=tasks_s,
                             summary={"real": {"core": 0.0, "completion": comp_b - 0.1 - 0.02 * (i % 2)}}))
-    rep = wins.downstream_report(recs, n_boot=50)
+    rep = wins.downstream_report(recs, n_boot=50, unit="endpoint")
     assert rep["n_endpoints"] == 24 and rep["n_pairs"] == 12
     claims = {c["id"]: c for c in rep["claims"]}
     comp = claims["real completion difference"]
@@ -927,10 +927,10 @@ def test_run_unit_pairs_each_training_seed_of_a_cell():
                 recs.append(rec("smelt", scale, "S~50%", branch, seed=seed, summary={"real": {"completion": sm}}))
     want = stats.paired_difference([np.mean([v[0] for v in vs]) for vs in runs.values()],
                                    [np.mean([v[1] for v in vs]) for vs in runs.values()])
-    [c] = [c for c in wins.downstream_claims(recs, unit="run") if c["id"] == "real completion difference"]
+    [c] = [c for c in wins.downstream_claims(recs) if c["id"] == "real completion difference"]   # run: the default
     assert c["n"] == 6 and c["unit"] == "matched run pair"
     assert c["interval"] == pytest.approx(want.to_dict()) and c["verdict"] == "reproduced"
-    [e] = [c for c in wins.downstream_claims(recs) if c["id"] == "real completion difference"]
+    [e] = [c for c in wins.downstream_claims(recs, unit="endpoint") if c["id"] == "real completion difference"]
     assert e["n"] == 12
 
 
