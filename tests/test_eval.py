@@ -968,8 +968,8 @@ def test_length_tilt_claim_needs_a_gain_not_a_loss():
     """When SMELT is worse on average, each shape normalises a loss: a ratio below 1 then means the deficit is
     smaller on long documents (the claim's direction, inverted), so the claim gets no verdict."""
     import stats
-    fam = {"paper": 1.52, "n_contrasts": 3, "n_negative": 3, "why": None,
-           "long_short": stats.Interval(0.67, 0.39, 0.99, 3, 0.95, "bootstrap").to_dict()}
+    fam = {"paper": 1.52, "n_contrasts": 12, "n_negative": 12, "why": None,
+           "long_short": stats.Interval(0.67, 0.39, 0.99, 12, 0.95, "bootstrap").to_dict()}
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] is None and "negative" in c["why"]
     fam["n_negative"] = 0        # SMELT gains everywhere: the same interval is decided as usual
@@ -996,15 +996,29 @@ def test_segment_lengths_match_a_per_row_loop():
 
 def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
     """The tilt claim is withheld only when SMELT's gain is negative in *most* contrasts (n_negative * 2 > n):
-    1 of 2 negative is a tie, and the interval is decided as usual."""
+    6 of 12 negative is a tie, and the interval is decided as usual."""
     import stats
-    fam = {"paper": 1.52, "n_contrasts": 2, "n_negative": 1, "why": None,
-           "long_short": stats.Interval(1.5, 1.2, 1.8, 2, 0.95, "bootstrap").to_dict()}
+    fam = {"paper": 1.52, "n_contrasts": 12, "n_negative": 6, "why": None,
+           "long_short": stats.Interval(1.5, 1.2, 1.8, 12, 0.95, "bootstrap").to_dict()}
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "reproduced" and c["interval"] == pytest.approx(fam["long_short"]) and c["why"] is None
-    fam["n_negative"] = 2
+    fam["n_negative"] = 7
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] is None
+
+
+def test_length_tilt_over_few_contrasts_decides_nothing():
+    """Below wins.MIN_BOOTSTRAP_UNITS (10) contrasts a percentile bootstrap under-covers: an interval wholly above 1
+    is kept for the record but the claim is not resolved, and says why; at 10 it is decided."""
+    import stats
+    fam = {"paper": 1.52, "n_contrasts": 5, "n_negative": 0, "why": None,
+           "long_short": stats.Interval(1.5, 1.2, 1.8, 5, 0.95, "bootstrap").to_dict()}
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "not resolved" and c["interval"] == pytest.approx(fam["long_short"])
+    assert "5 contrasts" in c["why"] and "fewer than 10" in c["why"]
+    fam["n_contrasts"] = wins.MIN_BOOTSTRAP_UNITS
+    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    assert c["verdict"] == "reproduced"
 
 
 def test_prompt_keeps_newlines_in_the_context_and_lists_every_option():
