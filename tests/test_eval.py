@@ -934,19 +934,37 @@ def test_run_unit_pairs_each_training_seed_of_a_cell():
     assert e["n"] == 12
 
 
+def test_residual_claim_is_a_t_interval_over_run_means():
+    """The Eq. 7 residual claim's unit is the SMELT run: 3 seeds x 2 branches give n = 3 and the t-interval of the
+    three run means, not of the six endpoints (which share trajectories in pairs)."""
+    import stats
+    recs, res, means = [], [], [0.02, 0.05, 0.03]
+    for seed, m in enumerate(means):
+        for branch, half in ((10, -0.01), (20, 0.01)):
+            recs += [rec("baseline", "t32", "S~50%", branch, seed=seed), rec("smelt", "t32", "S~50%", branch, seed=seed)]
+            res.append(m + half)
+    cal = {"metrics": {"completion": {"identified": True, "residuals": res}}}
+    [c] = [c for c in wins.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual"]
+    assert c["n"] == 3 and c["interval"] == pytest.approx(stats.mean_interval(means).to_dict())
+    assert c["unit"].startswith("SMELT run")
+
+
 @pytest.mark.parametrize("grows", [True, False])
 def test_residual_growth_is_largest_scale_minus_smallest(grows):
-    """_residual_growth's interval is Welch(largest scale's SMELT residuals - smallest's), scales in natural
-    order (t32 < t128): larger residuals at t128 -> above 0, reproduced; the reverse -> contradicted."""
+    """_residual_growth's interval is Welch(largest scale's SMELT run means - smallest's), scales in natural
+    order (t32 < t128): larger residuals at t128 -> above 0, reproduced; the reverse -> contradicted. The unit
+    is the run: its two branches' residuals are averaged first."""
     from scipy.stats import ttest_ind
-    small, large = [0.010, 0.020, 0.015], [0.050, 0.062, 0.055]
+    small, large = [0.010, 0.020, 0.015], [0.050, 0.062, 0.055]   # per seed (run)
     if not grows:
         small, large = large, small
     recs, res = [], []
-    for branch, (rs, rl) in zip((10, 20, 30), zip(small, large)):
-        for scale, r in (("t128", rl), ("t32", rs)):       # records interleave the scales; residuals follow them
-            recs += [rec("baseline", scale, "S~50%", branch), rec("smelt", scale, "S~50%", branch)]
-            res.append(r)
+    for seed, (rs, rl) in enumerate(zip(small, large)):
+        for branch, half in ((10, -0.004), (20, 0.004)):        # a run's branches straddle its mean
+            for scale, r in (("t128", rl), ("t32", rs)):       # records interleave the scales; residuals follow them
+                recs += [rec("baseline", scale, "S~50%", branch, seed=seed),
+                         rec("smelt", scale, "S~50%", branch, seed=seed)]
+                res.append(r + half)
     cal = {"metrics": {"completion": {"identified": True, "residuals": res}}}
     [c] = [c for c in wins.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual growth"]
     ref = ttest_ind(large, small, equal_var=False).confidence_interval()
