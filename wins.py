@@ -486,7 +486,7 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                 continue
             runs = _run_means(records, c["residuals"])
             iv = stats.mean_interval([v for _, v in runs.values()])
-            claim(f"{name} residual", text, paper, ">", 0.0, iv, len(runs), "SMELT run (its endpoints averaged)",
+            claim(f"{name} residual", text, paper, ">", 0.0, iv, len(runs), "SMELT run",
                   None if iv.resolved else "too few SMELT runs for an interval")
     if calibration is not None:
         _residual_growth(records, calibration, claim)
@@ -543,7 +543,7 @@ def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
             by[g].append(v)
         iv = stats.welch_difference(by[scales[0]], by[scales[-1]])
         claim(f"{name} residual growth", f"{text} ({scales[-1]} vs {scales[0]})", PAPER_RESIDUAL_GROWS, ">", 0.0,
-              iv, len(by[scales[0]]) + len(by[scales[-1]]), "SMELT run (its endpoints averaged)",
+              iv, len(by[scales[0]]) + len(by[scales[-1]]), "SMELT run",
               None if iv.resolved else "too few SMELT runs per scale for an interval")
 
 
