@@ -198,7 +198,10 @@ def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
                        f"[{lo / (1 + lo):.2g}, {hi / (1 + hi):.2g}])")
     for k in ("a", "c"):
         v, se = getattr(co, k), res.se.get(k, 0.0)
-        if k not in fixed and v > 0 and not v >= rules.min_t * se:
+        if k not in fixed and v > 0 and math.isinf(se):
+            why.append(f"design singular: the data cannot separate {k} from the other coefficients "
+                       f"(no finite standard error)")
+        elif k not in fixed and v > 0 and not v >= rules.min_t * se:
             why.append(f"exponent uncertain: {k} < {rules.min_t:g} standard errors from 0")
     return why
 

@@ -233,7 +233,7 @@ def test_failed_draw_share_counts_unidentified_refits():
     assert bs.n_failed == n - sum(ok) and len(bs.gain) == sum(ok) and len(bs.tpp) == sum(ok)
     assert bs.failed_share == pytest.approx((n - sum(ok)) / n)
     assert sum(bs.failures.values()) == bs.n_failed
-    assert set(bs.failures) <= {"target: compute range", "target: sparsity range", "target: exponent uncertain"}
+    assert set(bs.failures) <= {"target: compute range", "target: sparsity range", "target: design singular"}
 
 
 def test_noise_free_cell_bootstrap_refits_record_the_true_a_c_gamma_gain_and_tpp():
@@ -359,7 +359,7 @@ def test_identify_names_every_failed_rule():
     assert keys(coeffs={"a": 0.1, "c": 0.7}) == {"exponent ratio"}          # c / a = 7: F* ~ C^0.875
     assert keys(coeffs={"a": 0.7, "c": 0.1}) == {"exponent ratio"}
     assert keys(se={**good.se, "a": co.a / 1.9}) == {"exponent uncertain"}
-    assert keys(se={**good.se, "c": math.inf}) == {"exponent uncertain"}
+    assert keys(se={**good.se, "c": math.inf}) == {"design singular"}   # no finite SE: the data cannot separate it
 
 
 def test_identify_accepts_data_exactly_at_each_threshold():
