@@ -44,7 +44,7 @@ from typing import Callable
 
 from checks import JSONFileError, read_json
 
-FORMAT_VERSION = 2  # bump when extraction, split or layout changes: old caches then rebuild (2: whole-document hold-out)
+FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
 MAX_DOC_CHARS = 64_000  # longer documents are split at paragraph breaks into parts of about this size
 
 

@@ -435,8 +435,9 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
     independent trainings; unit="endpoint" pairs every matched endpoint (cell, seed, branch), whose
     interval counts the endpoints of one run (one trajectory) as if they were independent.
     calibration (calibration_report): the mean Eq. 7 residual of every identified metric, with its
-    t-interval over SMELT runs (each run's endpoints averaged: they share a trajectory; claim > 0); a metric whose fit is not identified is listed
-    with verdict "not resolved" and why. families (length_families): SMELT's long/short ratio > 1.
+    t-interval over SMELT runs (each run's endpoints averaged: they share a trajectory; claim > 0); a
+    metric whose fit is not identified is listed with verdict "not resolved" and why. families
+    (length_families): SMELT's long/short ratio > 1 (not resolved below MIN_BOOTSTRAP_UNITS contrasts).
     Returns [{"id", "claim", "paper", "direction", "value", "interval" (Interval dict | None),
     "verdict", "n", "unit", "why"}].
     """
