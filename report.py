@@ -467,7 +467,8 @@ def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> 
           f"{prb['sample']['tokens']} tokens ({prb['sample']['units']} document groups) drawn equally from the "
           f"domains {', '.join(prb['sample']['domains'])}. Each quantity: its mean over pairs "
           "with a bootstrap interval over held-out document groups, and a t-interval over the pairs (the "
-          "training noise: seeds and cells). A verdict needs both intervals to agree.", ""]
+          "training noise: seeds and cells). A verdict needs both intervals to agree; a claim the paper makes of "
+          "every cell is reproduced only when its weakest pair is too.", ""]
     rows = []
     for c in cl:
         if c["interval"] is None:

@@ -573,6 +573,28 @@ def test_claim_intervals_on_a_known_effect(pairs_result):
     assert by["sink_shrinks"]["verdict"] == "not resolved"
 
 
+def test_an_every_cell_claim_needs_its_weakest_pair(pairs_result):
+    """"In all 16 cells, all four norm ratios exceed 1": pair p1's units alternate 0.9x / 1.5x (its interval
+    straddles 1), p0 sits just above p1's mean in every unit; the mean over pairs is above 1 on both intervals,
+    but the weakest pair is not, so the claim is not resolved. A claim not made of every cell is not marked."""
+    r = json.loads(json.dumps(pairs_result))
+
+    def set_ratio(name, per_unit):
+        q = r["pairs"][name]["smelt"]["units"]["quantities"]
+        S = np.array(q["ratio_update"]["sum"])
+        S[..., 1] = np.asarray(per_unit(S.shape[0])).reshape(-1, *[1] * (S.ndim - 2)) * S[..., 0]
+        q["ratio_update"]["sum"] = S.tolist()
+
+    set_ratio("p1", lambda U: np.where(np.arange(U) % 2 == 0, 0.9, 1.5))
+    p1 = probe_claims.claims(r, n_draws=300)[0]["per_pair"]["p1"].mean
+    set_ratio("p0", lambda U: np.full(U, p1 + 0.01))
+    c = {c["id"]: c for c in probe_claims.claims(r, n_draws=300)}["update_ratio"]
+    assert stats.verdict(c["interval"], ">", 1.0) == "reproduced" == stats.verdict(c["across_pairs"], ">", 1.0)
+    assert c["weakest"].lo < 1.0 < c["weakest"].hi and c["verdict"] == "not resolved"
+    assert dict(probe_claims.claimed())["ratio_update"].every_cell
+    assert not dict(probe_claims.claimed())["ucos_gap"].every_cell
+
+
 def test_claims_refuse_pairs_on_different_units(pairs_result):
     r = json.loads(json.dumps(pairs_result))
     r["pairs"]["p1"]["smelt"]["units"]["keys"][0] = ["elsewhere", 0]
