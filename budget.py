@@ -473,8 +473,9 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: Model
         raise ValueError(f"match: loop must be a loop.LoopConfig, got {type(loop).__name__}")
     loop.validate(base_cfg.n_layer)
     _check_ctx(base_cfg, ctx_len)
-    tgt = target or base_cfg
-    _check_cfg(tgt)
+    if target is not None:
+        _check_cfg(target)
+    tgt = base_cfg if target is None else target
     o = _search_options(base_cfg, search)
     tol, conv, head, b, sh = o["tolerances"], o["convention"], o["include_head"], base_cfg, base_cfg.n_shared_experts
     ps, (F_b, N_b, kv_b) = plan_of(b, loop), _base_counts(tgt, ctx_len, o)

@@ -208,7 +208,6 @@ class Ctx:
     cos: Tensor
     sin: Tensor
     doc: Tensor | None            # (B, T) document ids (full forward only)
-    n_loops: int
     batch: int
     cache: Cache | None = None
     start: int = 0                # cache length before this call
@@ -372,8 +371,8 @@ class GPT(nn.Module):
     def full_ctx(self, idx: Tensor, doc_ids: Tensor | None = None, capture: dict | None = None) -> Ctx:
         """The context of a full forward over idx (B, T) from position 0: positions, RoPE rows, document ids."""
         B, T = idx.shape
-        return Ctx(torch.arange(T, device=idx.device), self.rope_cos[:T], self.rope_sin[:T], doc_ids,
-                   self.cfg.loop.n_loops, B, capture=capture)
+        return Ctx(torch.arange(T, device=idx.device), self.rope_cos[:T], self.rope_sin[:T], doc_ids, B,
+                   capture=capture)
 
     def _visits(self, x: Tensor, ctx: Ctx, visits, router: list) -> Tensor:
         """Run visits in order; each visit's loop index is its visit number."""
@@ -478,8 +477,7 @@ class GPT(nn.Module):
             raise ValueError(f"cache holds {cache.length} of max_len={cache.max_len} tokens; {T} more do not fit")
         p0 = cache.length
         pos = torch.arange(p0, p0 + T, device=idx.device)
-        ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None,
-                  self.cfg.loop.n_loops, B, cache=cache, start=p0)
+        ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None, B, cache=cache, start=p0)
         with few_row_projections(self):   # a CPU speed switch only (cpu_fast.py); same logits
             x = self.tok_emb(idx)
             x = self._visits(x, ctx, self.plan, []) if self.plt is None else self._plt_step(x, ctx, cache)
