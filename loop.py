@@ -17,10 +17,9 @@ stack of physical layers is executed; model.py calls the layers in the order giv
     projection: "lora" Delta W_l = B_l A_l; "matrix" Delta W_l = sum_j M[l, j] B_j A_j (M = I at
     init); "softmax" the rows of M through a softmax (uniform at init). B = 0: a no-op at init.
   * `PLTInject` / `shift_states` (How-to-Loop Definition 2): loop l >= 2 at token n takes
-    combine(e_n, h^(l-1)_(n-1)), e the span's input (the embedding when the span starts at layer 0):
-    "add" (original PLT), "norm_half" (RMS-normalise both, 1/2-1/2) or "norm_gate" (plus a low-rank
-    sigmoid gate that starts at exactly 50/50). The shift never crosses a document boundary (a
-    document's first token gets h = 0).
+    combine(e_n, h^(l-1)_(n-1)), e the span's input: "add" (original PLT), "norm_half" (RMS-normalise
+    both, 1/2-1/2) or "norm_gate" (plus a low-rank gate starting at exactly 50/50). The shift never
+    crosses a document boundary (a document's first token gets h = 0).
 
 Read after model.py (it runs this plan); design choices (adapters on MoE blocks, PLT limits): docs/loop.md.
 """

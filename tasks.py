@@ -12,12 +12,11 @@ What this file implements (SMELT Section 3.1 "Evaluation", 5.1 and Appendix E)
   the head at the answer positions only; one host read per batch; tested equal to the per-request
   `score_continuations_reference`) and `score_options` (a multiple-choice context prefilled once,
   its KV cache repeated per option; tested equal to `score_continuations`).
-* `evaluate_task` (prompts from `task_requests`): one task at k shots over demonstration seeds, with
-  the demonstrations kept and the prompts cut. Multiple choice by each option's
-  log-likelihood (DCLM's per-token mean, lm-eval's per-character acc_norm, or the raw sum);
-  generation by exact match (every gold token the argmax; what follows is not scored: llm-foundry's
-  LM accuracy, as DCLM) and gold-completion loss; mean and SE over seeds. Never among an item's
-  demonstrations: the item and its duplicates.
+* `evaluate_task` (prompts from `task_requests`): one task at k shots over demonstration seeds, the
+  demonstrations kept and the prompts cut. Multiple choice by each option's log-likelihood (DCLM's
+  per-token mean, lm-eval's per-character acc_norm, or the raw sum);
+  generation by exact match (every gold token the argmax, as llm-foundry / DCLM) and gold-completion
+  loss; mean and SE over seeds. An item's demonstrations never hold it or its duplicates.
 * `centred_accuracy` (DCLM Core, SMELT Eq. 11: (a - rho) / (1 - rho), DCLM v2's random baselines)
   and `chance_of` (a task's exact chance rate).
 
