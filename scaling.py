@@ -493,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     import scaling_analysis  # the CLI's work lives in the files that import this one: imported here, no cycle
+    import scaling_rows
     import scaling_tables
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -501,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.results:
         ap.error("give --results FILE or --paper")
-    rows = scaling_analysis.read_results(args.results)
+    rows = scaling_rows.read_results(args.results)
     scaling_analysis.analyse(rows, args.out_dir, n_boot=args.bootstrap, n_jobs=args.jobs, seed=args.seed,
                              include_dense=args.include_dense, budgets=args.budgets)
     print(open(os.path.join(args.out_dir, "tables.md")).read())

@@ -1,9 +1,8 @@
 """From train.py's results rows to the scaling report (SMELT Sections 4.3 and 5.2).
 
 `analyse` is the pipeline's scaling stage (reproduce.stage_scaling, `python scaling.py --results`):
-* rows -> fit data: `check_rows`, `split_control` (the S = 0 control cells, rows labelled
-  scaling.CONTROL_LABEL, are left out of the fits as in SMELT 4.3), `to_points`; CE gains compare
-  only the cells both architectures have.
+* rows -> fit data (scaling_rows.py): checked, seed replicates averaged, the S = 0 control cells
+  left out of the fits as in SMELT 4.3; CE gains compare only the cells both architectures have.
 * one Eq. 2 surface per architecture (`scaling.fit_result`), and nothing derived from a fit that
   is not identified (`scaling.identify`): it is reported as "not identified (why)".
 * budgets (`preset_budgets`): Table 4.3's 1e20-1e22 for the paper ladder, else the data's compute
@@ -15,7 +14,7 @@
   their CE gains, and the gain by Baseline-loss quartile (`quartile_gains`).
 It writes coeffs.json, tables.json, tables.md (scaling_tables.py) and the figures (scaling_plots.py).
 
-Read first: scaling.py.  Why the budgets, flags and interval rules are as they are: docs/scaling.md.
+Read first: scaling.py, scaling_rows.py.  Why the budgets, flags and interval rules are as they are: docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -32,81 +31,10 @@ import numpy as np
 
 import scaling_plots
 import stats
-from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, S_ROUNDING, Coeffs, FitResult, Points, Rules, ce_gain,
-                     check_budget, check_points, data_ranges, fit, fit_result, optimal_flops_per_token, short_num, tpp)
+from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain,
+                     check_budget, data_ranges, fit, fit_result, optimal_flops_per_token, short_num, tpp)
+from scaling_rows import cell_id, check_rows, seed_means, split_control, subset_points, to_points
 from scaling_tables import failed_text, format_table, markdown, pct_text, tpp_text, why_text
-
-
-# ----------------------------------------------------------------------------- results rows -> arrays
-REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
-
-
-def read_results(path: str) -> list[dict]:
-    """train.py's results rows: each row's hash checked and the keys this module needs present
-    (runfiles.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
-    import runfiles
-    try:
-        return runfiles.read_jsonl(path, REQUIRED_KEYS)
-    except runfiles.CheckpointError as e:
-        raise ValueError(str(e)) from None
-
-
-def check_rows(rows: Sequence[dict]) -> None:
-    """Every row a dict with REQUIRED_KEYS, F, D, val_loss finite and > 0, S finite in [0, 1) (control
-    cells: [-0.5, 1));
-    the error names the row (index, arch, scale, sparsity label) and the field."""
-    if not isinstance(rows, (list, tuple)) or not rows:
-        raise ValueError("rows must be a non-empty list of results rows (dicts)")
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict):
-            raise ValueError(f"rows[{i}] is not a dict: {type(r).__name__}")
-        missing = [k for k in REQUIRED_KEYS if k not in r]
-        if missing:
-            raise ValueError(f"rows[{i}] misses keys {missing}")
-        where = f"rows[{i}] ({r['arch']} {r['scale']} {r['sparsity_label']})"
-        for k in ("F", "S", "D", "val_loss"):
-            v = r[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{where}: {k} = {v!r} is not a finite number")
-        for k in ("F", "D", "val_loss"):
-            if r[k] <= 0:
-                raise ValueError(f"{where}: {k} = {r[k]!r} must be > 0")
-        # a control cell's looped model may measure S slightly below 0 (matching moves its FLOPs by up to
-        # 4 %); control rows are fitted only with include_dense, at S clipped to 0 (split_control)
-        lo = -0.5 if r["sparsity_label"] == CONTROL_LABEL else -S_ROUNDING
-        if not lo <= r["S"] < 1:
-            raise ValueError(f"{where}: S = {r['S']!r} must lie in [{0 if lo > -0.5 else lo}, 1) (a fraction)")
-
-
-def cell_id(row: dict) -> str:
-    return f"{row['scale']}/{row['sparsity_label']}"
-
-
-def to_points(rows: Sequence[dict], losses: Sequence[float] | None = None) -> Points:
-    """Rows -> Points; `losses` overrides row["val_loss"] (per-subset fits)."""
-    L = [r["val_loss"] for r in rows] if losses is None else losses
-    cell = np.array([cell_id(r) for r in rows])
-    F, S, D, L = check_points([r["F"] for r in rows], [r["S"] for r in rows], [r["D"] for r in rows], L)
-    return Points(F, S, D, L, cell)
-
-
-def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
-    """Per-subset Points from row[key] = {subset: loss} ("val_loss_by_source" / "_by_domain")."""
-    by: dict[str, list] = defaultdict(list)
-    for r in rows:
-        for name, value in (r.get(key) or {}).items():
-            by[name].append((r, value))
-    return {name: to_points([r for r, _ in rv], [v for _, v in rv]) for name, rv in sorted(by.items())}
-
-
-def split_control(rows: Sequence[dict], include_dense: bool = False) -> tuple[list[dict], list[dict]]:
-    """(rows to fit, control rows left out): the control is every row whose sparsity_label is
-    CONTROL_LABEL, for both architectures, whatever S it measures (SMELT 4.3).  include_dense
-    keeps them in the fit (and returns no control rows), a looped control's S below 0 clipped to 0."""
-    control = [r for r in rows if r["sparsity_label"] == CONTROL_LABEL]
-    if include_dense:
-        return [{**r, "S": max(float(r["S"]), 0.0)} if r["sparsity_label"] == CONTROL_LABEL else r for r in rows], []
-    return [r for r in rows if r["sparsity_label"] != CONTROL_LABEL], control
 
 
 # ----------------------------------------------------------------------------- cell bootstrap (SMELT 4.3's brackets)
@@ -619,6 +547,7 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     plots to `out`, and returns (the report prints from it without further checks):
 
       control_label, include_dense, n_rows, n_control_rows, unmatched_cells   (which rows were fitted)
+      seed_means     {"arch cell": n seeds} of the cells whose replicates were averaged (scaling_rows.seed_means)
       fits[arch]     identified, why, n_points, cells, ranges {F, D, C, one_minus_S: [lo, hi]};
                      only when identified: E A K a b c, se {a, b, c}, gamma, rmse_nats, objective,
                      converged, fixed
@@ -639,11 +568,13 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     if target == ref:
         raise ValueError(f"target and ref must differ; both are {target!r}")
     os.makedirs(out, exist_ok=True)
-    g = _group(rows, include_dense, target, ref)
+    means = seed_means(rows)                     # a repeated cell counts once, at its seeds' mean loss
+    g = _group(means, include_dense, target, ref)
     results, why = _fit_all(g, target, ref, rules)
     fits = {a: r.coeffs for a, r in results.items() if not why[a]}
     ranges = {a: r.ranges for a, r in results.items()}
     report: dict = {"control_label": CONTROL_LABEL, "include_dense": include_dense, "n_rows": len(rows),
+                    "seed_means": {f"{r['arch']} {cell_id(r)}": r["n_seeds"] for r in means if "n_seeds" in r},
                     "n_control_rows": g.n_control_rows, "unmatched_cells": g.unmatched,
                     "fits": {a: _fit_entry(results.get(a), g.pts.get(a), why[a],
                                            sorted({cell_id(r) for r in g.by_arch[a]})) for a in g.archs},
@@ -667,7 +598,7 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     md_sub = []                      # per-subset gains and quartiles (SMELT 5.2): only from two identified surfaces
     if gains["available"]:
         report["subsets"], report["quartiles"], md_sub = _subset_report(g.by_arch, fits, g.cols, tpp_C, target, ref,
-                                                                         rules, [r for r in rows if r["arch"] == ref])
+                                                                         rules, [r for r in means if r["arch"] == ref])
     else:
         report["subsets"] = {}
         report["quartiles"] = {"available": False, "why": gains["why"] or ["no CE gain"]}

@@ -75,8 +75,11 @@ def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str)
     ctl = (f"The {report['n_control_rows']} rows of the `{CONTROL_LABEL}` control cells are left out of the fits "
            f"(SMELT 4.3)." if report["n_control_rows"] else
            ("The control cells are included (--include-dense)." if report["include_dense"] else "There are no control cells."))
+    reps = report.get("seed_means") or {}
     md.append(ctl + (f" Cells only one architecture has (left out): {', '.join(report['unmatched_cells'])}."
-                     if report["unmatched_cells"] else "") + "\n")
+                     if report["unmatched_cells"] else "")
+              + (" Seed replicates are averaged into one point per endpoint before fitting: "
+                 + ", ".join(f"{k} ({n} seeds)" for k, n in reps.items()) + "." if reps else "") + "\n")
     rows, cells = [], []
     for a, e in report["fits"].items():
         rg = e.get("ranges")

@@ -15,6 +15,7 @@ from scipy.optimize import minimize, minimize_scalar
 
 import scaling
 import scaling_analysis
+import scaling_rows
 import scaling_tables
 from scaling import (PAPER_BASELINE, PAPER_BUDGETS, PAPER_CE_GAIN_PCT, PAPER_SMELT, PAPER_SPARSITIES,
                      PAPER_TPP_1E21, Coeffs, Points, ce_gain, fit, fit_result, frontier_loss, huber_objective, loss,
@@ -296,6 +297,40 @@ def test_group_fits_only_cells_both_archs_have_and_leaves_the_control_out():
     assert sorted(set(d.pts["smelt"].cell)) == ["a/S=0%", "a/S=90%"]
 
 
+def test_seed_means_average_each_cells_replicates_into_one_row_per_endpoint():
+    """scaling_rows.seed_means: rows of one (arch, cell, D) are averaged, subset losses too; a single row passes
+    unchanged; replicates whose F or S differ are refused, naming the cell."""
+    a = [{**_cell_row("smelt", "a", "S=90%", 0.9, loss=L), "seed": s, "val_loss_by_source": {"x": L + 1}}
+         for s, L in enumerate((3.0, 3.3, 3.6))]
+    other = _cell_row("smelt", "a", "S=90%", 0.9, D=2e10, loss=2.9)                  # another endpoint: not merged
+    got = scaling_rows.seed_means([*a, other, _cell_row("baseline", "a", "S=90%", 0.9, loss=3.1)])
+    assert len(got) == 3 and got[1] is other
+    assert got[0]["val_loss"] == pytest.approx(3.3) and got[0]["val_loss_by_source"] == {"x": pytest.approx(4.3)}
+    assert got[0]["n_seeds"] == 3 and got[0]["seeds"] == [0, 1, 2] and "n_seeds" not in got[2]
+    with pytest.raises(ValueError, match=r"smelt a/S=90% at D = 1e\+10: 2 rows differ in F"):
+        scaling_rows.seed_means([a[0], {**a[1], "F": 2e9}])
+
+
+def test_a_repeated_cell_weighs_as_one_cell_in_the_fits(tmp_path):
+    """analyse fits a cell trained over 3 seeds at its seeds' mean: the same surfaces as the grid holding the mean
+    once, and tables.md names the cells averaged."""
+    rows = _rows(control=False, sources=0)
+    cell = (rows[0]["scale"], rows[0]["sparsity_label"])
+    reps = []
+    for r in rows:
+        if (r["scale"], r["sparsity_label"]) == cell:
+            reps += [{**r, "seed": 1, "val_loss": r["val_loss"] + 0.2}, {**r, "seed": 2, "val_loss": r["val_loss"] - 0.05}]
+    mean = [{**r, "val_loss": r["val_loss"] + 0.05} if (r["scale"], r["sparsity_label"]) == cell else r for r in rows]
+    rep = scaling_analysis.analyse(rows + reps, str(tmp_path / "reps"), n_boot=0, n_jobs=1)
+    ref = scaling_analysis.analyse(mean, str(tmp_path / "mean"), n_boot=0, n_jobs=1)
+    for arch in ("baseline", "smelt"):
+        assert rep["fits"][arch]["n_points"] == ref["fits"][arch]["n_points"]
+        for k in ("E", "A", "a", "b", "c", "K"):
+            assert rep["fits"][arch][k] == pytest.approx(ref["fits"][arch][k], rel=1e-6), (arch, k)
+    assert rep["seed_means"] == {f"{a} {cell[0]}/{cell[1]}": 3 for a in ("baseline", "smelt")}
+    assert f"smelt {cell[0]}/{cell[1]} (3 seeds)" in (tmp_path / "reps" / "tables.md").read_text()
+
+
 def test_cell_bootstrap_rejects_mismatched_cells():
     p = grid(PAPER_SMELT)
     q = p.take(np.flatnonzero(p.cell != p.cell[0]))
@@ -553,15 +588,15 @@ def test_s0_control_is_selected_by_cell(good_report):
     assert not any(c.endswith("/S=0%") for c in cells["smelt"]) and "S=0%" not in rep["sparsity"]
     assert rep["unmatched_cells"] == [] and rep["bootstrap"]["pair"]["n_draws"] == 12
     rows = _rows(F_span=2, D_span=2, sources=0)
-    fitted, control = scaling_analysis.split_control(rows)
+    fitted, control = scaling_rows.split_control(rows)
     assert {r["sparsity_label"] for r in control} == {"S=0%"} and len(control) == 48
     assert {(r["arch"], r["S"]) for r in control} == {("baseline", 0.0), ("smelt", 0.06)}
     assert all(r["S"] >= 0.85 for r in fitted)
-    assert scaling_analysis.split_control(rows, include_dense=True) == (rows, [])
+    assert scaling_rows.split_control(rows, include_dense=True) == (rows, [])
     looped = [{**r, "S": -0.014} if r["sparsity_label"] == "S=0%" and r["arch"] == "smelt" else r for r in rows]
-    kept, none = scaling_analysis.split_control(looped, include_dense=True)   # SMELT's control: F ratio up to 1.04
+    kept, none = scaling_rows.split_control(looped, include_dense=True)   # SMELT's control: F ratio up to 1.04
     assert none == [] and min(r["S"] for r in kept) == 0.0 and len(kept) == len(rows)
-    assert scaling_analysis.to_points([r for r in kept if r["arch"] == "smelt"]).S.min() == 0.0
+    assert scaling_rows.to_points([r for r in kept if r["arch"] == "smelt"]).S.min() == 0.0
     import configs                                      # the label configs.py's ladders give the control
     assert configs.PAPER_POOLS[0][0] == scaling.CONTROL_LABEL
 
@@ -647,7 +682,7 @@ def test_read_results_names_the_bad_line(tmp_path):
     res = tmp_path / "results.jsonl"
     _write_results(res, with_bad_row=True)
     with pytest.raises(ValueError, match=r"results.jsonl:193: missing key"):
-        scaling_analysis.read_results(str(res))
+        scaling_rows.read_results(str(res))
 
 
 # ----------------------------------------------------------------------------- bad inputs
