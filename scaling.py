@@ -133,7 +133,7 @@ class FitResult:
     rmse: float            # nats, on L itself (not log L), as the paper's Table 4.3 reports
     objective: float       # sum of Huber(delta) over log-loss residuals (Epoch's convention)
     converged: bool
-    n_points: int
+    n_points: int          # distinct (F, S, D) points: the identification rules count these
     fixed: dict = field(default_factory=dict)
     se: dict = field(default_factory=dict)       # standard errors of the free exponents (inf: unresolved)
     ranges: dict = field(default_factory=dict)   # data spans {"F", "D", "C", "one_minus_S"}: (lo, hi)
@@ -236,10 +236,12 @@ class _Design:
         return m[:, 0] + np.log(ez.sum(axis=1)), jac
 
 
-def _gauss_newton_se(J_NP: np.ndarray, r_N: np.ndarray, max_cond: float) -> np.ndarray:
-    """Standard errors (P,) from the Gauss-Newton covariance s^2 (J^T J)^-1, s^2 = RSS / (N - P);
-    inf for all when N <= P or J^T J (columns scaled to unit norm) has condition number > max_cond."""
-    n, p = J_NP.shape
+def _gauss_newton_se(J_NP: np.ndarray, r_N: np.ndarray, max_cond: float, n_distinct: int | None = None) -> np.ndarray:
+    """Standard errors (P,) from the Gauss-Newton covariance s^2 (J^T J)^-1, s^2 = RSS / (n - P) with n the
+    distinct points (default N: a point repeated m times adds m to J^T J and RSS, not information);
+    inf for all when n <= P or J^T J (columns scaled to unit norm) has condition number > max_cond."""
+    N, p = J_NP.shape
+    n = N if n_distinct is None else n_distinct
     norms = np.linalg.norm(J_NP, axis=0)
     if n <= p or np.any(norms == 0):
         return np.full(p, np.inf)
@@ -291,6 +293,7 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
         if np.ptp(x) == 0 and not {"a" if name == "F" else "c"} <= set(fixed):
             raise ValueError(f"all points share one {name}: its exponent is unidentifiable")
 
+    n_distinct = len(np.unique(np.stack([F, S, D], axis=1), axis=0))    # a resampled cell drawn twice counts once
     des = _Design(F, S, D, L)
     names = ["e", "alpha", "kappa", "a", "b", "c"]
     free = np.array([n not in fixed and not (n == "e" and "E" in fixed) for n in names])
@@ -334,7 +337,7 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
         if not all(np.isfinite(list(asdict(co).values()))):
             raise ValueError(f"the fit produced non-finite coefficients: {co}")
         logLhat, jac = des.log_model(th)
-        se_free = _gauss_newton_se(jac[:, free], logLhat - des.logL, rules.max_cond)
+        se_free = _gauss_newton_se(jac[:, free], logLhat - des.logL, rules.max_cond, n_distinct)
     # not converged: stopped by the iteration limit (status 1) with a projected gradient that is not small
     g = np.asarray(res.jac, dtype=float).copy()
     lo = np.array([-np.inf if bd[0] is None else bd[0] for bd in bounds])
@@ -346,7 +349,7 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
         warnings.warn(f"L-BFGS-B did not converge: {res.message}", stacklevel=2)
     se = {n: float(s) for n, s in zip([n for n, f in zip(names, free) if f], se_free) if n in EXPONENTS}
     rmse = float(np.sqrt(np.mean((loss(co, F, S, D) - L) ** 2)))
-    out = FitResult(co, rmse, huber_objective(co, F, S, D, L, delta), converged, len(L), fixed, se,
+    out = FitResult(co, rmse, huber_objective(co, F, S, D, L, delta), converged, n_distinct, fixed, se,
                     data_ranges(F, S, D))
     out.why = identify(out, rules)
     return out

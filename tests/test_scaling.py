@@ -115,6 +115,21 @@ def test_gauss_newton_standard_errors_are_the_least_squares_ones():
     assert np.all(np.isinf(scaling._gauss_newton_se(X[:3], r[:3], 1e12)))
 
 
+
+def test_a_duplicated_point_adds_no_information():
+    """fit_result counts distinct (F, S, D) points and takes its standard errors' degrees of freedom from them:
+    every point twice (a bootstrap draw of each cell twice) fits the same surface with the same n_points, standard
+    errors and verdict; so a draw cannot pass the point-count or t rule by repeating cells."""
+    p = scaling.paper_shaped_points(PAPER_SMELT, 16, 10, 0.01, seed=3)
+    one = scaling.fit_result(p.F, p.S, p.D, p.L)
+    two = scaling.fit_result(*(np.concatenate([x, x]) for x in (p.F, p.S, p.D, p.L)))
+    assert two.n_points == one.n_points == len(p.L)
+    np.testing.assert_allclose(as_array(two.coeffs), as_array(one.coeffs), rtol=1e-5)
+    assert two.se == pytest.approx(one.se, rel=1e-4) and two.why == one.why
+    few = p.take(np.arange(0, 63, 7))                             # 9 distinct points, each 3 times: still too few
+    why = scaling.fit_result(*(np.tile(x, 3) for x in (few.F, few.S, few.D, few.L)), fixed={"b": 0.0}).why
+    assert any(w.startswith("too few points: 9 for 5") for w in why), why
+
 # ----------------------------------------------------------------------------- frontier and paper tables
 @pytest.mark.parametrize("co", [PAPER_BASELINE, PAPER_SMELT])
 def test_closed_form_frontier_is_the_numerical_minimum(co):
@@ -213,9 +228,9 @@ def test_failed_draw_share_counts_unidentified_refits():
     """A draw whose refit is not identified is dropped and counted.  Noise-free grid, 3 scales x 2
     sparsities; with min_C_ratio just below the full data's compute span, a resample is identified
     exactly when it holds a cell of the smallest and of the largest scale (the compute ends), both
-    sparsity levels (b is free) and at least 4 distinct cells (3 cells give 3 loss offsets
-    E + A (1-S)^b F^-a for the 4 unknowns E, A, a, b: the Jacobian is singular, so the exponents'
-    standard errors are infinite).  The failures are predicted from the draws themselves."""
+    sparsity levels (b is free) and at least 4 distinct cells (3 cells are 9 distinct points for 6
+    coefficients, too few however often the draw repeats them; their 3 loss offsets E + A (1-S)^b F^-a
+    could not determine E, A, a, b either).  The failures are predicted from the draws themselves."""
     kw = dict(scales=SCALES[:3], sparsities=(0.85, 0.95), fracs=(0.25, 0.5, 1.0))
     tgt, ref = grid(PAPER_SMELT, **kw), grid(PAPER_BASELINE, **kw)
     span = (tgt.F * tgt.D).max() / (tgt.F * tgt.D).min()
@@ -234,7 +249,7 @@ def test_failed_draw_share_counts_unidentified_refits():
     assert bs.n_failed == n - sum(ok) and len(bs.gain) == sum(ok) and len(bs.tpp) == sum(ok)
     assert bs.failed_share == pytest.approx((n - sum(ok)) / n)
     assert sum(bs.failures.values()) == bs.n_failed
-    assert set(bs.failures) <= {"target: compute range", "target: sparsity range", "target: design singular"}
+    assert set(bs.failures) <= {"target: compute range", "target: sparsity range", "target: too few points"}
 
 
 def test_noise_free_cell_bootstrap_refits_record_the_true_a_c_gamma_gain_and_tpp():
