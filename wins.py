@@ -121,7 +121,7 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
     shared by every endpoint, pooled over the cells above chance, and per cell. With n seeds an exact
     test cannot give p below 2^-n ("p_min"): 2 seeds never reach p < 0.05.
     Returns {task: {"origin", "kind", "chance", "ks", "by_k": {k: {"baseline", "smelt", "gain",
-    "cells_above", "cells", "baseline_by_seed", "smelt_by_seed", "baseline_all_cells",
+    "cells_above", "cells", "gain_by_cell" (cells above chance), "baseline_by_seed", "smelt_by_seed", "baseline_all_cells",
     "smelt_all_cells" (the mean over every cell, at chance or not: for tables, never averaged into
     the curve)}}, "max_k", "test": {"k", "p", "p_min", "seeds", "gain", "cells_above", "why"},
     "by_cell": {cell: {"above", "baseline", "smelt", "gain", "p"}}, "note"}}; means are None where no
@@ -156,6 +156,7 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
             cs = cell_seeds(k)
             above = [c for c, (b, s) in cs.items() if b.mean() > chance + margin and s.mean() > chance + margin]
             row = {"cells_above": len(above), "cells": len(cells), "baseline": None, "smelt": None, "gain": None,
+                   "gain_by_cell": {c: float(cs[c][1].mean() - cs[c][0].mean()) for c in above},
                    **_demos_kept(pairs, name, k),
                    "baseline_by_seed": None, "smelt_by_seed": None,
                    "baseline_all_cells": float(np.mean([b.mean() for b, _ in cs.values()])),
@@ -384,15 +385,17 @@ PAPER_RESIDUAL_GROWS = ("\"\\bar{\\delta} increases monotonically with model sca
 
 def icl_claims(icl: dict, claim) -> None:
     """SMELT 5.3's shot-sweep claims over the real (BIG-bench) tasks, counting only a k at which most prompts
-    keep k demonstrations (`_demos_kept`): the gap grows from k = 0 to the smallest such k > 0 (t-interval
-    over tasks), SMELT ahead on dyck_languages at its largest such k (paired over demonstration seeds), and
+    keep k demonstrations (`_demos_kept`): the gap grows from k = 0 to the smallest such k > 0 (per task over
+    the cells above chance at both k; t-interval over tasks), SMELT ahead on dyck_languages at its largest such k (paired over demonstration seeds), and
     the share of tasks whose max-shot permutation test gives p < 0.05."""
     real = {n: t for n, t in icl.items() if t["origin"] == "bigbench"}
     grow, sig, tested, p_min = [], 0, 0, []
     for n, t in real.items():
         ks = [int(k) for k, r in t["by_k"].items() if r["k_counts"] and r["gain"] is not None]
-        if 0 in ks and any(k > 0 for k in ks):
-            grow.append(t["by_k"][str(min(k for k in ks if k > 0))]["gain"] - t["by_k"]["0"]["gain"])
+        if 0 in ks and any(k > 0 for k in ks):           # over the cells above chance at both k: the same cells
+            g0, g1 = (t["by_k"][str(k)]["gain_by_cell"] for k in (0, min(k for k in ks if k > 0)))
+            if both := sorted(set(g0) & set(g1)):
+                grow.append(float(np.mean([g1[c] - g0[c] for c in both])))
         test = t["test"]
         if test["p"] is not None and t["by_k"][str(test["k"])]["k_counts"]:
             tested += 1

@@ -84,8 +84,11 @@ def test_claims_table_rows(tmp_path):
 
 
 def _task(by_k, origin="bigbench", p=None, k_test=8):
-    return {"origin": origin, "by_k": {str(k): {"gain": g, "k_counts": c, "baseline_by_seed": [0.1, 0.2],
-                                               "smelt_by_seed": [0.2 + g, 0.3 + g]} for k, (g, c) in by_k.items()},
+    """by_k: {k: (gain, k_counts)} (one cell above chance) or (gain, k_counts, {cell above chance: its gain})."""
+    return {"origin": origin, "by_k": {str(k): {"gain": v[0], "k_counts": v[1], "baseline_by_seed": [0.1, 0.2],
+                                               "smelt_by_seed": [0.2 + v[0], 0.3 + v[0]],
+                                               "gain_by_cell": v[2] if len(v) > 2 else {"c": v[0]}}
+                                       for k, v in by_k.items()},
             "test": {"k": k_test, "p": p, "p_min": 0.25 if p is not None else None}}
 
 
@@ -102,6 +105,19 @@ def test_icl_claims_skip_k_that_prompts_do_not_fit():
     assert got["dyck gain"][0][4] is None                       # no dyck_languages task here
     (*_, tested, _u, why), kw = got["icl significant"]
     assert tested == 1 and "cannot go below 0.25" in why and kw["verdict"] == "not resolved"
+
+
+def test_icl_gap_growth_compares_the_same_cells_at_both_k():
+    """A cell above chance at k = 0 only (gain 0.10 there) is left out of that task's growth: over the shared cell
+    the gap grows by 0.02, where the two k's means over different cells (0.05, then 0.02) would read -0.03; a task
+    sharing no cell above chance between the two k gives no growth."""
+    icl = {"a": _task({0: (0.05, True, {"c1": 0.0, "c2": 0.10}), 2: (0.02, True, {"c1": 0.02})}),
+           "b": _task({0: (0.05, True, {"c2": 0.05}), 2: (0.02, True, {"c1": 0.02})}),
+           "c": _task({0: (0.01, True), 2: (0.04, True)})}
+    out = []
+    wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+    (_, _, _, _, iv, n, *_), _ = next((a, kw) for cid, a, kw in out if cid == "icl gap grows")
+    assert n == 2 and iv.mean == pytest.approx((0.02 + 0.03) / 2)
 
 
 def test_demonstrations_that_fit_read_per_task_and_k():
