@@ -206,6 +206,15 @@ def plan_epochs(plan: Plan, train_tokens: int | None = None) -> float:
     return (plan.stable_steps + plan.decay_steps) * plan.batch_size * plan.block_size / total
 
 
+def decay_freshness(epochs: float) -> str:
+    """Whether a run's decay branches see fresh data (SMELT 3.1: data not seen in the stable phase), from
+    plan_epochs: they do while the stable phase and the shared decay window fit one epoch."""
+    if epochs <= 1:
+        return f"fresh: one run reads {epochs:.2f} epochs of the training stream, so no decay branch repeats data"
+    return (f"not fresh: one run reads {epochs:.2f} epochs of the training stream, so its decay window repeats data "
+            f"the stable phase trained on (SMELT 3.1 decays on data not seen in the stable phase)")
+
+
 # ----------------------------------------------------------------------------------------
 # A plan's runs: which runs it trains, named and placed how (reproduce.py, report.py, train_plots.py)
 

@@ -303,7 +303,7 @@ def _section_plan(plan: configs.Plan, ladder: list[dict], rows: list[dict], cost
          f"{', '.join(map(str, plan.branch_steps))} ({plan.decay_steps} steps each): "
          f"{cost['tokens_per_run'] / 1e6:.2f}M training tokens per run." if plan.repeat else
          f"{len(ladder)} cells x {{Baseline, SMELT}}: {n_runs} runs.",
-         "",
+         "", *([f"Decay data: {configs.decay_freshness(cost['epochs_per_run'])}.", ""] if cost.get("epochs_per_run") else []),
          f"Models here hold {_sci(min(params))}-{_sci(max(params))} non-embedding parameters "
          f"({_sci(min(active))}-{_sci(max(active))} active) and their endpoints saw "
          + (f"{_sci(D[0])}-{_sci(D[-1])} tokens" if D else "no tokens")

@@ -99,6 +99,21 @@ def test_plan_line_epochs_are_configs_plan_epochs(smoke_plan):
     assert cost["epochs_per_run"] < cost["tokens_per_run"] / len(data.train)   # smoke has 3 branches
 
 
+def test_decay_data_not_fresh_is_said_in_the_plan_line_and_the_report(smoke_plan, capsys):
+    """A plan reading over one epoch repeats stable-phase data in its decay window (SMELT 3.1 decays on fresh
+    data): the plan line warns, the report's plan section says "not fresh"; at most one epoch is "fresh"."""
+    import configs
+    import report
+    plan, ladder, data, cost = smoke_plan
+    for epochs, fresh in ((0.96, True), (1.0, True), (17.2, False)):
+        reproduce.log_plan_cost({**cost, "epochs_per_run": epochs})
+        out = capsys.readouterr().out
+        assert ("WARNING: decay data not fresh: one run reads 17.20 epochs" in out) is not fresh
+        text = "\n".join(report._section_plan(plan, ladder, [], {**cost, "epochs_per_run": epochs}))
+        assert f"Decay data: {'fresh' if fresh else 'not fresh'}: one run reads {epochs:.2f} epochs" in text
+    assert configs.decay_freshness(1.01).startswith("not fresh")
+
+
 def test_plan_cost_rates_the_longest_endpoint(smoke_plan):
     """Tokens per parameter and TPP are stated at the longest branch's endpoint: its stable steps and its
     decay window (not the run's total tokens, which count every branch's decay)."""
