@@ -94,7 +94,7 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
     Returns {"identified": False, "why", "n_base"} when it is not (no parameters, no residuals),
     else {"identified": True, "why": None, "n_base", "params": {a, b, alpha, tau, d, r2}, "residuals",
     "predicted", "mean_residual", "residual_interval" (stats.mean_interval over the others, a dict),
-    "extrapolated" (others outside the Baseline loss range), "by_group"}.
+    "inside" (per other: its loss within the Baseline loss range), "extrapolated" (how many are not), "by_group"}.
     """
     import stats
     bl, bs = np.asarray(base_losses, dtype=float), np.asarray(base_scores, dtype=float)
@@ -124,6 +124,7 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
     out.update(identified=True, params=params, residuals=res.tolist(), predicted=pred.tolist(),
                mean_residual=float(res.mean()) if len(res) else float("nan"),
                residual_interval=stats.mean_interval(res).to_dict() if len(res) else None,
+               inside=((ol >= bl.min()) & (ol <= bl.max())).tolist(),
                extrapolated=int(((ol < bl.min()) | (ol > bl.max())).sum()))
     if other_groups is not None:
         groups = defaultdict(list)

@@ -488,10 +488,12 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                 claim(f"{name} residual", text, paper, ">", 0.0, None, 0, "SMELT endpoint",
                       f"calibration not identified: {c.get('why')}")
                 continue
-            runs = _run_means(records, c["residuals"])
-            iv = stats.mean_interval([v for _, v in runs.values()])
-            claim(f"{name} residual", text, paper, ">", 0.0, iv, len(runs), "SMELT run",
-                  None if iv.resolved else "too few SMELT runs for an interval")
+            runs = _run_means(records, c["residuals"], c.get("inside"))
+            iv = stats.mean_interval([v for _, v in runs.values()]) if runs else None
+            why = _outside_note(c) or None
+            if iv is None or not iv.resolved:
+                why = "; ".join(filter(None, ["too few SMELT runs for an interval", why]))
+            claim(f"{name} residual", text, paper, ">", 0.0, iv, len(runs), "SMELT run", why)
     if calibration is not None:
         _residual_growth(records, calibration, claim)
     if icl is not None:
@@ -516,15 +518,24 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
     return claims
 
 
-def _run_means(records: Sequence[dict], residuals: Sequence[float]) -> dict:
+def _run_means(records: Sequence[dict], residuals: Sequence[float], inside: Sequence[bool] | None = None) -> dict:
     """{(scale, sparsity label, seed): (scale, mean residual)}: the SMELT endpoints' Eq. 7 residuals (in the order of
     the SMELT endpoints in `records`, as downstream_report hands them to calibration_report) averaged per run, the
-    independent unit: the branches of one run share its stable phase."""
+    independent unit: the branches of one run share its stable phase.  `inside` (calibrate's): only endpoints
+    within the Baseline loss range count; beyond it the residual measures the sigmoid's extrapolation."""
     smelt = [r for r in records if r["arch"] == "smelt"]
     by = defaultdict(list)
-    for r, v in zip(smelt, residuals):
-        by[(r.get("scale") or r.get("run", "?"), r.get("sparsity_label"), r.get("seed", 0))].append(v)
+    for r, v, keep in zip(smelt, residuals, inside if inside is not None else [True] * len(residuals)):
+        if keep:
+            by[(r.get("scale") or r.get("run", "?"), r.get("sparsity_label"), r.get("seed", 0))].append(v)
     return {k: (str(k[0]), float(np.mean(v))) for k, v in by.items()}
+
+
+def _outside_note(c: dict) -> str:
+    """Why some SMELT endpoints do not count in a residual claim ("" when all do)."""
+    n = len(c.get("inside") or []) - sum(c.get("inside") or [])
+    return (f"{n} of {len(c['inside'])} SMELT endpoints lie outside the Baseline loss range and are left out (their "
+            f"residual would measure the sigmoid's extrapolation)") if n else ""
 
 
 def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
@@ -543,12 +554,15 @@ def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
                   f"calibration not identified: {c.get('why')}" if not c.get("identified") else "one scale")
             continue
         by = defaultdict(list)
-        for g, v in _run_means(records, c["residuals"]).values():
+        for g, v in _run_means(records, c["residuals"], c.get("inside")).values():
             by[g].append(v)
-        iv = stats.welch_difference(by[scales[0]], by[scales[-1]])
+        n = len(by[scales[0]]) + len(by[scales[-1]])
+        iv = stats.welch_difference(by[scales[0]], by[scales[-1]]) if by[scales[0]] and by[scales[-1]] else None
+        why = _outside_note(c) or None
+        if iv is None or not iv.resolved:
+            why = "; ".join(filter(None, ["too few SMELT runs per scale for an interval", why]))
         claim(f"{name} residual growth", f"{text} ({scales[-1]} vs {scales[0]})", PAPER_RESIDUAL_GROWS, ">", 0.0,
-              iv, len(by[scales[0]]) + len(by[scales[-1]]), "SMELT run",
-              None if iv.resolved else "too few SMELT runs per scale for an interval")
+              iv, n, "SMELT run", why)
 
 
 def downstream_report(records: Sequence[dict], margin: float = 0.0, n_boot: int = 2000, n_perm: int = 10000,

@@ -481,7 +481,7 @@ def test_calibration_does_not_depend_on_the_baseline_order_and_counts_extrapolat
     shuf = calibration.calibrate(losses[perm], calibration.sigmoid4(losses[perm], **true), other_l, other_s)
     assert ref["identified"] and shuf["identified"], shuf["why"]
     assert shuf["params"] == pytest.approx(ref["params"], rel=1e-6, abs=1e-9)
-    assert ref["extrapolated"] == shuf["extrapolated"] == 2
+    assert ref["extrapolated"] == shuf["extrapolated"] == 2 and ref["inside"] == [False, True, False, True]
 
 
 def test_calibration_chance_floor_refuses_only_when_every_score_is_at_chance():
@@ -947,6 +947,27 @@ def test_residual_claim_is_a_t_interval_over_run_means():
     [c] = [c for c in wins.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual"]
     assert c["n"] == 3 and c["interval"] == pytest.approx(stats.mean_interval(means).to_dict())
     assert c["unit"].startswith("SMELT run")
+
+
+def test_residual_claims_leave_out_endpoints_outside_the_baseline_loss_range():
+    """An endpoint whose loss lies outside the Baseline's (calibrate's "inside" False) reads the sigmoid's
+    extrapolation, not a calibration: it is left out of the residual claims, and their why counts it. Here the
+    third seed's endpoints are outside: n = 2 runs; every t128 endpoint outside: no growth interval."""
+    import stats
+    recs, res, inside, means = [], [], [], [0.02, 0.05, 0.9]
+    for seed, m in enumerate(means):
+        for scale in ("t32", "t128"):
+            recs += [rec("baseline", scale, "S~50%", 10, seed=seed), rec("smelt", scale, "S~50%", 10, seed=seed)]
+            res.append(m)
+            inside.append(seed < 2 and scale == "t32")
+    cal = {"metrics": {"completion": {"identified": True, "residuals": res, "inside": inside}}}
+    got = {c["id"]: c for c in wins.downstream_claims(recs, calibration=cal)}
+    c = got["completion residual"]
+    assert c["n"] == 2 and c["interval"] == pytest.approx(stats.mean_interval(means[:2]).to_dict())
+    assert "4 of 6 SMELT endpoints lie outside the Baseline loss range" in c["why"]
+    g = got["completion residual growth"]
+    assert g["interval"] is None and g["verdict"] == "not resolved" and g["n"] == 2
+    assert g["why"].startswith("too few SMELT runs per scale") and "4 of 6" in g["why"]
 
 
 @pytest.mark.parametrize("grows", [True, False])
