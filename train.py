@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -681,6 +682,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"train.py: {e}") from None
     finally:
         if dist.is_initialized():
+            trainer = None
+            gc.collect()   # the DDP / FSDP model (cyclic garbage) goes while its process group lives, not at exit
             dist.destroy_process_group()
 
 

@@ -439,6 +439,7 @@ CLI = ["--data", "synthetic", "--vocab-size", "64", "--stable-steps", "3", "--br
 # Under torchrun, before the FSDP CLI run: a run that dies at training batch 2 after a full checkpoint at
 # step 2 (finished runs keep none), so the test can resume a 2-rank FSDP checkpoint in one process.
 CRASH_THEN_CLI = """
+import gc
 import sys
 sys.path.insert(0, {root!r})
 import torch
@@ -460,6 +461,7 @@ try:
     T.train(cfg, tc, Crash(64), {crashed!r})
 except RuntimeError as e:
     assert "simulated crash" in str(e), e
+gc.collect()   # free the crashed run's FSDP modules (cyclic garbage) now, not in interpreter teardown
 T.main(sys.argv[1:])
 """
 
