@@ -88,6 +88,9 @@ OVERLAP_FALLS = ("\"As sparsity increases and the pool grows by more than an ord
                  "to 2–3\" (Sec. 6.1, Fig. 21)")
 Q_K_V = ("\"Q and K sit at 0.89–0.93 across all 16 cells [...] V falls below it to 0.65–0.74\" (Sec. 6.3, "
          "Fig. 25)")
+Q_K_X = ("\"Q and K stay at 0.89–0.93, at or above the input’s own 0.84–0.93\" (Fig. 25; \"at or above\": an "
+         "interval above 0 reproduces it, one below 0 contradicts it)")
+V_X = "\"V falls below the input to 0.65–0.74\" (Fig. 25)"
 
 
 def _ratio_claim(cid: str, letter: str, what: str, title: str, paper: str = RATIOS_EXCEED_1) -> dict:
@@ -125,6 +128,15 @@ QUANTITIES: dict[str, Quantity] = {
     "cos_K_minus_V": _gap("cos_K", "cos_V", claim=Claim(
         "k_stabler_than_v", ">", 0.0, "Fig. 25", "cross-visit cosine of K minus that of V",
         Q_K_V, ("cos_K", "cos_V"), every_cell=True)),
+    "cos_Q_minus_X": _gap("cos_Q", "cos_X", claim=Claim(
+        "q_keeps_input", ">", 0.0, "Fig. 25", "cross-visit cosine of Q minus that of the input X",
+        Q_K_X, ("cos_Q", "cos_X"), every_cell=True)),
+    "cos_K_minus_X": _gap("cos_K", "cos_X", claim=Claim(
+        "k_keeps_input", ">", 0.0, "Fig. 25", "cross-visit cosine of K minus that of the input X",
+        Q_K_X, ("cos_K", "cos_X"), every_cell=True)),
+    "cos_V_minus_X": _gap("cos_V", "cos_X", claim=Claim(
+        "v_below_input", "<", 0.0, "Fig. 25", "cross-visit cosine of V minus that of the input X",
+        V_X, ("cos_V", "cos_X"), every_cell=True)),
     "top1_same": _one("top1_same"),
     "top1_control": _one("top1_control"),
     "top1_gap": _gap("top1_same", "top1_control"),

@@ -529,7 +529,8 @@ def test_claims(pairs_result):
     cs = probe_claims.claims(pairs_result, n_draws=200)
     ids = [c["id"] for c in cs]
     assert ids == ["update_ratio", "attn_write_ratio", "moe_write_ratio", "norm_ratio", "update_cosine",
-                   "q_stabler_than_v", "k_stabler_than_v", "top8_overlap", "expert_overlap", "sink_shrinks",
+                   "q_stabler_than_v", "k_stabler_than_v", "q_keeps_input", "k_keeps_input", "v_below_input",
+                   "top8_overlap", "expert_overlap", "sink_shrinks",
                    "dyck_bos_falls", "dyck_demo_rises"]
     for c in cs:
         iv = c["interval"]

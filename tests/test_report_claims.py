@@ -156,7 +156,7 @@ def _const_probe_result():
     """One pair, 4 units, every unit the same hand-set value of each Section 6 sum (count 1), and a 3-prompt Dyck study."""
     one = {"ratio_update": [[1.0, 2.0]], "ratio_attn_write": [[1.0, 3.0]], "ratio_mlp_write": [[1.0, 1.5]],
            "ratio_attn_norm": [[1.0, 1.2]], "ratio_mlp_norm": [[1.0, 1.6]], "ucos_same": [0.5], "ucos_other": [0.2],
-           "cos_Q": [0.9], "cos_K": [0.8], "cos_V": [0.6], "top8_same": [0.6], "top8_control": [0.3],
+           "cos_Q": [0.9], "cos_K": [0.8], "cos_V": [0.6], "cos_X": [0.7], "top8_same": [0.6], "top8_control": [0.3],
            "expert_overlap": [1.0], "sink": [[0.4, 0.1]]}
     U = 4
     smelt = {"units": {"keys": list(range(U)), "quantities": {
@@ -172,7 +172,8 @@ def test_probe_claims_directions_and_values_on_hand_set_sums():
     visit 2 - visit 1) and its paper direction, from constant hand-set unit sums."""
     want = {"update_ratio": (">", 1.0, 2.0), "attn_write_ratio": (">", 1.0, 3.0), "moe_write_ratio": (">", 1.0, 1.5),
             "norm_ratio": (">", 1.0, 1.4), "update_cosine": (">", 0.0, 0.3), "q_stabler_than_v": (">", 0.0, 0.3),
-            "k_stabler_than_v": (">", 0.0, 0.2), "top8_overlap": (">", 0.0, 0.3), "expert_overlap": (">", 0.0, 0.5),
+            "k_stabler_than_v": (">", 0.0, 0.2), "q_keeps_input": (">", 0.0, 0.2), "k_keeps_input": (">", 0.0, 0.1),
+            "v_below_input": ("<", 0.0, -0.1), "top8_overlap": (">", 0.0, 0.3), "expert_overlap": (">", 0.0, 0.5),
             "sink_shrinks": ("<", 0.0, -0.3), "dyck_bos_falls": ("<", 0.0, -0.5), "dyck_demo_rises": (">", 0.0, 0.5)}
     cs = {c["id"]: c for c in probe_claims.claims(_const_probe_result(), n_draws=20)}
     assert set(cs) == set(want)
