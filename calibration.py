@@ -93,8 +93,9 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
     in the data puts its transition anywhere in the gap: two clusters of points fit it perfectly).
     Returns {"identified": False, "why", "n_base"} when it is not (no parameters, no residuals),
     else {"identified": True, "why": None, "n_base", "params": {a, b, alpha, tau, d, r2}, "residuals",
-    "predicted", "mean_residual", "residual_interval" (stats.mean_interval over the others, a dict),
-    "inside" (per other: its loss within the Baseline loss range), "extrapolated" (how many are not), "by_group"}.
+    "predicted", "inside" (per other: its loss within the Baseline loss range), "extrapolated" (how many
+    are not), and over the inside others only: "mean_residual", "residual_interval" (stats.mean_interval,
+    a dict; None when none is inside), "by_group"}.
     """
     import stats
     bl, bs = np.asarray(base_losses, dtype=float), np.asarray(base_scores, dtype=float)
@@ -121,15 +122,16 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
         return out
     pred = sigmoid4(ol, params["a"], params["b"], params["alpha"], params["tau"], params["d"])
     res = s * (os_ - pred)
+    inside = (ol >= bl.min()) & (ol <= bl.max())        # beyond the Baseline losses the sigmoid is extrapolated
     out.update(identified=True, params=params, residuals=res.tolist(), predicted=pred.tolist(),
-               mean_residual=float(res.mean()) if len(res) else float("nan"),
-               residual_interval=stats.mean_interval(res).to_dict() if len(res) else None,
-               inside=((ol >= bl.min()) & (ol <= bl.max())).tolist(),
-               extrapolated=int(((ol < bl.min()) | (ol > bl.max())).sum()))
+               mean_residual=float(res[inside].mean()) if inside.any() else float("nan"),
+               residual_interval=stats.mean_interval(res[inside]).to_dict() if inside.any() else None,
+               inside=inside.tolist(), extrapolated=int((~inside).sum()))
     if other_groups is not None:
         groups = defaultdict(list)
-        for g, r in zip(other_groups, res):
-            groups[g].append(r)
+        for g, r, keep in zip(other_groups, res, inside):
+            if keep:
+                groups[g].append(r)
         out["by_group"] = {g: float(np.mean(v)) for g, v in groups.items()}
     return out
 
@@ -147,7 +149,8 @@ def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: flo
     and "summary" (evaluate_endpoint output); "scale" labels the residual groups (default: the run).
     "core" / "completion" are the real (BIG-bench) tasks' DCLM metrics, "generated ..." the same over
     the generated tasks. Per-task fits use centred accuracy at the task's headline k; residuals of
-    identified task fits are averaged within each task category, per scale and pooled ("all").
+    identified task fits (inside the Baseline loss range) are averaged within each task category, per
+    scale and pooled ("all").
     Returns {"metrics": {name: calibrate(...) + "higher_is_better"}, "identified": [names],
     "not_identified": {name: why}, "by_category": {category: {scale: mean residual}}}.
     """
@@ -181,9 +184,10 @@ def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: flo
                       chance=chance, min_r2=min_r2)
         report["metrics"][f"task/{name}"] = {**c, "higher_is_better": True}
         if c["identified"]:
-            for e, r in zip(others, c["residuals"]):
-                cat_res[t["category"]][scale(e)].append(r)
-                cat_res[t["category"]]["all"].append(r)
+            for e, r, keep in zip(others, c["residuals"], c["inside"]):
+                if keep:
+                    cat_res[t["category"]][scale(e)].append(r)
+                    cat_res[t["category"]]["all"].append(r)
     report["by_category"] = {c: {s: float(np.mean(v)) for s, v in d.items()} for c, d in cat_res.items()}
     report["identified"] = [m for m, c in report["metrics"].items() if c["identified"]]
     report["not_identified"] = {m: c["why"] for m, c in report["metrics"].items() if not c["identified"]}

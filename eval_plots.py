@@ -130,7 +130,8 @@ def plot_calibration(base: Sequence[dict], others: Sequence[dict], report: dict,
         ax.set(xlabel="validation loss", ylabel={"core": "mean centred accuracy",
                                                  "completion": "gold-answer loss (nats/token)"}[key],
                title=f"{m}: SMELT's mean residual (Eq. 7)\n{c['mean_residual']:+.4f}"
-               + (f" [{iv['lo']:+.4f}, {iv['hi']:+.4f}]" if iv and math.isfinite(iv["lo"]) else " (no interval)"))
+               + (f" [{iv['lo']:+.4f}, {iv['hi']:+.4f}]" if iv and math.isfinite(iv["lo"]) else " (no interval)")
+               + (f", {c['extrapolated']} outside the Baseline losses left out" if c.get("extrapolated") else ""))
         ax.title.set_fontsize(10)
         ax.legend(fontsize=7)
     plots.save(fig, path, dpi=120)

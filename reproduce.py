@@ -254,7 +254,7 @@ def log_plan_cost(cost: dict) -> None:
         f"tokens per total parameter; {cost['total_flops']:.3g} FLOPs in all = {cost['gpu_minutes'][0]:.1f}-"
         f"{cost['gpu_minutes'][1]:.1f} min on one H200 at an assumed {100 * cost['mfu'][0]:.0f}-{100 * cost['mfu'][1]:.0f} % MFU "
         f"(training FLOPs only; the whole job: --plan-only's cost model)")
-    if cost.get("epochs_per_run", 0) > 1:
+    if (cost.get("epochs_per_run") or 0) > 1:
         log(f"plan: WARNING: decay data {configs.decay_freshness(cost['epochs_per_run'])}")
 
 

@@ -238,7 +238,8 @@ class _Design:
 
 def _gauss_newton_se(J_NP: np.ndarray, r_N: np.ndarray, max_cond: float, n_distinct: int | None = None) -> np.ndarray:
     """Standard errors (P,) from the Gauss-Newton covariance s^2 (J^T J)^-1, s^2 = RSS / (n - P) with n the
-    distinct points (default N: a point repeated m times adds m to J^T J and RSS, not information);
+    distinct points (default N). Exact for a design repeated m times (J^T J and RSS both scale by m); with
+    unequal repeats (a bootstrap draw) it weighs a repeated point as more precise, an approximation.
     inf for all when n <= P or J^T J (columns scaled to unit norm) has condition number > max_cond."""
     N, p = J_NP.shape
     n = N if n_distinct is None else n_distinct
@@ -293,7 +294,7 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
         if np.ptp(x) == 0 and not {"a" if name == "F" else "c"} <= set(fixed):
             raise ValueError(f"all points share one {name}: its exponent is unidentifiable")
 
-    n_distinct = len(np.unique(np.stack([F, S, D], axis=1), axis=0))    # a resampled cell drawn twice counts once
+    n_distinct = len(np.unique(np.stack([F, S, D], axis=1), axis=0))    # exact repeats (a cell drawn twice) count once
     des = _Design(F, S, D, L)
     names = ["e", "alpha", "kappa", "a", "b", "c"]
     free = np.array([n not in fixed and not (n == "e" and "E" in fixed) for n in names])

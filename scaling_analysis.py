@@ -245,7 +245,8 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
 def _fit_entry(res: FitResult | None, p: Points | None, why: list[str], cells: list[str]) -> dict:
     """What the report may print about one architecture: data facts always, coefficients only when
     identified."""
-    e = {"identified": res is not None and not why, "why": list(why), "n_points": 0 if p is None else len(p.L),
+    e = {"identified": res is not None and not why, "why": list(why),
+         "n_points": res.n_points if res is not None else 0 if p is None else len(p.L),
          "cells": cells}
     if p is not None:
         e["ranges"] = {k: list(v) for k, v in data_ranges(p.F, p.S, p.D).items()}

@@ -389,13 +389,15 @@ def icl_claims(icl: dict, claim) -> None:
     the cells above chance at both k; t-interval over tasks), SMELT ahead on dyck_languages at its largest such k (paired over demonstration seeds), and
     the share of tasks whose max-shot permutation test gives p < 0.05."""
     real = {n: t for n, t in icl.items() if t["origin"] == "bigbench"}
-    grow, sig, tested, p_min = [], 0, 0, []
+    grow, no_shared, sig, tested, p_min = [], [], 0, 0, []
     for n, t in real.items():
         ks = [int(k) for k, r in t["by_k"].items() if r["k_counts"] and r["gain"] is not None]
         if 0 in ks and any(k > 0 for k in ks):           # over the cells above chance at both k: the same cells
-            g0, g1 = (t["by_k"][str(k)]["gain_by_cell"] for k in (0, min(k for k in ks if k > 0)))
+            g0, g1 = (t["by_k"][str(k)].get("gain_by_cell", {}) for k in (0, min(k for k in ks if k > 0)))
             if both := sorted(set(g0) & set(g1)):
                 grow.append(float(np.mean([g1[c] - g0[c] for c in both])))
+            else:
+                no_shared.append(n)
         test = t["test"]
         if test["p"] is not None and t["by_k"][str(test["k"])]["k_counts"]:
             tested += 1
@@ -403,8 +405,9 @@ def icl_claims(icl: dict, claim) -> None:
             p_min.append(test["p_min"])
     iv = stats.mean_interval(grow) if grow else None
     claim("icl gap grows", "SMELT - Baseline accuracy gap at the smallest k > 0 minus at k = 0 > 0", PAPER_ICL_GAP,
-          ">", 0.0, iv, len(grow), "task", None if grow else "no real task above chance at k = 0 and a k > 0 "
-          "that most prompts fit")
+          ">", 0.0, iv, len(grow), "task", "; ".join(filter(None, [
+              None if grow else "no real task above chance in one cell at both k = 0 and a k > 0 that most prompts fit",
+              f"left out, no cell above chance at both k: {', '.join(no_shared)}" if no_shared else None])) or None)
     d = real.get("dyck_languages")
     ks = [int(k) for k, r in (d or {}).get("by_k", {}).items() if r["k_counts"] and r["baseline_by_seed"]]
     if ks:

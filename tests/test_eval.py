@@ -482,6 +482,11 @@ def test_calibration_does_not_depend_on_the_baseline_order_and_counts_extrapolat
     assert ref["identified"] and shuf["identified"], shuf["why"]
     assert shuf["params"] == pytest.approx(ref["params"], rel=1e-6, abs=1e-9)
     assert ref["extrapolated"] == shuf["extrapolated"] == 2 and ref["inside"] == [False, True, False, True]
+    off = calibration.calibrate(losses, calibration.sigmoid4(losses, **true), other_l,
+                                other_s + np.array([0.3, 0.0, 0.3, 0.0]), other_groups=["a", "b", "a", "b"])
+    assert off["residuals"][0] == pytest.approx(0.3, abs=1e-3)          # kept, in order, for the record
+    assert off["mean_residual"] == pytest.approx(0.0, abs=1e-3)         # but the summaries read the inside ones
+    assert list(off["by_group"]) == ["b"] and off["residual_interval"]["n"] == 2
 
 
 def test_calibration_chance_floor_refuses_only_when_every_score_is_at_chance():

@@ -112,6 +112,9 @@ def test_decay_data_not_fresh_is_said_in_the_plan_line_and_the_report(smoke_plan
         text = "\n".join(report._section_plan(plan, ladder, [], {**cost, "epochs_per_run": epochs}))
         assert f"Decay data: {'fresh' if fresh else 'not fresh'}: one run reads {epochs:.2f} epochs" in text
     assert configs.decay_freshness(1.01).startswith("not fresh")
+    reproduce.log_plan_cost({**cost, "epochs_per_run": None})     # no prepared data: no epochs, no sentence
+    assert "epochs" not in capsys.readouterr().out
+    assert "Decay data" not in "\n".join(report._section_plan(plan, ladder, [], {**cost, "epochs_per_run": None}))
 
 
 def test_plan_cost_rates_the_longest_endpoint(smoke_plan):

@@ -116,8 +116,9 @@ def test_icl_gap_growth_compares_the_same_cells_at_both_k():
            "c": _task({0: (0.01, True), 2: (0.04, True)})}
     out = []
     wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
-    (_, _, _, _, iv, n, *_), _ = next((a, kw) for cid, a, kw in out if cid == "icl gap grows")
+    (_, _, _, _, iv, n, _, why), _ = next((a, kw) for cid, a, kw in out if cid == "icl gap grows")
     assert n == 2 and iv.mean == pytest.approx((0.02 + 0.03) / 2)
+    assert why == "left out, no cell above chance at both k: b"
 
 
 def test_demonstrations_that_fit_read_per_task_and_k():
