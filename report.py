@@ -243,9 +243,13 @@ def _ce_gain_claim(scal: dict) -> list[str]:
     inside = [c for c in g.get("cells", []) if not c.get("extrapolated")]
     if not inside:
         return [claim, paper, "every budget extrapolated (see the scaling tables)", "not resolved"]
-    vs = [stats.verdict(stats.Interval(**c["interval"]) if c.get("interval") else None, ">", 0.0) for c in inside]
+    ivs = [stats.Interval(**c["interval"]) if c.get("interval") else None for c in inside]
     text = "; ".join(f"{c['sparsity_label']} at {c['budget']:.2g}: {c['text']}" for c in inside)
-    return [claim, paper, text + f" (budgets: {scal.get('budget_rule', 'n/a')})", stats.all_of(vs)]
+    few = next((iv.n for iv in ivs if iv is not None and iv.few_units), None)
+    text += (f"; a cell bootstrap over {few} cells decides nothing (fewer than {stats.MIN_BOOTSTRAP_UNITS} units: "
+             f"too narrow, docs/wins.md)" if few else "")
+    return [claim, paper, text + f" (budgets: {scal.get('budget_rule', 'n/a')})",
+            stats.all_of([stats.verdict(iv, ">", 0.0) for iv in ivs])]
 
 
 # ----------------------------------------------------------------------------------------

@@ -428,7 +428,6 @@ def icl_claims(icl: dict, claim) -> None:
           tested, "task", why, verdict="reproduced" if tested and 2 * sig > tested else "not resolved")
 
 
-MIN_BOOTSTRAP_UNITS = 10   # a 95 % percentile bootstrap of a mean covered 52 / 71 / 84 / 90 % at 2 / 3 / 5 / 10 units
 
 
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
@@ -443,7 +442,7 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
     calibration (calibration_report): the mean Eq. 7 residual of every identified metric, with its
     t-interval over SMELT runs (each run's endpoints averaged: they share a trajectory; claim > 0); a
     metric whose fit is not identified is listed with verdict "not resolved" and why. families
-    (length_families): SMELT's long/short ratio > 1 (not resolved below MIN_BOOTSTRAP_UNITS contrasts).
+    (length_families): SMELT's long/short ratio > 1 (not resolved below stats.MIN_BOOTSTRAP_UNITS contrasts).
     Returns [{"id", "claim", "paper", "direction", "value", "interval" (Interval dict | None),
     "verdict", "n", "unit", "why"}].
     """
@@ -509,15 +508,13 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
             # SMELT worse on average: the ratio then describes a deficit, not a gain (docs/wins.md): no verdict
             why, iv = (f"SMELT's mean gain is negative in {f['n_negative']} of {f['n_contrasts']} contrasts: the "
                        f"normalised shape describes a loss, not a gain (ratio {stats.Interval(**f['long_short']).fmt(2)})"), None
-        verdict = None
-        if iv is not None and iv.resolved and f["n_contrasts"] < MIN_BOOTSTRAP_UNITS:
-            verdict = "not resolved"   # the interval is kept for the record
-            why = (f"{f['n_contrasts']} contrasts: a percentile bootstrap over fewer than {MIN_BOOTSTRAP_UNITS} units "
+        if iv is not None and iv.resolved and iv.few_units:   # not resolved (stats.verdict); the interval is kept
+            why = (f"{iv.n} contrasts: a percentile bootstrap over fewer than {stats.MIN_BOOTSTRAP_UNITS} units "
                    f"covers the truth less often than it says (docs/wins.md)")
         claim("length tilt", "SMELT's gain tilts to long documents: long/short ratio > 1",
               "1.52: \"SMELT’s gain on the four longest buckets is 1.52× its gain on the four shortest; the two controls "
               "stay flat (0.98 and 0.88)\" (Sec. 5.3, Fig. 20a)", ">", 1.0, iv, f["n_contrasts"],
-              "SMELT/Baseline run pair", why, verdict)
+              "SMELT/Baseline run pair", why)
     return claims
 
 

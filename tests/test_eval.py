@@ -1052,7 +1052,7 @@ def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
 
 
 def test_length_tilt_over_few_contrasts_decides_nothing():
-    """Below wins.MIN_BOOTSTRAP_UNITS (10) contrasts a percentile bootstrap under-covers: an interval wholly above 1
+    """Below stats.MIN_BOOTSTRAP_UNITS (10) contrasts a percentile bootstrap under-covers: an interval wholly above 1
     is kept for the record but the claim is not resolved, and says why; at 10 it is decided."""
     import stats
     fam = {"paper": 1.52, "n_contrasts": 5, "n_negative": 0, "why": None,
@@ -1060,7 +1060,8 @@ def test_length_tilt_over_few_contrasts_decides_nothing():
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] == pytest.approx(fam["long_short"])
     assert "5 contrasts" in c["why"] and "fewer than 10" in c["why"]
-    fam["n_contrasts"] = wins.MIN_BOOTSTRAP_UNITS
+    fam["n_contrasts"] = stats.MIN_BOOTSTRAP_UNITS
+    fam["long_short"] = stats.Interval(1.5, 1.2, 1.8, stats.MIN_BOOTSTRAP_UNITS, 0.95, "bootstrap").to_dict()
     [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "reproduced"
 

@@ -154,17 +154,18 @@ def test_expert_overlap_falls_as_sparsity_rises():
 
 
 def _const_probe_result():
-    """One pair, 4 units, every unit the same hand-set value of each Section 6 sum (count 1), and a 3-prompt Dyck study."""
+    """One pair, 10 units, every unit the same hand-set value of each Section 6 sum (count 1), and a 10-prompt Dyck study."""
     one = {"ratio_update": [[1.0, 2.0]], "ratio_attn_write": [[1.0, 3.0]], "ratio_mlp_write": [[1.0, 1.5]],
            "ratio_attn_norm": [[1.0, 1.2]], "ratio_mlp_norm": [[1.0, 1.6]], "ucos_same": [0.5], "ucos_other": [0.2],
            "cos_Q": [0.9], "cos_K": [0.8], "cos_V": [0.6], "cos_X": [0.7], "top8_same": [0.6], "top8_control": [0.3],
            "expert_overlap": [1.0], "sink": [[0.4, 0.1]]}
-    U = 4
+    U = 10                                               # stats.MIN_BOOTSTRAP_UNITS: a bootstrap decides from 10
     smelt = {"units": {"keys": list(range(U)), "quantities": {
         k: {"sum": [v] * U, "count": [1.0] * U} for k, v in one.items()}},
         "config": {"top_k": 2, "n_experts": 8}, "per_visit": {"L1.v1": {"visit": 1}, "L1.v2": {"visit": 2}}}
-    dyck = {"visits": [1, 2], "prompt_keys": [[0, 1], [0, 2], [1, 1]],
-            "mass": {"bos": [[0.6, 0.0], [0.5, 0.1], [0.7, 0.2]], "demo": [[0.2, 0.8], [0.3, 0.9], [0.1, 0.4]]}}
+    dyck = {"visits": [1, 2], "prompt_keys": [[k, i] for k in (1, 2) for i in range(5)],   # 10 prompts
+            "mass": {"bos": [[0.6, 0.0], [0.5, 0.1], [0.7, 0.2]] * 3 + [[0.6, 0.1]],
+                     "demo": [[0.2, 0.8], [0.3, 0.9], [0.1, 0.4]] * 3 + [[0.2, 0.7]]}}
     return {"pairs": {"p": {"smelt": smelt, "baseline": {}, "dyck": dyck}}}
 
 
@@ -271,6 +272,10 @@ def test_ce_gain_claim_reads_only_the_in_window_budgets():
     assert row[3] == "reproduced" and "S~85% text" in row[2] and "S~95%" not in row[2]
     scal["gains"]["cells"][1]["extrapolated"] = False
     assert report._ce_gain_claim(scal)[3] == "contradicted"
+    few = stats.Interval(0.05, 0.02, 0.08, 6, 0.95, "cell bootstrap (refit)").to_dict()   # small's 6 fitted cells
+    scal = {"gains": {"available": True, "cells": [{**cell("S~85%", 0.02, 0.08, False), "interval": few}]}}
+    row = report._ce_gain_claim(scal)
+    assert row[3] == "not resolved" and "a cell bootstrap over 6 cells decides nothing" in row[2]
 
 
 def test_tpp_claim_needs_the_whole_interval_inside_six_percent():

@@ -51,6 +51,21 @@ def test_verdict_three_states(lo, hi, claim, expected):
     assert stats.verdict(stats.Interval((lo + hi) / 2, lo, hi, 3), claim, value) == expected
 
 
+@pytest.mark.parametrize("method", ["bootstrap", "cell bootstrap (refit)", "bootstrap over held-out document groups"])
+def test_a_bootstrap_over_too_few_units_decides_nothing(method):
+    """A percentile bootstrap over fewer than MIN_BOOTSTRAP_UNITS units is too narrow (docs/wins.md): wholly above
+    or below 0 it is still not resolved, and fmt says why; from MIN_BOOTSTRAP_UNITS on it decides. A t-interval
+    over 3 units decides (its t quantile already pays for the few units)."""
+    n = stats.MIN_BOOTSTRAP_UNITS
+    for lo, hi in ((0.1, 0.3), (-0.3, -0.1)):
+        few = stats.Interval((lo + hi) / 2, lo, hi, n - 1, 0.95, method)
+        assert few.few_units and stats.verdict(few, ">") == "not resolved"
+        assert few.fmt(1).endswith(f"(bootstrap over {n - 1} units: too few to decide)")
+        enough = stats.Interval((lo + hi) / 2, lo, hi, n, 0.95, method)
+        assert not enough.few_units and stats.verdict(enough, ">") == ("reproduced" if lo > 0 else "contradicted")
+    assert stats.verdict(stats.Interval(0.2, 0.1, 0.3, 3, 0.95, "t"), ">") == "reproduced"
+
+
 def test_verdict_never_from_a_point_estimate():
     # a large point estimate with an interval that straddles 0 is not resolved
     assert stats.verdict(stats.Interval(5.0, -1.0, 11.0, 3), ">") == "not resolved"
