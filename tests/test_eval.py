@@ -489,6 +489,26 @@ def test_calibration_does_not_depend_on_the_baseline_order_and_counts_extrapolat
     assert list(off["by_group"]) == ["b"] and off["residual_interval"]["n"] == 2
 
 
+def test_calibration_figure_title_gives_no_endpoint_interval(tmp_path, monkeypatch):
+    """The figure states the mean residual over the endpoints inside the Baseline losses and says how many were left
+    out; it prints no interval (a run's endpoints share its trajectory: the claim's interval is over runs)."""
+    true = dict(a=0.6, b=0.1, alpha=3.0, tau=3.2, d=-1)
+    losses = np.linspace(2.4, 4.2, 12)
+    other_l = np.array([2.0, 3.0, 3.5])
+    ep = lambda L, s: {"val": {"loss": float(L)}, "summary": {"real": {"core": float(s)}}}
+    base = [ep(L, calibration.sigmoid4(L, **true)) for L in losses]
+    others = [ep(L, calibration.sigmoid4(L, **true) + 0.01) for L in other_l]
+    c = calibration.calibrate(losses, [e["summary"]["real"]["core"] for e in base], other_l,
+                              [e["summary"]["real"]["core"] for e in others])
+    import matplotlib.axes
+    titles, orig = [], matplotlib.axes.Axes.set
+    monkeypatch.setattr(matplotlib.axes.Axes, "set", lambda self, **kw: titles.append(kw.get("title")) or orig(self, **kw))
+    eval_plots.plot_calibration(base, others, {"metrics": {"core": {**c, "higher_is_better": True}}}, tmp_path / "c.png")
+    [title] = [t for t in titles if t]
+    assert "+0.0100 over 2 endpoints (1 outside the Baseline losses left out)" in title and "[" not in title
+    assert (tmp_path / "c.png").exists()
+
+
 def test_calibration_chance_floor_refuses_only_when_every_score_is_at_chance():
     """chance: refused when all Baseline scores are <= chance; a curve that reaches the floor at high loss is fitted."""
     losses = np.linspace(2.4, 4.2, 12)
