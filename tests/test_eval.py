@@ -845,6 +845,30 @@ def test_icl_sweep_averages_above_chance_cells_and_tests_over_seeds():
     assert z["test"]["p"] is None and "no cell" in z["test"]["why"] and "nothing to average" in z["note"]
 
 
+def test_dyck_gain_is_paired_over_items():
+    """The dyck_languages claim is a benchmark difference: icl_sweep averages each item's accuracy over seeds, the
+    cell's pairs, then the cells above chance, and the claim is the paired t-interval over items (n = items), not
+    over the 2 demonstration seeds; endpoints that scored different items give no interval and say so."""
+    import stats
+
+    def dyck(per_item_by_seed, items=(0, 1, 2, 3)):
+        t = task({2: np.mean(per_item_by_seed, axis=1)}, chance=0.0, origin="bigbench")
+        t["by_k"]["2"].update(items=list(items), per_item=np.mean(per_item_by_seed, axis=0).tolist())
+        return {"dyck_languages": t}
+    base = [[1, 0, 0, 1], [1, 1, 0, 0]]                             # per seed x item: item means 1, .5, 0, .5
+    smelt = [[1, 1, 0, 1], [1, 1, 1, 0]]                            # 1, 1, .5, .5
+    A = ("t64", "S~50%")
+    recs = [rec("baseline", *A, 10, tasks=dyck(base)), rec("smelt", *A, 10, tasks=dyck(smelt))]
+    r = wins.icl_sweep(recs)["dyck_languages"]["by_k"]["2"]
+    assert r["baseline_by_item"] == pytest.approx([1, .5, 0, .5]) and r["smelt_by_item"] == pytest.approx([1, 1, .5, .5])
+    [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    assert c["interval"] == pytest.approx(stats.paired_difference([1, .5, 0, .5], [1, 1, .5, .5]).to_dict())
+    assert c["n"] == 4 and c["unit"].startswith("item")
+    recs[1] = rec("smelt", *A, 10, tasks=dyck(smelt, items=(0, 1, 2, 5)))
+    [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    assert c["interval"] is None and "different dyck_languages items" in c["why"]
+
+
 def test_length_families_by_hand(tmp_path):
     """Gains by bucket (8, 16, 32, 64): SMELT adds (.1 .1 .3 .3) -> long/short 3; more experts (.2 .2 .1 .1) -> 0.5;
     more parameters (.1 .1 .1 .1) -> 1. S~90% at t64 equals S~50% there: a zero gain, no shape."""
