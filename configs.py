@@ -149,7 +149,7 @@ class Plan:
     decay_steps: int
     eval_tokens: int                # validation tokens per source at each branch end
     tasks: tuple = ("generated", "real")
-    shots: tuple = (0, 1, 2, 4, 8)
+    shots: tuple = (0, 1, 2, 4, 8)   # small and up add 10, DCLM Core's k for the BIG-bench tasks (tasks.REAL_TASKS)
     seeds: int = 3                  # few-shot demonstration seeds per task and k
     max_items: int = 40
     bootstrap: int = 200
@@ -182,15 +182,15 @@ PLANS = {
     # (420 + 70) x 32 x 1024 = 16.1M tokens, 0.80 of the planned 20M, 0.96 of the 16.7M measured (plan_epochs)
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
                   stable_steps=420, branch_steps=[70, 210, 420], decay_steps=70, eval_tokens=32768,
-                  seeds=5, max_items=100, bootstrap=1000, probe_tokens=32768, repeat=("s128", "S~85%"),
-                  train_seeds=3, eval_interval=140),
+                  shots=(0, 1, 2, 4, 8, 10), seeds=5, max_items=100, bootstrap=1000, probe_tokens=32768,
+                  repeat=("s128", "S~85%"), train_seeds=3, eval_interval=140),
     "medium": Plan(data="small", ladder="medium", block_size=1024, batch_size=64, lr=2e-3, warmup_steps=100,
                    stable_steps=4000, branch_steps=[500, 1000, 2000, 4000], decay_steps=400, eval_tokens=65536,
-                   shots=(0, 1, 2, 4, 8, 16, 32), seeds=10, max_items=200, bootstrap=2000, probe_tokens=65536,
+                   shots=(0, 1, 2, 4, 8, 10, 16, 32), seeds=10, max_items=200, bootstrap=2000, probe_tokens=65536,
                    repeat=("s256", "S~85%"), train_seeds=3, eval_interval=500),
     "paper": Plan(data="small", ladder="paper", block_size=4096, batch_size=256, lr=1e-3, warmup_steps=2000,
                   stable_steps=196_075, branch_steps=[10_000, 20_000, 50_000, 100_000, 150_000, 196_075],
-                  decay_steps=9537, eval_tokens=1 << 20, shots=(0, 1, 2, 4, 8, 16, 32), seeds=10,
+                  decay_steps=9537, eval_tokens=1 << 20, shots=(0, 1, 2, 4, 8, 10, 16, 32), seeds=10,
                   max_items=None, bootstrap=2000, probe_tokens=1 << 20),
 }
 
