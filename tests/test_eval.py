@@ -509,6 +509,49 @@ def test_calibration_figure_title_gives_no_endpoint_interval(tmp_path, monkeypat
     assert (tmp_path / "c.png").exists()
 
 
+def test_calibration_counts_both_ends_of_the_baseline_losses_as_inside():
+    """An other exactly at the lowest or the highest Baseline loss is inside (no extrapolation): it counts."""
+    true = dict(a=0.6, b=0.1, alpha=3.0, tau=3.2, d=-1)
+    losses = np.linspace(2.4, 4.2, 12)
+    other_l = np.array([losses.min(), losses.max()])
+    c = calibration.calibrate(losses, calibration.sigmoid4(losses, **true), other_l,
+                              calibration.sigmoid4(other_l, **true) + np.array([0.02, 0.04]))
+    assert c["inside"] == [True, True] and c["extrapolated"] == 0
+    assert c["mean_residual"] == pytest.approx(0.03, abs=1e-4) and c["residual_interval"]["n"] == 2
+
+
+def test_calibration_report_categories_leave_out_others_outside_the_baseline_losses():
+    """by_category averages a task's residuals over the SMELT endpoints inside the Baseline loss range only: the
+    "small" endpoint at loss 4.0 (Baselines 2.5-3.6) reads the sigmoid's extrapolation and is in no group."""
+    sig = lambda l: float(calibration.sigmoid4(l, 0.8, 0.0, 3.0, 3.1, -1))
+    ep = lambda loss, bump=0.0, scale="s": {"run": f"r{loss}", "scale": scale, "val": {"loss": loss}, "summary": {},
+                                            "tasks": {"t": {"category": "Symbolic", "headline_k": 10,
+                                                            "by_k": {"10": {"centred": sig(loss) + bump}}}}}
+    rep = calibration.calibration_report([ep(x) for x in (2.5, 2.8, 3.0, 3.2, 3.6)],
+                                         [ep(2.9, 0.03, "big"), ep(4.0, 0.2, "small")])
+    assert rep["metrics"]["task/t"]["inside"] == [True, False]
+    assert rep["by_category"] == {"Symbolic": pytest.approx({"big": 0.03, "all": 0.03}, abs=1e-3)}
+
+
+def test_calibration_figure_title_names_no_left_out_endpoints_when_all_are_inside(tmp_path, monkeypatch):
+    """With every SMELT endpoint inside the Baseline losses the title gives the mean over all of them and says
+    nothing of endpoints left out."""
+    true = dict(a=0.6, b=0.1, alpha=3.0, tau=3.2, d=-1)
+    losses = np.linspace(2.4, 4.2, 12)
+    other_l = np.array([2.8, 3.0, 3.5])
+    ep = lambda L, s: {"val": {"loss": float(L)}, "summary": {"real": {"core": float(s)}}}
+    base = [ep(L, calibration.sigmoid4(L, **true)) for L in losses]
+    others = [ep(L, calibration.sigmoid4(L, **true) + 0.01) for L in other_l]
+    c = calibration.calibrate(losses, [e["summary"]["real"]["core"] for e in base], other_l,
+                              [e["summary"]["real"]["core"] for e in others])
+    import matplotlib.axes
+    titles, orig = [], matplotlib.axes.Axes.set
+    monkeypatch.setattr(matplotlib.axes.Axes, "set", lambda self, **kw: titles.append(kw.get("title")) or orig(self, **kw))
+    eval_plots.plot_calibration(base, others, {"metrics": {"core": {**c, "higher_is_better": True}}}, tmp_path / "c.png")
+    [title] = [t for t in titles if t]
+    assert "+0.0100 over 3 endpoints; its interval over runs" in title and "outside" not in title
+
+
 def test_calibration_chance_floor_refuses_only_when_every_score_is_at_chance():
     """chance: refused when all Baseline scores are <= chance; a curve that reaches the floor at high loss is fitted."""
     losses = np.linspace(2.4, 4.2, 12)
@@ -869,6 +912,47 @@ def test_dyck_gain_is_paired_over_items():
     assert c["interval"] is None and "different dyck_languages items" in c["why"]
 
 
+def test_icl_sweep_by_item_and_gain_by_cell_read_the_cells_above_chance():
+    """Per-item accuracy is averaged over each cell's pairs, then over the cells above chance (t64 with two
+    branches weighs as much as t128 with one); a cell at chance (t32, which scored other items) is in neither
+    the per-item means nor gain_by_cell (SMELT - Baseline per cell: t64 .875 - .5, t128 .75 - .5)."""
+    def t(seeds, per_item, items=(0, 1, 2, 3)):
+        x = task({2: seeds}, chance=0.25, origin="bigbench")
+        x["by_k"]["2"].update(items=list(items), per_item=per_item)
+        return {"dyck_languages": x}
+    recs = []
+    for (scale, branch), (b, s) in {
+            ("t64", 10): (([.5, .5], [1, 0, 0, 1]), ([.75, .75], [1, 1, 0, 1])),
+            ("t64", 20): (([.5, .5], [1, 1, 0, 0]), ([1, 1], [1, 1, 1, 1])),
+            ("t128", 10): (([.5, .5], [0, 0, 1, 1]), ([.75, .75], [0, 1, 1, 1]))}.items():
+        recs += [rec("baseline", scale, "S~50%", branch, tasks=t(*b)),
+                 rec("smelt", scale, "S~50%", branch, tasks=t(*s))]
+    recs += [rec("baseline", "t32", "S~50%", 10, tasks=t([0, 0], [0, 0, 0, 0], (0, 1, 2, 5))),
+             rec("smelt", "t32", "S~50%", 10, tasks=t([.25, .25], [0, 0, 0, 1], (0, 1, 2, 5)))]
+    r = wins.icl_sweep(recs)["dyck_languages"]["by_k"]["2"]
+    assert r["cells_above"] == 2 and r["cells"] == 3
+    assert r["baseline_by_item"] == pytest.approx([.5, .25, .5, .75])
+    assert r["smelt_by_item"] == pytest.approx([.5, 1, .75, 1])
+    assert r["gain_by_cell"] == pytest.approx({"t64 S~50%": .375, "t128 S~50%": .25})
+
+
+def test_dyck_gain_reads_the_largest_k_that_prompts_fit():
+    """With k = 2 and k = 4 both kept by most prompts, the dyck_languages claim is at k = 4, over its items."""
+    import stats
+
+    def dyck(per_item):
+        t = task({k: [float(np.mean(v))] * 2 for k, v in per_item.items()}, chance=0.0, origin="bigbench")
+        for k, v in per_item.items():
+            t["by_k"][str(k)].update(items=[0, 1, 2, 3], per_item=v)
+        return {"dyck_languages": t}
+    base, smelt = {2: [1, .5, 0, .5], 4: [.5, .5, .5, 0]}, {2: [1, 1, .5, .5], 4: [.5, .5, .5, .5]}
+    A = ("t64", "S~50%")
+    recs = [rec("baseline", *A, 10, tasks=dyck(base)), rec("smelt", *A, 10, tasks=dyck(smelt))]
+    [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    assert "at k = 4" in c["claim"]
+    assert c["interval"] == pytest.approx(stats.paired_difference(base[4], smelt[4]).to_dict())
+
+
 def test_length_families_by_hand(tmp_path):
     """Gains by bucket (8, 16, 32, 64): SMELT adds (.1 .1 .3 .3) -> long/short 3; more experts (.2 .2 .1 .1) -> 0.5;
     more parameters (.1 .1 .1 .1) -> 1. S~90% at t64 equals S~50% there: a zero gain, no shape."""
@@ -1017,6 +1101,33 @@ def test_residual_claims_leave_out_endpoints_outside_the_baseline_loss_range():
     g = got["completion residual growth"]
     assert g["interval"] is None and g["verdict"] == "not resolved" and g["n"] == 2
     assert g["why"].startswith("too few SMELT runs per scale") and "4 of 6" in g["why"]
+
+
+def test_residual_claims_why_when_all_inside_too_few_runs_or_none_inside():
+    """The why of the residual claims: None when every endpoint is inside and the interval resolves; "too few SMELT
+    runs" together with the count left out when one run remains (a t-interval of one run is no interval) or one run
+    per scale (Welch of 1 vs 1); no interval, n = 0 and no error when every endpoint is outside."""
+    def claims(scales, seeds, inside):
+        recs, res, keep = [], [], []
+        for seed in seeds:
+            for scale in scales:
+                recs += [rec("baseline", scale, "S~50%", 10, seed=seed), rec("smelt", scale, "S~50%", 10, seed=seed)]
+                res.append(0.01 * (seed + 1))
+                keep.append(inside(scale, seed))
+        cal = {"metrics": {"completion": {"identified": True, "residuals": res, "inside": keep}}}
+        return {c["id"]: c for c in wins.downstream_claims(recs, calibration=cal)}
+    c = claims(["t32"], [0, 1, 2], lambda sc, s: True)["completion residual"]
+    assert c["n"] == 3 and c["interval"]["lo"] < c["interval"]["hi"] and c["why"] is None
+    c = claims(["t32"], [0, 1, 2], lambda sc, s: s == 0)["completion residual"]
+    assert c["n"] == 1 and c["verdict"] == "not resolved"
+    assert c["why"] == ("too few SMELT runs for an interval; 2 of 3 SMELT endpoints lie outside the Baseline loss "
+                        "range and are left out (their residual would measure the sigmoid's extrapolation)")
+    g = claims(["t32", "t128"], [0, 1], lambda sc, s: s == 0)["completion residual growth"]
+    assert g["n"] == 2 and g["interval"] is not None and g["verdict"] == "not resolved"
+    assert g["why"].startswith("too few SMELT runs per scale for an interval; 2 of 4 SMELT endpoints lie outside")
+    c = claims(["t32"], [0, 1], lambda sc, s: False)["completion residual"]
+    assert c["interval"] is None and c["n"] == 0 and c["verdict"] == "not resolved"
+    assert c["why"].startswith("too few SMELT runs for an interval; 2 of 2 SMELT endpoints lie outside")
 
 
 @pytest.mark.parametrize("grows", [True, False])

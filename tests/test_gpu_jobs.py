@@ -117,6 +117,14 @@ def test_decay_data_not_fresh_is_said_in_the_plan_line_and_the_report(smoke_plan
     assert "Decay data" not in "\n".join(report._section_plan(plan, ladder, [], {**cost, "epochs_per_run": None}))
 
 
+def test_a_fresh_plan_line_warns_of_nothing(smoke_plan, capsys):
+    """At most one epoch per run (0.5 or exactly 1.0) the decay data are fresh: the plan line prints no warning."""
+    plan, ladder, data, cost = smoke_plan
+    for epochs in (0.5, 1.0):
+        reproduce.log_plan_cost({**cost, "epochs_per_run": epochs})
+        assert "WARNING" not in capsys.readouterr().out, epochs
+
+
 def test_plan_cost_rates_the_longest_endpoint(smoke_plan):
     """Tokens per parameter and TPP are stated at the longest branch's endpoint: its stable steps and its
     decay window (not the run's total tokens, which count every branch's decay)."""

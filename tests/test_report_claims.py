@@ -121,6 +121,15 @@ def test_icl_gap_growth_compares_the_same_cells_at_both_k():
     assert why == "left out, no cell above chance at both k: b"
 
 
+def test_icl_gap_growth_averages_over_every_shared_cell():
+    """A task with two cells above chance at both k grows by the mean of its cells' growths: (0.02 + 0.10) / 2."""
+    icl = {"a": _task({0: (0.05, True, {"c1": 0.0, "c2": 0.10}), 2: (0.11, True, {"c1": 0.02, "c2": 0.20})})}
+    out = []
+    wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+    (_, _, _, _, iv, n, _, why), _ = next((a, kw) for cid, a, kw in out if cid == "icl gap grows")
+    assert n == 1 and iv.mean == pytest.approx(0.06) and why is None
+
+
 def test_demonstrations_that_fit_read_per_task_and_k():
     rec = lambda short: {"tasks": {"t": {"fit": {"8": {"share_short": short, "share_cut": short,
                                                        "demos_kept": 8 * (1 - short)}}}}}
@@ -187,6 +196,23 @@ def test_probe_claims_directions_and_values_on_hand_set_sums():
         assert c["verdict"] == "not resolved", cid          # one pair: no interval of the training noise
     assert cs["expert_overlap"]["parts"] == pytest.approx({"expert_frac": 0.5, "expert_random_frac": 0.25})
     assert cs["update_cosine"]["parts"] == pytest.approx({"ucos_same": 0.5, "ucos_other": 0.2})
+
+
+def test_cosine_gap_claims_name_their_stages_quote_their_figure_and_hold_in_every_cell():
+    """The five Fig. 25 gaps (probe_claims._cos_gap): each a claim of every cell, its text naming the input as "the
+    input X", its two sides as parts (hand-set cos_Q .9, K .8, V .6, X .7), and the quote it tests."""
+    cs = {c["id"]: c for c in probe_claims.claims(_const_probe_result(), n_draws=20)}
+    want = {"q_stabler_than_v": ("Q", "V", probe_claims.Q_K_V), "k_stabler_than_v": ("K", "V", probe_claims.Q_K_V),
+            "q_keeps_input": ("Q", "X", probe_claims.Q_K_X), "k_keeps_input": ("K", "X", probe_claims.Q_K_X),
+            "v_below_input": ("V", "X", probe_claims.V_X)}
+    cos = {"Q": 0.9, "K": 0.8, "V": 0.6, "X": 0.7}
+    every = dict(probe_claims.claimed())
+    for cid, (a, b, paper) in want.items():
+        c = cs[cid]
+        assert every[f"cos_{a}_minus_{b}"].every_cell, cid
+        assert c["what"] == f"cross-visit cosine of {a} minus that of {'the input X' if b == 'X' else b}", cid
+        assert c["paper"] == paper and c["figure"] == "Fig. 25", cid
+        assert c["parts"] == pytest.approx({f"cos_{a}": cos[a], f"cos_{b}": cos[b]}), cid
 
 
 def test_expert_overlap_by_sparsity_groups_real_configs_by_width_and_depth():

@@ -116,6 +116,15 @@ def test_gauss_newton_standard_errors_are_the_least_squares_ones():
 
 
 
+def test_gauss_newton_standard_errors_are_inf_with_too_few_distinct_points():
+    """n_distinct, not the rows' count, decides "n <= P": 3 distinct points repeated 3 times (9 rows) for 3
+    parameters leave no degree of freedom, so every standard error is inf (not a division by n - P = 0)."""
+    rng = np.random.default_rng(1)
+    X, r = rng.normal(size=(3, 3)), rng.normal(size=3)
+    assert np.all(np.isinf(scaling._gauss_newton_se(np.tile(X, (3, 1)), np.tile(r, 3), 1e12, n_distinct=3)))
+    assert np.all(np.isfinite(scaling._gauss_newton_se(np.tile(X, (3, 1)), np.tile(r, 3), 1e12)))
+
+
 def test_a_duplicated_point_adds_no_information():
     """fit_result counts distinct (F, S, D) points and takes its standard errors' degrees of freedom from them:
     every point twice (a bootstrap draw of each cell twice) fits the same surface with the same n_points, standard
@@ -324,6 +333,19 @@ def test_seed_means_average_each_cells_replicates_into_one_row_per_endpoint():
     assert got[0]["n_seeds"] == 3 and got[0]["seeds"] == [0, 1, 2] and "n_seeds" not in got[2]
     with pytest.raises(ValueError, match=r"smelt a/S=90% at D = 1e\+10: 2 rows differ in F"):
         scaling_rows.seed_means([a[0], {**a[1], "F": 2e9}])
+
+
+def test_seed_means_average_every_subset_and_refuse_replicates_of_another_sparsity():
+    """seed_means takes the mean (3.0, 3.1, 3.5 -> 3.2, not the median 3.1) of val_loss and of every
+    "val_loss_by_*" subset, per-domain too; a subset only some replicates have is averaged over those (y: 5.0, 6.0);
+    replicates whose S differs (F equal) are refused as well."""
+    a = [{**_cell_row("smelt", "a", "S=90%", 0.9, loss=L), "seed": s, "val_loss_by_source": {"x": L + 1},
+          "val_loss_by_domain": {"web": L + 2, **({"y": 4.0 + s} if s else {})}} for s, L in enumerate((3.0, 3.1, 3.5))]
+    [m] = scaling_rows.seed_means(a)
+    assert m["val_loss"] == pytest.approx(3.2) and m["val_loss_by_source"] == {"x": pytest.approx(4.2)}
+    assert m["val_loss_by_domain"] == {"web": pytest.approx(5.2), "y": pytest.approx(5.5)}
+    with pytest.raises(ValueError, match=r"smelt a/S=90% at D = 1e\+10: 2 rows differ in S"):
+        scaling_rows.seed_means([a[0], {**a[1], "S": 0.85}])
 
 
 def test_a_repeated_cell_weighs_as_one_cell_in_the_fits(tmp_path):
@@ -854,6 +876,28 @@ def test_derived_claims_and_failed_share_beside_every_interval(good_report):
         assert gr["from"] < gr["to"] and gr["n_draws"] == 12
     assert all("% of draws failed" in c["text"] for c in rep["gains"]["cells"])
     assert "% of draws failed" in (out / "tables.md").read_text()
+
+
+def test_quartiles_rank_a_repeated_cell_once_at_its_seeds_mean(tmp_path):
+    """A Baseline cell trained over 3 seeds ranks its sources once per endpoint, at the seeds' mean per-source
+    losses (scaling_rows.seed_means), not once per seed: two replicates that rank the sources the other way would
+    otherwise weigh that cell three times in the quartiles."""
+    rows = _rows(control=False)
+    cell = next((r["scale"], r["sparsity_label"]) for r in rows if r["arch"] == "baseline")
+    reps = []
+    for r in rows:
+        if r["arch"] == "baseline" and (r["scale"], r["sparsity_label"]) == cell:
+            names = sorted(r["val_loss_by_source"])
+            rev = dict(zip(names, [r["val_loss_by_source"][n] for n in reversed(names)]))
+            reps += [{**r, "seed": s, "val_loss_by_source": rev} for s in (1, 2)]
+    rep = scaling_analysis.analyse(rows + reps, str(tmp_path), n_boot=0, n_jobs=1)
+    q = rep["quartiles"]
+    assert q["available"]
+    gains = {n: v[q["sparsity_label"]]["gain"] for n, v in rep["subsets"]["val_loss_by_source"]["gains"].items()}
+    once = [r["val_loss_by_source"] for r in scaling_rows.seed_means(rows + reps) if r["arch"] == "baseline"]
+    per_seed = [r["val_loss_by_source"] for r in rows + reps if r["arch"] == "baseline"]
+    want = quartile_gains(gains, once, n_groups=4)
+    assert q["gain"] == pytest.approx(want.tolist()) and not np.allclose(want, quartile_gains(gains, per_seed, 4))
 
 
 def test_quartiles_rank_sources_over_every_baseline_cell_with_the_control(tmp_path):
