@@ -83,7 +83,8 @@ def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
 def seed_means(rows: Sequence[dict]) -> list[dict]:
     """One row per (arch, cell, D): replicates (rows of one cell and endpoint, e.g. the repeated cell's
     training seeds) averaged: val_loss and every "val_loss_by_*" subset loss; "n_seeds" / "seeds" say
-    what was averaged.  Replicates must share F and S (the same model); a row alone passes unchanged."""
+    what was averaged.  Replicates must share F and S (the same model) and report the same subsets; a row
+    alone passes unchanged."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["arch"], cell_id(r), float(r["D"]))].append(r)
@@ -99,9 +100,12 @@ def seed_means(rows: Sequence[dict]) -> list[dict]:
                                  f"{max(v):g}), so they are not replicates of one model")
         m = {**rs[0], "val_loss": float(np.mean([r["val_loss"] for r in rs])), "n_seeds": len(rs),
              "seeds": [r.get("seed") for r in rs]}
-        for k in (k for k in rs[0] if k.startswith("val_loss_by_")):
-            names = set().union(*((r.get(k) or {}).keys() for r in rs))
-            m[k] = {n: float(np.mean([r[k][n] for r in rs if n in (r.get(k) or {})])) for n in sorted(names)}
+        for k in sorted({k for r in rs for k in r if k.startswith("val_loss_by_")}):
+            names = [sorted((r.get(k) or {}).keys()) for r in rs]
+            if any(n != names[0] for n in names):     # a mean over fewer seeds than val_loss's would mix the two
+                raise ValueError(f"{arch} {cell} at D = {D:g}: its {len(rs)} replicates report different {k} "
+                                 f"subsets, so their means would rest on different seeds")
+            m[k] = {n: float(np.mean([r[k][n] for r in rs])) for n in names[0]}
         out.append(m)
     return out
 

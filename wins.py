@@ -405,7 +405,11 @@ def icl_claims(icl: dict, claim) -> None:
     for n, t in real.items():
         ks = [int(k) for k, r in t["by_k"].items() if r["k_counts"] and r["gain"] is not None]
         if 0 in ks and any(k > 0 for k in ks):           # over the cells above chance at both k: the same cells
-            g0, g1 = (t["by_k"][str(k)].get("gain_by_cell", {}) for k in (0, min(k for k in ks if k > 0)))
+            rows = [t["by_k"][str(k)] for k in (0, min(k for k in ks if k > 0))]
+            if any("gain_by_cell" not in r for r in rows):
+                raise ValueError(f"icl_claims: task {n}'s shot sweep has no gain_by_cell (an icl_sweep result from "
+                                 f"before 2026-12-03): run wins.icl_sweep on its records again")
+            g0, g1 = (r["gain_by_cell"] for r in rows)
             if both := sorted(set(g0) & set(g1)):
                 grow.append(float(np.mean([g1[c] - g0[c] for c in both])))
             else:

@@ -130,6 +130,15 @@ def test_icl_gap_growth_averages_over_every_shared_cell():
     assert n == 1 and iv.mean == pytest.approx(0.06) and why is None
 
 
+def test_icl_claims_refuse_a_sweep_without_per_cell_gains():
+    """A shot sweep from before gain_by_cell cannot give the growth over shared cells: a clear error, not every task
+    "left out" as if no cell were above chance."""
+    t = _task({0: (0.01, True), 2: (0.03, True)})
+    del t["by_k"]["2"]["gain_by_cell"]
+    with pytest.raises(ValueError, match="task a's shot sweep has no gain_by_cell"):
+        wins.icl_claims({"a": t}, lambda *a, **kw: None)
+
+
 def test_demonstrations_that_fit_read_per_task_and_k():
     rec = lambda short: {"tasks": {"t": {"fit": {"8": {"share_short": short, "share_cut": short,
                                                        "demos_kept": 8 * (1 - short)}}}}}

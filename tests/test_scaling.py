@@ -337,15 +337,18 @@ def test_seed_means_average_each_cells_replicates_into_one_row_per_endpoint():
 
 def test_seed_means_average_every_subset_and_refuse_replicates_of_another_sparsity():
     """seed_means takes the mean (3.0, 3.1, 3.5 -> 3.2, not the median 3.1) of val_loss and of every
-    "val_loss_by_*" subset, per-domain too; a subset only some replicates have is averaged over those (y: 5.0, 6.0);
-    replicates whose S differs (F equal) are refused as well."""
+    "val_loss_by_*" subset, per-domain too; replicates that report different subsets (a name, or a whole key, only
+    some have) are refused, since those means would rest on fewer seeds; so are replicates whose S differs."""
     a = [{**_cell_row("smelt", "a", "S=90%", 0.9, loss=L), "seed": s, "val_loss_by_source": {"x": L + 1},
-          "val_loss_by_domain": {"web": L + 2, **({"y": 4.0 + s} if s else {})}} for s, L in enumerate((3.0, 3.1, 3.5))]
+          "val_loss_by_domain": {"web": L + 2, "y": 4.0 + s}} for s, L in enumerate((3.0, 3.1, 3.5))]
     [m] = scaling_rows.seed_means(a)
     assert m["val_loss"] == pytest.approx(3.2) and m["val_loss_by_source"] == {"x": pytest.approx(4.2)}
-    assert m["val_loss_by_domain"] == {"web": pytest.approx(5.2), "y": pytest.approx(5.5)}
+    assert m["val_loss_by_domain"] == {"web": pytest.approx(5.2), "y": pytest.approx(5.0)}
     with pytest.raises(ValueError, match=r"smelt a/S=90% at D = 1e\+10: 2 rows differ in S"):
         scaling_rows.seed_means([a[0], {**a[1], "S": 0.85}])
+    for other in ({**a[1], "val_loss_by_domain": {"web": 5.1}}, {k: v for k, v in a[1].items() if k != "val_loss_by_domain"}):
+        with pytest.raises(ValueError, match="replicates report different val_loss_by_domain subsets"):
+            scaling_rows.seed_means([a[0], other])
 
 
 def test_a_repeated_cell_weighs_as_one_cell_in_the_fits(tmp_path):
