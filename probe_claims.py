@@ -8,7 +8,7 @@ the accumulator and one row here.
 
   Sec. 6.1, Fig. 21     experts shared between visits against random routing (k^2 / n).
   Sec. 6.2, Fig. 23-24  update norm ratios (visit v+1 / visit v) and same-layer update cosines.
-  Sec. 6.3, Fig. 25-26  Q and K against V cosines; top-8 attended-token overlap against the control.
+  Sec. 6.3, Fig. 25-26  Q and K against V and the input X; top-8 attended-token overlap against the control.
   Sec. 6.4, Fig. 27-30  sink mass falls on the next visit; the Dyck head's BOS and demonstration mass.
 
 Every interval is a percentile bootstrap over held-out document groups (`stats.bootstrap_interval`),

@@ -15,7 +15,7 @@
 * `PAPER_*`: Table 4.3's printed coefficients; `python scaling.py --paper` recomputes its tables,
   `python scaling.py --results results.jsonl` runs scaling_analysis.analyse over train.py's rows.
 
-Read first: budget.py (F and S).  Read next: scaling_analysis.py (results rows -> fits, cell
+Read first: budget.py (F and S).  Read next: scaling_rows.py, scaling_analysis.py (rows -> fits, cell
 bootstrap, CE gain / TPP with intervals, per-subset gains), scaling_tables.py (tables.md),
 scaling_plots.py (figures).  Why each rule and design choice, with the measurements: docs/scaling.md.
 """
@@ -162,7 +162,7 @@ def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
     co, rg, fixed = res.coeffs, res.ranges, res.fixed
     n_free = 6 - len(fixed)
     if res.n_points < rules.min_points_per_coef * n_free:
-        why.append(f"too few points: {res.n_points} for {n_free} coefficients "
+        why.append(f"too few points: {res.n_points} distinct for {n_free} coefficients "
                    f"(< {rules.min_points_per_coef:g} per coefficient)")
     if not {"C", "F", "D", "one_minus_S"} <= set(rg):
         return why + ["data ranges: unknown (a FitResult from fit_result carries them)"]

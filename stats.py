@@ -1,8 +1,7 @@
 """Numbers a reader can trust: intervals, paired differences, permutation tests, three-state verdicts.
 
-Every comparison this project reports (SMELT - Baseline validation loss over seeds, a probe
-quantity over tokens, a downstream gain over few-shot seeds) goes through this file, so the
-rules are written once:
+Every comparison this project reports (a loss over seeds, a probe over tokens, a gain over items)
+goes through this file, so the rules are written once:
 
   * `Interval`: a point estimate with a two-sided interval, the number of units it rests on and
     how the interval was made. `mean_interval` is the Student-t interval of a mean (the default
@@ -13,8 +12,8 @@ rules are written once:
   * `verdict`: a claim "quantity > value" (or "<") is **reproduced** when the whole interval lies
     on the claimed side, **contradicted** when the whole interval lies on the other side, and
     **not resolved** otherwise, including when there is no interval at all (one seed) and when a
-    percentile bootstrap rests on fewer than MIN_BOOTSTRAP_UNITS units (it is then too narrow).
-    A point estimate's sign never decides a verdict.
+    percentile bootstrap rests on fewer than MIN_BOOTSTRAP_UNITS units (then too narrow). A point
+    estimate's sign never decides a verdict.
   * `permutation_test`: the paired sign-flip test (SMELT Appendix C: "paired permutation test over
     the 10 random seeds"), one- or two-sided. With n pairs there are 2^n sign patterns; for n <= 16
     they are enumerated exactly, beyond that sampled.

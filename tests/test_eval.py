@@ -906,7 +906,7 @@ def test_dyck_gain_is_paired_over_items():
     assert r["baseline_by_item"] == pytest.approx([1, .5, 0, .5]) and r["smelt_by_item"] == pytest.approx([1, 1, .5, .5])
     [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
     assert c["interval"] == pytest.approx(stats.paired_difference([1, .5, 0, .5], [1, 1, .5, .5]).to_dict())
-    assert c["n"] == 4 and c["unit"].startswith("item")
+    assert c["n"] == 4 and c["unit"] == "paired item" and "averaged over demonstration seeds" in c["claim"]
     recs[1] = rec("smelt", *A, 10, tasks=dyck(smelt, items=(0, 1, 2, 5)))
     [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
     assert c["interval"] is None and "different dyck_languages items" in c["why"]

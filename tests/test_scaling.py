@@ -137,7 +137,7 @@ def test_a_duplicated_point_adds_no_information():
     assert two.se == pytest.approx(one.se, rel=1e-4) and two.why == one.why
     few = p.take(np.arange(0, 63, 7))                             # 9 distinct points, each 3 times: still too few
     why = scaling.fit_result(*(np.tile(x, 3) for x in (few.F, few.S, few.D, few.L)), fixed={"b": 0.0}).why
-    assert any(w.startswith("too few points: 9 for 5") for w in why), why
+    assert any(w.startswith("too few points: 9 distinct for 5") for w in why), why
 
 # ----------------------------------------------------------------------------- frontier and paper tables
 @pytest.mark.parametrize("co", [PAPER_BASELINE, PAPER_SMELT])
