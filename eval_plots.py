@@ -126,7 +126,7 @@ def plot_calibration(base: Sequence[dict], others: Sequence[dict], report: dict,
         for es, mk, lab in ((base, "o", "Baseline"), (others, "^", "SMELT")):
             ax.scatter([e["val"]["loss"] for e in es], [e["summary"][origin][key] for e in es], marker=mk, s=14,
                        label=lab)
-        n_in = len(c["residuals"]) - c.get("extrapolated", 0)
+        n_in = sum(c["inside"])
         # no interval here: endpoints of one run share its trajectory; the claim's interval is over runs (REPORT.md)
         ax.set(xlabel="validation loss", ylabel={"core": "mean centred accuracy",
                                                  "completion": "gold-answer loss (nats/token)"}[key],

@@ -162,7 +162,6 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
                 got[c] = tuple(np.mean([x[:n] for x in arr[a]], axis=0) for a in ("baseline", "smelt"))
             return got
 
-
         entry = {"origin": t0["origin"], "kind": t0["kind"], "chance": chance, "ks": ks, "by_k": {}}
         for k in ks:
             cs = cell_seeds(k)
@@ -448,8 +447,6 @@ def icl_claims(icl: dict, claim) -> None:
           tested, "task", why, verdict="reproduced" if tested and 2 * sig > tested else "not resolved")
 
 
-
-
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
                       unit: str = "run", icl: dict | None = None) -> list[dict]:
     """The main job's downstream claims, each an interval decided by stats.verdict (SMELT 5.1, 5.3).
@@ -512,10 +509,8 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                 continue
             runs = _run_means(records, c["residuals"], c.get("inside"))
             iv = stats.mean_interval([v for _, v in runs.values()]) if runs else None
-            why = _outside_note(c) or None
-            if iv is None or not iv.resolved:
-                why = "; ".join(filter(None, ["too few SMELT runs for an interval", why]))
-            claim(f"{name} residual", text, paper, ">", 0.0, iv, len(runs), "SMELT run", why)
+            claim(f"{name} residual", text, paper, ">", 0.0, iv, len(runs), "SMELT run",
+                  _residual_why(c, iv, "too few SMELT runs for an interval"))
     if calibration is not None:
         _residual_growth(records, calibration, claim)
     if icl is not None:
@@ -551,11 +546,13 @@ def _run_means(records: Sequence[dict], residuals: Sequence[float], inside: Sequ
     return {k: (str(k[0]), float(np.mean(v))) for k, v in by.items()}
 
 
-def _outside_note(c: dict) -> str:
-    """Why some SMELT endpoints do not count in a residual claim ("" when all do)."""
+def _residual_why(c: dict, iv: stats.Interval | None, too_few: str) -> str | None:
+    """A residual claim's why: `too_few` when it has no interval, then how many SMELT endpoints of calibration `c`
+    lie outside the Baseline loss range and were left out (None when neither applies)."""
     n = len(c.get("inside") or []) - sum(c.get("inside") or [])
-    return (f"{n} of {len(c['inside'])} SMELT endpoints lie outside the Baseline loss range and are left out (their "
-            f"residual would measure the sigmoid's extrapolation)") if n else ""
+    outside = (f"{n} of {len(c['inside'])} SMELT endpoints lie outside the Baseline loss range and are left out "
+               f"(their residual would measure the sigmoid's extrapolation)") if n else None
+    return "; ".join(filter(None, [too_few if iv is None or not iv.resolved else None, outside])) or None
 
 
 def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
@@ -578,11 +575,8 @@ def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
             by[g].append(v)
         n = len(by[scales[0]]) + len(by[scales[-1]])
         iv = stats.welch_difference(by[scales[0]], by[scales[-1]]) if by[scales[0]] and by[scales[-1]] else None
-        why = _outside_note(c) or None
-        if iv is None or not iv.resolved:
-            why = "; ".join(filter(None, ["too few SMELT runs per scale for an interval", why]))
         claim(f"{name} residual growth", f"{text} ({scales[-1]} vs {scales[0]})", PAPER_RESIDUAL_GROWS, ">", 0.0,
-              iv, n, "SMELT run", why)
+              iv, n, "SMELT run", _residual_why(c, iv, "too few SMELT runs per scale for an interval"))
 
 
 def downstream_report(records: Sequence[dict], margin: float = 0.0, n_boot: int = 2000, n_perm: int = 10000,
