@@ -58,11 +58,13 @@ PAPER_SMELT.update({("600M", "S~85%"): (1408, 16, 2, 88, 520, 96), ("600M", "S~9
 # Our ladders (S labels: the Baseline's measured S, head excluded, at the data's document length).
 # tiny: a 2-core CPU (vocab 4096 = the data module's tiny tokenizer, 128-token contexts, top-2 of
 # 2 experts (the S = 0 control: every expert active) or 16 experts of width 2D -> S ~ 85 %);
-# small / medium: one GPU (top-8 of 8 / 64 / 192 experts of width D/2 -> S = 0 / ~85 / ~95 %). Every depth gives a
+# small / medium: one GPU (top-8 of experts of width D/2: 8 / 64 / 192 -> S = 0 / ~85 / ~95 %, small also
+# 336 -> S~97 %, the paper's four pools). Every depth gives a
 # middle-half span of >= 2 layers; every head_dim is >= 16 (CUDA flex attention's minimum).
 #               (scale, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff)
 TINY_SCALES = [("t64", 64, 4, 4, 2, 16, 128), ("t96", 96, 4, 6, 2, 16, 192)]
-SMALL_SCALES = [("s128", 128, 4, 6, 2, 24, 64), ("s160", 160, 6, 6, 2, 24, 80), ("s192", 192, 6, 8, 2, 24, 96)]
+SMALL_SCALES = [("s96", 96, 4, 4, 2, 24, 48), ("s128", 128, 4, 6, 2, 24, 64), ("s160", 160, 6, 6, 2, 24, 80),
+                ("s192", 192, 6, 8, 2, 24, 96)]
 MEDIUM_SCALES = [("s256", 256, 6, 4, 2, 64, 128), ("s384", 384, 8, 6, 2, 64, 192), ("s512", 512, 8, 8, 2, 64, 256)]
 # small / medium: top-8 as the paper (SMELT 3.1) of experts of width D/2: the same active parameters and S
 # labels as the earlier top-4 of 4 / 32 / 96 experts of width D
@@ -85,11 +87,12 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
                   data="smoke", search=TINY_SEARCH),
     "tiny": dict(scales=TINY_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=4096, block=128,
                  data="tiny", search=TINY_SEARCH),
-    # small: d 128-192 so that every run's three fp32 endpoints (and ckpt.pt, their copy) fit 10 GB in all
-    # and a run's 20.6M tokens (16.1M of them distinct: under one pass over the small corpus) give
-    # 3.5-12 tokens per dense-equivalent parameter at the final endpoints;
+    # small: d 96-192 so that every run's four fp32 endpoints (and ckpt.pt, their copy) fit 21 GB in all
+    # and a run's 18.5M tokens (16.1M of them distinct: under one pass over the small corpus) give
+    # 3.5-18 tokens per dense-equivalent parameter at the final endpoints; the paper's four pools, so that
+    # 4 scales x 3 sparse columns = 12 cells per architecture are fitted, as in the paper (SMALL_CELLS);
     # medium: d 256-512 (3.4B parameters over its runs, ~100 GB of endpoints)
-    "small": dict(scales=SMALL_SCALES, pools=GPU_POOLS, top_k=8, vocab=16384, block=1024, data="small",
+    "small": dict(scales=SMALL_SCALES, pools=PAPER_POOLS, top_k=8, vocab=16384, block=1024, data="small",
                   search=GPU_SEARCH),
     "medium": dict(scales=MEDIUM_SCALES, pools=GPU_POOLS, top_k=8, vocab=16384, block=1024, data="small",
                    search=GPU_SEARCH),
@@ -164,6 +167,11 @@ class Plan:
     n_shared_experts: int = 0       # always-active experts beside the routed ones (0: none, as in SMELT)
 
 
+# small: every sparse cell (12 per architecture: a cell bootstrap needs >= 10, stats.MIN_BOOTSTRAP_UNITS) and the
+# S = 0 control at two of the four scales (a control at all four costs 4 more runs, ~4 min by the cost model)
+SMALL_CELLS = tuple((scale, label) for scale, *_ in SMALL_SCALES for label, _ in PAPER_POOLS
+                    if label != CONTROL_LABEL or scale in ("s96", "s160"))
+
 PLANS = {
     "smoke": Plan(data="smoke", ladder="smoke", block_size=64, batch_size=8, lr=3e-3, warmup_steps=5,
                   stable_steps=30, branch_steps=[10, 20, 30], decay_steps=6, eval_tokens=2048,
@@ -179,11 +187,12 @@ PLANS = {
                         "repeat_copy_logic"), shots=(0, 2, 8), seeds=2, max_items=12, bootstrap=40,
                  probe_tokens=4096, repeat=("t64", "S~85%"), train_seeds=3, eval_interval=750),
     # small: no repeated data (SMELT 3.1): the stable phase and the decay window every branch shares read
-    # (420 + 70) x 32 x 1024 = 16.1M tokens, 0.80 of the planned 20M, 0.96 of the 16.7M measured (plan_epochs)
+    # (465 + 25) x 32 x 1024 = 16.1M tokens, 0.80 of the planned 20M, 0.96 of the 16.7M measured (plan_epochs);
+    # four endpoints spanning D 6.5x (the first at the end of warmup) and 12 sparse cells: scripts/grid_power.py
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
-                  stable_steps=420, branch_steps=[70, 210, 420], decay_steps=70, eval_tokens=32768,
+                  stable_steps=465, branch_steps=[50, 135, 270, 465], decay_steps=25, eval_tokens=32768,
                   shots=(0, 1, 2, 4, 8, 10), seeds=5, max_items=100, bootstrap=1000, probe_tokens=32768,
-                  repeat=("s128", "S~85%"), train_seeds=3, eval_interval=140),
+                  cells=SMALL_CELLS, repeat=("s96", "S~85%"), train_seeds=3),   # read once: train CE is a held-out loss
     "medium": Plan(data="small", ladder="medium", block_size=1024, batch_size=64, lr=2e-3, warmup_steps=100,
                    stable_steps=4000, branch_steps=[500, 1000, 2000, 4000], decay_steps=400, eval_tokens=65536,
                    shots=(0, 1, 2, 4, 8, 10, 16, 32), seeds=10, max_items=200, bootstrap=2000, probe_tokens=65536,

@@ -436,11 +436,13 @@ class Points:
 
 def paper_shaped_points(co: Coeffs, F_span: float, D_span: float, noise: float, seed: int = 0,
                         n_scales: int = 4, sparsities: Sequence[float] = PAPER_SPARSITIES,
-                        n_horizons: int = 6) -> Points:
+                        n_horizons: int = 6, horizons: Sequence[float] | None = None) -> Points:
     """A grid shaped like SMELT's (n_scales scales x sparsities x n_horizons decay horizons) drawn from
-    `co`: F from 6.6e8 up by F_span, D up to 3.2e11 and down by D_span, log-normal noise `noise`."""
+    `co`: F from 6.6e8 up by F_span, D up to 3.2e11 and down by D_span, log-normal noise `noise`.
+    `horizons` (fractions of the longest D, e.g. a plan's endpoints) replaces D_span / n_horizons."""
     rng = np.random.default_rng(seed)
-    Fs, fr = 6.6e8 * F_span ** np.linspace(0, 1, n_scales), D_span ** np.linspace(-1, 0, n_horizons)
+    fr = D_span ** np.linspace(-1, 0, n_horizons) if horizons is None else np.asarray(horizons, float)
+    Fs = 6.6e8 * F_span ** np.linspace(0, 1, n_scales)
     pts = [(F, s, 3.2e11 * f, f"{F:.3g}/{s}") for F in Fs for s in sparsities for f in fr]
     F, S, D = (np.array([p[i] for p in pts]) for i in range(3))
     L = loss(co, F, S, D) * np.exp(noise * rng.standard_normal(len(F)))
@@ -448,18 +450,19 @@ def paper_shaped_points(co: Coeffs, F_span: float, D_span: float, noise: float, 
 
 
 def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=(0.003, 0.01, 0.03),
-                    seeds: int = 5, rules: Rules = RULES, n_starts: int = 8) -> list[dict]:
+                    seeds: int = 5, rules: Rules = RULES, n_starts: int = 8, grid: dict | None = None) -> list[dict]:
     """The measurement behind `Rules`: on paper-shaped grids drawn from SMELT's two Table 4.3
     surfaces, fit both and record whether both fits are identified, the exponent errors and the
     error of the CE gain at S = 0.95 at the data's geometric-midpoint budget.  One dict per
-    (F_span, D_span, noise, seed).  The full default grid takes minutes (docs/scaling.md)."""
+    (F_span, D_span, noise, seed).  `grid`: paper_shaped_points' n_scales / sparsities / horizons
+    (a preset's shape: scripts/grid_power.py; with horizons, D_span only labels the rows).  The full default grid takes minutes (docs/scaling.md)."""
     out = []
     for Fs, Ds, noise, seed in product(F_spans, D_spans, noises, range(seeds)):
         res = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for k, (name, co) in enumerate((("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE))):
-                p = paper_shaped_points(co, Fs, Ds, noise, seed=seed + 1000 * k)
+                p = paper_shaped_points(co, Fs, Ds, noise, seed=seed + 1000 * k, **(grid or {}))
                 res[name] = fit_result(p.F, p.S, p.D, p.L, n_starts=n_starts, rules=rules)
             C = math.sqrt(res["baseline"].ranges["C"][0] * res["baseline"].ranges["C"][1])
             try:

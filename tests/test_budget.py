@@ -305,6 +305,24 @@ def test_plan_epochs():
             configs.plan_epochs(plan, bad)
 
 
+def test_small_plan_is_shaped_to_decide_its_scaling_claims():
+    """The small grid's fits can decide (README, "The small grid"): >= 10 fitted cells per architecture (a cell
+    bootstrap over fewer decides nothing), every scale in every sparse column, >= 4 endpoints over D >= 6x
+    (the earlier 6 cells and 3 endpoints over 3.5x were seldom identified: scripts/grid_power.py), S = 0 controls."""
+    import stats
+    plan = configs.PLANS["small"]
+    cells = {(c["scale"], c["sparsity_label"]) for c in budget.ladder_cells("small", 1024.0)}
+    kept = set(plan.cells or cells)                     # Plan.cells None: the whole ladder
+    assert kept <= cells and plan.repeat in kept
+    fitted = [c for c in kept if c[1] != configs.CONTROL_LABEL]
+    assert len(fitted) >= stats.MIN_BOOTSTRAP_UNITS
+    assert len(fitted) == len({s for s, _ in fitted}) * len({lab for _, lab in fitted})   # a full grid
+    assert any(lab == configs.CONTROL_LABEL for _, lab in kept)
+    ends = [b + plan.decay_steps for b in plan.branch_steps]
+    assert len(ends) >= 4 and ends[-1] / ends[0] >= 6
+    assert plan.branch_steps[0] >= plan.warmup_steps and plan.branch_steps[-1] == plan.stable_steps
+
+
 def test_presets_have_s0_control_cells():
     for preset in ("smoke", "tiny", "small", "paper"):
         cells = budget.preset_baselines(preset)

@@ -307,7 +307,7 @@ def test_ce_gain_claim_reads_only_the_in_window_budgets():
     assert row[3] == "reproduced" and "S~85% text" in row[2] and "S~95%" not in row[2]
     scal["gains"]["cells"][1]["extrapolated"] = False
     assert report._ce_gain_claim(scal)[3] == "contradicted"
-    few = stats.Interval(0.05, 0.02, 0.08, 6, 0.95, "cell bootstrap (refit)").to_dict()   # small's 6 fitted cells
+    few = stats.Interval(0.05, 0.02, 0.08, 6, 0.95, "cell bootstrap (refit)").to_dict()   # medium's 6 fitted cells
     scal = {"gains": {"available": True, "cells": [{**cell("S~85%", 0.02, 0.08, False), "interval": few}]}}
     row = report._ce_gain_claim(scal)
     assert row[3] == "not resolved" and "a cell bootstrap over 6 cells decides nothing" in row[2]

@@ -1,0 +1,107 @@
+"""Can a preset's grid decide its scaling claims? Simulated fits on its shape (SMELT 4.2-4.3).
+
+  python scripts/grid_power.py --preset small [--noise 0.002 0.003 0.005] [--seeds 12] [--boot N]
+      [--n-scales N] [--sparsities S ...] [--F-span X] [--horizons D ...]   (flags override the preset's shape)
+
+The shape comes from the preset: its fitted (sparse) cells' scales and sparsity columns, the F span
+of their matched models (budget.ladder_cells at the plan's block size) and the endpoints' D as
+fractions of the longest (branch + decay steps). SMELT's two Table 4.3 surfaces are drawn on that
+shape at the paper's F and D (scaling.paper_shaped_points), with log-normal noise, and fitted
+(scaling.calibrate_rules): the share of datasets where both fits are identified and the CE gain's
+error at S = 0.95. --boot N also runs the whole analysis (scaling_analysis.analyse, N cell-bootstrap
+draws) and the report's CE-gain verdict. Writes results.json and a table; trains nothing. A geometric
+proxy, not a forecast of our losses: docs/scaling.md.
+"""
+from __future__ import annotations
+
+import common  # noqa: I001  (puts the repo root on sys.path)
+
+import re
+import statistics
+import tempfile
+import warnings
+
+import numpy as np
+
+import budget
+import cli
+import configs
+import report
+import scaling
+import scaling_analysis
+from budget import flops_per_token
+from model import ModelConfig
+
+
+def preset_shape(preset: str) -> dict:
+    """n_scales, sparsities, F_span, horizons of `preset`'s fitted cells and endpoints."""
+    plan = configs.PLANS[preset]
+    cells = [c for c in budget.ladder_cells(preset, float(plan.block_size))
+             if c["sparsity_label"] != configs.CONTROL_LABEL and (plan.cells is None or
+                                                                 (c["scale"], c["sparsity_label"]) in plan.cells)]
+    F = [flops_per_token(ModelConfig.from_dict(c[a]), float(plan.block_size)) for c in cells for a in ("baseline", "smelt")]
+    ends = [b + plan.decay_steps for b in plan.branch_steps]
+    return dict(n_scales=len({c["scale"] for c in cells}), F_span=max(F) / min(F), horizons=[e / ends[-1] for e in ends],
+                sparsities=sorted({float(re.search(r"\d+", c["sparsity_label"]).group()) / 100 for c in cells}))
+
+
+def analysed(shape: dict, noise: float, seed: int, n_boot: int) -> str:
+    """The report's CE-gain verdict on one simulated dataset (the one calibrate_rules fits for this seed)."""
+    rows = []
+    for k, (arch, co) in enumerate((("smelt", scaling.PAPER_SMELT), ("baseline", scaling.PAPER_BASELINE))):
+        p = scaling.paper_shaped_points(co, shape["F_span"], 1.0, noise, seed=seed + 1000 * k, n_scales=shape["n_scales"],
+                                        sparsities=shape["sparsities"], horizons=shape["horizons"])
+        rows += [dict(arch=arch, scale=cell.split("/")[0], sparsity_label=f"S~{round(100 * S)}%", F=float(F), S=float(S),
+                      D=float(D), val_loss=float(L), val_loss_by_source={"all": float(L)})
+                 for F, S, D, L, cell in zip(p.F, p.S, p.D, p.L, p.cell)]
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = scaling_analysis.analyse(rows, out, n_boot=n_boot, n_jobs=1, seed=seed)
+    return report._ce_gain_claim(rep)[-1]
+
+
+def build_parser():
+    ap = common.parser(__doc__, training=False)
+    ap.add_argument("--noise", type=cli.positive_float, nargs="+", default=[0.002, 0.003, 0.005],
+                    help="log-normal noise of each simulated loss")
+    ap.add_argument("--seeds", type=cli.positive_int, default=12, help="simulated datasets per noise level")
+    ap.add_argument("--boot", type=cli.nonneg_int, default=0, help="cell-bootstrap draws of the whole analysis (0: fits only)")
+    ap.add_argument("--n-scales", type=cli.positive_int, default=None, help="scales (default: the preset's fitted cells')")
+    ap.add_argument("--sparsities", type=cli.positive_float, nargs="+", default=None,
+                    help="sparse columns' S (default: the preset's)")
+    ap.add_argument("--F-span", type=cli.positive_float, default=None, help="largest / smallest F (default: the preset's)")
+    ap.add_argument("--horizons", type=cli.positive_float, nargs="+", default=None,
+                    help="endpoints' D in any unit, divided by the largest (default: the plan's branch + decay steps)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    exp = common.Experiment("grid_power", args)
+    shape = preset_shape(args.preset)
+    shape.update({k: getattr(args, k) for k in ("n_scales", "sparsities", "F_span", "horizons") if getattr(args, k)})
+    shape["horizons"] = [h / max(shape["horizons"]) for h in shape["horizons"]]
+    D_span = 1 / min(shape["horizons"])
+    common.log(f"{shape['n_scales']} scales x sparsities {shape['sparsities']}, F span {shape['F_span']:.2f}, endpoints "
+               f"at D fractions {[round(h, 3) for h in shape['horizons']]} (D span {D_span:.1f})")
+    grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}
+    rows = []
+    for noise in args.noise:
+        res = scaling.calibrate_rules(F_spans=(shape["F_span"],), D_spans=(D_span,), noises=(noise,), seeds=args.seeds,
+                                      grid=grid)
+        errs = [r["gain_err_pp"] for r in res if r["identified"] and np.isfinite(r["gain_err_pp"])]
+        row = {"noise": noise, "identified": sum(r["identified"] for r in res), "datasets": len(res),
+               "median_gain_err_pp": statistics.median(errs) if errs else None}
+        if args.boot:
+            verdicts = [analysed(shape, noise, seed, args.boot) for seed in range(args.seeds)]
+            row.update({v.replace(" ", "_"): verdicts.count(v) for v in ("reproduced", "not resolved", "contradicted")})
+        rows.append(row)
+        common.log(f"noise {noise}: {row}")
+    return exp.finish({"shape": {**shape, "D_span": D_span}, "boot": args.boot, "rows": rows}, [
+        ("noise", "noise", "g"), ("identified", "identified", "d"), ("of", "datasets", "d"),
+        ("median abs. gain error (pp)", "median_gain_err_pp", ".1f"), ("CE gain reproduced", "reproduced", "d"),
+        ("not resolved", "not_resolved", "d"), ("contradicted", "contradicted", "d")], trained=False)
+
+
+if __name__ == "__main__":
+    main()
