@@ -87,7 +87,7 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
                   data="smoke", search=TINY_SEARCH),
     "tiny": dict(scales=TINY_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=4096, block=128,
                  data="tiny", search=TINY_SEARCH),
-    # small: d 96-192 so that every run's four fp32 endpoints (and ckpt.pt, their copy) fit 21 GB in all
+    # small: d 96-192 so that every run's four fp32 endpoints (and ckpt.pt, their copy) keep 20 GB in all (27 at the peak)
     # and a run's 18.5M tokens (16.1M of them distinct: under one pass over the small corpus) give
     # 3.5-18 tokens per dense-equivalent parameter at the final endpoints; the paper's four pools, so that
     # 4 scales x 3 sparse columns = 12 cells per architecture are fitted, as in the paper (SMALL_CELLS);
@@ -168,9 +168,9 @@ class Plan:
 
 
 # small: every sparse cell (12 per architecture: a cell bootstrap needs >= 10, stats.MIN_BOOTSTRAP_UNITS) and the
-# S = 0 control at two of the four scales (a control at all four costs 4 more runs, ~4 min by the cost model)
+# S = 0 control at two consecutive scales (a control at all four costs 4 more runs, ~4 min by the cost model)
 SMALL_CELLS = tuple((scale, label) for scale, *_ in SMALL_SCALES for label, _ in PAPER_POOLS
-                    if label != CONTROL_LABEL or scale in ("s96", "s160"))
+                    if label != CONTROL_LABEL or scale in ("s96", "s128"))
 
 PLANS = {
     "smoke": Plan(data="smoke", ladder="smoke", block_size=64, batch_size=8, lr=3e-3, warmup_steps=5,

@@ -74,6 +74,16 @@ def stage_data(plan: configs.Plan, data_dir: str | None = None):
     return d, d.manifest
 
 
+def plan_cells(plan: configs.Plan, cells: list[dict]) -> list[dict]:
+    """The ladder cells `plan` trains: its first `scales` scales, then only its `cells` (None: all)."""
+    scales = list(dict.fromkeys(c["scale"] for c in cells))[:plan.scales]
+    kept = [c for c in cells if c["scale"] in scales
+            and (plan.cells is None or (c["scale"], c["sparsity_label"]) in {tuple(x) for x in plan.cells})]
+    if not kept:
+        raise ValueError(f"Plan: no ladder cell left after scales={plan.scales}, cells={plan.cells}")
+    return kept
+
+
 def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
     """Baseline and matched SMELT configs per cell (budget.ladder_cells, the function `python budget.py
     --ladder` prints), at the data's vocabulary and measured document length. Writes ladder.json."""
@@ -82,12 +92,7 @@ def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
         raise ValueError(f"Plan: block_size={plan.block_size} differs from configs.LADDERS[{plan.ladder!r}]'s "
                          f"{block}: the ladder is matched at that context")
     ctx = budget.preset_doc_length(plan.ladder, data)
-    cells = budget.ladder_cells(plan.ladder, ctx, vocab_size=data.vocab_size, **loop_knobs(plan))
-    scales = list(dict.fromkeys(c["scale"] for c in cells))[:plan.scales]
-    cells = [c for c in cells if c["scale"] in scales
-             and (plan.cells is None or (c["scale"], c["sparsity_label"]) in {tuple(x) for x in plan.cells})]
-    if not cells:
-        raise ValueError(f"Plan: no ladder cell left after scales={plan.scales}, cells={plan.cells}")
+    cells = plan_cells(plan, budget.ladder_cells(plan.ladder, ctx, vocab_size=data.vocab_size, **loop_knobs(plan)))
     log(f"ladder: {plan.ladder}, FLOPs without the head at the measured document length {ctx:.1f} "
         f"(block {block})")
     for c in cells:

@@ -22,6 +22,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return runfiles.read_jsonl(path) if path.exists() else []
 
 
+def ce_rows(ms: list[dict]) -> list[dict]:
+    """The metrics rows drawn as train CE: a row logged for a validation step between two log intervals
+    averages only a few batches, too noisy to draw (its validation loss is still drawn); a run segment's
+    last row is drawn however few steps it averages (the end of a short decay branch)."""
+    full = max((m.get("ce_steps", 1) for m in ms), default=1)
+    last = {m["branch"]: m for m in sorted(ms, key=lambda m: m["step"])}
+    return [m for m in ms if m.get("ce_steps", full) >= full / 4 or m is last[m["branch"]]]
+
+
 def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, plan: configs.Plan | None = None) -> Path:
     """Learning curves from each seed-0 run's metrics.jsonl and results rows: the stable run's train CE
     (mean over each logging window) solid, every decay branch thinner from its fork point, validation loss
@@ -34,15 +43,12 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
     rows_ = math.ceil(n / cols)
     fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.0 * rows_ + 0.6), squeeze=False, sharey=True)
     colors = {"baseline": "tab:blue", "smelt": "tab:red"}
-    lo, hi = math.inf, -math.inf
+    lo, hi, drew_val = math.inf, -math.inf, False
     for ax, cell in zip(axes.flat, ladder):
         for r in configs.plan_runs(out, [cell]):
             ms = read_jsonl(r.dir / "metrics.jsonl")
             c = colors[r.arch]
-            # a row logged for a validation step between two log intervals averages only a few batches:
-            # too noisy to draw as train CE (its validation loss is still drawn)
-            full = max((m.get("ce_steps", 1) for m in ms), default=1)
-            ms_ce = [m for m in ms if m.get("ce_steps", full) >= full / 4]
+            ms_ce = ce_rows(ms)
             for branch in sorted({m["branch"] for m in ms}, key=lambda b: -1 if b is None else b):
                 pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms_ce if m["branch"] == branch]
                 if branch is not None:   # start the branch at its fork point on the stable curve
@@ -56,6 +62,7 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
             val = [(m["tokens"], m["val_loss"]) for m in ms if m["branch"] is None and "val_loss" in m]
             if val:
                 ax.plot(*zip(*val), color=c, ls="--", lw=1.0, marker=".", ms=4)
+                drew_val = True
             ends = [(x["D"], x["val_loss"]) for x in read_jsonl(r.dir / "results.jsonl")]
             if ends:
                 ax.plot(*zip(*ends), ls="none", marker="o", ms=5, mfc="white", mec=c, mew=1.3)
@@ -79,7 +86,7 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
                Line2D([], [], color="tab:red", lw=1.4, label="SMELT"),
                Line2D([], [], color="k", lw=1.4, label="train CE, stable (window mean)"),
                Line2D([], [], color="k", lw=0.9, alpha=0.75, label="train CE, decay branches"),
-               Line2D([], [], color="k", ls="--", marker=".", label="validation, stable"),
+               *([Line2D([], [], color="k", ls="--", marker=".", label="validation, stable")] if drew_val else []),
                Line2D([], [], color="k", ls="none", marker="o", mfc="white", label="validation, branch endpoints")]
     if entropy is not None:
         handles += [Line2D([], [], color="0.45", ls=":", label=f"unigram entropy {entropy:.2f}"),

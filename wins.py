@@ -32,6 +32,7 @@ from calibration import calibration_report
 from eval import endpoint_id, long_short_ratio, normalised_shape
 from tasks import chance_of
 
+
 def _check_grid(records: Sequence[dict]) -> None:
     for r in records:
         missing = [k for k in ("arch", "scale", "sparsity_label") if r.get(k) is None]

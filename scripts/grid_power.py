@@ -27,6 +27,7 @@ import budget
 import cli
 import configs
 import report
+import reproduce
 import scaling
 import scaling_analysis
 from budget import flops_per_token
@@ -36,9 +37,9 @@ from model import ModelConfig
 def preset_shape(preset: str) -> dict:
     """n_scales, sparsities, F_span, horizons of `preset`'s fitted cells and endpoints."""
     plan = configs.PLANS[preset]
-    cells = [c for c in budget.ladder_cells(preset, float(plan.block_size))
-             if c["sparsity_label"] != configs.CONTROL_LABEL and (plan.cells is None or
-                                                                 (c["scale"], c["sparsity_label"]) in plan.cells)]
+    cells = [c for c in reproduce.plan_cells(plan, budget.ladder_cells(plan.ladder, float(plan.block_size),
+                                                                   **reproduce.loop_knobs(plan)))
+             if c["sparsity_label"] != configs.CONTROL_LABEL]
     F = [flops_per_token(ModelConfig.from_dict(c[a]), float(plan.block_size)) for c in cells for a in ("baseline", "smelt")]
     ends = [b + plan.decay_steps for b in plan.branch_steps]
     return dict(n_scales=len({c["scale"] for c in cells}), F_span=max(F) / min(F), horizons=[e / ends[-1] for e in ends],
@@ -80,6 +81,8 @@ def main(argv=None) -> dict:
     exp = common.Experiment("grid_power", args)
     shape = preset_shape(args.preset)
     shape.update({k: getattr(args, k) for k in ("n_scales", "sparsities", "F_span", "horizons") if getattr(args, k)})
+    if any(S >= 1 for S in shape["sparsities"]):
+        raise SystemExit(f"--sparsities: each S must be below 1 (a fraction, 0.95 for S~95 %), got {shape['sparsities']}")
     shape["horizons"] = [h / max(shape["horizons"]) for h in shape["horizons"]]
     D_span = 1 / min(shape["horizons"])
     common.log(f"{shape['n_scales']} scales x sparsities {shape['sparsities']}, F span {shape['F_span']:.2f}, endpoints "

@@ -125,6 +125,18 @@ def test_stage_ladder_keeps_the_plans_scales_and_cells(tmp_path, monkeypatch):
         reproduce.stage_ladder(replace(plan, block_size=32), data, tmp_path)
 
 
+def test_curves_draw_each_segments_last_row_but_not_short_validation_rows():
+    """train_plots.ce_rows: a few-step row logged for a mid-interval validation is not drawn as train CE; the
+    last row of a short decay branch is (small: 25 decay steps against a 58-step log interval)."""
+    import train_plots
+    ms = [{"branch": None, "step": 58, "ce_steps": 58}, {"branch": None, "step": 60, "ce_steps": 2},
+          {"branch": None, "step": 116, "ce_steps": 56}, {"branch": 100, "step": 116, "ce_steps": 16},
+          {"branch": 100, "step": 125, "ce_steps": 9}]
+    assert [(m["branch"], m["step"]) for m in train_plots.ce_rows(ms)] == [(None, 58), (None, 116), (100, 116),
+                                                                           (100, 125)]
+    assert train_plots.ce_rows(ms[:2]) == ms[:2]    # the stable run's last row, however short
+
+
 def test_run_tokens_count_the_stable_phase_and_every_branch():
     plan = configs.PLANS["smoke"]
     assert reproduce.run_tokens(plan) == (30 + 3 * 6) * 8 * 64

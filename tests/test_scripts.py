@@ -278,7 +278,8 @@ def test_decode_latency(tmp_path):
 
 def test_grid_power_reads_the_preset_shape_and_the_fits_decide(tmp_path):
     """The small plan's shape as scripts/grid_power.py reads it, its fits identified at low noise where the
-    earlier shape's are not (seeded: the same datasets every run), and --boot's verdicts count every dataset."""
+    earlier shape's are not (seeded: the same datasets every run), and --boot's analysis decides the CE gain at
+    noise 0.002 as simulate-and-analyse should."""
     import grid_power
     shape = grid_power.preset_shape("small")
     assert shape["n_scales"] == 4 and shape["sparsities"] == [0.85, 0.95, 0.97] and 4.5 < shape["F_span"] < 5.5
@@ -291,7 +292,9 @@ def test_grid_power_reads_the_preset_shape_and_the_fits_decide(tmp_path):
     assert json.loads((tmp_path / "new" / "results.json").read_text())["shape"]["D_span"] == pytest.approx(490 / 75)
     boot = grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "boot"), "--noise", "0.002", "--seeds",
                             "1", "--boot", "12"])["rows"][0]
-    assert boot["reproduced"] + boot["not_resolved"] + boot["contradicted"] == 1
+    assert (boot["reproduced"], boot["not_resolved"], boot["contradicted"]) == (1, 0, 0)   # seeded: decided
+    with pytest.raises(SystemExit, match="below 1"):
+        grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "bad"), "--sparsities", "0.85", "95"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit; on a GPU the script runs for minutes")
