@@ -87,7 +87,7 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
                   data="smoke", search=TINY_SEARCH),
     "tiny": dict(scales=TINY_SCALES, pools=[(CONTROL_LABEL, 2), ("S~85%", 16)], top_k=2, vocab=4096, block=128,
                  data="tiny", search=TINY_SEARCH),
-    # small: d 96-192 so that every run's four fp32 endpoints (and ckpt.pt, their copy) keep 20 GB in all (27 at the peak)
+    # small: d 96-192 so that every run's four fp32 endpoints (and ckpt.pt, their copy) keep 20 GB in all (26.5 at the peak)
     # and a run's 18.5M tokens (16.1M of them distinct: under one pass over the small corpus) give
     # 3.5-18 tokens per dense-equivalent parameter at the final endpoints; the paper's four pools, so that
     # 4 scales x 3 sparse columns = 12 cells per architecture are fitted, as in the paper (SMALL_CELLS);

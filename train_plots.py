@@ -24,11 +24,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def ce_rows(ms: list[dict]) -> list[dict]:
     """The metrics rows drawn as train CE: a row logged for a validation step between two log intervals
-    averages only a few batches, too noisy to draw (its validation loss is still drawn); a run segment's
-    last row is drawn however few steps it averages (the end of a short decay branch)."""
+    averages only a few batches, too noisy to draw (its validation loss is still drawn); a segment's last
+    row is drawn however few steps it averages: a branch's end, a fork point on the stable run."""
     full = max((m.get("ce_steps", 1) for m in ms), default=1)
     last = {m["branch"]: m for m in sorted(ms, key=lambda m: m["step"])}
-    return [m for m in ms if m.get("ce_steps", full) >= full / 4 or m is last[m["branch"]]]
+    forks = {m["branch"] for m in ms if m["branch"] is not None}
+    return [m for m in ms if m.get("ce_steps", full) >= full / 4 or m is last[m["branch"]]
+            or (m["branch"] is None and m["step"] in forks)]
 
 
 def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, plan: configs.Plan | None = None) -> Path:

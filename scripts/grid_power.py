@@ -78,11 +78,11 @@ def build_parser():
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if any(S >= 1 for S in args.sparsities or ()):
+        raise SystemExit(f"--sparsities: each S must be below 1 (a fraction, 0.95 for S~95 %), got {args.sparsities}")
     exp = common.Experiment("grid_power", args)
     shape = preset_shape(args.preset)
     shape.update({k: getattr(args, k) for k in ("n_scales", "sparsities", "F_span", "horizons") if getattr(args, k)})
-    if any(S >= 1 for S in shape["sparsities"]):
-        raise SystemExit(f"--sparsities: each S must be below 1 (a fraction, 0.95 for S~95 %), got {shape['sparsities']}")
     shape["horizons"] = [h / max(shape["horizons"]) for h in shape["horizons"]]
     D_span = 1 / min(shape["horizons"])
     common.log(f"{shape['n_scales']} scales x sparsities {shape['sparsities']}, F span {shape['F_span']:.2f}, endpoints "

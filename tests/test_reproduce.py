@@ -135,6 +135,9 @@ def test_curves_draw_each_segments_last_row_but_not_short_validation_rows():
     assert [(m["branch"], m["step"]) for m in train_plots.ce_rows(ms)] == [(None, 58), (None, 116), (100, 116),
                                                                            (100, 125)]
     assert train_plots.ce_rows(ms[:2]) == ms[:2]    # the stable run's last row, however short
+    fork = [{"branch": None, "step": 58, "ce_steps": 58}, {"branch": None, "step": 60, "ce_steps": 2},
+            {"branch": 60, "step": 70, "ce_steps": 10}, {"branch": None, "step": 116, "ce_steps": 56}]
+    assert train_plots.ce_rows(fork) == fork         # step 60: a fork point on the stable run, however short
 
 
 def test_run_tokens_count_the_stable_phase_and_every_branch():
