@@ -516,7 +516,8 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
     demonstration seed: what the Appendix C permutation test pairs across models), "centred",
     "items", "per_item", "per_item_by_seed", "demos_kept" (mean demonstrations in a prompt),
     "share_short" (prompts with fewer than k), "share_cut" (prompts cut by tokens), "forward_calls"};
-    generation tasks add "gold_loss", "gold_nll_sum", "gold_tokens" and "gold_loss_by_seed".
+    generation tasks add "gold_loss", "gold_nll_sum", "gold_tokens", "gold_loss_by_seed" and, summed over
+    seeds, "gold_nll_by_item" / "gold_tokens_by_item" (the units of wins.py's item bootstrap).
 
     enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding). counts: adds
     score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device).
@@ -544,6 +545,7 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
     run_seeds = 1 if k == 0 else seeds
     correct = np.zeros((run_seeds, len(used)))
     nll_s, tok_s = np.zeros(run_seeds), np.zeros(run_seeds, dtype=np.int64)   # gold loss per seed
+    nll_i, tok_i = np.zeros(len(used)), np.zeros(len(used), dtype=np.int64)   # and per item, seeds summed
     for u, s, start, m in req["plan"]:
         res = scores[start:start + m]
         if task.kind == "mc":
@@ -559,6 +561,8 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
             correct[s, u] = float(res[0][2])
             nll_s[s] += res[0][0]
             tok_s[s] += res[0][1]
+            nll_i[u] += res[0][0]
+            tok_i[u] += res[0][1]
     acc = correct.mean(1) if used else np.full(run_seeds, np.nan)
     mean = float(acc.mean())
     kept = np.array(req["kept"], dtype=float)
@@ -573,7 +577,8 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
     if task.kind == "gen":
         nll_sum, n_tok = float(nll_s.sum()), int(tok_s.sum())
         out.update(gold_loss=nll_sum / n_tok if n_tok else float("nan"), gold_nll_sum=nll_sum, gold_tokens=n_tok,
-                   gold_loss_by_seed=[float(a / b) if b else float("nan") for a, b in zip(nll_s, tok_s)])
+                   gold_loss_by_seed=[float(a / b) if b else float("nan") for a, b in zip(nll_s, tok_s)],
+                   gold_nll_by_item=nll_i.tolist(), gold_tokens_by_item=tok_i.tolist())
     if counts is not None:
         counts.update(own)
     return out

@@ -448,21 +448,71 @@ def icl_claims(icl: dict, claim) -> None:
           tested, "task", why, verdict="reproduced" if tested and 2 * sig > tested else "not resolved")
 
 
+def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int) -> tuple[np.ndarray, int] | str:
+    """Each endpoint's summary `key` of `origin` (eval.summarise: "core" or "completion" at each task's headline k)
+    recomputed on items resampled with replacement, the same draw of every task's items for every endpoint:
+    (draws x endpoints, the fewest items of a task), or why there is no item bootstrap."""
+    src = "bigbench" if origin == "real" else "generated"
+    rng, parts, n_min = np.random.default_rng(seed), [], None
+    for name in sorted(n for n, t in recs[0].get("tasks", {}).items() if t["origin"] == src):
+        by_k = [r["tasks"].get(name, {}).get("by_k", {}).get(str(r["tasks"].get(name, {}).get("headline_k"))) for r in recs]
+        if key == "completion" and recs[0]["tasks"][name]["kind"] != "gen":
+            continue
+        field = "per_item" if key == "core" else "gold_nll_by_item"
+        if any(b is None or b.get(field) is None or b["items"] != by_k[0]["items"] for b in by_k):
+            return f"{name}: the endpoints lack per-item results ({field}) on the same items"
+        n = len(by_k[0]["items"])
+        idx = np.vstack([np.arange(n), rng.integers(0, n, (n_boot, n))])     # row 0: the items as scored
+        n_min = min(n_min or n, n)
+        if key == "core":
+            acc = np.array([b["per_item"] for b in by_k])[:, idx].mean(-1).T
+            parts.append((acc - recs[0]["tasks"][name]["rho"]) / (1 - recs[0]["tasks"][name]["rho"]))
+        else:
+            parts.append((np.array([b["gold_nll_by_item"] for b in by_k])[:, idx].sum(-1).T,
+                          np.array([b["gold_tokens_by_item"] for b in by_k])[:, idx].sum(-1).T))
+    if not parts:
+        return f"no {origin} task with per-item results"
+    out = np.mean(parts, axis=0) if key == "core" else sum(p[0] for p in parts) / np.maximum(sum(p[1] for p in parts), 1)
+    if not np.allclose(out[0], [r["summary"][origin][key] for r in recs], rtol=1e-9, atol=1e-12):
+        return f"the per-item results do not add up to the endpoints' {origin} {key}"     # a record edited by hand
+    return out[1:], n_min
+
+
+def _item_interval(units: list[list[tuple]], origin: str, key: str, point: float, n_boot: int = 1000,
+                   seed: int = 0) -> tuple[stats.Interval | None, str | None]:
+    """The paired difference's percentile interval over items (SMELT - Baseline, each unit's endpoint pairs
+    averaged, then the units), the trained models held fixed: the noise of the item sample the t-interval over
+    run pairs leaves out (every pair scores the same items). (None, why) without per-item results."""
+    flat = [p for u in units for p in u]
+    got = _item_draws([b for b, _ in flat] + [s for _, s in flat], origin, key, n_boot, seed)
+    if isinstance(got, str):
+        return None, got
+    draws, n_items = got
+    d = draws[:, len(flat):] - draws[:, :len(flat)]                       # SMELT - Baseline per endpoint pair
+    ends = np.cumsum([0] + [len(u) for u in units])
+    per_unit = np.stack([d[:, a:b].mean(1) for a, b in zip(ends[:-1], ends[1:])], axis=1)
+    lo, hi = np.percentile(per_unit.mean(1), [2.5, 97.5])
+    return stats.Interval(point, float(lo), float(hi), n_items, 0.95, "item bootstrap"), None
+
+
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
-                      unit: str = "run", icl: dict | None = None) -> list[dict]:
+                      unit: str = "run", icl: dict | None = None, n_boot: int = 1000) -> list[dict]:
     """The main job's downstream claims, each an interval decided by stats.verdict (SMELT 5.1, 5.3).
 
     For each origin (real BIG-bench tasks, generated tasks): SMELT - Baseline gold-completion loss
     (claim < 0) and centred accuracy (claim > 0), as stats.paired_difference over the matched pairs.
     unit="run" (default) first averages each run pair's endpoints (cell, seed), so the units are
     independent trainings; unit="endpoint" pairs every matched endpoint (cell, seed, branch), whose
-    interval counts the endpoints of one run (one trajectory) as if they were independent.
+    interval counts the endpoints of one run (one trajectory) as if they were independent. Every pair scores
+    the same items, so that interval holds training noise only; where the records carry per-item results
+    (tasks.evaluate_task), "item_interval" is the percentile interval over n_boot item resamples
+    (_item_interval) and the verdict needs both (stats.all_of); without them "why" says so.
     calibration (calibration_report): the mean Eq. 7 residual of every identified metric, with its
     t-interval over SMELT runs (each run's endpoints averaged: they share a trajectory; claim > 0); a
     metric whose fit is not identified is listed with verdict "not resolved" and why. families
     (length_families): SMELT's long/short ratio > 1 (not resolved below stats.MIN_BOOTSTRAP_UNITS contrasts).
     Returns [{"id", "claim", "paper", "direction", "value", "interval" (Interval dict | None),
-    "verdict", "n", "unit", "why"}].
+    "verdict", "n", "unit", "why"}], the differences also "item_interval" (Interval dict | None).
     """
     if unit not in ("endpoint", "run"):
         raise ValueError(f"unit must be 'endpoint' or 'run', got {unit!r}")
@@ -479,21 +529,29 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                                             ("core", ">", "centred accuracy", WIN_METRICS[2][3])):
             paper = paper if origin == "real" else None          # the paper has no generated tasks
             metric = f"{origin} {key}"
-            vals = defaultdict(list)
+            vals, units = defaultdict(list), defaultdict(list)
             for p in pairs:
                 b, s = metric_value(p["baseline"], metric), metric_value(p["smelt"], metric)
                 if b is not None and s is not None:
-                    vals[(p["cell"], p["seed"]) if unit == "run" else len(vals)].append((b, s))
+                    u = (p["cell"], p["seed"]) if unit == "run" else len(vals)
+                    vals[u].append((b, s))
+                    units[u].append((p["baseline"], p["smelt"]))
             if not vals:
                 continue
             b = [float(np.mean([v[0] for v in vs])) for vs in vals.values()]
             s = [float(np.mean([v[1] for v in vs])) for vs in vals.values()]
             iv = stats.paired_difference(b, s)
             why, verdict = (None if iv.resolved else f"{len(b)} pair(s) without spread: no interval"), None
+            item_iv, no_items = _item_interval(list(units.values()), origin, key, iv.mean, n_boot)
+            if item_iv is not None:      # both noises must agree: the training runs' and the item sample's
+                verdict = stats.all_of([stats.verdict(iv, direction, 0.0), stats.verdict(item_iv, direction, 0.0)])
+            else:
+                why = "; ".join(filter(None, [why, f"no item bootstrap ({no_items}): the interval holds training noise only"]))
             if key == "core" and max(b + s) <= 0:   # centred accuracies below chance rank nothing
                 why, verdict = "both models at or below chance (centred accuracy <= 0) in every pair", "not resolved"
             claim(f"{metric} difference", f"SMELT - Baseline {what}, {src} {direction} 0", paper, direction, 0.0, iv,
                   len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair", why, verdict)
+            claims[-1]["item_interval"] = item_iv.to_dict() if item_iv is not None else None
     if calibration is not None and calibration.get("error"):
         claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0",
               PAPER_RESIDUAL_POSITIVE, ">", 0.0, None, 0, "SMELT endpoint",
@@ -600,4 +658,4 @@ def downstream_report(records: Sequence[dict], margin: float = 0.0, n_boot: int 
     icl = icl_sweep(recs, margin, n_perm)
     return {"n_endpoints": len(recs), "n_pairs": len(matched_pairs(recs)), "wins": win_counts(recs),
             "icl": icl, "families": fams, "calibration": cal,
-            "claims": downstream_claims(recs, cal, fams, unit, icl)}
+            "claims": downstream_claims(recs, cal, fams, unit, icl, n_boot)}

@@ -1051,6 +1051,70 @@ def test_run_unit_pairs_each_training_seed_of_a_cell():
     assert e["n"] == 12
 
 
+def _item_rec(arch, scale, per_item, rho=0.25, nll=None):
+    """An endpoint with one BIG-bench task at k = 0 (per-item accuracies, optional per-item gold nll over 1 token
+    each) and the summary eval.summarise would give it."""
+    n = len(per_item)
+    bk = {"items": list(range(n)), "per_item": list(per_item), "acc": float(np.mean(per_item))}
+    summ = {"core": (float(np.mean(per_item)) - rho) / (1 - rho)}
+    if nll is not None:
+        bk.update(gold_nll_by_item=list(nll), gold_tokens_by_item=[1] * n)
+        summ["completion"] = float(np.sum(nll)) / n
+    t = {"origin": "bigbench", "kind": "gen", "rho": rho, "headline_k": 0, "by_k": {"0": bk}}
+    return rec(arch, scale, "S~50%", 10, tasks={"t": t}, summary={"real": summ})
+
+
+def test_item_bootstrap_holds_a_gain_carried_by_two_items_unresolved():
+    """Every pair scores the same 10 items, so the t-interval over run pairs holds training noise only. SMELT's
+    gain sits on items 0 and 1 in every pair: the run pairs agree (t-interval clear of 0), but a resample drops
+    both items with probability 0.8^10 = 0.11, so the interval over items reaches 0 and the claim is not resolved.
+    A gain spread over 6 items is resolved by both. The vectorised draws equal a per-draw loop."""
+    import stats
+    recs = []
+    for i in range(6):
+        wins_ = [1.0, 1.0 if i % 2 else 0.0] + [0.0] * 8
+        recs += [_item_rec("baseline", f"t{i}", [0.0] * 10), _item_rec("smelt", f"t{i}", wins_)]
+    [c] = [c for c in wins.downstream_claims(recs, n_boot=400) if c["id"] == "real core difference"]
+    t_iv, item_iv = stats.Interval(**c["interval"]), stats.Interval(**c["item_interval"])
+    assert stats.verdict(t_iv, ">", 0.0) == "reproduced" and item_iv.lo == 0.0 and c["verdict"] == "not resolved"
+    assert item_iv.mean == t_iv.mean and item_iv.n == 10 and item_iv.method == "item bootstrap"
+    broad = []
+    for i in range(6):
+        broad += [_item_rec("baseline", f"t{i}", [1.0] * 2 + [0.0] * 8),
+                  _item_rec("smelt", f"t{i}", [1.0] * (7 + i % 2) + [0.0] * (3 - i % 2))]
+    [c] = [c for c in wins.downstream_claims(broad, n_boot=400) if c["id"] == "real core difference"]
+    assert c["item_interval"]["lo"] > 0 and c["verdict"] == "reproduced"
+    # the slow reference: one draw at a time, the same generator calls
+    units = [[(b, s)] for b, s in zip(broad[::2], broad[1::2])]
+    got, _ = wins._item_interval(units, "real", "core", 0.0, n_boot=50, seed=3)
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, 10, (50, 10))
+    ref = [np.mean([(np.mean(np.array(s["tasks"]["t"]["by_k"]["0"]["per_item"])[row])
+                     - np.mean(np.array(b["tasks"]["t"]["by_k"]["0"]["per_item"])[row])) / 0.75 for (b, s), in units])
+           for row in idx]
+    assert (got.lo, got.hi) == pytest.approx(tuple(np.percentile(ref, [2.5, 97.5])), abs=1e-12)
+
+
+def test_item_bootstrap_of_the_gold_loss_and_its_refusals():
+    """completion: micro gold loss recomputed per draw from gold_nll_by_item / gold_tokens_by_item; records
+    without per-item results, or whose items do not add up to their summary, get no item interval and say why."""
+    rng, recs = np.random.default_rng(0), []
+    item = 2.0 + 0.5 * rng.standard_normal(12)             # items differ in difficulty; SMELT gains 0.3 +- 0.1 each
+    for i in range(5):
+        recs += [_item_rec("baseline", f"t{i}", [0.5] * 12, nll=item + 0.01 * i),
+                 _item_rec("smelt", f"t{i}", [0.5] * 12, nll=item - 0.3 + 0.1 * rng.standard_normal(12) + 0.02 * i)]
+    [c] = [c for c in wins.downstream_claims(recs, n_boot=200) if c["id"] == "real completion difference"]
+    assert c["item_interval"]["lo"] < c["interval"]["mean"] < c["item_interval"]["hi"] < 0
+    assert c["verdict"] == "reproduced" and c["why"] is None
+    del recs[0]["tasks"]["t"]["by_k"]["0"]["gold_nll_by_item"]
+    [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
+    assert c["item_interval"] is None and "lack per-item results (gold_nll_by_item)" in c["why"]
+    assert c["verdict"] == "reproduced"                   # the t-interval alone, and the why says what it holds
+    recs[2]["summary"]["real"]["core"] += 0.1             # the per-item results no longer give the summary
+    [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real core difference"]
+    assert c["item_interval"] is None and "do not add up" in c["why"]
+
+
 def test_residual_claim_is_a_t_interval_over_run_means():
     """The Eq. 7 residual claim's unit is the SMELT run: 3 seeds x 2 branches give n = 3 and the t-interval of the
     three run means, not of the six endpoints (which share trajectories in pairs)."""
