@@ -451,48 +451,60 @@ def icl_claims(icl: dict, claim) -> None:
 def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int) -> tuple[np.ndarray, int] | str:
     """Each endpoint's summary `key` of `origin` (eval.summarise: "core" or "completion" at each task's headline k)
     recomputed on items resampled with replacement, the same draw of every task's items for every endpoint:
-    (draws x endpoints, the fewest items of a task), or why there is no item bootstrap."""
-    src = "bigbench" if origin == "real" else "generated"
+    (draws x endpoints, the fewest items of a task; row 0 the items as scored), or why there is none."""
+    src, field = ("bigbench" if origin == "real" else "generated"), ("per_item" if key == "core" else "gold_nll_by_item")
     rng, parts, n_min = np.random.default_rng(seed), [], None
-    for name in sorted(n for n, t in recs[0].get("tasks", {}).items() if t["origin"] == src):
-        by_k = [r["tasks"].get(name, {}).get("by_k", {}).get(str(r["tasks"].get(name, {}).get("headline_k"))) for r in recs]
-        if key == "completion" and recs[0]["tasks"][name]["kind"] != "gen":
-            continue
-        field = "per_item" if key == "core" else "gold_nll_by_item"
-        if any(b is None or b.get(field) is None or b["items"] != by_k[0]["items"] for b in by_k):
+    names = sorted({n for r in recs for n, t in r.get("tasks", {}).items() if t["origin"] == src})
+    for name in names:
+        ts = [r.get("tasks", {}).get(name) for r in recs]
+        by_k = [t["by_k"].get(str(t["headline_k"])) if t else None for t in ts]
+        if (key == "completion" and ts[0] and ts[0]["kind"] != "gen") or all(b is None for b in by_k):
+            continue                                          # eval.summarise leaves these out too
+        if any(b is None or b.get(field) is None or (key == "completion" and b.get("gold_tokens_by_item") is None)
+               or b["items"] != by_k[0]["items"] for b in by_k):
             return f"{name}: the endpoints lack per-item results ({field}) on the same items"
         n = len(by_k[0]["items"])
-        idx = np.vstack([np.arange(n), rng.integers(0, n, (n_boot, n))])     # row 0: the items as scored
+        idx = np.vstack([np.arange(n), rng.integers(0, n, (n_boot, n))])
         n_min = min(n_min or n, n)
         if key == "core":
-            acc = np.array([b["per_item"] for b in by_k])[:, idx].mean(-1).T
-            parts.append((acc - recs[0]["tasks"][name]["rho"]) / (1 - recs[0]["tasks"][name]["rho"]))
+            acc, rho = np.array([b["per_item"] for b in by_k])[:, idx].mean(-1).T, ts[0]["rho"]
+            parts.append((acc - rho) / (1 - rho))             # tasks.centred_accuracy, per draw and endpoint
         else:
             parts.append((np.array([b["gold_nll_by_item"] for b in by_k])[:, idx].sum(-1).T,
                           np.array([b["gold_tokens_by_item"] for b in by_k])[:, idx].sum(-1).T))
     if not parts:
         return f"no {origin} task with per-item results"
     out = np.mean(parts, axis=0) if key == "core" else sum(p[0] for p in parts) / np.maximum(sum(p[1] for p in parts), 1)
-    if not np.allclose(out[0], [r["summary"][origin][key] for r in recs], rtol=1e-9, atol=1e-12):
-        return f"the per-item results do not add up to the endpoints' {origin} {key}"     # a record edited by hand
-    return out[1:], n_min
+    return out, n_min
 
 
-def _item_interval(units: list[list[tuple]], origin: str, key: str, point: float, n_boot: int = 1000,
-                   seed: int = 0) -> tuple[stats.Interval | None, str | None]:
-    """The paired difference's percentile interval over items (SMELT - Baseline, each unit's endpoint pairs
-    averaged, then the units), the trained models held fixed: the noise of the item sample the t-interval over
-    run pairs leaves out (every pair scores the same items). (None, why) without per-item results."""
+def _item_noise(units: list[list[tuple]], origin: str, key: str, iv: stats.Interval, n_boot: int = 1000,
+                seed: int = 0) -> dict:
+    """The item sample's noise in a paired difference whose t-interval `iv` is over run pairs (every pair scores
+    the same items, so `iv` holds training noise only). Items are resampled (models fixed; each unit's endpoint
+    pairs averaged, then the units): "items", the percentile interval; "both", `iv` widened by the draws'
+    variance (t quantile over the units, the two noises added), which decides the claim. {"why"} without
+    per-item results; "inconsistent" when the items as scored do not give the records' summaries."""
     flat = [p for u in units for p in u]
     got = _item_draws([b for b, _ in flat] + [s for _, s in flat], origin, key, n_boot, seed)
     if isinstance(got, str):
-        return None, got
+        return {"items": None, "both": None, "why": got}
     draws, n_items = got
-    d = draws[:, len(flat):] - draws[:, :len(flat)]                       # SMELT - Baseline per endpoint pair
+    if not np.allclose(draws[0], [r["summary"][origin][key] for r in [b for b, _ in flat] + [s for _, s in flat]],
+                       rtol=1e-9, atol=1e-12):
+        return {"items": None, "both": None, "inconsistent": True,
+                "why": f"the per-item results do not add up to the endpoints' {origin} {key} (a record edited?)"}
+    d = draws[1:, len(flat):] - draws[1:, :len(flat)]                     # SMELT - Baseline per endpoint pair
     ends = np.cumsum([0] + [len(u) for u in units])
-    per_unit = np.stack([d[:, a:b].mean(1) for a, b in zip(ends[:-1], ends[1:])], axis=1)
-    lo, hi = np.percentile(per_unit.mean(1), [2.5, 97.5])
-    return stats.Interval(point, float(lo), float(hi), n_items, 0.95, "item bootstrap"), None
+    means = np.stack([d[:, a:b].mean(1) for a, b in zip(ends[:-1], ends[1:])], axis=1).mean(1)
+    lo, hi = np.percentile(means, [50 * (1 - iv.level), 50 * (1 + iv.level)])
+    items = stats.Interval(iv.mean, float(lo), float(hi), n_items, iv.level, "item bootstrap")
+    both = None
+    if iv.resolved:
+        q = stats.t_quantile(0.5 + iv.level / 2, iv.n - 1)
+        half = q * math.sqrt(((iv.hi - iv.lo) / (2 * q)) ** 2 + float(means.std(ddof=1)) ** 2)
+        both = stats.Interval(iv.mean, iv.mean - half, iv.mean + half, iv.n, iv.level, "t, item noise added")
+    return {"items": items, "both": both, "why": None}
 
 
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
@@ -505,14 +517,14 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
     independent trainings; unit="endpoint" pairs every matched endpoint (cell, seed, branch), whose
     interval counts the endpoints of one run (one trajectory) as if they were independent. Every pair scores
     the same items, so that interval holds training noise only; where the records carry per-item results
-    (tasks.evaluate_task), "item_interval" is the percentile interval over n_boot item resamples
-    (_item_interval) and the verdict needs both (stats.all_of); without them "why" says so.
+    (tasks.evaluate_task), _item_noise adds "items_interval" (n_boot item resamples) and "both_interval"
+    (the two noises added), which gives the verdict; without them "why" says so.
     calibration (calibration_report): the mean Eq. 7 residual of every identified metric, with its
     t-interval over SMELT runs (each run's endpoints averaged: they share a trajectory; claim > 0); a
     metric whose fit is not identified is listed with verdict "not resolved" and why. families
     (length_families): SMELT's long/short ratio > 1 (not resolved below stats.MIN_BOOTSTRAP_UNITS contrasts).
     Returns [{"id", "claim", "paper", "direction", "value", "interval" (Interval dict | None),
-    "verdict", "n", "unit", "why"}], the differences also "item_interval" (Interval dict | None).
+    "verdict", "n", "unit", "why"}], the differences also "items_interval" and "both_interval" (dict | None).
     """
     if unit not in ("endpoint", "run"):
         raise ValueError(f"unit must be 'endpoint' or 'run', got {unit!r}")
@@ -542,16 +554,20 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
             s = [float(np.mean([v[1] for v in vs])) for vs in vals.values()]
             iv = stats.paired_difference(b, s)
             why, verdict = (None if iv.resolved else f"{len(b)} pair(s) without spread: no interval"), None
-            item_iv, no_items = _item_interval(list(units.values()), origin, key, iv.mean, n_boot)
-            if item_iv is not None:      # both noises must agree: the training runs' and the item sample's
-                verdict = stats.all_of([stats.verdict(iv, direction, 0.0), stats.verdict(item_iv, direction, 0.0)])
+            noise = _item_noise(list(units.values()), origin, key, iv, n_boot)
+            if noise["items"] is not None:   # decided by the interval holding both noises, training's and the items'
+                verdict = stats.verdict(noise["both"], direction, 0.0)
+            elif noise.get("inconsistent"):
+                why, verdict = noise["why"], "not resolved"
             else:
-                why = "; ".join(filter(None, [why, f"no item bootstrap ({no_items}): the interval holds training noise only"]))
+                why = "; ".join(filter(None, [why, f"no item bootstrap ({noise['why']}): the interval holds training "
+                                                   f"noise only"]))
             if key == "core" and max(b + s) <= 0:   # centred accuracies below chance rank nothing
                 why, verdict = "both models at or below chance (centred accuracy <= 0) in every pair", "not resolved"
             claim(f"{metric} difference", f"SMELT - Baseline {what}, {src} {direction} 0", paper, direction, 0.0, iv,
                   len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair", why, verdict)
-            claims[-1]["item_interval"] = item_iv.to_dict() if item_iv is not None else None
+            claims[-1].update({f"{k}_interval": noise[k].to_dict() if noise[k] is not None else None
+                               for k in ("items", "both")})
     if calibration is not None and calibration.get("error"):
         claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0",
               PAPER_RESIDUAL_POSITIVE, ">", 0.0, None, 0, "SMELT endpoint",

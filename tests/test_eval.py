@@ -790,6 +790,10 @@ def test_evaluate_endpoints_every_branch_with_progress(trained_run):
     # 2-shot prompts do not fit this run's 32-token block: evaluated, kept under short_k, out of the sweep
     assert r["val"]["tokens"] > 0 and r["tasks"]["gen_kv"]["short_k"]["2"]["acc_by_seed"] and r["seconds"] > 0
     assert len(r["tasks"]["gen_copy"]["short_k"]["2"]["gold_loss_by_seed"]) == 2
+    for bk in (*r["tasks"]["gen_copy"]["by_k"].values(), *r["tasks"]["gen_copy"]["short_k"].values()):
+        # per-item gold losses (wins' item bootstrap), summed over seeds, add up to the task's
+        assert sum(bk["gold_nll_by_item"]) == pytest.approx(bk["gold_nll_sum"], rel=1e-9)
+        assert sum(bk["gold_tokens_by_item"]) == bk["gold_tokens"] and len(bk["gold_nll_by_item"]) == bk["n_items"]
     assert set(r["tasks"]["gen_copy"]["by_k"]) == {"0"} and r["forward_calls"] > 0
     assert ev.endpoint_id(r) == "toy_smelt@3"
     # every progress line names its endpoint; one line per task
@@ -1051,68 +1055,124 @@ def test_run_unit_pairs_each_training_seed_of_a_cell():
     assert e["n"] == 12
 
 
-def _item_rec(arch, scale, per_item, rho=0.25, nll=None):
-    """An endpoint with one BIG-bench task at k = 0 (per-item accuracies, optional per-item gold nll over 1 token
-    each) and the summary eval.summarise would give it."""
-    n = len(per_item)
-    bk = {"items": list(range(n)), "per_item": list(per_item), "acc": float(np.mean(per_item))}
-    summ = {"core": (float(np.mean(per_item)) - rho) / (1 - rho)}
-    if nll is not None:
-        bk.update(gold_nll_by_item=list(nll), gold_tokens_by_item=[1] * n)
-        summ["completion"] = float(np.sum(nll)) / n
-    t = {"origin": "bigbench", "kind": "gen", "rho": rho, "headline_k": 0, "by_k": {"0": bk}}
-    return rec(arch, scale, "S~50%", 10, tasks={"t": t}, summary={"real": summ})
+def _item_rec(arch, scale, seed, tasks_):
+    """An endpoint whose summary is eval.summarise's of `tasks_` {name: (origin, kind, rho, per_item, nll | None)},
+    each at k = 0 over the same items, gold nll over 1 + (item % 3) tokens per item."""
+    ts = {}
+    for name, (origin, kind, rho, acc, nll) in tasks_.items():
+        n = len(acc)
+        bk = {"items": list(range(n)), "per_item": list(acc), "acc": float(np.mean(acc)),
+              "centred": (float(np.mean(acc)) - rho) / (1 - rho)}
+        if kind == "gen":
+            toks = [1 + i % 3 for i in range(n)]
+            bk.update(gold_nll_by_item=list(nll), gold_tokens_by_item=toks, gold_nll_sum=float(np.sum(nll)),
+                      gold_tokens=sum(toks))
+        ts[name] = {"origin": origin, "kind": kind, "rho": rho, "headline_k": 0, "by_k": {"0": bk}}
+    r = rec(arch, scale, "S~50%", 10, seed=seed, tasks=ts)
+    r["summary"] = ev.summarise(ts)
+    return r
 
 
-def test_item_bootstrap_holds_a_gain_carried_by_two_items_unresolved():
+def _slow_item_noise(units, origin, key, n_boot, seed):
+    """wins._item_noise's draws one at a time: the same generator calls, each endpoint's summary by eval.summarise."""
+    rng, names = np.random.default_rng(seed), sorted(n for n, t in units[0][0][0]["tasks"].items()
+                                                     if t["origin"] == ("bigbench" if origin == "real" else "generated"))
+    names = [n for n in names if key == "core" or units[0][0][0]["tasks"][n]["kind"] == "gen"]
+    idx = {n: rng.integers(0, len(units[0][0][0]["tasks"][n]["by_k"]["0"]["items"]),
+                           (n_boot, len(units[0][0][0]["tasks"][n]["by_k"]["0"]["items"]))) for n in names}
+
+    def redrawn(r, d):
+        ts = {}
+        for n, t in r["tasks"].items():
+            bk, sel = t["by_k"]["0"], idx[n][d] if n in idx else slice(None)
+            acc = np.array(bk["per_item"])[sel]
+            nb = {"acc": float(acc.mean()), "centred": (float(acc.mean()) - t["rho"]) / (1 - t["rho"])}
+            if t["kind"] == "gen":
+                nb.update(gold_nll_sum=float(np.array(bk["gold_nll_by_item"])[sel].sum()),
+                          gold_tokens=int(np.array(bk["gold_tokens_by_item"])[sel].sum()))
+            ts[n] = {**t, "by_k": {"0": nb}}
+        return ev.summarise(ts)[origin][key]
+    return [np.mean([np.mean([redrawn(s, d) - redrawn(b, d) for b, s in u]) for u in units]) for d in range(n_boot)]
+
+
+def test_item_noise_holds_a_gain_carried_by_two_items_unresolved():
     """Every pair scores the same 10 items, so the t-interval over run pairs holds training noise only. SMELT's
-    gain sits on items 0 and 1 in every pair: the run pairs agree (t-interval clear of 0), but a resample drops
-    both items with probability 0.8^10 = 0.11, so the interval over items reaches 0 and the claim is not resolved.
-    A gain spread over 6 items is resolved by both. The vectorised draws equal a per-draw loop."""
+    gain sits on items 0 and 1 of one task in every pair: the run pairs agree (t-interval clear of 0), but a
+    resample drops both items with probability 0.8^10 = 0.11, so the interval over items reaches 0, and so does
+    the interval of both noises that decides. A gain spread over most items is resolved."""
     import stats
+    flat = [0.0] * 10
     recs = []
     for i in range(6):
-        wins_ = [1.0, 1.0 if i % 2 else 0.0] + [0.0] * 8
-        recs += [_item_rec("baseline", f"t{i}", [0.0] * 10), _item_rec("smelt", f"t{i}", wins_)]
+        two = [1.0, 1.0 if i % 2 else 0.0] + [0.0] * 8
+        recs += [_item_rec("baseline", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, flat, None)}),
+                 _item_rec("smelt", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, two, None)})]
     [c] = [c for c in wins.downstream_claims(recs, n_boot=400) if c["id"] == "real core difference"]
-    t_iv, item_iv = stats.Interval(**c["interval"]), stats.Interval(**c["item_interval"])
-    assert stats.verdict(t_iv, ">", 0.0) == "reproduced" and item_iv.lo == 0.0 and c["verdict"] == "not resolved"
-    assert item_iv.mean == t_iv.mean and item_iv.n == 10 and item_iv.method == "item bootstrap"
+    t_iv, items, both = (stats.Interval(**c[k]) for k in ("interval", "items_interval", "both_interval"))
+    assert stats.verdict(t_iv, ">", 0.0) == "reproduced" and items.lo == 0.0 and both.lo < 0 < both.hi
+    assert c["verdict"] == "not resolved" and items.mean == t_iv.mean == both.mean and items.n == 10
     broad = []
     for i in range(6):
-        broad += [_item_rec("baseline", f"t{i}", [1.0] * 2 + [0.0] * 8),
-                  _item_rec("smelt", f"t{i}", [1.0] * (7 + i % 2) + [0.0] * (3 - i % 2))]
+        broad += [_item_rec("baseline", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, [1.0] * 2 + [0.0] * 8, None)}),
+                  _item_rec("smelt", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, [1.0] * (7 + i % 2) + [0.0] * (3 - i % 2),
+                                                        None)})]
     [c] = [c for c in wins.downstream_claims(broad, n_boot=400) if c["id"] == "real core difference"]
-    assert c["item_interval"]["lo"] > 0 and c["verdict"] == "reproduced"
-    # the slow reference: one draw at a time, the same generator calls
-    units = [[(b, s)] for b, s in zip(broad[::2], broad[1::2])]
-    got, _ = wins._item_interval(units, "real", "core", 0.0, n_boot=50, seed=3)
-    rng = np.random.default_rng(3)
-    idx = rng.integers(0, 10, (50, 10))
-    ref = [np.mean([(np.mean(np.array(s["tasks"]["t"]["by_k"]["0"]["per_item"])[row])
-                     - np.mean(np.array(b["tasks"]["t"]["by_k"]["0"]["per_item"])[row])) / 0.75 for (b, s), in units])
-           for row in idx]
-    assert (got.lo, got.hi) == pytest.approx(tuple(np.percentile(ref, [2.5, 97.5])), abs=1e-12)
+    assert c["both_interval"]["lo"] > 0 and c["verdict"] == "reproduced"
 
 
-def test_item_bootstrap_of_the_gold_loss_and_its_refusals():
-    """completion: micro gold loss recomputed per draw from gold_nll_by_item / gold_tokens_by_item; records
-    without per-item results, or whose items do not add up to their summary, get no item interval and say why."""
+@pytest.mark.parametrize("origin,key", [("real", "core"), ("generated", "completion")])
+def test_item_noise_equals_a_per_draw_loop_over_eval_summarise(origin, key):
+    """Two tasks of each origin (different rho; generation tasks with unequal token counts), two seeds per cell
+    (a unit of two endpoint pairs): the vectorised draws give the percentile interval of a per-draw loop that
+    re-runs eval.summarise, and "both" adds the draws' variance to the t-interval's."""
+    import stats
+    rng, recs = np.random.default_rng(2), []
+    for c in range(4):
+        for seed in range(2):
+            pair = []
+            for arch, lift in (("baseline", 0.0), ("smelt", 0.1)):
+                ts = {}
+                for o, n_items in (("bigbench", 11), ("generated", 13)):
+                    for j, (kind, rho) in enumerate((("mc", 0.25), ("gen", 0.0))):
+                        acc = (rng.random(n_items) < 0.4 + lift).astype(float)
+                        ts[f"{o}{j}"] = (o, kind, rho, acc, 2.0 - lift + 0.5 * rng.random(n_items))
+                pair.append(_item_rec(arch, f"t{c}", seed, ts))
+            recs += pair
+    units = {}
+    for p in wins.matched_pairs(recs):
+        units.setdefault((p["cell"], p["seed"]), []).append((p["baseline"], p["smelt"]))
+    units = list(units.values())
+    diffs = [np.mean([s["summary"][origin][key] - b["summary"][origin][key] for b, s in u]) for u in units]
+    iv = stats.mean_interval(diffs)
+    got = wins._item_noise(units, origin, key, iv, n_boot=60, seed=5)
+    ref = _slow_item_noise(units, origin, key, 60, 5)
+    assert (got["items"].lo, got["items"].hi) == pytest.approx(tuple(np.percentile(ref, [2.5, 97.5])), abs=1e-12)
+    q = stats.t_quantile(0.975, len(units) - 1)
+    half = q * math.sqrt(((iv.hi - iv.lo) / (2 * q)) ** 2 + np.std(ref, ddof=1) ** 2)
+    assert (got["both"].lo, got["both"].hi) == pytest.approx((iv.mean - half, iv.mean + half), abs=1e-12)
+
+
+def test_item_noise_refusals():
+    """Records without per-item results keep the t-verdict and say so; records whose per-item results do not give
+    their summary get none (not resolved); a task no record scored at its headline k is left out, as summarise."""
     rng, recs = np.random.default_rng(0), []
-    item = 2.0 + 0.5 * rng.standard_normal(12)             # items differ in difficulty; SMELT gains 0.3 +- 0.1 each
+    item = 2.0 + 0.5 * rng.standard_normal(12)
     for i in range(5):
-        recs += [_item_rec("baseline", f"t{i}", [0.5] * 12, nll=item + 0.01 * i),
-                 _item_rec("smelt", f"t{i}", [0.5] * 12, nll=item - 0.3 + 0.1 * rng.standard_normal(12) + 0.02 * i)]
+        for arch, nll in (("baseline", item + 0.01 * i), ("smelt", item - 0.3 + 0.1 * rng.standard_normal(12))):
+            recs.append(_item_rec(arch, f"t{i}", 0, {"g": ("bigbench", "gen", 0.0, [0.5] * 12, nll)}))
     [c] = [c for c in wins.downstream_claims(recs, n_boot=200) if c["id"] == "real completion difference"]
-    assert c["item_interval"]["lo"] < c["interval"]["mean"] < c["item_interval"]["hi"] < 0
-    assert c["verdict"] == "reproduced" and c["why"] is None
-    del recs[0]["tasks"]["t"]["by_k"]["0"]["gold_nll_by_item"]
+    assert c["both_interval"]["hi"] < 0 and c["verdict"] == "reproduced" and c["why"] is None
+    for r in recs:                                  # a task without its headline k anywhere: left out
+        r["tasks"]["h"] = {"origin": "bigbench", "kind": "gen", "rho": 0.0, "headline_k": 5, "by_k": {}}
     [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
-    assert c["item_interval"] is None and "lack per-item results (gold_nll_by_item)" in c["why"]
-    assert c["verdict"] == "reproduced"                   # the t-interval alone, and the why says what it holds
-    recs[2]["summary"]["real"]["core"] += 0.1             # the per-item results no longer give the summary
+    assert c["items_interval"] is not None
+    del recs[0]["tasks"]["g"]["by_k"]["0"]["gold_tokens_by_item"]
+    [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
+    assert c["items_interval"] is None and "lack per-item results (gold_nll_by_item)" in c["why"]
+    assert c["verdict"] == "reproduced" and "training noise only" in c["why"]
+    recs[2]["summary"]["real"]["core"] += 0.1       # the per-item results no longer give the summary
     [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real core difference"]
-    assert c["item_interval"] is None and "do not add up" in c["why"]
+    assert c["items_interval"] is None and "do not add up" in c["why"] and c["verdict"] == "not resolved"
 
 
 def test_residual_claim_is_a_t_interval_over_run_means():

@@ -68,10 +68,12 @@ def test_claims_table_rows(tmp_path):
     items = stats.Interval(-0.2, -0.35, 0.02, 12, 0.95, "item bootstrap").to_dict()
     ev = {"report": {"claims": [{"claim": "gen", "paper": None, "interval": None, "verdict": "not resolved",
                                  "why": "x"},
-                                {"claim": "real", "paper": "p", "interval": diff, "item_interval": items, "n": 6,
+                                {"claim": "real", "paper": "p", "interval": diff, "items_interval": items,
+                                 "both_interval": {**diff, "lo": -0.4, "hi": 0.01}, "n": 6,
                                  "unit": "matched run pair", "verdict": "not resolved", "why": None}]}}
     rows = report._claim_rows(ts, _scal(), [], ev, None, tmp_path)
-    assert next(r for r in rows if r[0].startswith("real"))[2] == "-0.200 [-0.300, -0.100]; over the items -0.200 [-0.350, +0.020]"
+    assert next(r for r in rows if r[0].startswith("real"))[2] == ("-0.200 [-0.300, -0.100]; over the items -0.200 "
+                                                                    "[-0.350, +0.020]; both noises -0.200 [-0.400, +0.010]")
     assert all(r[3] in stats.VERDICTS for r in rows) and all("|" not in c for r in rows for c in r)
     ce = next(r for r in rows if r[0].startswith("CE gain of SMELT"))
     assert "6.8-18.0 %" in ce[1] and "Extrapolated beyond the fitted compute window" in ce[1] and "23.5" in ce[1]
