@@ -458,7 +458,8 @@ def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int)
     for name in names:
         ts = [r.get("tasks", {}).get(name) for r in recs]
         by_k = [t["by_k"].get(str(t["headline_k"])) if t else None for t in ts]
-        if (key == "completion" and ts[0] and ts[0]["kind"] != "gen") or all(b is None for b in by_k):
+        kind = next(t["kind"] for t in ts if t)
+        if (key == "completion" and kind != "gen") or all(b is None for b in by_k):
             continue                                          # eval.summarise leaves these out too
         if any(b is None or b.get(field) is None or (key == "completion" and b.get("gold_tokens_by_item") is None)
                or b["items"] != by_k[0]["items"] for b in by_k):
@@ -485,6 +486,8 @@ def _item_noise(units: list[list[tuple]], origin: str, key: str, iv: stats.Inter
     pairs averaged, then the units): "items", the percentile interval; "both", `iv` widened by the draws'
     variance (t quantile over the units, the two noises added), which decides the claim. {"why"} without
     per-item results; "inconsistent" when the items as scored do not give the records' summaries."""
+    if n_boot < 2:
+        return {"items": None, "both": None, "why": f"n_boot = {n_boot}: no item bootstrap"}
     flat = [p for u in units for p in u]
     got = _item_draws([b for b, _ in flat] + [s for _, s in flat], origin, key, n_boot, seed)
     if isinstance(got, str):
@@ -505,6 +508,21 @@ def _item_noise(units: list[list[tuple]], origin: str, key: str, iv: stats.Inter
         half = q * math.sqrt(((iv.hi - iv.lo) / (2 * q)) ** 2 + float(means.std(ddof=1)) ** 2)
         both = stats.Interval(iv.mean, iv.mean - half, iv.mean + half, iv.n, iv.level, "t, item noise added")
     return {"items": items, "both": both, "why": None}
+
+
+def _noise_verdict(noise: dict, direction: str, why: str | None) -> tuple[str | None, str | None]:
+    """(why, verdict) of a downstream difference from _item_noise: the interval of both noises decides; a task of
+    too few items, or records whose items do not give their summary, decide nothing; without per-item results
+    the t-verdict stands (verdict None) and why says what its interval holds."""
+    join = lambda *w: "; ".join(filter(None, w))
+    items = noise["items"]
+    if items is not None and items.few_units:                 # the items' variance is not estimable
+        return join(why, f"a task of {items.n} items: too few for the item bootstrap (docs/wins.md)"), "not resolved"
+    if items is not None:
+        return why, stats.verdict(noise["both"], direction, 0.0)
+    if noise.get("inconsistent"):
+        return join(why, noise["why"]), "not resolved"
+    return join(why, f"no item bootstrap ({noise['why']}): the interval holds training noise only"), None
 
 
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
@@ -555,13 +573,7 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
             iv = stats.paired_difference(b, s)
             why, verdict = (None if iv.resolved else f"{len(b)} pair(s) without spread: no interval"), None
             noise = _item_noise(list(units.values()), origin, key, iv, n_boot)
-            if noise["items"] is not None:   # decided by the interval holding both noises, training's and the items'
-                verdict = stats.verdict(noise["both"], direction, 0.0)
-            elif noise.get("inconsistent"):
-                why, verdict = noise["why"], "not resolved"
-            else:
-                why = "; ".join(filter(None, [why, f"no item bootstrap ({noise['why']}): the interval holds training "
-                                                   f"noise only"]))
+            why, verdict = _noise_verdict(noise, direction, why)
             if key == "core" and max(b + s) <= 0:   # centred accuracies below chance rank nothing
                 why, verdict = "both models at or below chance (centred accuracy <= 0) in every pair", "not resolved"
             claim(f"{metric} difference", f"SMELT - Baseline {what}, {src} {direction} 0", paper, direction, 0.0, iv,

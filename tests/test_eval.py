@@ -1170,6 +1170,10 @@ def test_item_noise_refusals():
     [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
     assert c["items_interval"] is None and "lack per-item results (gold_nll_by_item)" in c["why"]
     assert c["verdict"] == "reproduced" and "training noise only" in c["why"]
+    few = [_item_rec(a, f"t{i}", 0, {"g": ("bigbench", "gen", 0.0, [0.5] * 6, nll)})
+           for i in range(5) for a, nll in (("baseline", item[:6] + 0.01 * i), ("smelt", item[:6] - 0.3 - 0.01 * i))]
+    [c] = [c for c in wins.downstream_claims(few, n_boot=50) if c["id"] == "real completion difference"]
+    assert c["both_interval"]["hi"] < 0 and c["verdict"] == "not resolved" and "a task of 6 items" in c["why"]
     recs[2]["summary"]["real"]["core"] += 0.1       # the per-item results no longer give the summary
     [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real core difference"]
     assert c["items_interval"] is None and "do not add up" in c["why"] and c["verdict"] == "not resolved"
