@@ -449,6 +449,13 @@ def paper_shaped_points(co: Coeffs, F_span: float, D_span: float, noise: float, 
     return Points(F, S, D, L, np.array([p[3] for p in pts]))
 
 
+def paper_pair(F_span: float, D_span: float, noise: float, seed: int = 0, grid: dict | None = None) -> dict:
+    """{"smelt", "baseline": Points} drawn from Table 4.3's two surfaces on one paper-shaped grid (`grid`:
+    paper_shaped_points' n_scales / sparsities / horizons), each with its own noise seed."""
+    return {name: paper_shaped_points(co, F_span, D_span, noise, seed=seed + 1000 * k, **(grid or {}))
+            for k, (name, co) in enumerate((("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE)))}
+
+
 def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=(0.003, 0.01, 0.03),
                     seeds: int = 5, rules: Rules = RULES, n_starts: int = 8, grid: dict | None = None) -> list[dict]:
     """The measurement behind `Rules`: on paper-shaped grids drawn from SMELT's two Table 4.3
@@ -461,8 +468,7 @@ def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=
         res = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for k, (name, co) in enumerate((("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE))):
-                p = paper_shaped_points(co, Fs, Ds, noise, seed=seed + 1000 * k, **(grid or {}))
+            for name, p in paper_pair(Fs, Ds, noise, seed, grid).items():
                 res[name] = fit_result(p.F, p.S, p.D, p.L, n_starts=n_starts, rules=rules)
             C = math.sqrt(res["baseline"].ranges["C"][0] * res["baseline"].ranges["C"][1])
             try:

@@ -30,7 +30,7 @@ import numpy as np
 import stats
 from calibration import calibration_report
 from eval import endpoint_id, long_short_ratio, normalised_shape
-from tasks import chance_of
+from tasks import centred_accuracy, chance_of
 
 
 def _check_grid(records: Sequence[dict]) -> None:
@@ -212,7 +212,8 @@ def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000)
     return out
 
 
-def _label_percent(label: str) -> float:
+def label_percent(label: str) -> float:
+    """The percentage a sparsity label names ('S~85%' -> 85.0), else nan."""
     m = re.search(r"(\d+(?:\.\d+)?)\s*%", str(label))
     return float(m.group(1)) if m else float("nan")
 
@@ -238,8 +239,8 @@ def _scale_rank(records: Sequence[dict]) -> dict[str, float]:
 def _sparsity_rank(records: Sequence[dict]) -> dict[str, float]:
     """Each sparsity label's rank: the percentage it names ('S=0%' -> 0, 'S~85%' -> 85), else its experts."""
     labels = {r["sparsity_label"] for r in records}
-    if all(math.isfinite(_label_percent(lab)) for lab in labels):
-        return {lab: _label_percent(lab) for lab in labels}
+    if all(math.isfinite(label_percent(lab)) for lab in labels):
+        return {lab: label_percent(lab) for lab in labels}
     experts = defaultdict(list)
     for r in records:
         experts[r["sparsity_label"]].append((r.get("model") or {}).get("n_experts", 0))
@@ -468,8 +469,7 @@ def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int)
         idx = np.vstack([np.arange(n), rng.integers(0, n, (n_boot, n))])
         n_min = min(n_min or n, n)
         if key == "core":
-            acc, rho = np.array([b["per_item"] for b in by_k])[:, idx].mean(-1).T, ts[0]["rho"]
-            parts.append((acc - rho) / (1 - rho))             # tasks.centred_accuracy, per draw and endpoint
+            parts.append(centred_accuracy(np.array([b["per_item"] for b in by_k])[:, idx].mean(-1).T, ts[0]["rho"]))
         else:
             parts.append((np.array([b["gold_nll_by_item"] for b in by_k])[:, idx].sum(-1).T,
                           np.array([b["gold_tokens_by_item"] for b in by_k])[:, idx].sum(-1).T))
@@ -489,12 +489,12 @@ def _item_noise(units: list[list[tuple]], origin: str, key: str, iv: stats.Inter
     if n_boot < 2:
         return {"items": None, "both": None, "why": f"n_boot = {n_boot}: no item bootstrap"}
     flat = [p for u in units for p in u]
-    got = _item_draws([b for b, _ in flat] + [s for _, s in flat], origin, key, n_boot, seed)
+    recs = [b for b, _ in flat] + [s for _, s in flat]                   # every Baseline, then every SMELT
+    got = _item_draws(recs, origin, key, n_boot, seed)
     if isinstance(got, str):
         return {"items": None, "both": None, "why": got}
     draws, n_items = got
-    if not np.allclose(draws[0], [r["summary"][origin][key] for r in [b for b, _ in flat] + [s for _, s in flat]],
-                       rtol=1e-9, atol=1e-12):
+    if not np.allclose(draws[0], [r["summary"][origin][key] for r in recs], rtol=1e-9, atol=1e-12):
         return {"items": None, "both": None, "inconsistent": True,
                 "why": f"the per-item results do not add up to the endpoints' {origin} {key} (a record edited?)"}
     d = draws[1:, len(flat):] - draws[1:, :len(flat)]                     # SMELT - Baseline per endpoint pair
@@ -559,17 +559,14 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                                             ("core", ">", "centred accuracy", WIN_METRICS[2][3])):
             paper = paper if origin == "real" else None          # the paper has no generated tasks
             metric = f"{origin} {key}"
-            vals, units = defaultdict(list), defaultdict(list)
+            units = defaultdict(list)
             for p in pairs:
-                b, s = metric_value(p["baseline"], metric), metric_value(p["smelt"], metric)
-                if b is not None and s is not None:
-                    u = (p["cell"], p["seed"]) if unit == "run" else len(vals)
-                    vals[u].append((b, s))
-                    units[u].append((p["baseline"], p["smelt"]))
-            if not vals:
+                if metric_value(p["baseline"], metric) is not None and metric_value(p["smelt"], metric) is not None:
+                    units[(p["cell"], p["seed"]) if unit == "run" else len(units)].append((p["baseline"], p["smelt"]))
+            if not units:
                 continue
-            b = [float(np.mean([v[0] for v in vs])) for vs in vals.values()]
-            s = [float(np.mean([v[1] for v in vs])) for vs in vals.values()]
+            b = [float(np.mean([metric_value(x, metric) for x, _ in u])) for u in units.values()]
+            s = [float(np.mean([metric_value(y, metric) for _, y in u])) for u in units.values()]
             iv = stats.paired_difference(b, s)
             why, verdict = (None if iv.resolved else f"{len(b)} pair(s) without spread: no interval"), None
             noise = _item_noise(list(units.values()), origin, key, iv, n_boot)

@@ -6,7 +6,7 @@
 The shape comes from the preset: its fitted (sparse) cells' scales and sparsity columns, the F span
 of their matched models (budget.ladder_cells at the plan's block size) and the endpoints' D as
 fractions of the longest (branch + decay steps). SMELT's two Table 4.3 surfaces are drawn on that
-shape at the paper's F and D (scaling.paper_shaped_points), with log-normal noise, and fitted
+shape at the paper's F and D (scaling.paper_pair), with log-normal noise, and fitted
 (scaling.calibrate_rules): the share of datasets where both fits are identified and the CE gain's
 error at S = 0.95. --boot N also runs the whole analysis (scaling_analysis.analyse, N cell-bootstrap
 draws) and the report's CE-gain verdict. Writes results.json and a table; trains nothing. A geometric
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import re
 import statistics
 import tempfile
 import warnings
@@ -30,6 +29,7 @@ import report
 import reproduce
 import scaling
 import scaling_analysis
+import wins
 from budget import flops_per_token
 from model import ModelConfig
 
@@ -43,15 +43,13 @@ def preset_shape(preset: str) -> dict:
     F = [flops_per_token(ModelConfig.from_dict(c[a]), float(plan.block_size)) for c in cells for a in ("baseline", "smelt")]
     ends = [b + plan.decay_steps for b in plan.branch_steps]
     return dict(n_scales=len({c["scale"] for c in cells}), F_span=max(F) / min(F), horizons=[e / ends[-1] for e in ends],
-                sparsities=sorted({float(re.search(r"\d+", c["sparsity_label"]).group()) / 100 for c in cells}))
+                sparsities=sorted({wins.label_percent(c["sparsity_label"]) / 100 for c in cells}))
 
 
-def analysed(shape: dict, noise: float, seed: int, n_boot: int) -> str:
+def analysed(F_span: float, grid: dict, noise: float, seed: int, n_boot: int) -> str:
     """The report's CE-gain verdict on one simulated dataset (the one calibrate_rules fits for this seed)."""
     rows = []
-    for k, (arch, co) in enumerate((("smelt", scaling.PAPER_SMELT), ("baseline", scaling.PAPER_BASELINE))):
-        p = scaling.paper_shaped_points(co, shape["F_span"], 1.0, noise, seed=seed + 1000 * k, n_scales=shape["n_scales"],
-                                        sparsities=shape["sparsities"], horizons=shape["horizons"])
+    for arch, p in scaling.paper_pair(F_span, 1.0, noise, seed, grid).items():
         rows += [dict(arch=arch, scale=cell.split("/")[0], sparsity_label=f"S~{round(100 * S)}%", F=float(F), S=float(S),
                       D=float(D), val_loss=float(L), val_loss_by_source={"all": float(L)})
                  for F, S, D, L, cell in zip(p.F, p.S, p.D, p.L, p.cell)]
@@ -96,7 +94,7 @@ def main(argv=None) -> dict:
         row = {"noise": noise, "identified": sum(r["identified"] for r in res), "datasets": len(res),
                "median_gain_err_pp": statistics.median(errs) if errs else None}
         if args.boot:
-            verdicts = [analysed(shape, noise, seed, args.boot) for seed in range(args.seeds)]
+            verdicts = [analysed(shape["F_span"], grid, noise, seed, args.boot) for seed in range(args.seeds)]
             row.update({v.replace(" ", "_"): verdicts.count(v) for v in ("reproduced", "not resolved", "contradicted")})
         rows.append(row)
         common.log(f"noise {noise}: {row}")
