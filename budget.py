@@ -75,7 +75,7 @@ def plan_of(cfg: ModelConfig, loop: LoopConfig | None = None) -> Plan:
     moe = cfg.n_experts > 0
     looped = [lc.active and lc.in_span(i) for i in range(cfg.n_layer)]
     ad_attn = [lc.adapted(i, "attn") for i in range(cfg.n_layer)]
-    ad_mlp = [lc.adapted(i, "mlp") and not moe for i in range(cfg.n_layer)]   # MoE layers carry no adapters
+    ad_mlp = [lc.adapted(i, "mlp", moe) for i in range(cfg.n_layer)]
     win = lc.kv_window if lc.active else 0
     attn_v, mlp_v = looping.executed_visits(cfg.n_layer, lc)
     return Plan(

@@ -70,9 +70,11 @@ class LoopConfig:
     def in_span(self, layer: int) -> bool:
         return self.start <= layer < self.start + self.length
 
-    def adapted(self, layer: int, sublayer: str) -> bool:
-        """Whether `sublayer` ("attn" | "mlp") of `layer` carries per-loop adapters: only a repeated one does."""
-        return self.active and self.in_span(layer) and self.adapter != "none" and self.part in ("both", sublayer)
+    def adapted(self, layer: int, sublayer: str, moe: bool = False) -> bool:
+        """Whether `sublayer` ("attn" | "mlp") of `layer` carries per-loop adapters: only a repeated one does,
+        and an MoE layer's mlp never does (adapters on MoE blocks: attention only, docs/loop.md)."""
+        return (self.active and self.in_span(layer) and self.adapter != "none" and self.part in ("both", sublayer)
+                and not (moe and sublayer == "mlp"))
 
     def validate(self, n_layer: int | None = None) -> None:
         """Raise ValueError naming the field and the rule it breaks (n_layer None: the rules that

@@ -111,6 +111,9 @@ class ModelConfig:
         if self.moe_impl not in MOE_IMPLS:
             bad(f"moe_impl must be {'|'.join(MOE_IMPLS)}, got {self.moe_impl!r}")
         self.loop.validate(self.n_layer)
+        if self.n_experts and self.loop.active and self.loop.adapter != "none" and self.loop.part == "mlp":
+            bad(f"loop.part='mlp' with n_experts={self.n_experts} adds no adapter: MoE blocks take adapters on "
+                f"attention only (docs/loop.md); use part='attn' or 'both'")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -160,6 +160,21 @@ def test_adapters_sit_only_on_repeated_sublayers_and_every_row_trains(part):
                                                      if n.startswith("blocks.") or n.startswith("norm"))
 
 
+
+def test_moe_adapters_sit_on_attention_only_and_mlp_alone_is_refused():
+    """MoE blocks take adapters on attention only (docs/loop.md): part="both" adapts attention and budget
+    counts just those; part="mlp" would add none at all, so ModelConfig refuses it naming the rule."""
+    import budget
+    loop = dict(start=1, length=2, n_loops=2, adapter="lora", adapter_rank=2)
+    m = GPT(tiny(n_experts=4, top_k=2, loop=LoopConfig(**loop, part="both")))
+    assert [blk.attn.adapters is not None for blk in m.blocks] == [False, True, True, False]
+    assert not any(".mlp." in n and ".adapters." in n for n, _ in m.named_parameters())
+    plan = budget.plan_of(m.cfg)
+    assert (plan.adapter_attn_layers, plan.adapter_mlp_layers) == (2, 0)
+    with pytest.raises(ValueError, match="part='mlp' with n_experts=4 adds no adapter"):
+        tiny(n_experts=4, top_k=2, loop=LoopConfig(**loop, part="mlp"))
+    tiny(n_experts=4, top_k=2, loop=LoopConfig(**loop, part="attn"))   # attention only: allowed
+
 @pytest.mark.parametrize("kind", ["lora", "matrix", "softmax"])
 def test_adapter_matches_explicit_delta_w_with_random_mixing(kind):
     """LoopAdapter with random A, B, M: loop l gives x @ (sum_j mix[l, j] B_j A_j)^T (softmax rows), stacked == per-loop."""
