@@ -2,8 +2,8 @@
 
 SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stable* run and all of its
 *decay branches*, and writes one results row per branch:
-  stable     linear warmup over `warmup_steps`, then a constant learning rate up to `stable_steps`;
-             the stable state is checkpointed at every branch step (a fork point).
+  stable     linear warmup over `warmup_steps`, then a constant learning rate up to `stable_steps`, the
+             last fork; the stable state is checkpointed at every branch step (a fork point).
   branch b   for each b in `branch_steps`: start from the stable state after b steps and cosine-decay
              the learning rate to `min_lr_frac * lr` over `decay_steps` more steps (the same extra
              tokens for every branch). Decay step j of every branch reads training batch
@@ -102,13 +102,17 @@ def _opt(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+DIST_BACKENDS = ("auto", "nccl", "gloo", "mpi", "ucc")   # auto: nccl on CUDA, gloo on CPU
+
+
 @dataclass
 class TrainConfig:
     lr: float = _opt(1e-3, "peak (stable-phase) learning rate")
     min_lr_frac: float = _opt(0.0, "final learning rate of each decay branch, as a fraction of lr")
     warmup_steps: int = _opt(100, "linear warmup steps")
     stable_steps: int = _opt(1000, "length of the stable run in optimizer steps")
-    branch_steps: list[int] = _opt([], "stable steps at which decay branches fork (default: stable_steps)")
+    branch_steps: list[int] = _opt([], "stable steps at which decay branches fork, the last at stable_steps "
+                                       "(default: stable_steps)")
     decay_steps: int = _opt(100, "steps of every decay branch (decay tokens = decay_steps x batch_size x block_size)")
     batch_size: int = _opt(32, "global batch in sequences per optimizer step (all ranks, all micro-batches)")
     grad_accum: int = _opt(1, "micro-batches per optimizer step on each rank")
@@ -168,6 +172,9 @@ class TrainConfig:
         for b in self.branch_steps:
             if not 1 <= b <= self.stable_steps:
                 bad(f"branch_steps must lie in [1, stable_steps={self.stable_steps}], got {b}")
+        if self.branch_steps and max(self.branch_steps) != self.stable_steps:   # else steps past it would never train
+            bad(f"the stable run ends at its last fork: max(branch_steps) must be stable_steps={self.stable_steps}, "
+                f"got {max(self.branch_steps)} (add {self.stable_steps} to branch_steps or lower stable_steps)")
         if self.batch_size % (world_size * self.grad_accum):
             bad(f"batch_size={self.batch_size} must be divisible by world_size x grad_accum = "
                 f"{world_size} x {self.grad_accum}")
@@ -175,8 +182,8 @@ class TrainConfig:
             bad(f"dtype must be auto|bf16|fp32, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             bad(f"device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
-        if self.dist_backend not in ("auto", "nccl", "gloo", "mpi", "ucc"):
-            bad(f"dist_backend must be auto|nccl|gloo|mpi|ucc, got {self.dist_backend!r}")
+        if self.dist_backend not in DIST_BACKENDS:
+            bad(f"dist_backend must be {'|'.join(DIST_BACKENDS)}, got {self.dist_backend!r}")
         if not self.out_dir:
             bad("out_dir must be a non-empty path")
         if self.seed > 2**32 - 1:   # numpy's seed range
@@ -634,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{key.replace('_', '-')}", help=f"results-row field {key!r}")
     kinds = {"float": float, "int": int, "str": str}   # TrainConfig.validate checks the ranges, in main
     special = {"device": dict(type=cli.device), "dtype": dict(choices=("auto", "bf16", "fp32")),
-               "dist_backend": dict(choices=("auto", "nccl", "gloo")), "out_dir": dict(metavar="DIR")}
+               "dist_backend": dict(choices=DIST_BACKENDS), "out_dir": dict(metavar="DIR")}
     for f in fields(TrainConfig):
         flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type == "bool":

@@ -74,7 +74,7 @@ def straight(tmp_path_factory):
 # Schedule and optimizer
 
 def test_wsd_schedule_warmup_stable_and_cosine_branches():
-    tc = T.TrainConfig(lr=1.0, min_lr_frac=0.1, warmup_steps=4, stable_steps=20, branch_steps=[10], decay_steps=8)
+    tc = T.TrainConfig(lr=1.0, min_lr_frac=0.1, warmup_steps=4, stable_steps=20, branch_steps=[10, 20], decay_steps=8)
     assert [T.lr_at(tc, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert all(T.lr_at(tc, s) == 1.0 for s in range(4, 20))
     assert T.lr_at(tc, 9, branch=10) == 1.0                       # before the fork: the stable run
@@ -169,7 +169,7 @@ def test_flops_ctx_with_the_models_block_size_is_checked_once_it_is_known(tmp_pa
 
 def test_wsd_schedule_without_warmup_starts_at_the_peak():
     """warmup_steps=0: every stable step at lr, a branch decaying from lr to the floor."""
-    tc = T.TrainConfig(lr=0.5, min_lr_frac=0.2, warmup_steps=0, stable_steps=8, branch_steps=[4], decay_steps=2)
+    tc = T.TrainConfig(lr=0.5, min_lr_frac=0.2, warmup_steps=0, stable_steps=8, branch_steps=[4, 8], decay_steps=2)
     assert [T.lr_at(tc, s) for s in range(8)] == [0.5] * 8
     assert [T.lr_at(tc, 4 + j, branch=4) for j in range(2)] == pytest.approx([0.3, 0.1])
 
@@ -226,6 +226,8 @@ def test_effective_doc_length_matches_budget_convention():
 def test_train_config_rejects_bad_fields():
     with pytest.raises(ValueError, match="branch_steps"):
         T.TrainConfig(stable_steps=5, branch_steps=[6]).validate()
+    with pytest.raises(ValueError, match=r"max\(branch_steps\) must be stable_steps=5, got 3"):
+        T.TrainConfig(stable_steps=5, branch_steps=[2, 3])   # steps 4-5 would never train
     with pytest.raises(ValueError, match="batch_size=6 must be divisible"):
         T.TrainConfig(batch_size=6, grad_accum=4).validate()
 
@@ -384,7 +386,8 @@ def test_every_trajectory_field_is_checked_on_resume(straight, field):
     src = run_dir / "endpoints" / "branch_0000003.pt"
     stored = getattr(tiny_train(), field)
     with pytest.raises(runfiles.CheckpointError, match=rf"train\.{field}: stored {stored!r}, this run"):
-        checkpoint.load_checkpoint(src, tiny_model(), tiny_train(**{field: OTHER_TRAJECTORY[field]}))
+        checkpoint.load_checkpoint(src, tiny_model(), tiny_train(**{field: OTHER_TRAJECTORY[field]},
+                                                                 **({"branch_steps": [3, 8]} if field == "stable_steps" else {})))
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
