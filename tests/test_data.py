@@ -6,6 +6,7 @@ no network, about a second to prepare.
 """
 import dataclasses
 import gzip
+import hashlib
 import math
 import shutil
 import subprocess
@@ -48,6 +49,22 @@ def test_truncated_vocab_ids_and_round_trip():
         tokenizer.get_tokenizer(100)
 
 
+# sha256 over GPT-2's tokens 0..510 (each a length byte, then its bytes), read once (2026-12-03) from the real
+# vocab.bpe / encoder.json (tokenizer.fetch_gpt2_files): checks the written-out merges with no download
+GPT2_FIRST_511_SHA256 = "dd240764c634b6a62325e92dd86a36d614474f957015a6102402417f91ff6eb5"
+
+
+def _tokens_sha256(enc, n: int) -> str:
+    return hashlib.sha256(b"".join(len(b).to_bytes(1, "big") + b
+                                   for b in map(enc.decode_single_token_bytes, range(n)))).hexdigest()
+
+
+def test_embedded_merges_equal_gpt2s_by_hash():
+    """The 255 merges written in tokenizer.py give GPT-2's tokens 0..510 (offline, against their recorded hash)."""
+    small = tokenizer.get_tokenizer(512)
+    assert _tokens_sha256(small, 511) == GPT2_FIRST_511_SHA256
+
+
 def test_embedded_merges_match_gpt2_when_cached():
     """The 255 merges written in tokenizer.py equal GPT-2's own, and truncation keeps GPT-2 ids."""
     tk = tokenizer.cache_root() / "tiktoken"
@@ -58,6 +75,7 @@ def test_embedded_merges_match_gpt2_when_cached():
     small, mid = tokenizer.get_tokenizer(512), tokenizer.get_tokenizer(4096)
     for i in range(511):
         assert small.decode_single_token_bytes(i) == full.decode_single_token_bytes(i)
+    assert _tokens_sha256(full, 511) == GPT2_FIRST_511_SHA256   # the recorded hash is GPT-2's
     text = Path(data.__file__).read_text()[:20_000]
     for enc in (small, mid, full):
         ids = enc.encode_ordinary(text)
