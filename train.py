@@ -35,6 +35,7 @@ import random
 import re
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -687,6 +688,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             return trainer.run()
         except DivergenceError as e:   # one line, exit status 1: the run's own verdict, not a crash
             raise SystemExit(f"train.py: {e}") from None
+        except BaseException as e:
+            if dist.is_initialized():   # the crash's frames hold the Trainer: drop their locals so it goes below
+                traceback.clear_frames(e.__traceback__)
+            raise
     finally:
         if dist.is_initialized():
             trainer = None
