@@ -35,7 +35,7 @@ from scipy.optimize import minimize
 
 import cli
 
-try:  # scipy's L-BFGS-B calls BLAS on 6-vectors; multi-threaded BLAS on a busy machine makes that ~30x slower
+try:  # scipy's L-BFGS-B calls BLAS on 6-vectors: one BLAS thread is much faster there (docs/scaling.md)
     from threadpoolctl import threadpool_limits
 except ImportError:  # optional: correct without it, only slower on loaded machines
     threadpool_limits = None
@@ -229,7 +229,7 @@ class _Design:
         """log L_hat (N,) and its Jacobian (N, 6) with respect to th."""
         e, al, ka, a, b, c = th
         z = np.stack([np.full_like(self.x, e), al - a * self.x + b * self.s, ka - c * self.y], axis=1)  # (N, 3)
-        m = z.max(axis=1, keepdims=True)                     # plain numpy LSE: scipy's is ~50x slower here
+        m = z.max(axis=1, keepdims=True)                     # plain numpy LSE: scipy's is far slower on (N, 3)
         ez = np.exp(z - m)
         w = ez / ez.sum(axis=1, keepdims=True)               # (N, 3) softmax weights = d LSE / d z
         jac = np.stack([w[:, 0], w[:, 1], w[:, 2], -w[:, 1] * self.x, w[:, 1] * self.s, -w[:, 2] * self.y], axis=1)
@@ -462,7 +462,7 @@ def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=
     surfaces, fit both and record whether both fits are identified, the exponent errors and the
     error of the CE gain at S = 0.95 at the data's geometric-midpoint budget.  One dict per
     (F_span, D_span, noise, seed).  `grid`: paper_shaped_points' n_scales / sparsities / horizons
-    (a preset's shape: scripts/grid_power.py; with horizons, D_span only labels the rows).  The full default grid takes minutes (docs/scaling.md)."""
+    (a preset's shape: scripts/grid_power.py; with horizons, D_span only labels the rows).  Timings: docs/scaling.md."""
     out = []
     for Fs, Ds, noise, seed in product(F_spans, D_spans, noises, range(seeds)):
         res = {}

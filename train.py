@@ -78,8 +78,7 @@ def machine_settings(allocator: bool = False) -> dict:
     it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
     allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
     instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
-    on CPU changes the numbers and was measured 1.4-4.8x slower per tiny step with AVX512-BF16 and 2.6-3.1x
-    with AMX, so fp32 stays the CPU default (docs/train.md, README "CPU speed")."""
+    on CPU changes the numbers and measured slower, so fp32 stays the CPU default (docs/train.md)."""
     flags = ""
     with contextlib.suppress(OSError):
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
