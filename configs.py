@@ -91,7 +91,7 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
     # and a run's 18.5M tokens (16.1M of them distinct: under one pass over the small corpus) give
     # 3.5-18 tokens per dense-equivalent parameter at the final endpoints; the paper's four pools, so that
     # 4 scales x 3 sparse columns = 12 cells per architecture are fitted, as in the paper (SMALL_CELLS);
-    # medium: d 256-512 (3.4B parameters over its runs, ~100 GB of endpoints)
+    # medium: d 256-512 (3.4B parameters over its runs: 67 GB of endpoints kept, 98.5 at the peak)
     "small": dict(scales=SMALL_SCALES, pools=PAPER_POOLS, top_k=8, vocab=16384, block=1024, data="small",
                   search=GPU_SEARCH),
     "medium": dict(scales=MEDIUM_SCALES, pools=GPU_POOLS, top_k=8, vocab=16384, block=1024, data="small",

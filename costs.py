@@ -31,7 +31,7 @@ import configs
 from model import ModelConfig
 
 # (best, worst) of each assumption; the wall time's low end takes every best, its high end every worst
-ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 100-192): launch- and memory-bound
+ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 96-192): launch- and memory-bound
            "compile_s": (30.0, 90.0),         # a training graph: dynamo + AOT + inductor per run, cold cache
            "flex_compile_s": (3.0, 20.0),     # eager flex kernel + block mask per run's validation (low: cached)
            "eager_call_s": (2e-3, 10e-3),     # one uncompiled forward of a looped MoE model (launch-bound)

@@ -3,7 +3,8 @@
 reproduce.py runs the stages and hands their JSON here; nothing in this file trains or measures.
   * training_summary   did every model learn (validation loss vs the corpus's unigram entropy), and
                        SMELT - Baseline final validation loss per cell with its seed noise (SMELT 4.1).
-  * probe_claims       probe_claims.claims with a verdict that needs both of its intervals (SMELT 6).
+  * _section_probes    the rows of probe_claims.claims (from reproduce.probe_verdicts), each verdict
+                       needing both of its intervals (SMELT 6).
   * _claim_rows        every claim of the paper as reproduced / contradicted / not resolved by its
                        95 % interval (stats.verdict): training, CE gain (Eq. 5), probes, downstream.
   * write_report       the sections in order: run summary, plan, ladder (SMELT 3.2), training,

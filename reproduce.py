@@ -412,7 +412,7 @@ def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dic
 
 
 def probe_verdicts(prb: dict) -> list[dict]:
-    """The probe claims with their verdicts (report.probe_claims of probe_claims.claims); [] without probes."""
+    """The probe claims with their verdicts (probe_claims.claims); [] without probes."""
     if not prb.get("pairs"):
         return []
     import probe_claims
