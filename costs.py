@@ -123,7 +123,8 @@ def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict, jobs: 
     fwd = [budget.flops_per_token(c, x, include_head=False) / 3 for c, x in zip(cfgs, ctx)]     # forward, no head
     head = [budget.flops_per_token(c, x, include_head=True) / 3 - f for c, x, f in zip(cfgs, ctx, fwd)]
     steps, vals = run_steps(plan)
-    n_branches = len(set(plan.branch_steps)) or 1
+    import reproduce
+    n_branches = len(reproduce.train_config(plan).branches)
     overlap = min(jobs, len(runs))
     train = _stage(cost["total_flops"], len(runs), steps * len(runs), TRAIN_READS_PER_STEP * steps * len(runs), 0,
                    "compile_s", overlap)

@@ -226,8 +226,9 @@ def train_config(plan: configs.Plan, seed: int = 0):
 
 
 def run_tokens(plan: configs.Plan) -> int:
-    """Tokens one run trains on: the stable phase and every decay branch."""
-    return (plan.stable_steps + len(set(plan.branch_steps)) * plan.decay_steps) * plan.batch_size * plan.block_size
+    """Tokens one run trains on: the stable phase and every decay branch (TrainConfig.branches)."""
+    tc = train_config(plan)
+    return (tc.stable_steps + len(tc.branches) * tc.decay_steps) * tc.batch_size * tc.block_size
 
 
 def plan_cost(plan: configs.Plan, ladder: list[dict], train_tokens: int | None = None) -> dict:
@@ -263,9 +264,10 @@ def log_plan_cost(cost: dict) -> None:
         log(f"plan: WARNING: decay data {configs.decay_freshness(cost['epochs_per_run'])}")
 
 
-def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int) -> dict:
-    """Print what training will keep on disk (checkpoint.plan_disk_estimate) and refuse, before any training,
-    when the free space at `out` (plus what earlier invocations already wrote to out/runs) cannot hold it."""
+def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, refuse: bool = True) -> dict:
+    """Print what training will keep on disk (checkpoint.plan_disk_estimate) and refuse (unless `refuse` is False:
+    --plan-only), before any training, when the free space at `out` (plus what earlier invocations already wrote
+    to out/runs) cannot hold it."""
     import shutil
     import checkpoint
     cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(out, ladder, plan)]
@@ -275,7 +277,7 @@ def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int) -> 
     need = max(0, est["peak"] - done)
     log(f"disk: the {est['runs']} runs keep {fmt(est['final'])} when finished and up to {fmt(est['peak'])} while "
         f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
-    if need > free:
+    if refuse and need > free:
         raise SystemExit(f"reproduce: not enough disk at {out}: training needs up to {fmt(need)} more and "
                          f"{fmt(free)} is free; free space or pass --out-dir on a larger disk")
     return est
@@ -519,6 +521,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
         log(f"cost model: {jobs} runs at a time, reproduce.default_jobs on {'this' if cuda else 'the lent'} GPU "
             f"host ({host['cpus']} cores, {host['gpu_bytes'] / 2**30:.0f} GiB{' free' if cuda else ''})")
         costs.report(plan, ladder, data, cost, log, jobs)   # the GPU cost model per stage
+        check_disk(plan, ladder, out, jobs, refuse=False)
         return out / "plan.json"
     import data as data_mod
     entropy = data_mod.unigram_entropy(data)

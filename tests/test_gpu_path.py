@@ -313,8 +313,13 @@ def test_scoring_counts_equal_what_a_stand_in_model_scores(plan_costs):
     assert c["stages"]["eval"]["host_reads"] == c["endpoints"] * sc["host_reads"]
 
 
-def test_plan_only_prints_the_cost_model(tmp_path, capsys):
+def test_plan_only_prints_the_cost_model_and_the_disk_and_refuses_nothing(tmp_path, capsys, monkeypatch):
+    import collections
+    import shutil
     import reproduce
+    full = collections.namedtuple("usage", "total used free")(1, 1, 0)   # a full disk: a real run would refuse
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
     assert reproduce.main(["--preset", "smoke", "--plan-only", "--out-dir", str(tmp_path)]).name == "plan.json"
     out = capsys.readouterr().out
     assert "cost model on one GPU" in out and all(s in out for s in ("train", "validation", "eval", "probes"))
+    assert "disk: the 10 runs keep" in out and "0 B free" in out
