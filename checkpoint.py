@@ -98,7 +98,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def data_fingerprint(data) -> str:
     """What a run's batches are drawn from: the sha256 of every shard in a TokenData's manifest (not the manifest's
-    own hash, which changes with the build time), or a stand-in's whole manifest (train.SyntheticData)."""
+    own hash, which changes with the build time), or a stand-in's whole manifest (data.SyntheticData)."""
     m = getattr(data, "manifest", {})
     files = m.get("files")
     blob = json.dumps({k: v["sha256"] for k, v in files.items()} if files else m, sort_keys=True)

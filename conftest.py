@@ -1,5 +1,6 @@
 """pytest setup: the flat top-level modules (model.py, moe.py, ...) importable from tests/, the
 `one_thread` fixture, and a guard that fails any test leaving process-wide state changed."""
+import contextlib
 import os
 import sys
 
@@ -7,11 +8,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import threadpoolctl  # noqa: E402,F401  -- sets KMP_DUPLICATE_LIB_OK on import: once, before any test's snapshot
-import train  # noqa: E402
+with contextlib.suppress(ImportError):   # appends its _vendor folder to sys.path on import (inductor imports it)
+    import setuptools  # noqa: E402,F401
+import cpu_fast  # noqa: E402
+import train  # noqa: E402,F401  -- imported once, before any test's snapshot
 
 # glibc's mmap / trim thresholds cannot be read back, so the state guard below cannot check them, and every
-# CPU Trainer raises them (train.machine_settings): raised once here, every test sees the same allocator.
-train.machine_settings(allocator=True)
+# CPU Trainer raises them (cpu_fast.machine_settings): raised once here, every test sees the same allocator.
+cpu_fast.machine_settings(allocator=True)
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +29,27 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def scripts_importable():
+    """scripts/ on sys.path for a test module (its scripts import their common.py), sys.path as it was after it.
+    Every script is imported once here, before the module's first test: one puts the repo root on sys.path
+    again when first imported (profile_step.py): the guard below would otherwise fail the test importing it.
+    A script that fails to import is left for its test to import (and fail) again."""
+    import contextlib
+    import importlib
+    from pathlib import Path
+    scripts = Path(__file__).resolve().parent / "scripts"
+    with pytest.MonkeyPatch.context() as mp:      # restores the whole of sys.path when the module is done
+        mp.syspath_prepend(str(scripts))
+        for p in sorted(scripts.glob("*.py")):
+            with contextlib.suppress(Exception):
+                importlib.import_module(p.stem)
+        yield
+
+
 def _process_state():
     """What a test must leave as it found it: torch's dynamo / inductor config, threads, default
-    dtype, grad mode, the environment and the working directory."""
+    dtype, grad mode, the environment, the working directory and the import path."""
     import torch
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
@@ -40,6 +62,7 @@ def _process_state():
         # pytest's own variable, and inductor's private ones (it sets them for its worker processes)
         "os.environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("_TORCHINDUCTOR")},
         "os.getcwd()": os.getcwd(),
+        "sys.path": list(sys.path),
     }
 
 
@@ -58,7 +81,7 @@ def _changes(before, after):
 @pytest.fixture(autouse=True)
 def _leaves_process_state_as_found():
     """Fails a test that changes process-wide state without restoring it (use torch's
-    `config.patch(...)`, pytest's monkeypatch.setenv / chdir, or try/finally). Autouse fixtures set
+    `config.patch(...)`, pytest's monkeypatch.setenv / chdir / syspath_prepend, or try/finally). Autouse fixtures set
     up first and tear down last, so a test's own monkeypatch has been undone when this looks."""
     before = _process_state()
     yield

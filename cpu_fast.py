@@ -1,4 +1,4 @@
-"""CPU-only speed tricks for decoding: the few-row projection layout (W x^T).
+"""CPU-only speed tricks: the few-row projection layout (W x^T) for decoding, and the allocator.
 
 Batch-1 decoding multiplies 1 row (the unlooped model) or r rows (PLT's stacked loops,
 How-to-Loop Algorithm 2) by weights that do not stay in cache. On CPU, F.linear on 2 rows
@@ -12,6 +12,8 @@ costs about 2 rows, while W @ x^T does a few rows in about one row's time: PLT's
     token passes runs through `linear`. model.GPT.forward_step (so `generate`) enters it.
     Modules name those projections in a class attribute `DECODE_PROJECTIONS` (attention's
     q/k/v/o, the dense SwiGLU's gate/up/down); the untied output head `lm_head` is added.
+  * `machine_settings(allocator)`: what this machine offers a run (CPUs, threads, AMX, CUDA), and
+    optionally glibc's mmap / trim thresholds raised, so freed activations are not faulted back in.
 
 Same results as plain nn.Linear to float rounding (tests/test_model.py). Read after
 model.py and attention.py; measurements and the mechanism's details: docs/cpu_fast.md.
@@ -19,6 +21,7 @@ model.py and attention.py; measurements and the mechanism's details: docs/cpu_fa
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 import weakref
 
@@ -92,3 +95,29 @@ def few_row_projections(model: nn.Module):
     finally:
         for m, _ in mine:
             m.__dict__.pop("forward", None)
+
+
+MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
+
+
+def machine_settings(allocator: bool = False) -> dict:
+    """What this machine offers and what a run here uses (one line of the run's summary; reproduce.py may print
+    it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
+    allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
+    instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
+    on CPU changes the numbers and measured slower, so fp32 stays the CPU default (docs/train.md)."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    out = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in flags.split(),
+           "avx512_bf16": "avx512_bf16" in flags.split(),
+           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu_dtype": "fp32",
+           "malloc": "environment" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default"}
+    if allocator and out["malloc"] == "default":
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+            libc = ctypes.CDLL(None)   # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3 (glibc malloc.h)
+            if libc.mallopt(-3, MALLOC_MMAP_BYTES) and libc.mallopt(-1, MALLOC_TRIM_BYTES):
+                out["malloc"] = f"mmap threshold {MALLOC_MMAP_BYTES >> 20} MiB, trim {MALLOC_TRIM_BYTES >> 20} MiB"
+    return out

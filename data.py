@@ -17,6 +17,7 @@ held-out source, grouped into domains. `prepare` turns corpus.py's documents int
   and every shard's sha256: re-running is a no-op, an edited manifest or a corrupt shard is named. `pack` copies a
   dataset and its BPE files into one folder (< 64 MiB) that `use_pack` reads with no network.
 - Measures: the effective document length SMELT's FLOPs use, the unigram floor, bytes/token.
+- `SyntheticData`: Zipf documents with TokenData's interface and no files (tests, benchmarks).
 Sizes, timings and measured figures: docs/data.md.
 
 Read first: tokenizer.py, corpus.py. Read next: model.py (the decoder these batches feed).
@@ -439,6 +440,49 @@ class TokenData:
             yield batch
 
 
+# ----------------------------------------------------------------------------- a corpus-free stand-in
+class SyntheticData:
+    """Documents of Zipf-distributed tokens (learnable unigram statistics), no files.
+
+    train_batch(step, batch_size, ...) is a pure function of (seed, step); batch_size is per rank
+    and rank r gets rows [r*B, (r+1)*B) of the global batch, as in data.TokenData. The last token
+    of each document has target -1 (ignored). Sources differ in their Zipf exponent.
+    """
+
+    def __init__(self, vocab_size: int = 256, mean_doc_len: int = 24, n_sources: int = 2):
+        self.vocab_size, self.mean_doc_len = vocab_size, mean_doc_len
+        self.sources = [f"synthetic{i}" for i in range(n_sources)]
+        self.domains = {s: ("code", "prose")[i % 2] for i, s in enumerate(self.sources)}
+        self.manifest = {"preset": "synthetic", "vocab_size": vocab_size}
+
+    def _rows(self, gen: torch.Generator, n: int, T: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs = 1.0 / torch.arange(1, self.vocab_size + 1, dtype=torch.float64) ** alpha
+        tok = torch.multinomial(probs, n * (T + 1), replacement=True, generator=gen).view(n, T + 1)
+        doc = (torch.rand(n, T, generator=gen) < 1.0 / self.mean_doc_len).long().cumsum(1)
+        tgt = tok[:, 1:].clone()
+        tgt[:, :-1][doc[:, 1:] != doc[:, :-1]] = -1
+        return tok[:, :-1].contiguous(), tgt, doc - doc[:, :1]
+
+    def train_batch(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
+                    world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not (batch_size > 0 and block_size > 0):
+            raise ValueError(f"SyntheticData.train_batch: batch_size and block_size must be > 0, got "
+                             f"{batch_size} and {block_size}")
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        rows = self._rows(gen, batch_size * world_size, block_size, 1.1)
+        return tuple(t[rank * batch_size:(rank + 1) * batch_size] for t in rows)
+
+    def val_batches(self, source: str, batch_size: int, block_size: int,
+                    max_tokens: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        i = self.sources.index(source)
+        gen = torch.Generator().manual_seed(10**9 + i)
+        n_ctx = max(1, (max_tokens or 4096) // block_size)
+        idx, tgt, doc = self._rows(gen, n_ctx, block_size, 0.9 + 0.4 * i)
+        for b in range(0, n_ctx, batch_size):
+            yield idx[b:b + batch_size], tgt[b:b + batch_size], doc[b:b + batch_size]
+
+
+# ----------------------------------------------------------------------------- measures
 def effective_doc_length(doc_ids: torch.Tensor) -> float:
     """2 x (mean keys a token sees under a causal document mask) - 1: the document length L that
     budget.flops_per_token charges the same attention FLOPs for (exactly L for documents of length L)."""

@@ -5,8 +5,7 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.3 and Appendix E)
   source, per domain and per document-length bucket (`validation.length_bounds`: powers of two ending at the
   context length, 32..4096 at 4096, SMELT 5.3's eight buckets). A token is bucketed by its whole
   document's length where the data offers it, else by its segment's (`validation.segment_lengths`).
-* `normalised_shape` divides a pair's per-bucket improvement by its mean, so shapes compare
-  across pairs; `long_short_ratio` compares the longer half of the buckets with the shorter half.
+* The length shape of a gain (`validation.normalised_shape`, `validation.long_short_ratio`).
 * Endpoints: `load_model` reads a run directory (its ckpt.pt), an endpoint file
   (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint; `run_endpoints` lists a run's
   finished decay branches; `evaluate_endpoint` evaluates one: the validation report, then every
@@ -49,7 +48,8 @@ from calibration import CALIBRATION_MIN_POINTS, calibration_report
 from eval_plots import plot_calibration, plot_shot_sweep
 from tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, forward_logits, get_task,
                    model_device, resolve_tasks)
-from validation import stored_report, token_nll
+from runfiles import endpoint_id
+from validation import long_short_ratio, normalised_shape, stored_report, token_nll
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
 FIT_FIELDS = ("demos_kept", "share_short", "share_cut")   # per task and k: the demonstrations that fit
@@ -70,31 +70,7 @@ def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
                                       batch_size, max_tokens_per_source, n_buckets, device=model_device(model))
 
 
-def normalised_shape(ref_by_length: dict, new_by_length: dict) -> dict[int, float]:
-    """SMELT 5.3: improvement per bucket (ref loss - new loss) divided by its mean over buckets."""
-    ref, new = {int(k): v for k, v in ref_by_length.items()}, {int(k): v for k, v in new_by_length.items()}
-    buckets = sorted(set(ref) & set(new))
-    gain = np.array([ref[b] - new[b] for b in buckets])
-    mean = gain.mean() if len(gain) else 0.0
-    if abs(mean) < 1e-12:
-        return {b: float("nan") for b in buckets}
-    return {b: float(g / mean) for b, g in zip(buckets, gain)}
-
-
-def long_short_ratio(shape: dict) -> float:
-    """Mean normalised gain over the longer half of the buckets / over the shorter half (SMELT: 1.52)."""
-    vals = [shape[b] for b in sorted(shape, key=int)]
-    h = len(vals) // 2
-    return float(np.mean(vals[len(vals) - h:]) / np.mean(vals[:h])) if h else float("nan")
-
-
 # ================================================================ endpoints and runs
-
-def endpoint_id(rec: dict) -> str:
-    """'RUN_NAME@BRANCH_STEP' (or RUN_NAME alone for an endpoint without a branch): the key of an endpoint."""
-    name = rec.get("name") or Path(str(rec.get("run", "?"))).name
-    return name if rec.get("branch_step") is None else f"{name}@{rec['branch_step']}"
-
 
 def _torch_load(path: Path) -> dict:
     """A train.py torch file: its sha256 trailer checked first (runfiles.file_digest: a flipped byte is a

@@ -4,7 +4,7 @@
 * `plot_icl_sweep`: Fig. 51: Baseline and SMELT accuracy vs k over the cells above chance.
 * `plot_calibration`: metric vs validation loss with the Eq. 6 fit (identified fits only).
 * `plot_length_families`: Fig. 20a: each family's normalised gain by document length.
-* `plot_downstream`: the three grid figures of wins.downstream_report into one folder.
+* `plot_downstream`: the three grid figures of downstream_claims.downstream_report into one folder.
 Nothing is drawn for at-chance tasks or unidentified fits: each function returns a sentence
 saying what it left out, and writes no file when nothing is left.
 

@@ -144,7 +144,7 @@ def _claim_rows(ts: dict, scal: dict, pclaims: list[dict], ev_sum: dict, prb: di
                      c["verdict"]])
     for cl in (ev_sum.get("report") or {}).get("claims", []):
         iv = _iv(cl["interval"], 3) if cl.get("interval") else "no interval"
-        if cl.get("items_interval"):   # the same difference over the item sample, and both noises (wins._item_noise)
+        if cl.get("items_interval"):   # the same difference over the item sample, and both noises (downstream_claims._item_noise)
             iv += f"; over the items {_iv(cl['items_interval'], 3)}; both noises {_iv(cl.get('both_interval'), 3)}"
         rows.append([cl["claim"] + (f" ({cl['n']} {cl['unit']}s)" if cl.get("n") else ""),
                      cl["paper"] or "none: the paper has no generated tasks",

@@ -9,7 +9,7 @@ Stages (each reads the JSON the previous one wrote; finished work is skipped on 
                plan's r, span and shared experts. ladder.json; the plan's cost is printed first.
   3. train     train.train for every run of configs.plan_runs: WSD with decay branches (SMELT 3.1);
                both models of a cell and seed see identical batches. One row per branch.
-  4. eval      eval.evaluate_endpoint on every branch endpoint, then wins.downstream_report (SMELT 5,
+  4. eval      eval.evaluate_endpoint on every branch endpoint, then downstream_claims.downstream_report (SMELT 5,
                Appendix C, Eq. 6-7).
   5. scaling   scaling_analysis.analyse: separate surfaces per architecture, CE gain and TPP (SMELT 4, 5.2).
   6. probes    probes.probe_pairs on every matched pair, all domains held out (SMELT 6).
@@ -341,12 +341,12 @@ def _eval_one(job: tuple) -> dict:
 
 def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1) -> dict:
     """SMELT 5 on every branch endpoint of every run: validation by source / domain / length, the few-shot
-    sweep; then the grid analysis (wins.downstream_report: win counts, Appendix C's above-chance averages
+    sweep; then the grid analysis (downstream_claims.downstream_report: win counts, Appendix C's above-chance averages
     and one-sided permutation tests over seeds, Section 5.3's three length families, the Eq. 6 calibration
     on every Baseline endpoint, the downstream claims with intervals) and its figures."""
     import eval as ev
     import eval_plots
-    import wins
+    import downstream_claims
     (out / "eval").mkdir(exist_ok=True)
     eps = [e for r in configs.plan_runs(out, ladder, plan) for e in ev.run_endpoints(r.dir)]
     records, todo = {}, []
@@ -371,7 +371,7 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
     for (key, _), rec in zip(todo, res):
         records[key] = rec
     recs = list(records.values())
-    report = wins.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
+    report = downstream_claims.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
     figs = eval_plots.plot_downstream(report, recs, out / "figures")
     figs = {**figs, "figures": {k: p and os.path.relpath(p, out) for k, p in (figs.get("figures") or {}).items()}}
     summary = {"report": report, "figures": figs, "n_endpoints": len(recs),
@@ -529,13 +529,13 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
-    import train as train_mod
-    ms = train_mod.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
+    import cpu_fast
+    ms = cpu_fast.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
     runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], avx512_bf16=ms["avx512_bf16"],
                    cpu_dtype=ms["cpu_dtype"],
                    malloc="per worker: " + ("environment" if ms["malloc"] == "environment" else
-                                            f"mmap threshold {train_mod.MALLOC_MMAP_BYTES >> 20} MiB, "
-                                            f"trim {train_mod.MALLOC_TRIM_BYTES >> 20} MiB")
+                                            f"mmap threshold {cpu_fast.MALLOC_MMAP_BYTES >> 20} MiB, "
+                                            f"trim {cpu_fast.MALLOC_TRIM_BYTES >> 20} MiB")
                    if runtime["device"] == "cpu" else ms["malloc"])
     log("runtime: " + ", ".join(f"{k} {v}" for k, v in runtime.items()))
     check_disk(plan, ladder, out, jobs)

@@ -9,7 +9,7 @@ the next write; a partial last row (a crash during an append) is cut by `repair_
 per run directory: an exclusive OS lock on RUN_DIR/.lock (`run_lock`, else RunLockedError; reproduce.py
 locks its out dir the same way). A JSON object carries its own sha256 (`write_json`, checked by
 `read_json`; `read_cache` recomputes a damaged cache); an output folder is checked before work starts
-(`check_out_dir`: not a file, writable, enough free space).
+(`check_out_dir`: not a file, writable, enough free space). `endpoint_id`: an endpoint record's key.
 
 No training here (train.py and checkpoint.py use these; eval.py, scaling.py and reproduce.py read run
 files through them). History and measurements: docs/runfiles.md. Read next: checkpoint.py.
@@ -342,3 +342,9 @@ def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
         yield path
     finally:
         os.close(fd)   # closing the descriptor releases the lock
+
+
+def endpoint_id(rec: dict) -> str:
+    """'RUN_NAME@BRANCH_STEP' (or RUN_NAME alone for an endpoint without a branch): the key of an endpoint."""
+    name = rec.get("name") or Path(str(rec.get("run", "?"))).name
+    return name if rec.get("branch_step") is None else f"{name}@{rec['branch_step']}"

@@ -39,7 +39,6 @@ import traceback
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -50,11 +49,13 @@ from torch import Tensor
 
 import budget
 import cli
+import cpu_fast
 import configs
 import data as data_mod
 from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
                         save_kind)
 from checks import check_fields, from_dict, read_json
+from data import SyntheticData   # a corpus-free stand-in with TokenData's interface (tests, benchmarks)
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 from runfiles import run_lock
@@ -68,32 +69,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in budget.PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
-
-
-def machine_settings(allocator: bool = False) -> dict:
-    """What this machine offers and what a run here uses (one line of the run's summary; reproduce.py may print
-    it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
-    allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
-    instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
-    on CPU changes the numbers and measured slower, so fp32 stays the CPU default (docs/train.md)."""
-    flags = ""
-    with contextlib.suppress(OSError):
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    out = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-           "torch_threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in flags.split(),
-           "avx512_bf16": "avx512_bf16" in flags.split(),
-           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu_dtype": "fp32",
-           "malloc": "environment" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default"}
-    if allocator and out["malloc"] == "default":
-        with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-            libc = ctypes.CDLL(None)   # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3 (glibc malloc.h)
-            if libc.mallopt(-3, MALLOC_MMAP_BYTES) and libc.mallopt(-1, MALLOC_TRIM_BYTES):
-                out["malloc"] = f"mmap threshold {MALLOC_MMAP_BYTES >> 20} MiB, trim {MALLOC_TRIM_BYTES >> 20} MiB"
-    return out
 
 
 def _opt(default, help: str):
@@ -244,50 +219,6 @@ class Objective(nn.Module):
         load = (torch.stack([s.tokens_per_expert for _, s in out.router]) if out.router
                 else logits.new_zeros(0, 0))
         return ce_sum, (targets != -1).sum(), out.aux_loss, out.z_loss, load
-
-
-# ----------------------------------------------------------------------------------------
-# A corpus-free data source with TokenData's interface (tests, throughput runs)
-
-class SyntheticData:
-    """Documents of Zipf-distributed tokens (learnable unigram statistics), no files.
-
-    train_batch(step, batch_size, ...) is a pure function of (seed, step); batch_size is per rank
-    and rank r gets rows [r*B, (r+1)*B) of the global batch, as in data.TokenData. The last token
-    of each document has target -1 (ignored). Sources differ in their Zipf exponent.
-    """
-
-    def __init__(self, vocab_size: int = 256, mean_doc_len: int = 24, n_sources: int = 2):
-        self.vocab_size, self.mean_doc_len = vocab_size, mean_doc_len
-        self.sources = [f"synthetic{i}" for i in range(n_sources)]
-        self.domains = {s: ("code", "prose")[i % 2] for i, s in enumerate(self.sources)}
-        self.manifest = {"preset": "synthetic", "vocab_size": vocab_size}
-
-    def _rows(self, gen: torch.Generator, n: int, T: int, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
-        probs = 1.0 / torch.arange(1, self.vocab_size + 1, dtype=torch.float64) ** alpha
-        tok = torch.multinomial(probs, n * (T + 1), replacement=True, generator=gen).view(n, T + 1)
-        doc = (torch.rand(n, T, generator=gen) < 1.0 / self.mean_doc_len).long().cumsum(1)
-        tgt = tok[:, 1:].clone()
-        tgt[:, :-1][doc[:, 1:] != doc[:, :-1]] = -1
-        return tok[:, :-1].contiguous(), tgt, doc - doc[:, :1]
-
-    def train_batch(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
-                    world_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
-        if not (batch_size > 0 and block_size > 0):
-            raise ValueError(f"SyntheticData.train_batch: batch_size and block_size must be > 0, got "
-                             f"{batch_size} and {block_size}")
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        rows = self._rows(gen, batch_size * world_size, block_size, 1.1)
-        return tuple(t[rank * batch_size:(rank + 1) * batch_size] for t in rows)
-
-    def val_batches(self, source: str, batch_size: int, block_size: int,
-                    max_tokens: int | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        i = self.sources.index(source)
-        gen = torch.Generator().manual_seed(10**9 + i)
-        n_ctx = max(1, (max_tokens or 4096) // block_size)
-        idx, tgt, doc = self._rows(gen, n_ctx, block_size, 0.9 + 0.4 * i)
-        for b in range(0, n_ctx, batch_size):
-            yield idx[b:b + batch_size], tgt[b:b + batch_size], doc[b:b + batch_size]
 
 
 # ----------------------------------------------------------------------------------------
@@ -544,7 +475,7 @@ class Trainer(Checkpoints):
 
     def run(self) -> list[dict]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ms = machine_settings(allocator=self.device.type == "cpu")   # measured faster, same numbers: docs/train.md
+        ms = cpu_fast.machine_settings(allocator=self.device.type == "cpu")   # measured faster, same numbers: docs/train.md
         if self.d.rank == 0:
             print(f"{self.prefix}machine: " + ", ".join(f"{k} {v}" for k, v in ms.items()), flush=True)
         with run_lock(self.run_dir) if self.d.rank == 0 else contextlib.nullcontext():

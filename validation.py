@@ -6,6 +6,7 @@ and eval.evaluate_endpoint reuses through `stored_report` (SMELT 3.1 "Evaluation
 bucketed by its whole document's length where the data offers it, else by its segment's (`segment_lengths`).
 Every batch is padded to `batch_size` rows with ignored targets (`pad_batch`), so a compiled model sees one
 shape; padded rows add nothing to any sum. `token_nll` is the one per-token cross-entropy both callers use.
+`normalised_shape` / `long_short_ratio`: the length shape of a gain between two reports (SMELT 5.3, Fig. 20a).
 Read before: data.py (TokenData.val_batches, token_weighted). Design notes: docs/train.md.
 """
 from __future__ import annotations
@@ -136,3 +137,21 @@ def stored_report(run_dir: str | Path | None, branch_step: int | None, data, blo
         return None
     return {**rep, "by_length": {int(b): v for b, v in rep["by_length"].items()},   # JSON keys are strings
             "tokens_by_length": {int(b): n for b, n in rep["tokens_by_length"].items()}}
+
+
+def normalised_shape(ref_by_length: dict, new_by_length: dict) -> dict[int, float]:
+    """SMELT 5.3: improvement per bucket (ref loss - new loss) divided by its mean over buckets."""
+    ref, new = {int(k): v for k, v in ref_by_length.items()}, {int(k): v for k, v in new_by_length.items()}
+    buckets = sorted(set(ref) & set(new))
+    gain = np.array([ref[b] - new[b] for b in buckets])
+    mean = gain.mean() if len(gain) else 0.0
+    if abs(mean) < 1e-12:
+        return {b: float("nan") for b in buckets}
+    return {b: float(g / mean) for b, g in zip(buckets, gain)}
+
+
+def long_short_ratio(shape: dict) -> float:
+    """Mean normalised gain over the longer half of the buckets / over the shorter half (SMELT: 1.52)."""
+    vals = [shape[b] for b in sorted(shape, key=int)]
+    h = len(vals) // 2
+    return float(np.mean(vals[len(vals) - h:]) / np.mean(vals[:h])) if h else float("nan")

@@ -6,7 +6,7 @@ The pair: two run directories (--runs), the last cell of a scaling_ladder.py / r
 (--ladder), or, by default, the preset's Baseline and its matched SMELT trained here. Every finished
 decay branch of each run (eval.run_endpoints) goes through eval.evaluate_endpoint: validation loss
 overall, per source, per domain and per document-length bucket on the run's own data; the few-shot
-shot sweep (tasks / shots / seeds / items from configs.PLANS). wins.downstream_report then pairs
+shot sweep (tasks / shots / seeds / items from configs.PLANS). downstream_claims.downstream_report then pairs
 the endpoints branch by branch: win counts (SMELT 5.1), the shot sweep averaged over the pair where
 both models are above chance with the one-sided permutation test over demonstration seeds at the
 largest k (Appendix C), the normalised length shape of the loss gain and its long/short ratio
@@ -20,12 +20,12 @@ from __future__ import annotations
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
+import downstream_claims
 import eval as ev
 import eval_plots
 import reproduce
 import stats
 import tasks
-import wins
 
 
 def build_parser():
@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
             for r in recs:
                 r[key] = default
     reproduce.write_json(exp.out / "eval_endpoints.json", recs)
-    rep = wins.downstream_report(recs)
+    rep = downstream_claims.downstream_report(recs)
     rows = []
     for task, t in rep["icl"].items():
         for k in t["ks"]:

@@ -70,9 +70,9 @@ def test_few_shot_scoring_takes_sdpa_causal_on_cuda_at_every_shape(model):
     assert set(seen) == {"sdpa"} and seen["sdpa"] > 0       # ...and no flex compile for any of them
 
 
-def test_model_run_without_doc_ids_takes_the_is_causal_branch_on_cuda():
-    """The rule's inputs on the scoring path: full sequence, nothing masked but causality."""
-    assert attention.attention_kernel("auto", "cuda", 64, True, False) == "sdpa"
+def test_kernel_rule_for_validation_and_probes_on_cuda():
+    """The rule's inputs on the other consumers' paths at head_dim 64 (the scoring path's, nothing masked but
+    causality -> sdpa, is test_model's head-dim rule test): document ids -> flex, attention probabilities -> math."""
     assert attention.attention_kernel("auto", "cuda", 64, True, True) == "flex"      # validation, training
     assert attention.attention_kernel("auto", "cuda", 64, True, False, want_probs=True) == "math"   # probes
     assert attention.attention_kernel("flex", "cuda", 64, True, True, want_probs=True) == "math"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+pytestmark = pytest.mark.usefixtures("scripts_importable")   # scripts/ on sys.path for this module only
 MODULES = ["reproduce", "train", "eval", "scaling", "budget", "bench", "probes", "data"]
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem != "common")
 ENTRY_POINTS = MODULES + SCRIPTS

@@ -1,5 +1,6 @@
 """eval.py, tasks.py, calibration.py, wins.py, eval_plots.py: option scoring, exact match = greedy decoding, truncation,
 statistics, length buckets, calibration, the grid."""
+import copy
 import json
 import math
 import random
@@ -18,6 +19,7 @@ import eval_plots
 import runfiles
 import tasks
 import validation
+import downstream_claims
 import wins
 from loop import LoopConfig
 from model import GPT, ModelConfig
@@ -105,27 +107,38 @@ def test_summary_completion_pools_tokens_over_tasks():
     assert s["generated"]["completion"] == pytest.approx(3.0)
 
 
-def test_demonstrations_vary_with_seed_and_are_batched():
+def test_demonstrations_vary_with_seed_and_are_batched(monkeypatch):
     items = [tasks.Item(f"q{i} =", f" {i % 7}") for i in range(12)]
     t = tasks.Task("toy", "gen", items, 0.0, None, "toy", "generated")
     model = Successor()
-    r = tasks.evaluate_task(model, CharTok(), t, k=3, seeds=4, max_items=5, block_size=128)
+    with monkeypatch.context() as mp:       # the demonstrations evaluate_task itself put in each prompt
+        seen = _recording_demos(mp, t)
+        r = tasks.evaluate_task(model, CharTok(), t, k=3, seeds=4, max_items=5, block_size=128)
     assert r["seeds"] == 4 and r["n_items"] == 5 and len(r["acc_by_seed"]) == 4
     assert len(model.calls) == 1          # 20 prompts scored in one forward
-    prompts = {tasks.build_prompt(items[0], [items[j] for j in random.Random(f"toy/{s}/0").sample(range(1, 12), 3)])[0]
-               for s in range(4)}
-    assert len(prompts) > 1               # seeds change the choice / order of demonstrations
+    assert [i for i, _ in seen] == [i for i in r["items"] for _ in range(4)]   # each scored item, once per seed
+    for item in r["items"]:               # seeds change the choice / order of a fixed item's demonstrations
+        demos = [tuple(d) for i, d in seen if i == item]
+        assert len(demos) == 4 and all(len(d) == 3 and item not in d for d in demos)
+        assert len(set(demos)) > 1, (item, demos)
 
 
-def _demos_of_every_request(monkeypatch, task, k, seeds, max_items, block_size):
-    """task_requests on `task`, recording each fit_prompt call as (query item index, demonstration indices)."""
+def _recording_demos(mp, task) -> list:
+    """Patches tasks.fit_prompt (on the monkeypatch context `mp`) to record each call as (query item index,
+    demonstration indices) into the returned list, then build the prompt as before."""
     index, seen, fit = {id(it): j for j, it in enumerate(task.items)}, [], tasks.fit_prompt
 
     def spy(item, demos, *a, **kw):
         seen.append((index[id(item)], [index[id(d)] for d in demos]))
         return fit(item, demos, *a, **kw)
+    mp.setattr(tasks, "fit_prompt", spy)
+    return seen
+
+
+def _demos_of_every_request(monkeypatch, task, k, seeds, max_items, block_size):
+    """task_requests on `task`, recording each fit_prompt call as (query item index, demonstration indices)."""
     with monkeypatch.context() as mp:
-        mp.setattr(tasks, "fit_prompt", spy)
+        seen = _recording_demos(mp, task)
         out = tasks.task_requests(CharTok(), task, k, seeds, max_items, block_size, bos=0)
     assert len(seen) == len(out["requests"]) == len(out["used"]) * (1 if k == 0 else seeds)
     return seen
@@ -438,12 +451,12 @@ def test_val_loss_report_weights_tokens():
 def test_normalised_shape():
     ref = {32: 3.0, 64: 2.8, 128: 2.6, 256: 2.5}
     new = {32: 2.9, 64: 2.7, 128: 2.4, 256: 2.2}                   # gains .1 .1 .2 .3
-    shape = ev.normalised_shape(ref, new)
+    shape = validation.normalised_shape(ref, new)
     assert np.mean(list(shape.values())) == pytest.approx(1.0)
     assert shape[256] == pytest.approx(0.3 / 0.175)
-    assert ev.long_short_ratio(shape) == pytest.approx(0.25 / 0.1)
-    assert ev.normalised_shape({str(k): v for k, v in ref.items()}, new) == shape     # JSON keys are strings
-    assert all(math.isnan(v) for v in ev.normalised_shape(ref, ref).values())          # no gain: no shape
+    assert validation.long_short_ratio(shape) == pytest.approx(0.25 / 0.1)
+    assert validation.normalised_shape({str(k): v for k, v in ref.items()}, new) == shape     # JSON keys are strings
+    assert all(math.isnan(v) for v in validation.normalised_shape(ref, ref).values())          # no gain: no shape
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -795,7 +808,7 @@ def test_evaluate_endpoints_every_branch_with_progress(trained_run):
         assert sum(bk["gold_nll_by_item"]) == pytest.approx(bk["gold_nll_sum"], rel=1e-9)
         assert sum(bk["gold_tokens_by_item"]) == bk["gold_tokens"] and len(bk["gold_nll_by_item"]) == bk["n_items"]
     assert set(r["tasks"]["gen_copy"]["by_k"]) == {"0"} and r["forward_calls"] > 0
-    assert ev.endpoint_id(r) == "toy_smelt@3"
+    assert runfiles.endpoint_id(r) == "toy_smelt@3"
     # every progress line names its endpoint; one line per task
     assert all(m.startswith(("toy_smelt@3:", "toy_smelt@6:")) for m in logs)
     assert sum("task 2/2 gen_copy" in m for m in logs) == 2
@@ -892,11 +905,11 @@ def test_dyck_gain_is_paired_over_items():
     recs = [rec("baseline", *A, 10, tasks=dyck(base)), rec("smelt", *A, 10, tasks=dyck(smelt))]
     r = wins.icl_sweep(recs)["dyck_languages"]["by_k"]["2"]
     assert r["baseline_by_item"] == pytest.approx([1, .5, 0, .5]) and r["smelt_by_item"] == pytest.approx([1, 1, .5, .5])
-    [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
     assert c["interval"] == pytest.approx(stats.paired_difference([1, .5, 0, .5], [1, 1, .5, .5]).to_dict())
     assert c["n"] == 4 and c["unit"] == "paired item" and "averaged over demonstration seeds" in c["claim"]
     recs[1] = rec("smelt", *A, 10, tasks=dyck(smelt, items=(0, 1, 2, 5)))
-    [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
     assert c["interval"] is None and "different dyck_languages items" in c["why"]
 
 
@@ -936,7 +949,7 @@ def test_dyck_gain_reads_the_largest_k_that_prompts_fit():
     base, smelt = {2: [1, .5, 0, .5], 4: [.5, .5, .5, 0]}, {2: [1, 1, .5, .5], 4: [.5, .5, .5, .5]}
     A = ("t64", "S~50%")
     recs = [rec("baseline", *A, 10, tasks=dyck(base)), rec("smelt", *A, 10, tasks=dyck(smelt))]
-    [c] = [c for c in wins.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
     assert "at k = 4" in c["claim"]
     assert c["interval"] == pytest.approx(stats.paired_difference(base[4], smelt[4]).to_dict())
 
@@ -991,7 +1004,7 @@ def test_downstream_claims_and_report(tmp_path):
                             summary={"real": {"core": 0.0, "completion": comp_b}}))
             recs.append(rec("smelt", scale, label, branch, loss=loss - 0.05, tasks=tasks_s,
                             summary={"real": {"core": 0.0, "completion": comp_b - 0.1 - 0.02 * (i % 2)}}))
-    rep = wins.downstream_report(recs, n_boot=50, unit="endpoint")
+    rep = downstream_claims.downstream_report(recs, n_boot=50, unit="endpoint")
     assert rep["n_endpoints"] == 24 and rep["n_pairs"] == 12
     claims = {c["id"]: c for c in rep["claims"]}
     comp = claims["real completion difference"]
@@ -1008,7 +1021,7 @@ def test_downstream_claims_and_report(tmp_path):
     assert "not identified" in core_cal["why"]
     assert "core" in rep["calibration"]["not_identified"]
     # per run pair instead of per endpoint: 6 units
-    by_run = {c["id"]: c for c in wins.downstream_claims(recs, unit="run")}
+    by_run = {c["id"]: c for c in downstream_claims.downstream_claims(recs, unit="run")}
     assert by_run["real completion difference"]["n"] == 6
     assert rep["wins"]["metrics"]["real completion"]["wins"] == 12
     assert rep["icl"]["t"]["by_k"]["2"]["gain"] == pytest.approx(0.1)
@@ -1027,7 +1040,7 @@ def test_core_difference_below_chance_gets_no_verdict():
             b = -0.3 + 0.01 * i + 0.003 * (branch == 20)
             recs.append(rec("baseline", scale, "S~50%", branch, summary={"real": {"core": b}}))
             recs.append(rec("smelt", scale, "S~50%", branch, summary={"real": {"core": b + 0.1 + 0.001 * i}}))
-    [c] = [c for c in wins.downstream_claims(recs) if c["id"] == "real core difference"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs) if c["id"] == "real core difference"]
     assert c["interval"]["lo"] > 0 and c["verdict"] == "not resolved" and "at or below chance" in c["why"]
 
 
@@ -1048,10 +1061,10 @@ def test_run_unit_pairs_each_training_seed_of_a_cell():
                 recs.append(rec("smelt", scale, "S~50%", branch, seed=seed, summary={"real": {"completion": sm}}))
     want = stats.paired_difference([np.mean([v[0] for v in vs]) for vs in runs.values()],
                                    [np.mean([v[1] for v in vs]) for vs in runs.values()])
-    [c] = [c for c in wins.downstream_claims(recs) if c["id"] == "real completion difference"]   # run: the default
+    [c] = [c for c in downstream_claims.downstream_claims(recs) if c["id"] == "real completion difference"]   # run: the default
     assert c["n"] == 6 and c["unit"] == "matched run pair"
     assert c["interval"] == pytest.approx(want.to_dict()) and c["verdict"] == "reproduced"
-    [e] = [c for c in wins.downstream_claims(recs, unit="endpoint") if c["id"] == "real completion difference"]
+    [e] = [c for c in downstream_claims.downstream_claims(recs, unit="endpoint") if c["id"] == "real completion difference"]
     assert e["n"] == 12
 
 
@@ -1074,7 +1087,7 @@ def _item_rec(arch, scale, seed, tasks_):
 
 
 def _slow_item_noise(units, origin, key, n_boot, seed):
-    """wins._item_noise's draws one at a time: the same generator calls, each endpoint's summary by eval.summarise."""
+    """downstream_claims._item_noise's draws one at a time: the same generator calls, each endpoint's summary by eval.summarise."""
     rng, names = np.random.default_rng(seed), sorted(n for n, t in units[0][0][0]["tasks"].items()
                                                      if t["origin"] == ("bigbench" if origin == "real" else "generated"))
     names = [n for n in names if key == "core" or units[0][0][0]["tasks"][n]["kind"] == "gen"]
@@ -1107,7 +1120,7 @@ def test_item_noise_holds_a_gain_carried_by_two_items_unresolved():
         two = [1.0, 1.0 if i % 2 else 0.0] + [0.0] * 8
         recs += [_item_rec("baseline", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, flat, None)}),
                  _item_rec("smelt", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, two, None)})]
-    [c] = [c for c in wins.downstream_claims(recs, n_boot=400) if c["id"] == "real core difference"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, n_boot=400) if c["id"] == "real core difference"]
     t_iv, items, both = (stats.Interval(**c[k]) for k in ("interval", "items_interval", "both_interval"))
     assert stats.verdict(t_iv, ">", 0.0) == "reproduced" and items.lo == 0.0 and both.lo < 0 < both.hi
     assert c["verdict"] == "not resolved" and items.mean == t_iv.mean == both.mean and items.n == 10
@@ -1116,7 +1129,7 @@ def test_item_noise_holds_a_gain_carried_by_two_items_unresolved():
         broad += [_item_rec("baseline", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, [1.0] * 2 + [0.0] * 8, None)}),
                   _item_rec("smelt", f"t{i}", 0, {"a": ("bigbench", "mc", 0.25, [1.0] * (7 + i % 2) + [0.0] * (3 - i % 2),
                                                         None)})]
-    [c] = [c for c in wins.downstream_claims(broad, n_boot=400) if c["id"] == "real core difference"]
+    [c] = [c for c in downstream_claims.downstream_claims(broad, n_boot=400) if c["id"] == "real core difference"]
     assert c["both_interval"]["lo"] > 0 and c["verdict"] == "reproduced"
 
 
@@ -1144,7 +1157,7 @@ def test_item_noise_equals_a_per_draw_loop_over_eval_summarise(origin, key):
     units = list(units.values())
     diffs = [np.mean([s["summary"][origin][key] - b["summary"][origin][key] for b, s in u]) for u in units]
     iv = stats.mean_interval(diffs)
-    got = wins._item_noise(units, origin, key, iv, n_boot=60, seed=5)
+    got = downstream_claims._item_noise(units, origin, key, iv, n_boot=60, seed=5)
     ref = _slow_item_noise(units, origin, key, 60, 5)
     assert (got["items"].lo, got["items"].hi) == pytest.approx(tuple(np.percentile(ref, [2.5, 97.5])), abs=1e-12)
     q = stats.t_quantile(0.975, len(units) - 1)
@@ -1160,22 +1173,26 @@ def test_item_noise_refusals():
     for i in range(5):
         for arch, nll in (("baseline", item + 0.01 * i), ("smelt", item - 0.3 + 0.1 * rng.standard_normal(12))):
             recs.append(_item_rec(arch, f"t{i}", 0, {"g": ("bigbench", "gen", 0.0, [0.5] * 12, nll)}))
-    [c] = [c for c in wins.downstream_claims(recs, n_boot=200) if c["id"] == "real completion difference"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, n_boot=200) if c["id"] == "real completion difference"]
     assert c["both_interval"]["hi"] < 0 and c["verdict"] == "reproduced" and c["why"] is None
+    [ref] = [c for c in downstream_claims.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
     for r in recs:                                  # a task without its headline k anywhere: left out
-        r["tasks"]["h"] = {"origin": "bigbench", "kind": "gen", "rho": 0.0, "headline_k": 5, "by_k": {}}
-    [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
-    assert c["items_interval"] is not None
+        # g's results again, at k = 0 only: included at any k, they would keep the pooled completion (so the
+        # summaries still add up) but add their own item draws, and the intervals would move
+        r["tasks"]["h"] = {**copy.deepcopy(r["tasks"]["g"]), "headline_k": 5}
+    [c] = [c for c in downstream_claims.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
+    assert c["items_interval"] is not None and c["items_interval"] == ref["items_interval"]
+    assert c["both_interval"] == ref["both_interval"] and c["verdict"] == ref["verdict"]
     del recs[0]["tasks"]["g"]["by_k"]["0"]["gold_tokens_by_item"]
-    [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, n_boot=20) if c["id"] == "real completion difference"]
     assert c["items_interval"] is None and "lack per-item results (gold_nll_by_item)" in c["why"]
     assert c["verdict"] == "reproduced" and "training noise only" in c["why"]
     few = [_item_rec(a, f"t{i}", 0, {"g": ("bigbench", "gen", 0.0, [0.5] * 6, nll)})
            for i in range(5) for a, nll in (("baseline", item[:6] + 0.01 * i), ("smelt", item[:6] - 0.3 - 0.01 * i))]
-    [c] = [c for c in wins.downstream_claims(few, n_boot=50) if c["id"] == "real completion difference"]
+    [c] = [c for c in downstream_claims.downstream_claims(few, n_boot=50) if c["id"] == "real completion difference"]
     assert c["both_interval"]["hi"] < 0 and c["verdict"] == "not resolved" and "a task of 6 items" in c["why"]
     recs[2]["summary"]["real"]["core"] += 0.1       # the per-item results no longer give the summary
-    [c] = [c for c in wins.downstream_claims(recs, n_boot=20) if c["id"] == "real core difference"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, n_boot=20) if c["id"] == "real core difference"]
     assert c["items_interval"] is None and "do not add up" in c["why"] and c["verdict"] == "not resolved"
 
 
@@ -1189,7 +1206,7 @@ def test_residual_claim_is_a_t_interval_over_run_means():
             recs += [rec("baseline", "t32", "S~50%", branch, seed=seed), rec("smelt", "t32", "S~50%", branch, seed=seed)]
             res.append(m + half)
     cal = {"metrics": {"completion": {"identified": True, "residuals": res}}}
-    [c] = [c for c in wins.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual"]
     assert c["n"] == 3 and c["interval"] == pytest.approx(stats.mean_interval(means).to_dict())
     assert c["unit"].startswith("SMELT run")
 
@@ -1206,7 +1223,7 @@ def test_residual_claims_leave_out_endpoints_outside_the_baseline_loss_range():
             res.append(m)
             inside.append(seed < 2 and scale == "t32")
     cal = {"metrics": {"completion": {"identified": True, "residuals": res, "inside": inside}}}
-    got = {c["id"]: c for c in wins.downstream_claims(recs, calibration=cal)}
+    got = {c["id"]: c for c in downstream_claims.downstream_claims(recs, calibration=cal)}
     c = got["completion residual"]
     assert c["n"] == 2 and c["interval"] == pytest.approx(stats.mean_interval(means[:2]).to_dict())
     assert "4 of 6 SMELT endpoints lie outside the Baseline loss range" in c["why"]
@@ -1227,7 +1244,7 @@ def test_residual_claims_why_when_all_inside_too_few_runs_or_none_inside():
                 res.append(0.01 * (seed + 1))
                 keep.append(inside(scale, seed))
         cal = {"metrics": {"completion": {"identified": True, "residuals": res, "inside": keep}}}
-        return {c["id"]: c for c in wins.downstream_claims(recs, calibration=cal)}
+        return {c["id"]: c for c in downstream_claims.downstream_claims(recs, calibration=cal)}
     c = claims(["t32"], [0, 1, 2], lambda sc, s: True)["completion residual"]
     assert c["n"] == 3 and c["interval"]["lo"] < c["interval"]["hi"] and c["why"] is None
     c = claims(["t32"], [0, 1, 2], lambda sc, s: s == 0)["completion residual"]
@@ -1259,7 +1276,7 @@ def test_residual_growth_is_largest_scale_minus_smallest(grows):
                          rec("smelt", scale, "S~50%", branch, seed=seed)]
                 res.append(r + half)
     cal = {"metrics": {"completion": {"identified": True, "residuals": res}}}
-    [c] = [c for c in wins.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual growth"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, calibration=cal) if c["id"] == "completion residual growth"]
     ref = ttest_ind(large, small, equal_var=False).confidence_interval()
     assert (c["interval"]["lo"], c["interval"]["hi"]) == pytest.approx((ref.low, ref.high))
     assert c["interval"]["mean"] == pytest.approx(np.mean(large) - np.mean(small)) and c["n"] == 6
@@ -1281,10 +1298,10 @@ def test_length_tilt_claim_needs_a_gain_not_a_loss():
     import stats
     fam = {"paper": 1.52, "n_contrasts": 12, "n_negative": 12, "why": None,
            "long_short": stats.Interval(0.67, 0.39, 0.99, 12, 0.95, "bootstrap").to_dict()}
-    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] is None and "negative" in c["why"]
     fam["n_negative"] = 0        # SMELT gains everywhere: the same interval is decided as usual
-    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "contradicted"
 
 
@@ -1311,10 +1328,10 @@ def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
     import stats
     fam = {"paper": 1.52, "n_contrasts": 12, "n_negative": 6, "why": None,
            "long_short": stats.Interval(1.5, 1.2, 1.8, 12, 0.95, "bootstrap").to_dict()}
-    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "reproduced" and c["interval"] == pytest.approx(fam["long_short"]) and c["why"] is None
     fam["n_negative"] = 7
-    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] is None
 
 
@@ -1324,12 +1341,12 @@ def test_length_tilt_over_few_contrasts_decides_nothing():
     import stats
     fam = {"paper": 1.52, "n_contrasts": 5, "n_negative": 0, "why": None,
            "long_short": stats.Interval(1.5, 1.2, 1.8, 5, 0.95, "bootstrap").to_dict()}
-    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "not resolved" and c["interval"] == pytest.approx(fam["long_short"])
     assert "5 contrasts" in c["why"] and "fewer than 10" in c["why"]
     fam["n_contrasts"] = stats.MIN_BOOTSTRAP_UNITS
     fam["long_short"] = stats.Interval(1.5, 1.2, 1.8, stats.MIN_BOOTSTRAP_UNITS, 0.95, "bootstrap").to_dict()
-    [c] = [c for c in wins.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
+    [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
     assert c["verdict"] == "reproduced"
 
 

@@ -31,7 +31,6 @@ def smoke_plan(tmp_path_factory):
 
 
 def test_parse_args_accepts_several_jobs_on_cuda(cuda_reported):
-    assert torch.cuda.is_available()
     assert reproduce.parse_args(["--jobs", "4"]).jobs == 4
     assert reproduce.parse_args([]).jobs is None                 # the default is chosen from the machine
 

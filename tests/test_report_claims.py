@@ -7,6 +7,7 @@ import pytest
 import probe_claims
 import report
 import stats
+import downstream_claims
 import wins
 
 
@@ -105,7 +106,7 @@ def test_icl_claims_skip_k_that_prompts_do_not_fit():
            "c": _task({0: (0.02, True), 2: (0.05, True), 8: (0.0, True)}, p=0.25),
            "gen_x": _task({0: (0.0, True), 2: (0.9, True)}, origin="generated")}
     out = []
-    wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+    downstream_claims.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
     got = {cid: (a, kw) for cid, a, kw in out}
     (text, paper, direction, value, iv, n, unit, *why), _ = got["icl gap grows"]
     assert n == 3 and iv.mean == pytest.approx(np.mean([0.02, 0.02, 0.03])) and "0.9 pp at k=0" in paper
@@ -122,7 +123,7 @@ def test_icl_gap_growth_compares_the_same_cells_at_both_k():
            "b": _task({0: (0.05, True, {"c2": 0.05}), 2: (0.02, True, {"c1": 0.02})}),
            "c": _task({0: (0.01, True), 2: (0.04, True)})}
     out = []
-    wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+    downstream_claims.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
     (_, _, _, _, iv, n, _, why), _ = next((a, kw) for cid, a, kw in out if cid == "icl gap grows")
     assert n == 2 and iv.mean == pytest.approx((0.02 + 0.03) / 2)
     assert why == "left out, no cell above chance at both k: b"
@@ -132,7 +133,7 @@ def test_icl_gap_growth_averages_over_every_shared_cell():
     """A task with two cells above chance at both k grows by the mean of its cells' growths: (0.02 + 0.10) / 2."""
     icl = {"a": _task({0: (0.05, True, {"c1": 0.0, "c2": 0.10}), 2: (0.11, True, {"c1": 0.02, "c2": 0.20})})}
     out = []
-    wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+    downstream_claims.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
     (_, _, _, _, iv, n, _, why), _ = next((a, kw) for cid, a, kw in out if cid == "icl gap grows")
     assert n == 1 and iv.mean == pytest.approx(0.06) and why is None
 
@@ -143,7 +144,7 @@ def test_icl_claims_refuse_a_sweep_without_per_cell_gains():
     t = _task({0: (0.01, True), 2: (0.03, True)})
     del t["by_k"]["2"]["gain_by_cell"]
     with pytest.raises(ValueError, match="task a's shot sweep has no gain_by_cell"):
-        wins.icl_claims({"a": t}, lambda *a, **kw: None)
+        downstream_claims.icl_claims({"a": t}, lambda *a, **kw: None)
 
 
 def test_demonstrations_that_fit_read_per_task_and_k():
@@ -252,7 +253,7 @@ def test_icl_significant_needs_a_strict_majority():
     def verdict_of(ps):
         icl = {f"t{i}": _task({0: (0.0, True), 8: (0.1, True)}, p=p) for i, p in enumerate(ps)}
         out = []
-        wins.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
+        downstream_claims.icl_claims(icl, lambda cid, *a, **kw: out.append((cid, a, kw)))
         [(a, kw)] = [(a, kw) for cid, a, kw in out if cid == "icl significant"]
         return a[5], a[7], kw["verdict"]
     tested, why, v = verdict_of([0.01, 0.2])

@@ -1,6 +1,7 @@
 """reproduce.py: the smoke preset runs every stage end to end, the report says only what its data resolve,
 and a re-run skips finished work."""
 import json
+import math
 import re
 from pathlib import Path
 
@@ -31,7 +32,10 @@ def test_smoke_reproduction_end_to_end(smoke):
     n_runs = 2 * len(ladder) + 2 * (plan.train_seeds - 1)
     assert len(rows) == n_runs * len(plan.branch_steps)
     assert {r["arch"] for r in rows} == {"baseline", "smelt"}
-    assert all(r["val_loss"] < 6.3 for r in rows)          # below the uniform 512-token loss: it learned
+    # learned: half a nat below the uniform loss, log 512 = 6.24 (untrained, these 10 models score 6.20-6.30;
+    # trained, the 30 endpoints measured 3.99-5.24)
+    uniform = math.log(configs.DATA_PRESETS[plan.data].vocab_size)
+    assert all(r["val_loss"] < uniform - 0.5 for r in rows), sorted(r["val_loss"] for r in rows)
     # F is SMELT's (no head) at the document length the ladder was matched at
     assert all(r["F"] < r["F_with_head"] and r["F_ctx"] == pytest.approx(ladder[0]["ctx_len"]) for r in rows)
     assert (out / "probes.json").exists() and (out / "figures" / "curves.png").stat().st_size > 0

@@ -553,7 +553,9 @@ def test_analyse_on_an_identifiable_surface(good_report):
     g = rep["gains"]
     assert g["available"] and len(g["cells"]) == 3 * 3
     for c in g["cells"]:
-        assert c["gain"] == pytest.approx(ce_gain(PAPER_SMELT, PAPER_BASELINE, c["budget"], c["S"]), abs=0.15)
+        # true gains 0.055-0.178; the fitted ones measured 5-33 % above them on this grid (noise 0.003): within half
+        # the true gain, so a zero, a wrong-sign or a doubled gain fails in every cell
+        assert c["gain"] == pytest.approx(ce_gain(PAPER_SMELT, PAPER_BASELINE, c["budget"], c["S"]), rel=0.5)
         assert c["n_draws"] == 12 and c["failed_share"] == c["n_failed"] / 12
         iv = c["interval"]
         assert iv is not None and iv["lo"] <= c["gain"] <= iv["hi"] and iv["n"] == 12     # 12 sparse cells

@@ -29,7 +29,7 @@ from model import ModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["span_sweep", "depth_sweep", "loop_count_sweep", "scaling_ladder", "downstream", "probe_runs",
            "howto_schedules", "howto_adapters", "howto_plt", "decode_latency"]
-sys.path.insert(0, str(ROOT / "scripts"))
+pytestmark = pytest.mark.usefixtures("scripts_importable")   # scripts/ on sys.path for this module only
 
 
 @pytest.fixture(autouse=True)
