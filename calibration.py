@@ -14,7 +14,7 @@ What this file implements (SMELT Section 5.1, Fig. 16)
   and the generated tasks) and every task, residuals averaged by task category.
 
 Read before: tasks.py (centred accuracy), eval.py (the endpoint evaluations this consumes).
-Read next: wins.py (the grid claims that use these residuals). Notes: docs/calibration.md.
+Read next: downstream_claims.py (the grid claims that use these residuals). Notes: docs/calibration.md.
 """
 from __future__ import annotations
 

@@ -35,7 +35,6 @@ def scripts_importable():
     Every script is imported once here, before the module's first test: one puts the repo root on sys.path
     again when first imported (profile_step.py): the guard below would otherwise fail the test importing it.
     A script that fails to import is left for its test to import (and fail) again."""
-    import contextlib
     import importlib
     from pathlib import Path
     scripts = Path(__file__).resolve().parent / "scripts"

@@ -6,7 +6,7 @@ From wins.py's pieces (matched pairs, the shot sweep, length families) and calib
   resampled, the same draw for every endpoint); the calibration residuals (Eq. 7) and their growth
   with scale; the length tilt; the shot-sweep claims (`icl_claims`) at the k that prompts fit.
 * `downstream_report`: everything Section 5 reports from a grid's endpoint evaluations.
-Every verdict comes from `stats.verdict`; why each unit and rule: docs/wins.md.
+Interval verdicts come from `stats.verdict`; counts and refusals set theirs. Why each unit and rule: docs/wins.md.
 Read before: wins.py, calibration.py, stats.py. Read next: report.py (how the claims are printed).
 """
 from __future__ import annotations

@@ -5,7 +5,6 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.3 and Appendix E)
   source, per domain and per document-length bucket (`validation.length_bounds`: powers of two ending at the
   context length, 32..4096 at 4096, SMELT 5.3's eight buckets). A token is bucketed by its whole
   document's length where the data offers it, else by its segment's (`validation.segment_lengths`).
-* The length shape of a gain (`validation.normalised_shape`, `validation.long_short_ratio`).
 * Endpoints: `load_model` reads a run directory (its ckpt.pt), an endpoint file
   (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint; `run_endpoints` lists a run's
   finished decay branches; `evaluate_endpoint` evaluates one: the validation report, then every
@@ -13,7 +12,7 @@ What this file implements (SMELT Sections 3.1 "Evaluation", 5.3 and Appendix E)
   hold is left out, `fit_label`) and `summarise` (DCLM Core and Completion, real and generated
   tasks apart, the demonstrations that fit); `evaluate_endpoints` does all of a run's.
 * `compare`: one endpoint against another (per task and k, the one-sided permutation test over
-  demonstration seeds, App. C, and the length shape of the gain). The CLI,
+  demonstration seeds, App. C, and the length shape of the gain, `validation.normalised_shape`). The CLI,
   `python eval.py --run RUN [--compare RUN2] [--baselines RUN ...]`, writes eval.json and plots
   (--baselines: the loss-to-score calibration of calibration.py); every path it reads or writes is
   checked first (`check_out_dir`, `read_eval`, `check_eval_record`).

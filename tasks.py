@@ -517,7 +517,7 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
     "items", "per_item", "per_item_by_seed", "demos_kept" (mean demonstrations in a prompt),
     "share_short" (prompts with fewer than k), "share_cut" (prompts cut by tokens), "forward_calls"};
     generation tasks add "gold_loss", "gold_nll_sum", "gold_tokens", "gold_loss_by_seed" and, summed over
-    seeds, "gold_nll_by_item" / "gold_tokens_by_item" (the units of wins.py's item bootstrap).
+    seeds, "gold_nll_by_item" / "gold_tokens_by_item" (the units of downstream_claims._item_noise).
 
     enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding). counts: adds
     score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device).

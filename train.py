@@ -616,11 +616,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             p.error(str(e))
         try:
             return trainer.run()
-        except DivergenceError as e:   # one line, exit status 1: the run's own verdict, not a crash
-            raise SystemExit(f"train.py: {e}") from None
         except BaseException as e:
             if dist.is_initialized():   # the crash's frames hold the Trainer: drop their locals so it goes below
                 traceback.clear_frames(e.__traceback__)
+            if isinstance(e, DivergenceError):   # one line, exit status 1: the run's own verdict, not a crash
+                raise SystemExit(f"train.py: {e}") from None
             raise
     finally:
         if dist.is_initialized():

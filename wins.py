@@ -13,7 +13,7 @@ evaluations (eval.evaluate_endpoint outputs):
 
 Pairs and units: matched pairs are (scale, sparsity label, training seed, branch step); the
 permutation test pairs demonstration seeds. Why, and the unit="run" option: docs/wins.md.
-Read before: eval.py, calibration.py. Read next: downstream_claims.py (the claims and their verdicts, and
+Read before: eval.py (the records), tasks.py. Read next: downstream_claims.py (the claims and their verdicts, and
 `downstream_report`, which runs all of the above). Figures: eval_plots.plot_downstream.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""eval.py, tasks.py, calibration.py, wins.py, eval_plots.py: option scoring, exact match = greedy decoding, truncation,
+"""eval.py, tasks.py, calibration.py, wins.py, downstream_claims.py, eval_plots.py: option scoring, exact match = greedy decoding, truncation,
 statistics, length buckets, calibration, the grid."""
 import copy
 import json

@@ -30,7 +30,7 @@ def smoke_plan(tmp_path_factory):
     return plan, ladder, data, reproduce.plan_cost(plan, ladder, len(data.train))
 
 
-def test_parse_args_accepts_several_jobs_on_cuda(cuda_reported):
+def test_parse_args_accepts_several_jobs_and_leaves_the_default_to_the_machine(cuda_reported):
     assert reproduce.parse_args(["--jobs", "4"]).jobs == 4
     assert reproduce.parse_args([]).jobs is None                 # the default is chosen from the machine
 

@@ -160,7 +160,6 @@ def test_adapters_sit_only_on_repeated_sublayers_and_every_row_trains(part):
                                                      if n.startswith("blocks.") or n.startswith("norm"))
 
 
-
 def test_moe_adapters_sit_on_attention_only_and_mlp_alone_is_refused():
     """MoE blocks take adapters on attention only (docs/loop.md): part="both" adapts attention and budget
     counts just those; part="mlp" would add none at all, so ModelConfig refuses it naming the rule."""

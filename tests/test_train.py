@@ -526,28 +526,32 @@ def test_torchrun_two_ranks_match_one_process(runs, mode):
         assert trainer.opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
 
 
-def test_a_crashing_cli_run_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error,caught", [(RuntimeError, RuntimeError), (checkpoint.DivergenceError, SystemExit)])
+def test_a_crashing_cli_run_frees_its_trainer_before_the_process_group_goes(tmp_path, monkeypatch, error, caught):
     """Under a process group, train.main drops the crash's frames (they hold the Trainer and its DDP / FSDP model)
-    so the model is freed while the group lives, not in interpreter teardown (where it aborted a torchrun rank)."""
+    so the model is freed while the group lives, not in interpreter teardown (where it aborted a torchrun rank);
+    a divergence too, which train.main turns into a one-line exit (the DivergenceError stays its context)."""
     import gc
+    import traceback
     import torch.distributed as dist
     alive = []
 
     def crash(self):
-        raise RuntimeError("simulated crash")
+        raise error("simulated crash")
 
     def destroy(real=dist.destroy_process_group):
-        alive.append(sum(isinstance(o, T.Trainer) for o in gc.get_objects()))
+        alive.append(sum(type(o) is T.Trainer for o in gc.get_objects()))
         real()
     monkeypatch.setattr(T.Trainer, "run", crash)
     monkeypatch.setattr(dist, "destroy_process_group", destroy)
+    (tmp_path / "model.json").write_text(tiny_model().to_json())
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeError, match="simulated crash") as err:
-            (tmp_path / "model.json").write_text(tiny_model().to_json())
+        with pytest.raises(caught, match="simulated crash") as err:
             T.main(["--model-json", str(tmp_path / "model.json"), *CLI, "--out-dir", str(tmp_path / "run")])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     assert alive == [0] and not dist.is_initialized()
-    assert any(f.name == "crash" for f in __import__("traceback").extract_tb(err.value.__traceback__))   # still told
+    told = err.value if caught is error else err.value.__context__
+    assert any(f.name == "crash" for f in traceback.extract_tb(told.__traceback__))   # the traceback still says where
