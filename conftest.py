@@ -89,6 +89,25 @@ def _leaves_process_state_as_found():
         pytest.fail("the test left process-wide state changed:\n  " + "\n  ".join(changed), pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def smoke_reproduction(tmp_path_factory):
+    """One whole smoke reproduction (`reproduce.py --preset smoke`) per session: its out dir, which tests only
+    copy (`smoke_copy`), never change."""
+    import reproduce
+    out = tmp_path_factory.mktemp("smoke_reproduction") / "out"
+    assert reproduce.main(["--preset", "smoke", "--out-dir", str(out)]) == out / "REPORT.md"
+    return out
+
+
+@pytest.fixture(scope="module")
+def smoke_copy(smoke_reproduction, tmp_path_factory):
+    """A test module's own copy of the session's smoke reproduction (nothing in it names its folder)."""
+    import shutil
+    out = tmp_path_factory.mktemp("smoke") / "out"
+    shutil.copytree(smoke_reproduction, out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """An uninterrupted toy run (tests/toys.py sizes): its results rows and directory, once per test module."""

@@ -218,10 +218,8 @@ def test_a_killed_pool_worker_names_the_unfinished_runs():
 # A finished smoke out dir: damaged caches, and the whole folder moved
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke_run") / "out"
-    reproduce.main(["--preset", "smoke", "--out-dir", str(out), "--skip", "probes"])
-    return out
+def smoke(smoke_copy):
+    return smoke_copy   # the session's smoke reproduction (conftest), this module's copy
 
 
 def _body(report: Path) -> str:
@@ -264,7 +262,7 @@ def test_a_moved_out_dir_reruns_from_cache_with_the_same_report(smoke, tmp_path,
         assert str(smoke) not in p.read_text(), p                # nothing inside names the old place
     runs = {p: p.read_bytes() for p in (moved / "runs").rglob("*") if p.is_file() and p.name != ".lock"}
     capsys.readouterr()
-    reproduce.main(["--preset", "smoke", "--out-dir", str(moved), "--skip", "probes"])
+    reproduce.main(["--preset", "smoke", "--out-dir", str(moved)])
     assert " 0 to evaluate" in capsys.readouterr().out             # nothing evaluated again,
     assert {p: p.read_bytes() for p in runs} == runs               # nor trained (every checkpoint as it was)
     assert _body(moved / "REPORT.md") == _body(smoke / "REPORT.md")

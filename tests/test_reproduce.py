@@ -13,10 +13,9 @@ import stats
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke")
-    report = reproduce.main(["--preset", "smoke", "--out-dir", str(out)])
-    return out, report
+def smoke(smoke_copy):
+    """The smoke reproduction (conftest's, run once per session), this module's copy."""
+    return smoke_copy, smoke_copy / "REPORT.md"
 
 
 def test_smoke_reproduction_end_to_end(smoke):
