@@ -4,7 +4,7 @@ import contextlib
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))   # resolved, as the scripts compare it
 
 import pytest  # noqa: E402
 import threadpoolctl  # noqa: E402,F401  -- sets KMP_DUPLICATE_LIB_OK on import: once, before any test's snapshot
@@ -31,18 +31,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def scripts_importable():
-    """scripts/ on sys.path for a test module (its scripts import their common.py), sys.path as it was after it.
-    Every script is imported once here, before the module's first test: one puts the repo root on sys.path
-    again when first imported (profile_step.py): the guard below would otherwise fail the test importing it.
-    A script that fails to import is left for its test to import (and fail) again."""
-    import importlib
-    from pathlib import Path
-    scripts = Path(__file__).resolve().parent / "scripts"
+    """scripts/ on sys.path for a test module (its scripts import their common.py), sys.path as it was after it."""
     with pytest.MonkeyPatch.context() as mp:      # restores the whole of sys.path when the module is done
-        mp.syspath_prepend(str(scripts))
-        for p in sorted(scripts.glob("*.py")):
-            with contextlib.suppress(Exception):
-                importlib.import_module(p.stem)
+        mp.syspath_prepend(os.path.join(os.path.dirname(os.path.realpath(__file__)), "scripts"))
         yield
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import stats
 from calibration import calibration_report
 from tasks import centred_accuracy
-from wins import (WIN_METRICS, _check_grid, icl_sweep, length_families, matched_pairs, metric_value, scale_rank,
+from wins import (WIN_METRICS, check_grid, icl_sweep, length_families, matched_pairs, metric_value, scale_rank,
                   win_counts)
 
 
@@ -309,7 +309,7 @@ def downstream_report(records: Sequence[dict], margin: float = 0.0, n_boot: int 
     SMELT endpoint; {"error"} when the endpoints lack validation), "claims" (downstream_claims)}.
     """
     recs = list(records)
-    _check_grid(recs)
+    check_grid(recs)
     base = [r for r in recs if r["arch"] == "baseline"]
     smelt = [r for r in recs if r["arch"] == "smelt"]
     try:

@@ -31,7 +31,8 @@ from tasks import chance_of
 from validation import long_short_ratio, normalised_shape
 
 
-def _check_grid(records: Sequence[dict]) -> None:
+def check_grid(records: Sequence[dict]) -> None:
+    """Refuse, naming the endpoint, a record without the arch / scale / sparsity_label the grid is keyed by."""
     for r in records:
         missing = [k for k in ("arch", "scale", "sparsity_label") if r.get(k) is None]
         if missing:
@@ -45,7 +46,7 @@ def matched_pairs(records: Sequence[dict]) -> list[dict]:
     Returns [{"cell", "scale", "sparsity_label", "seed", "branch_step", "baseline", "smelt"}], sorted.
     Records of other archs are ignored; two endpoints with the same key are an error.
     """
-    _check_grid(records)
+    check_grid(records)
     by_key: dict = {}
     for r in records:
         if r["arch"] not in ("baseline", "smelt"):
@@ -368,7 +369,7 @@ def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0, 
     tokens}, "contrasts": [{"ref", "new", "long_short", "mean_gain", "n_pairs"}], "why"}}.
     """
     recs = [r for r in records if r.get("val") and r["val"].get("by_length")]
-    _check_grid(recs)
+    check_grid(recs)
     runs, contrasts = _runs_and_contrasts(recs)
     return {fam: _family(fam, cons, runs, n_boot, seed, min_tokens) for fam, cons in contrasts.items()}
 

@@ -150,7 +150,7 @@ def test_profile_step_lists_the_step_operators(tmp_path, capsys, monkeypatch):
     fractions of the profiled time, and the figures it prints are the ones it writes."""
     import data as data_mod
     data_mod.prepare("smoke")
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))   # restores all of sys.path (profile_step adds the root)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))   # restored after the test
     import profile_step
     res = profile_step.main(["--preset", "smoke", "--steps", "1", "--top", "5", "--out-dir", str(tmp_path)])
     assert res["cell"] == ["m64", "S~85%"] and res["step_s"] > 0 and res["aten_calls_per_step"] > 100
@@ -166,7 +166,7 @@ def test_profile_step_dtype_bf16_runs_under_autocast(monkeypatch):
     extra aten::_to_copy calls per step beside the fp32 profile of the same cell."""
     import data as data_mod
     data_mod.prepare("smoke")
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))   # restores all of sys.path (profile_step adds the root)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))   # restored after the test
     import profile_step
     casts = {}
     for dt in ("fp32", "bf16"):
