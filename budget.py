@@ -665,9 +665,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.ladder and not args.config:
         ap.error("give --ladder PRESET or --config FILE")
     if args.config:
-        with open(args.config) as f:
-            d = json.load(f)
-        cfg = ModelConfig.from_dict(d.get("model", d))
+        cfg = cli.read_config(args.config, ModelConfig, "--config", key="model")
         ctx = args.ctx_len or cfg.block_size
         print(json.dumps({**count_params(cfg), "flops_per_token": flops_per_token(cfg, ctx),
                           "flops_per_token_with_head": flops_per_token(cfg, ctx, include_head=True), "ctx_len": ctx,
@@ -692,4 +690,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -8,6 +8,7 @@ JSON files that cannot be parsed, each with an error naming the field / key / fi
   * `from_dict`: unknown keys in a config dict (a typo such as "n_expert") are an error naming the key.
   * `parse_json` / `read_json` / `require_keys`: JSON errors are `JSONFileError` (a ValueError)
     whose message starts with `path:line:column`, as compilers print them.
+  * `UserError`: the base of every refusal a user can act on (cli.run_main prints it in one line).
 
 ModelConfig, LoopConfig and TrainConfig apply these at construction (their `validate` adds the
 field-specific ranges); train.py, data.py, runfiles.py and the CLIs read JSON through them.
@@ -15,6 +16,7 @@ Why, and the fuzz that found the gaps: docs/checks.md. Read next: loop.py, model
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import numbers
@@ -22,7 +24,16 @@ from dataclasses import fields
 from pathlib import Path
 
 
-class JSONFileError(ValueError):
+class UserError(Exception):
+    """An error the user can fix (a bad file, value or directory, a locked run, a full disk): an entry point
+    prints it as one line and exits with status 2 (cli.run_main); the project's own refusals subclass it."""
+
+
+class BadFileError(UserError, ValueError):
+    """A file (a config, a checkpoint, a results file) that cannot be used as it is."""
+
+
+class JSONFileError(BadFileError):
     """A JSON file (or one line of a JSON-lines file) that cannot be parsed or is malformed."""
 
 
@@ -80,7 +91,9 @@ def from_dict(cls, d, owner: str | None = None):
     known = [f.name for f in fields(cls)]
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise ValueError(f"{owner}: unknown key(s) {unknown}; known keys: {known}")
+        close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+        hint = "; ".join(f"{k!r}: did you mean {c[0]!r}?" for k, c in close.items() if c)
+        raise ValueError(f"{owner}: unknown key(s) {unknown}" + (f" ({hint})" if hint else f"; known keys: {known}"))
     return cls(**d)
 
 

@@ -12,6 +12,10 @@ against the rules below and feeds every parser a table of bad values.
                   --steps) and for the corpus of data.py --preset / train.py --data (the medium and
                   paper plans train on the small corpus); train.py --preset names a smoke model.
   --loops R       r, the loop count, where a command lets it be set (reproduce.py and the loop scripts).
+  errors          `run_main` is every `__main__`: an error the user can fix (a bad value, a bad or missing
+                  file, a locked run, a full disk) is one line on stderr and exit status 2; anything else is
+                  a bug: its traceback and a line asking for a report. `read_config` reads a user's JSON
+                  file into its dataclass field by field, naming the flag and the file.
   --help          shows every option's default (`HelpFormatter`): an option whose default is computed
                   (None) says in its own help text what it defaults to.
   counts          argparse refuses bad values before anything runs: `positive_int` for sizes, counts,
@@ -22,7 +26,12 @@ against the rules below and feeds every parser a table of bad values.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+import traceback
+
+from checks import BadFileError, JSONFileError, UserError, read_json
 
 DEVICE_TYPES = ("cpu", "cuda")   # the device types the code is tested on
 
@@ -44,9 +53,70 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{help} (default: {shown.replace('%', '%%')})"
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose refusal is one line on stderr (exit status 2) that points at --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def parser(description: str | None = None, **kw) -> argparse.ArgumentParser:
-    """An ArgumentParser with the project's HelpFormatter."""
-    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kw)
+    """A Parser with the project's HelpFormatter."""
+    return Parser(description=description, formatter_class=HelpFormatter, **kw)
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+# ----------------------------------------------------------------------------------------
+# Errors: the user's in one line, the code's with a traceback
+
+def _os_message(e: OSError) -> str:
+    where = f": {e.filename}" if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device{where}: free some space, or pass --out-dir on a disk with room"
+    return f"{e.strerror or e}{where}: check the path and its permissions"
+
+
+def run_main(main, argv=None, prog: str | None = None):
+    """main(argv), as every entry point's `__main__` runs it. A UserError or an OSError (a file, a folder,
+    the disk) ends the command with one line on stderr, exit status 2; any other exception is a bug in
+    the code: its traceback, a line asking for a report, exit status 1. Returns main's value."""
+    prog = prog or os.path.basename(sys.argv[0])
+    try:
+        return main(argv)
+    except UserError as e:
+        msg = str(e)
+    except OSError as e:
+        msg = _os_message(e)
+    except ModuleNotFoundError as e:
+        msg = f"the package {e.name!r} is not installed: pip install -r requirements.txt"
+    except Exception:
+        traceback.print_exc()
+        print(f"{prog}: this is a bug in looped-moe, not in your input: please report it with the command line "
+              f"and the traceback above", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    print(f"{prog}: error: {one_line(msg)}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def read_config(path: str, cls, flag: str, key: str | None = None):
+    """The config dataclass `cls` from the JSON file `path` a user passed as `flag` (a run's config.json
+    holds it under `key`), checked field by field: unknown fields, wrong types and out-of-range values.
+    Any problem is a BadFileError (a UserError) naming the flag, the file and what to fix."""
+    try:
+        d = read_json(path)
+    except JSONFileError as e:
+        raise BadFileError(f"{flag} {e}: fix the file") from None
+    except OSError as e:
+        raise BadFileError(f"{flag} {path}: {e.strerror or e}: give the path of a JSON file") from None
+    if key and isinstance(d, dict) and isinstance(d.get(key), dict):
+        d = d[key]
+    try:
+        return cls.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise BadFileError(f"{flag} {path}: {e}: fix the file (it holds {cls.__name__}.to_dict()'s fields)") from None
 
 
 # ----------------------------------------------------------------------------------------

@@ -42,14 +42,14 @@ import torch
 import cli
 import corpus
 import configs
-from checks import JSONFileError
+from checks import BadFileError, JSONFileError, UserError
 from corpus import FORMAT_VERSION
 from runfiles import atomic_write_bytes, check_out_dir, read_json, sha256_of, write_json
 from tokenizer import (GPT2_VOCAB, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
                        needs_bpe_files)
 
 
-class CorruptDataError(RuntimeError):
+class CorruptDataError(UserError, RuntimeError):
     """A prepared file does not match the sha256 recorded in manifest.json."""
 
 
@@ -326,12 +326,17 @@ def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
         raise JSONFileError(f"{e}; build the pack again with `python data.py --preset {preset or 'PRESET'} "
                             f"--pack DIR`") from None
     if preset is not None and info["preset"] != preset:
-        raise ValueError(f"data pack {d} holds preset {info['preset']!r}, this run needs {preset!r}: "
+        raise BadFileError(f"data pack {d} holds preset {info['preset']!r}, this run needs {preset!r}: "
                          f"build it with `python data.py --preset {preset} --pack DIR`")
     if info["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"data pack {d} has format version {info['format_version']}, this code reads "
+        raise BadFileError(f"data pack {d} has format version {info['format_version']}, this code reads "
                          f"{FORMAT_VERSION}: rebuild it with `python data.py --preset {info['preset']} --pack DIR`")
-    for rel, meta in info["files"].items():
+    files = info["files"]
+    if not (isinstance(files, dict) and all(isinstance(m, dict) and isinstance(m.get("bytes"), int) and
+                                            isinstance(m.get("sha256"), str) for m in files.values())):
+        raise BadFileError(f"{d / 'PACK.json'}: 'files' must map each path to its 'bytes' and 'sha256': copy the "
+                           f"pack again")
+    for rel, meta in files.items():
         p = d / rel
         if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
             raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {d / 'PACK.json'}); copy the pack again")
@@ -619,14 +624,5 @@ def main(argv: list[str] | None = None) -> None:
         pack(args.preset, args.pack, args.vocab_size)
 
 
-def cli_main(argv: list[str] | None = None) -> None:
-    """main, with a refusal the reader can act on printed as one line (exit status 1), not a traceback."""
-    from runfiles import OutDirError
-    try:
-        main(argv)
-    except (OutDirError, JSONFileError, CorruptDataError, FileExistsError, FileNotFoundError) as e:
-        raise SystemExit(f"data.py: {e}") from None
-
-
 if __name__ == "__main__":
-    cli_main()
+    cli.run_main(main)

@@ -78,9 +78,9 @@ def _torch_load(path: Path) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, pickle with code, not a torch file
-        raise ValueError(f"{path} could not be loaded as a weights-only checkpoint: {e}") from e
+        raise checks.BadFileError(f"{path} could not be loaded as a weights-only checkpoint: {e}") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise ValueError(f"{path} has no 'model' entry (expected torch.save({{'model': state_dict, ...}}))")
+        raise checks.BadFileError(f"{path} has no 'model' entry (expected torch.save({{'model': state_dict, ...}}))")
     return ckpt
 
 
@@ -88,9 +88,9 @@ def _read_json(path: Path) -> dict:
     try:
         d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+        raise checks.BadFileError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(d, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
+        raise checks.BadFileError(f"{path} must hold a JSON object, got {type(d).__name__}")
     return d
 
 
@@ -132,19 +132,22 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         try:
             own = json.loads(own)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: its 'meta' entry is not valid JSON: {e}") from e
+            raise checks.BadFileError(f"{file}: its 'meta' entry is not valid JSON: {e}") from e
     own = own if isinstance(own, dict) else {}
     cfg = own.get("model") or config.get("model")
     if not isinstance(cfg, dict):
-        raise ValueError(f"{file} has no model config: neither its 'meta' nor "
+        raise checks.BadFileError(f"{file} has no model config: neither its 'meta' nor "
                          f"{run / 'config.json' if run else 'a config.json beside it'} has a 'model' key "
                          f"(expected ModelConfig.to_dict())")
-    model = GPT(ModelConfig.from_dict(cfg))
+    try:
+        model = GPT(ModelConfig.from_dict(cfg))
+    except ValueError as e:
+        raise checks.BadFileError(f"{run / 'config.json' if cfg is config.get('model') else file}: {e}") from None
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise ValueError(f"{file} does not match its model config: {e}") from e
+        raise checks.BadFileError(f"{file} does not match its model config: {e}") from e
     scalars = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "rng", "meta") and
                isinstance(v, (int, float, str, bool))}
     branch = own.get("branch")
@@ -434,9 +437,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = Path(args.out_dir) if args.out_dir else (src if src.is_dir() else src.parent)
     try:   # every location read or written, checked before the evaluation
         check_out_dir(out)
+        if (src / "config.json").is_file():   # the run's model config, field by field
+            from model import ModelConfig
+            cli.read_config(src / "config.json", ModelConfig, "--run", key="model")
         other = read_eval(args.compare) if args.compare else None
         base = [read_eval(d) for d in args.baselines] if args.baselines else None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, checks.UserError) as e:
         ap.error(str(e))
     res = evaluate_endpoint(args.run, tasks=args.tasks, shots=args.shots, seeds=args.seeds,
                             max_items=args.max_items or None, val=args.val_tokens > 0,
@@ -471,4 +477,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

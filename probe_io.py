@@ -45,7 +45,12 @@ def run_meta(run) -> dict:
         for name in ("config.json", "ckpt.pt"):
             if not (p / name).is_file():
                 raise ValueError(f"{p} has no {name}: not a finished run directory (train.py writes both)")
-        return checks.read_json(p / "config.json", ("model",))
+        meta = checks.read_json(p / "config.json", ("model",))
+        try:   # field by field, naming the file
+            ModelConfig.from_dict(meta["model"])
+        except ValueError as e:
+            raise checks.BadFileError(f"{p / 'config.json'}: {e}") from None
+        return meta
     from eval import load_model   # one loader for endpoint and checkpoint files
     return load_model(p, "cpu")[1]
 

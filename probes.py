@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> dict:
         probe_io.check_out_dir(out)
         data = data_mod.TokenData(data_dir)
         probe_io.check_fit(pairs, metas, data, block)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, cli.UserError) as e:
         ap.error(str(e))
     res = probe_pairs(pairs, data, args.tokens, block, args.batch_size, dyck=not args.no_dyck,
                       dyck_items=args.dyck_items, seed=args.seed, device=device, n_draws=args.draws)
@@ -670,4 +670,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -278,7 +278,7 @@ def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, ref
     log(f"disk: the {est['runs']} runs keep {fmt(est['final'])} when finished and up to {fmt(est['peak'])} while "
         f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
     if refuse and need > free:
-        raise SystemExit(f"reproduce: not enough disk at {out}: training needs up to {fmt(need)} more and "
+        raise cli.UserError(f"not enough disk at {out}: training needs up to {fmt(need)} more and "
                          f"{fmt(free)} is free; free space or pass --out-dir on a larger disk")
     return est
 
@@ -441,7 +441,7 @@ def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tu
     jobs = asked or default_jobs("cuda", cpus, free, per_run)
     fmt = lambda n: f"{n / 2**30:.1f} GiB"
     if jobs > 1 and jobs * per_run > free:
-        raise SystemExit(f"reproduce: --jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "
+        raise cli.UserError(f"--jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "
                          f"({fmt(per_run)} per run: reproduce.gpu_bytes_per_run), {fmt(free)} is free; "
                          f"use --jobs {max(1, free // per_run)}")
     return jobs, {"jobs": jobs, "jobs_from": f"{'--jobs' if asked else 'default_jobs'}, sharing the GPU: {cpus} "
@@ -556,16 +556,5 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     return report
 
 
-def cli_main(argv=None) -> None:
-    """main, with every refusal a reader can act on printed as one line (exit status 1), not a traceback."""
-    import checks
-    import data
-    try:
-        main(argv)
-    except (runfiles.OutDirError, runfiles.RunLockedError, runfiles.CheckpointError, checks.JSONFileError,
-            data.CorruptDataError) as e:
-        raise SystemExit(f"reproduce: {e}") from None
-
-
 if __name__ == "__main__":
-    cli_main()
+    cli.run_main(main)

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from checks import JSONFileError, parse_json, require_keys
+from checks import JSONFileError, UserError, parse_json, require_keys
 from checks import read_json as checks_read_json
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint (or run-directory record) cannot be read or belongs to another configuration."""
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(UserError, RuntimeError):
     """Another process is writing this run directory (it holds RUN_DIR/.lock)."""
 
 
@@ -283,7 +283,7 @@ def repair_torn_tail(path: str | Path) -> bool:
 # ----------------------------------------------------------------------------------------
 # Output locations checked before work starts
 
-class OutDirError(RuntimeError):
+class OutDirError(UserError, RuntimeError):
     """An output location that cannot be written: a file, a read-only folder, too little free space."""
 
 

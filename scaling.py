@@ -515,12 +515,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.results:
         ap.error("give --results FILE or --paper")
-    rows = scaling_rows.read_results(args.results)
+    try:   # every row checked before any fit
+        rows = scaling_rows.read_results(args.results)
+        scaling_rows.check_rows(rows)
+    except (OSError, ValueError) as e:
+        ap.error(f"--results {args.results}: {getattr(e, 'strerror', None) or e}")
     scaling_analysis.analyse(rows, args.out_dir, n_boot=args.bootstrap, n_jobs=args.jobs, seed=args.seed,
                              include_dense=args.include_dense, budgets=args.budgets)
     print(open(os.path.join(args.out_dir, "tables.md")).read())
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)
 

@@ -54,7 +54,7 @@ import configs
 import data as data_mod
 from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
                         save_kind)
-from checks import check_fields, from_dict, read_json
+from checks import check_fields, from_dict
 from data import SyntheticData   # a corpus-free stand-in with TokenData's interface (tests, benchmarks)
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
@@ -492,6 +492,9 @@ class Trainer(Checkpoints):
         self.pending = [b for b in tc.branches if b not in done]
         if self.pending:
             self._set_eta()
+        elif self.d.rank == 0:
+            print(f"{self.prefix}{self.run_dir}: every branch {list(tc.branches)} is already trained, so this "
+                  f"command trained nothing; the rows are in {self.run_dir / 'results.jsonl'}", flush=True)
         for b in list(self.pending):
             end = b + tc.decay_steps
             if not self._load_endpoint(b):
@@ -592,6 +595,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tc.validate()
     except ValueError as e:
         p.error(str(e))
+    model_json = cli.read_config(a.model_json, ModelConfig, "--model-json") if a.model_json else None
     if a.data == "synthetic" and not a.data_dir:
         data = SyntheticData(a.vocab_size)
     else:
@@ -603,11 +607,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if d.world > 1:
                 dist.barrier()
         data = data_mod.TokenData(data_dir)
-    try:
-        cfg = (ModelConfig.from_dict(read_json(a.model_json)) if a.model_json
-               else preset_model(a.preset, data.vocab_size))
-    except ValueError as e:
-        raise ValueError(f"{a.model_json or '--preset ' + a.preset}: {e}") from e
+    cfg = model_json or preset_model(a.preset, data.vocab_size)
     meta = {k: getattr(a, k) for k in ("arch", "scale", "sparsity_label") if getattr(a, k) is not None}
     try:
         try:   # what the Trainer refuses before training (memory, torchrun-only flags, numbers) is a bad flag too
@@ -630,4 +630,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -89,7 +89,7 @@ class Experiment:
     def __post_init__(self):
         a = self.args
         if a.steps is not None and a.steps < 1:
-            raise SystemExit(f"--steps must be >= 1, got {a.steps}")
+            raise cli.UserError(f"--steps must be >= 1, got {a.steps}")
         self.plan = configs.PLANS[a.preset]
         self.steps = a.steps or configs.SWEEP_STEPS[a.preset]
         suffix = f"_s{a.steps}" if a.steps else ""
@@ -141,7 +141,7 @@ class Experiment:
         for s, lab, c in cells:
             if s == scale and lab == label:
                 return s, lab, c
-        raise SystemExit(f"no cell ({scale}, {label}) in preset {self.args.preset}: scales {scales}, labels {labels}")
+        raise cli.UserError(f"no cell ({scale}, {label}) in preset {self.args.preset}: scales {scales}, labels {labels}")
 
     def dense_base(self, scale: str | None = None) -> ModelConfig:
         """How-to-Loop's setting: a dense model. The preset scale (default the first, cheapest) with a dense
@@ -323,9 +323,16 @@ def pair_runs(exp: Experiment) -> tuple[Path, Path]:
     """(Baseline, looped) run directories: --runs, --ladder's last cell, or the preset's pair trained here."""
     a = exp.args
     if a.runs:
+        for run in a.runs:   # each run's model config, field by field, before any work
+            if not (Path(run) / "config.json").is_file():
+                raise cli.UserError(f"--runs {run}: no config.json there: give a run directory train.py wrote")
+            cli.read_config(Path(run) / "config.json", ModelConfig, "--runs", key="model")
         return Path(a.runs[0]), Path(a.runs[1])
     if a.ladder:
-        ladder = reproduce.read_ladder(a.ladder)
+        try:
+            ladder = reproduce.read_ladder(a.ladder)
+        except (OSError, cli.BadFileError) as e:
+            raise cli.UserError(f"--ladder {a.ladder}: {getattr(e, 'strerror', None) or e}") from None
         (_, _, b), (_, _, s) = configs.run_dirs(Path(a.ladder), ladder[-1:])
         return b, s
     scale, label, base = exp.base()

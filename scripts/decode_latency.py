@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     cfgs = bench.decode_models()
     ctx = prompt + new
     if ctx > cfgs["unlooped"].block_size:
-        raise SystemExit(f"prompt + tokens = {ctx} exceeds the bench models' block_size {cfgs['unlooped'].block_size}")
+        raise cli.UserError(f"prompt + tokens = {ctx} exceeds the bench models' block_size {cfgs['unlooped'].block_size}")
     timed = bench.bench_decode(device, dtype, prompt=prompt, new_tokens=new)
     timing = timed["skinny"]
     plt = cfgs["plt_2loop"]
@@ -71,4 +71,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -130,4 +130,6 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(HERE.parent))   # the repo root, for cli.py
+    import cli
+    cli.run_main(main)

@@ -77,7 +77,7 @@ def build_parser():
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if any(S >= 1 for S in args.sparsities or ()):
-        raise SystemExit(f"--sparsities: each S must be below 1 (a fraction, 0.95 for S~95 %), got {args.sparsities}")
+        raise cli.UserError(f"--sparsities: each S must be below 1 (a fraction, 0.95 for S~95 %), got {args.sparsities}")
     exp = common.Experiment("grid_power", args)
     shape = preset_shape(args.preset)
     shape.update({k: getattr(args, k) for k in ("n_scales", "sparsities", "F_span", "horizons") if getattr(args, k)})
@@ -105,4 +105,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -82,4 +82,4 @@ def configs(base, loops: list[int], kinds: list[str], rank: int) -> list[tuple[i
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

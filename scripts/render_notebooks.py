@@ -168,4 +168,4 @@ def main(argv=None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -16,11 +16,13 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import re
 import time
 from pathlib import Path
 
 import pytest
 
+import cli
 import configs
 import data as data_mod
 import reproduce
@@ -163,9 +165,11 @@ def test_reproduce_refuses_a_bad_out_dir_before_any_work(tmp_path, bad, capsys, 
     def no_work(*a, **k):
         raise AssertionError("the data stage started before the out dir was refused")
     monkeypatch.setattr(reproduce, "stage_data", no_work)
-    with pytest.raises(SystemExit, match=rf"^reproduce: out dir {out} (is a file|is not writable)"):
-        reproduce.cli_main(["--preset", "smoke", "--out-dir", str(out)])
-    assert "ladder" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(reproduce.main, ["--preset", "smoke", "--out-dir", str(out)], prog="reproduce.py")
+    cap = capsys.readouterr()
+    assert e.value.code == 2 and "ladder" not in cap.out
+    assert re.fullmatch(rf"reproduce.py: error: out dir {out} (is a file|is not writable).*\n", cap.err)
 
 
 @pytest.mark.fault("concurrency")

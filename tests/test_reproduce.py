@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import cli
 import configs
 import reproduce
 import stats
@@ -174,7 +175,7 @@ def test_disk_check_counts_what_earlier_invocations_wrote(tmp_path, monkeypatch)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 0, 750))
     assert reproduce.check_disk(configs.PLANS["smoke"], ladder, tmp_path, 1)["peak"] == 1000   # 700 more, 750 free
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 0, 650))
-    with pytest.raises(SystemExit, match="not enough disk"):
+    with pytest.raises(cli.UserError, match="not enough disk"):
         reproduce.check_disk(configs.PLANS["smoke"], ladder, tmp_path, 1)
 
 
@@ -188,7 +189,7 @@ def test_default_out_dir_names_another_loop_count(tmp_path, monkeypatch):
     assert reproduce.main(["--preset", "smoke", "--loops", "3"]) == (Path("runs/reproduce_smoke_r3"), 3)
 
 
-def test_damaged_json_during_the_pipeline_is_one_line(tmp_path, monkeypatch):
+def test_damaged_json_during_the_pipeline_is_one_line(tmp_path, monkeypatch, capsys):
     """A JSONFileError (a damaged ladder.json, a hand-edited cache) ends reproduce.py with one line naming the
     file, not a traceback."""
     from checks import JSONFileError
@@ -196,8 +197,11 @@ def test_damaged_json_during_the_pipeline_is_one_line(tmp_path, monkeypatch):
     def damaged(args, plan, out):
         raise JSONFileError(f"{out / 'ladder.json'}: content differs from its sha256 (edited or corrupt)")
     monkeypatch.setattr(reproduce, "_pipeline", damaged)
-    with pytest.raises(SystemExit, match=rf"^reproduce: {tmp_path / 'ladder.json'}: content differs"):
-        reproduce.cli_main(["--preset", "smoke", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(reproduce.main, ["--preset", "smoke", "--out-dir", str(tmp_path)], prog="reproduce.py")
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"reproduce.py: error: {tmp_path / 'ladder.json'}: content differs from its " \
+                                      f"sha256 (edited or corrupt)\n"
 
 
 def test_probes_stage_names_every_matched_pair_with_its_seed(tmp_path, monkeypatch):
