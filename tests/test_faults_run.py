@@ -185,8 +185,8 @@ def test_a_second_reproduce_on_one_out_dir_is_refused_naming_the_holder(tmp_path
         assert holder.stdout.readline().strip() == "locked"
         p = subprocess.run([sys.executable, "reproduce.py", "--preset", "smoke", "--out-dir", str(tmp_path)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 1 and p.stderr.strip().splitlines() == [
-            f"reproduce: run directory {tmp_path} is in use by another reproduce.py (pid {holder.pid} holds "
+        assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+            f"reproduce.py: error: run directory {tmp_path} is in use by another reproduce.py (pid {holder.pid} holds "
             f"{tmp_path / '.lock'}); wait for it to finish or use another directory"]
         assert not (tmp_path / "ladder.json").exists()
     finally:
