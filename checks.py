@@ -97,6 +97,14 @@ def from_dict(cls, d, owner: str | None = None):
     return cls(**d)
 
 
+def config_from(cls, d, where, fix: str = "fix the file"):
+    """cls.from_dict(d) for a config read from a user's file; a bad field is a BadFileError naming `where`."""
+    try:
+        return cls.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise BadFileError(f"{where}: {e}: {fix}") from None
+
+
 # ----------------------------------------------------------------------------------------
 # JSON files
 

@@ -31,7 +31,7 @@ import os
 import sys
 import traceback
 
-from checks import BadFileError, JSONFileError, UserError, read_json
+from checks import BadFileError, JSONFileError, UserError, config_from, read_json
 
 DEVICE_TYPES = ("cpu", "cuda")   # the device types the code is tested on
 
@@ -113,10 +113,7 @@ def read_config(path: str, cls, flag: str, key: str | None = None):
         raise BadFileError(f"{flag} {path}: {e.strerror or e}: give the path of a JSON file") from None
     if key and isinstance(d, dict) and isinstance(d.get(key), dict):
         d = d[key]
-    try:
-        return cls.from_dict(d)
-    except (TypeError, ValueError) as e:
-        raise BadFileError(f"{flag} {path}: {e}: fix the file (it holds {cls.__name__}.to_dict()'s fields)") from None
+    return config_from(cls, d, f"{flag} {path}", f"fix the file (it holds {cls.__name__}.to_dict()'s fields)")
 
 
 # ----------------------------------------------------------------------------------------

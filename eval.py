@@ -137,12 +137,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     cfg = own.get("model") or config.get("model")
     if not isinstance(cfg, dict):
         raise checks.BadFileError(f"{file} has no model config: neither its 'meta' nor "
-                         f"{run / 'config.json' if run else 'a config.json beside it'} has a 'model' key "
-                         f"(expected ModelConfig.to_dict())")
-    try:
-        model = GPT(ModelConfig.from_dict(cfg))
-    except ValueError as e:
-        raise checks.BadFileError(f"{run / 'config.json' if cfg is config.get('model') else file}: {e}") from None
+                                  f"{run / 'config.json' if run else 'a config.json beside it'} has a 'model' key "
+                                  f"(expected ModelConfig.to_dict())")
+    model = GPT(checks.config_from(ModelConfig, cfg, run / "config.json" if cfg is config.get("model") else file))
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     try:
         model.load_state_dict(state)

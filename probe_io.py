@@ -46,10 +46,7 @@ def run_meta(run) -> dict:
             if not (p / name).is_file():
                 raise ValueError(f"{p} has no {name}: not a finished run directory (train.py writes both)")
         meta = checks.read_json(p / "config.json", ("model",))
-        try:   # field by field, naming the file
-            ModelConfig.from_dict(meta["model"])
-        except ValueError as e:
-            raise checks.BadFileError(f"{p / 'config.json'}: {e}") from None
+        checks.config_from(ModelConfig, meta["model"], p / "config.json")   # field by field, naming the file
         return meta
     from eval import load_model   # one loader for endpoint and checkpoint files
     return load_model(p, "cpu")[1]

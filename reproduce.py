@@ -279,7 +279,7 @@ def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, ref
         f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
     if refuse and need > free:
         raise cli.UserError(f"not enough disk at {out}: training needs up to {fmt(need)} more and "
-                         f"{fmt(free)} is free; free space or pass --out-dir on a larger disk")
+                            f"{fmt(free)} is free; free space or pass --out-dir on a larger disk")
     return est
 
 
@@ -442,8 +442,8 @@ def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tu
     fmt = lambda n: f"{n / 2**30:.1f} GiB"
     if jobs > 1 and jobs * per_run > free:
         raise cli.UserError(f"--jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "
-                         f"({fmt(per_run)} per run: reproduce.gpu_bytes_per_run), {fmt(free)} is free; "
-                         f"use --jobs {max(1, free // per_run)}")
+                            f"({fmt(per_run)} per run: reproduce.gpu_bytes_per_run), {fmt(free)} is free; "
+                            f"use --jobs {max(1, free // per_run)}")
     return jobs, {"jobs": jobs, "jobs_from": f"{'--jobs' if asked else 'default_jobs'}, sharing the GPU: {cpus} "
                                        f"cores, {fmt(free)} free, >= {fmt(per_run)} per run",
                   "threads_per_worker": max(1, cpus // jobs) if jobs > 1 else torch.get_num_threads(),

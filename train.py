@@ -54,7 +54,7 @@ import configs
 import data as data_mod
 from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
                         save_kind)
-from checks import check_fields, from_dict, read_json  # noqa: F401  (tests read model JSON through train)
+from checks import check_fields, from_dict
 from data import SyntheticData   # a corpus-free stand-in with TokenData's interface (tests, benchmarks)
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model

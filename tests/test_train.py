@@ -447,6 +447,7 @@ import sys
 sys.path.insert(0, {root!r})
 import torch
 import train as T
+from checks import read_json
 from model import ModelConfig
 
 class Crash(T.SyntheticData):
@@ -456,7 +457,7 @@ class Crash(T.SyntheticData):
         return super().train_batch(step, *a, **kw)
 
 torch.distributed.init_process_group("gloo")   # joined here, so train() leaves it for T.main
-cfg = ModelConfig.from_dict(T.read_json({model!r}))
+cfg = ModelConfig.from_dict(read_json({model!r}))
 tc = T.TrainConfig(lr=1e-2, warmup_steps=1, stable_steps=3, branch_steps=[3], decay_steps=1, batch_size=4,
                    block_size=32, log_interval=1, eval_tokens=128, ckpt_interval=2, flops_ctx=16.0, device="cpu",
                    fsdp=True)
