@@ -40,12 +40,12 @@ import tiktoken
 import torch
 
 import cli
-import corpus
+from lab import corpus
 import configs
 from checks import BadFileError, JSONFileError, UserError
-from corpus import FORMAT_VERSION
+from lab.corpus import FORMAT_VERSION
 from runfiles import atomic_write_bytes, check_out_dir, read_json, sha256_of, write_json
-from tokenizer import (GPT2_VOCAB, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
+from lab.tokenizer import (GPT2_VOCAB, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
                        needs_bpe_files)
 
 

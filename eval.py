@@ -40,15 +40,15 @@ import checks
 import cli
 import data as data_mod
 import runfiles
-import tokenizer
-import validation
+from lab import tokenizer
+from lab import validation
 from checks import JSONFileError
-from calibration import CALIBRATION_MIN_POINTS, calibration_report
-from eval_plots import plot_calibration, plot_shot_sweep
-from tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, forward_logits, get_task,
+from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
+from lab.eval_plots import plot_calibration, plot_shot_sweep
+from lab.tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, forward_logits, get_task,
                    model_device, resolve_tasks)
 from runfiles import endpoint_id
-from validation import long_short_ratio, normalised_shape, stored_report, token_nll
+from lab.validation import long_short_ratio, normalised_shape, stored_report, token_nll
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
 FIT_FIELDS = ("demos_kept", "share_short", "share_cut")   # per task and k: the demonstrations that fit
@@ -328,7 +328,7 @@ def compare(a: dict, b: dict, n: int = 10000) -> dict:
     """Model b vs model a (two endpoint evaluations): per task and k, acc(b) - acc(a) and the one-sided
     paired permutation p-value of b > a over demonstration seeds (SMELT App. C; None with one seed);
     the length shape of b's gain and its long/short ratio."""
-    import stats
+    from lab import stats
     out: dict = {"tasks": {}}
     for name, ta in a["tasks"].items():
         tb = b["tasks"].get(name)

@@ -38,7 +38,7 @@ from torch import Tensor
 import loop as looping
 from attention import KV, Attention, Cache, rope_table
 from checks import check_fields, from_dict
-from cpu_fast import few_row_projections
+from lab.cpu_fast import few_row_projections
 from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
 from moe import IMPLS as MOE_IMPLS, MoE, RouterStats
 

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import cli
-import dyck_probe
-import probe_claims
-import probe_io
-import probe_plots
-import stats
+from lab import dyck_probe
+from lab import probe_claims
+from lab import probe_io
+from lab import probe_plots
+from lab import stats
 from loop import Visit
 
 EPS = 1e-8

@@ -34,10 +34,10 @@ import torch
 import budget
 import cli
 import configs
-import costs
-import report as reporting
+from lab import costs
+from lab import report as reporting
 import runfiles
-import train_plots
+from lab import train_plots
 from model import ModelConfig
 
 
@@ -345,8 +345,8 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
     and one-sided permutation tests over seeds, Section 5.3's three length families, the Eq. 6 calibration
     on every Baseline endpoint, the downstream claims with intervals) and its figures."""
     import eval as ev
-    import eval_plots
-    import downstream_claims
+    from lab import eval_plots
+    from lab import downstream_claims
     (out / "eval").mkdir(exist_ok=True)
     eps = [e for r in configs.plan_runs(out, ladder, plan) for e in ev.run_endpoints(r.dir)]
     records, todo = {}, []
@@ -384,7 +384,7 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
 
 
 def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
-    import scaling_analysis
+    from lab import scaling_analysis
     try:
         return scaling_analysis.analyse(rows, str(out / "scaling"), n_boot=plan.bootstrap, n_jobs=2,
                                         budgets=scaling_analysis.preset_budgets(plan.ladder))
@@ -395,8 +395,8 @@ def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
 
 def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dict:
     """SMELT 6 on every matched pair (probes.probe_pairs), one held-out sample over all domains."""
-    import probe_io
-    import probe_plots
+    from lab import probe_io
+    from lab import probe_plots
     import probes
     path = out / "probes.json"
     cached = probe_io.load_result(path)                             # None when absent or damaged (named)
@@ -417,7 +417,7 @@ def probe_verdicts(prb: dict) -> list[dict]:
     """The probe claims with their verdicts (probe_claims.claims); [] without probes."""
     if not prb.get("pairs"):
         return []
-    import probe_claims
+    from lab import probe_claims
     return probe_claims.claims(prb)
 
 
@@ -529,7 +529,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
-    import cpu_fast
+    from lab import cpu_fast
     ms = cpu_fast.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
     runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], avx512_bf16=ms["avx512_bf16"],
                    cpu_dtype=ms["cpu_dtype"],

@@ -505,9 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import scaling_analysis  # the CLI's work lives in the files that import this one: imported here, no cycle
-    import scaling_rows
-    import scaling_tables
+    from lab import scaling_analysis  # the CLI's work lives in the files that import this one: imported here, no cycle
+    from lab import scaling_rows
+    from lab import scaling_tables
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.paper:

@@ -49,7 +49,7 @@ from torch import Tensor
 
 import budget
 import cli
-import cpu_fast
+from lab import cpu_fast
 import configs
 import data as data_mod
 from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
@@ -59,7 +59,7 @@ from data import SyntheticData   # a corpus-free stand-in with TokenData's inter
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 from runfiles import run_lock
-from validation import token_nll, val_loss_report
+from lab.validation import token_nll, val_loss_report
 
 
 

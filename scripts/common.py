@@ -41,9 +41,9 @@ import budget  # noqa: E402
 import cli  # noqa: E402
 import configs  # noqa: E402
 import loop as looping  # noqa: E402
-import plots  # noqa: E402
+from lab import plots  # noqa: E402
 import reproduce  # noqa: E402
-import stats  # noqa: E402
+from lab import stats  # noqa: E402
 import train as trainer  # noqa: E402
 from loop import LoopConfig  # noqa: E402
 from model import ModelConfig  # noqa: E402

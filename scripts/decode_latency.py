@@ -19,8 +19,8 @@ import torch
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import bench
-import bench_harness
+from lab import bench
+from lab import bench_harness
 import budget
 import cli
 

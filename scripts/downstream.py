@@ -20,12 +20,12 @@ from __future__ import annotations
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
-import downstream_claims
+from lab import downstream_claims
 import eval as ev
-import eval_plots
+from lab import eval_plots
 import reproduce
-import stats
-import tasks
+from lab import stats
+from lab import tasks
 
 
 def build_parser():

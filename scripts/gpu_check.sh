@@ -65,7 +65,7 @@ step() {     # step NAME LIMIT COMMAND...: run under LIMIT seconds, keep its out
 head -n 20 "$OUT/machine.txt"
 # bench's own limits end 15 s before the outer timeout, so it records its timeouts itself
 BENCH_S=$(( $(left) - PYTEST_S - 5 ))
-step bench "$BENCH_S" python bench.py flex steps train decode --out-dir "$OUT" --budget-s $(( BENCH_S - 15 ))
+step bench "$BENCH_S" python -m lab.bench flex steps train decode --out-dir "$OUT" --budget-s $(( BENCH_S - 15 ))
 step pytest $(( $(left) - 5 )) python -m pytest -q -x -rs -k cuda tests/test_model.py tests/test_moe.py \
     tests/test_attention_consumers.py
 echo "gpu_check: figures in $JSON ($(( $(date +%s) - T0 ))s in all)"

@@ -25,11 +25,11 @@ import numpy as np
 import budget
 import cli
 import configs
-import report
+from lab import report
 import reproduce
 import scaling
-import scaling_analysis
-import wins
+from lab import scaling_analysis
+from lab import wins
 from budget import flops_per_token
 from model import ModelConfig
 

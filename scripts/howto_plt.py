@@ -27,7 +27,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
 import probes
-import stats
+from lab import stats
 from model import GPT
 
 LOOPS = {"smoke": [2], "tiny": [2], "small": [2, 4]}

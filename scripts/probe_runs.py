@@ -18,9 +18,9 @@ from pathlib import Path
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
-import probe_io
+from lab import probe_io
 import reproduce
-import probe_plots
+from lab import probe_plots
 import configs
 import probes
 

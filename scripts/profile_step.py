@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:   # as common.py: importing it leaves a path that 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import bench_harness  # noqa: E402
+from lab import bench_harness  # noqa: E402
 import budget  # noqa: E402
 import cli  # noqa: E402
 import configs  # noqa: E402

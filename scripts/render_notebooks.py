@@ -47,8 +47,8 @@ def source_sha256(nb) -> str:
 
 
 def modules_sha256(nb) -> dict:
-    """{NAME.py: sha256} of the project's root modules the notebook's code cells import directly (what it shows
-    moves with them; modules those import are not followed)."""
+    """{PATH.py: sha256} of the project's modules (root and lab/) the notebook's code cells import directly
+    (what it shows moves with them; modules those import are not followed)."""
     import ast
     names = set()
     for c in nb["cells"]:
@@ -61,11 +61,11 @@ def modules_sha256(nb) -> dict:
             continue
         for n in ast.walk(tree):
             if isinstance(n, ast.Import):
-                names |= {a.name.split(".")[0] for a in n.names}
+                names |= {a.name for a in n.names}
             elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
-                names.add(n.module.split(".")[0])
-    return {f"{m}.py": hashlib.sha256((ROOT / f"{m}.py").read_bytes()).hexdigest()
-            for m in sorted(names) if (ROOT / f"{m}.py").is_file()}
+                names |= {f"{n.module}.{a.name}" for a in n.names} | {n.module}   # `from lab import x`: lab/x.py
+    paths = {m.replace(".", "/") + ".py" for m in names}
+    return {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest() for f in sorted(paths) if (ROOT / f).is_file()}
 
 
 def stale(path: Path, out_dir: Path = RENDERED) -> str | None:

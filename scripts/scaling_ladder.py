@@ -18,7 +18,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
 import reproduce
-import train_plots
+from lab import train_plots
 
 
 def build_parser():

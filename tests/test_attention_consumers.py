@@ -19,9 +19,9 @@ import torch
 
 import attention
 import probes
-import tasks
+from lab import tasks
 import train
-import validation
+from lab import validation
 from loop import LoopConfig
 from model import GPT, ModelConfig
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import bench
-import bench_harness
+from lab import bench
+from lab import bench_harness
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,8 @@ def test_a_killed_bench_process_keeps_the_figures_written_before(tmp_path):
     result and the second's partial figures, and is valid JSON (each write is atomic)."""
     path = tmp_path / "bench.json"
     code = textwrap.dedent(f"""
-        import time, bench_harness
+        import time
+        from lab import bench_harness
         def hang(save, deadline):
             save({{"partial": 3.0}})
             time.sleep(60)

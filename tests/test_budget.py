@@ -309,7 +309,7 @@ def test_small_plan_is_shaped_to_decide_its_scaling_claims():
     """The small grid's fits can decide (README, "The small grid"): >= 10 fitted cells per architecture (a cell
     bootstrap over fewer decides nothing), every scale in every sparse column, >= 4 endpoints over D >= 6x
     (the earlier 6 cells and 3 endpoints over 3.5x were seldom identified: scripts/grid_power.py), S = 0 controls."""
-    import stats
+    from lab import stats
     plan = configs.PLANS["small"]
     cells = {(c["scale"], c["sparsity_label"]) for c in budget.ladder_cells("small", 1024.0)}
     kept = set(plan.cells or cells)                     # Plan.cells None: the whole ladder

@@ -19,7 +19,7 @@ import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("scripts_importable")   # scripts/ on sys.path for this module only
-MODULES = ["reproduce", "train", "eval", "scaling", "budget", "bench", "probes", "data"]
+MODULES = ["reproduce", "train", "eval", "scaling", "budget", "lab.bench", "probes", "data"]
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem != "common")
 ENTRY_POINTS = MODULES + SCRIPTS
 RUN_PRESETS = {"smoke", "tiny", "small", "medium", "paper"}
@@ -148,9 +148,9 @@ BAD = [  # (entry point, argv, the option the message must name, a fragment of t
     ("scaling", ["--budgets", "nan"], "--budgets", "finite"),
     ("budget", ["--ladder", "huge"], "--ladder", "invalid choice"),
     ("budget", ["--ctx-len", "0"], "--ctx-len", "positive"),
-    ("bench", ["--train-batch", "0"], "--train-batch", "positive"),
-    ("bench", ["--train-preset", "huge"], "--train-preset", "invalid choice"),
-    ("bench", ["--device", "tpu"], "--device", "expected auto"),
+    ("lab.bench", ["--train-batch", "0"], "--train-batch", "positive"),
+    ("lab.bench", ["--train-preset", "huge"], "--train-preset", "invalid choice"),
+    ("lab.bench", ["--device", "tpu"], "--device", "expected auto"),
     ("data", ["--vocab-size", "100"], "--vocab-size", "[257, 50257]"),
     ("data", ["--measure", "4096,x"], "--measure", "integer"),
     ("data", ["--preset", "medium"], "--preset", "invalid choice"),

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-import corpus
+from lab import corpus
 import configs
 import data
-import tokenizer
+from lab import tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +410,7 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("LOOPED_MOE_CACHE", str(tmp_path))
     assert tokenizer.cache_root() == tmp_path
     monkeypatch.delenv("LOOPED_MOE_CACHE")
-    assert tokenizer.cache_root() == Path(tokenizer.__file__).resolve().parent / ".cache"
+    assert tokenizer.cache_root() == Path(tokenizer.__file__).resolve().parents[1] / ".cache"
 
 
 def test_bpe_files_are_checked_by_sha256(tmp_path, monkeypatch, capsys):

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-import calibration
+from lab import calibration
 import eval as ev
-import eval_plots
+from lab import eval_plots
 import runfiles
-import tasks
-import validation
-import downstream_claims
-import wins
+from lab import tasks
+from lab import validation
+from lab import downstream_claims
+from lab import wins
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -893,7 +893,7 @@ def test_dyck_gain_is_paired_over_items():
     """The dyck_languages claim is a benchmark difference: icl_sweep averages each item's accuracy over seeds, the
     cell's pairs, then the cells above chance, and the claim is the paired t-interval over items (n = items), not
     over the 2 demonstration seeds; endpoints that scored different items give no interval and say so."""
-    import stats
+    from lab import stats
 
     def dyck(per_item_by_seed, items=(0, 1, 2, 3)):
         t = task({2: np.mean(per_item_by_seed, axis=1)}, chance=0.0, origin="bigbench")
@@ -939,7 +939,7 @@ def test_icl_sweep_by_item_and_gain_by_cell_read_the_cells_above_chance():
 
 def test_dyck_gain_reads_the_largest_k_that_prompts_fit():
     """With k = 2 and k = 4 both kept by most prompts, the dyck_languages claim is at k = 4, over its items."""
-    import stats
+    from lab import stats
 
     def dyck(per_item):
         t = task({k: [float(np.mean(v))] * 2 for k, v in per_item.items()}, chance=0.0, origin="bigbench")
@@ -991,7 +991,7 @@ def test_length_families_by_hand(tmp_path):
 
 def test_downstream_claims_and_report(tmp_path):
     """Claims are paired differences decided by stats.verdict; a refused calibration is 'not resolved' with why."""
-    import stats
+    from lab import stats
     rng = np.random.default_rng(0)
     recs = []
     for i, (scale, label) in enumerate([(f"t{s}", lab) for s in (32, 64, 96) for lab in ("S~50%", "S~85%")]):
@@ -1047,7 +1047,7 @@ def test_core_difference_below_chance_gets_no_verdict():
 def test_run_unit_pairs_each_training_seed_of_a_cell():
     """unit="run" averages a run pair's branches and keeps each (cell, seed) apart: n = cells x seeds, and the
     interval is paired_difference over those run means."""
-    import stats
+    from lab import stats
     rng = np.random.default_rng(1)
     recs, runs = [], {}
     for c, scale in enumerate(("t32", "t64", "t96")):
@@ -1113,7 +1113,7 @@ def test_item_noise_holds_a_gain_carried_by_two_items_unresolved():
     gain sits on items 0 and 1 of one task in every pair: the run pairs agree (t-interval clear of 0), but a
     resample drops both items with probability 0.8^10 = 0.11, so the interval over items reaches 0, and so does
     the interval of both noises that decides. A gain spread over most items is resolved."""
-    import stats
+    from lab import stats
     flat = [0.0] * 10
     recs = []
     for i in range(6):
@@ -1138,7 +1138,7 @@ def test_item_noise_equals_a_per_draw_loop_over_eval_summarise(origin, key):
     """Two tasks of each origin (different rho; generation tasks with unequal token counts), two seeds per cell
     (a unit of two endpoint pairs): the vectorised draws give the percentile interval of a per-draw loop that
     re-runs eval.summarise, and "both" adds the draws' variance to the t-interval's."""
-    import stats
+    from lab import stats
     rng, recs = np.random.default_rng(2), []
     for c in range(4):
         for seed in range(2):
@@ -1199,7 +1199,7 @@ def test_item_noise_refusals():
 def test_residual_claim_is_a_t_interval_over_run_means():
     """The Eq. 7 residual claim's unit is the SMELT run: 3 seeds x 2 branches give n = 3 and the t-interval of the
     three run means, not of the six endpoints (which share trajectories in pairs)."""
-    import stats
+    from lab import stats
     recs, res, means = [], [], [0.02, 0.05, 0.03]
     for seed, m in enumerate(means):
         for branch, half in ((10, -0.01), (20, 0.01)):
@@ -1215,7 +1215,7 @@ def test_residual_claims_leave_out_endpoints_outside_the_baseline_loss_range():
     """An endpoint whose loss lies outside the Baseline's (calibrate's "inside" False) reads the sigmoid's
     extrapolation, not a calibration: it is left out of the residual claims, and their why counts it. Here the
     third seed's endpoints are outside: n = 2 runs; every t128 endpoint outside: no growth interval."""
-    import stats
+    from lab import stats
     recs, res, inside, means = [], [], [], [0.02, 0.05, 0.9]
     for seed, m in enumerate(means):
         for scale in ("t32", "t128"):
@@ -1295,7 +1295,7 @@ def test_shot_sweep_plot_leaves_out_at_chance_tasks(tmp_path):
 def test_length_tilt_claim_needs_a_gain_not_a_loss():
     """When SMELT is worse on average, each shape normalises a loss: a ratio below 1 then means the deficit is
     smaller on long documents (the claim's direction, inverted), so the claim gets no verdict."""
-    import stats
+    from lab import stats
     fam = {"paper": 1.52, "n_contrasts": 12, "n_negative": 12, "why": None,
            "long_short": stats.Interval(0.67, 0.39, 0.99, 12, 0.95, "bootstrap").to_dict()}
     [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
@@ -1325,7 +1325,7 @@ def test_segment_lengths_match_a_per_row_loop():
 def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
     """The tilt claim is withheld only when SMELT's gain is negative in *most* contrasts (n_negative * 2 > n):
     6 of 12 negative is a tie, and the interval is decided as usual."""
-    import stats
+    from lab import stats
     fam = {"paper": 1.52, "n_contrasts": 12, "n_negative": 6, "why": None,
            "long_short": stats.Interval(1.5, 1.2, 1.8, 12, 0.95, "bootstrap").to_dict()}
     [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]
@@ -1338,7 +1338,7 @@ def test_length_tilt_keeps_its_verdict_when_half_the_contrasts_are_negative():
 def test_length_tilt_over_few_contrasts_decides_nothing():
     """Below stats.MIN_BOOTSTRAP_UNITS (10) contrasts a percentile bootstrap under-covers: an interval wholly above 1
     is kept for the record but the claim is not resolved, and says why; at 10 it is decided."""
-    import stats
+    from lab import stats
     fam = {"paper": 1.52, "n_contrasts": 5, "n_negative": 0, "why": None,
            "long_short": stats.Interval(1.5, 1.2, 1.8, 5, 0.95, "bootstrap").to_dict()}
     [c] = [c for c in downstream_claims.downstream_claims([], families={"SMELT vs Baseline": fam}) if c["id"] == "length tilt"]

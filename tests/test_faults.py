@@ -696,7 +696,7 @@ def test_probes_cli_refuses_a_file_as_out_dir(tmp_path, capsys):
 @pytest.mark.fault("corruption")
 @pytest.mark.parametrize("damage", ["truncated", "edited", "unhashed", "figure_gone", "absolute_figure"])
 def test_damaged_probes_json_is_named_and_recomputed(tmp_path, capsys, damage):
-    import probe_io
+    from lab import probe_io
     path, fig = tmp_path / "probes.json", tmp_path / "figures" / "fig23.png"
     fig.parent.mkdir()
     fig.write_bytes(b"png")
@@ -779,7 +779,7 @@ def test_fault_table_counts_each_case_by_its_class(tmp_path, capsys):
 @pytest.mark.parametrize("kw,name", [(dict(ks=(0, 1)), "ks"), (dict(ks=()), "ks"), (dict(n_items=0), "n_items"),
                                      (dict(block_size=-5), "block_size"), (dict(n_targets=1.5), "n_targets")])
 def test_dyck_prompts_refuse_bad_values_by_name(kw, name):
-    import dyck_probe
+    from lab import dyck_probe
     with pytest.raises(ValueError, match=rf"dyck_prompts: {name} must"):
         dyck_probe.dyck_prompts(None, **{"block_size": 64, **kw})
 

@@ -137,7 +137,7 @@ def test_scripts_runs_config(tmp_path, capsys, fault):
 @pytest.mark.fault("cli")
 @pytest.mark.parametrize("fault", FAULTS)
 def test_scaling_results_file(tmp_path, capsys, forbid, fault):
-    import scaling_analysis
+    from lab import scaling_analysis
     good = {"arch": "Baseline", "scale": "t64", "sparsity_label": "S~85%", "F": 1e6, "S": 0.85, "D": 1e5,
             "val_loss": 4.0}
     row = {"malformed": None, "wrong_type": {**good, "F": "big"},
@@ -250,7 +250,7 @@ def test_the_real_entry_point_is_one_line(tmp_path):
                        f"double quotes: fix the file\n"
 
 
-ENTRY_POINTS = ["reproduce.py", "train.py", "eval.py", "probes.py", "budget.py", "scaling.py", "data.py", "bench.py",
+ENTRY_POINTS = ["reproduce.py", "train.py", "eval.py", "probes.py", "budget.py", "scaling.py", "data.py", "lab/bench.py",
                 *sorted(f"scripts/{p.name}" for p in (ROOT / "scripts").glob("*.py") if p.name != "common.py")]
 
 

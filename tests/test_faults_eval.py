@@ -8,7 +8,7 @@ import pytest
 import checks
 import eval as ev
 import runfiles
-import tasks
+from lab import tasks
 from test_eval import CharTok, Successor, save_run
 
 

@@ -14,7 +14,7 @@ import checkpoint
 import eval as ev
 import runfiles
 import train as T
-import validation
+from lab import validation
 from toys import tiny_model, tiny_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -209,7 +209,7 @@ def test_memory_floor_is_a_lower_bound():
 
 
 def test_machine_settings_name_what_a_run_uses():
-    import cpu_fast
+    from lab import cpu_fast
     ms = cpu_fast.machine_settings()
     assert ms["torch_threads"] == torch.get_num_threads() and ms["cpus"] >= 1 and ms["cpu_dtype"] == "fp32"
     assert json.loads(json.dumps(ms)) == ms   # printable in a summary, and read back as it was

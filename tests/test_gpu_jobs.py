@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cli
-import costs
+from lab import costs
 import reproduce
 
 GiB = 1 << 30
@@ -103,7 +103,7 @@ def test_decay_data_not_fresh_is_said_in_the_plan_line_and_the_report(smoke_plan
     """A plan reading over one epoch repeats stable-phase data in its decay window (SMELT 3.1 decays on fresh
     data): the plan line warns, the report's plan section says "not fresh"; at most one epoch is "fresh"."""
     import configs
-    import report
+    from lab import report
     plan, ladder, data, cost = smoke_plan
     for epochs, fresh in ((0.96, True), (1.0, True), (17.2, False)):
         reproduce.log_plan_cost({**cost, "epochs_per_run": epochs})

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 import budget
 import configs
-import costs
+from lab import costs
 import moe
 import train
 from model import GPT, ModelConfig
@@ -281,7 +281,7 @@ def _scored_by_a_stand_in(plan, data) -> tuple[Counter, int]:
     """The slow reference of costs.scoring_counts: every task and k evaluate_endpoint scores, run through
     tasks.evaluate_task on _NoMath at CUDA's batch size, its forwards and host reads counted; and the
     sequences evaluate_task's own results say it scored (one per item, seed and option)."""
-    import tasks as tasks_mod
+    from lab import tasks as tasks_mod
     enc, model = data.tokenizer(), _NoMath(data.vocab_size, plan.block_size)
     n, rows = Counter(), 0
     model.register_forward_pre_hook(lambda _m, args: n.update(calls=1, rows=args[0].shape[0],

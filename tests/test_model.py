@@ -49,7 +49,7 @@ def test_decode_equals_full_forward(kw):
 def test_few_row_projection_layout_matches_f_linear(shape):
     """cpu_fast.linear (W x^T for 1..SKINNY_ROWS rows in CPU inference) equals the plain F.linear,
     with F.linear's contiguous output, for empty and non-contiguous inputs too."""
-    import cpu_fast
+    from lab import cpu_fast
     torch.manual_seed(0)
     x = torch.randn(48, 3).t() if shape == "transposed" else torch.randn(*shape)   # (3, 48), not contiguous
     w = torch.randn(80, 48)
@@ -69,7 +69,7 @@ def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
     """The model is plain nn.Linear: `few_row_projections` is entered by forward_step only, routes every
     attention / SwiGLU / head projection through cpu_fast.linear, is removed afterwards, and gives the
     logits of plain F.linear (SKINNY_ROWS = 0) to float rounding."""
-    import cpu_fast
+    from lab import cpu_fast
     import model as model_lib
     torch.manual_seed(0)
     m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
@@ -104,7 +104,7 @@ def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
 def test_few_row_layout_refuses_a_projection_with_a_bias():
     """The few-row forward multiplies by the weight only: a projection given a bias is refused by name rather than
     decoded without it."""
-    import cpu_fast
+    from lab import cpu_fast
     m = GPT(tiny()).eval()
     m.blocks[1].attn.wq = torch.nn.Linear(m.cfg.d_model, m.cfg.n_head * m.cfg.hd, bias=True)
     with pytest.raises(ValueError, match="projections with a bias are not supported"):
@@ -113,7 +113,7 @@ def test_few_row_layout_refuses_a_projection_with_a_bias():
 
 def test_one_row_projection_is_plain_f_linear_on_one_thread():
     """On one thread the 1-row product is not padded (the GEMV is the faster kernel there)."""
-    import cpu_fast
+    from lab import cpu_fast
     x, w = torch.randn(1, 48), torch.randn(80, 48)
     threads = torch.get_num_threads()
     try:
@@ -424,7 +424,7 @@ def test_cuda_flex_forward_and_backward_match_sdpa_on_the_document_mask(dtype, t
     """Flex attention (compiled kernel, compiled block mask) against SDPA with the boolean
     block-diagonal causal mask: output and dq, dk, dv, with GQA, through attention.attend.
     The same comparison is the first figure of scripts/gpu_check.sh (bench.py flex)."""
-    import bench
+    from lab import bench
     r = bench.flex_vs_sdpa(torch.device("cuda"), B=2, H=4, Hkv=2, T=512, hd=64, dtype=dtype, mean_doc=100,
                            time_it=False)
     assert r["shape"]["documents"] > 4
@@ -437,7 +437,7 @@ def test_cuda_eager_flex_does_not_materialise_the_scores():
     """Validation runs the uncompiled model: its flex call must still be the compiled kernel with a
     compiled block mask. Eager flex would hold B x H x T x T fp32 scores (268 MB here)."""
     import attention
-    import bench
+    from lab import bench
     dev = torch.device("cuda")
     B, H, T, hd = 8, 8, 1024, 64
     q, k, v = (torch.randn(B, H, T, hd, device=dev, dtype=torch.bfloat16) for _ in range(3))
@@ -457,7 +457,7 @@ def test_cuda_eager_flex_does_not_materialise_the_scores():
 def test_cuda_compiled_moe_step_is_one_graph_without_syncs():
     """bf16 autocast training step of a SMELT config on CUDA: one graph (fullgraph), the fused
     grouped matmul where the GPU has it, and no synchronising call in a steady-state step."""
-    import bench
+    from lab import bench
     from torch._dynamo.utils import counters
     from model import compile_model
     from train import Objective

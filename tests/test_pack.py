@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import corpus
+from lab import corpus
 import data
-import tokenizer
+from lab import tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

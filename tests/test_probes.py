@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import data
-import dyck_probe
-import probe_io
-import probe_claims
-import probe_plots
-import tokenizer
+from lab import dyck_probe
+from lab import probe_io
+from lab import probe_claims
+from lab import probe_plots
+from lab import tokenizer
 import probes
 import runfiles
-import stats
+from lab import stats
 from loop import LoopConfig
 from model import GPT, ModelConfig
 

@@ -4,11 +4,11 @@ import json
 import numpy as np
 import pytest
 
-import probe_claims
-import report
-import stats
-import downstream_claims
-import wins
+from lab import probe_claims
+from lab import report
+from lab import stats
+from lab import downstream_claims
+from lab import wins
 
 
 def test_percentiles_with_failures_and_welch():
@@ -299,7 +299,7 @@ def test_training_summary_pairs_final_losses_and_carries_the_seed_noise():
 
 def test_probe_verdict_needs_both_intervals():
     """A probe claim is reproduced only when the held-out interval and the across-pairs interval agree."""
-    import probe_claims
+    from lab import probe_claims
     below, straddles = stats.Interval(-0.3, -0.5, -0.1, 8), stats.Interval(-0.1, -0.4, 0.2, 3)
     claim = lambda a: {"interval": below, "across_pairs": a}
     assert [probe_claims._verdict(claim(a), "<", 0.0) for a in (below, straddles, None)] == [

@@ -10,7 +10,7 @@ import pytest
 import cli
 import configs
 import reproduce
-import stats
+from lab import stats
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
     from dataclasses import replace
 
     import budget
-    import report
+    from lab import report
     plan = configs.PLANS["smoke"]
     assert (plan.n_loops, plan.span_fraction, plan.n_shared_experts) == (2, 0.5, 0)
     assert reproduce.loop_knobs(plan) == {}
@@ -132,7 +132,7 @@ def test_stage_ladder_keeps_the_plans_scales_and_cells(tmp_path, monkeypatch):
 def test_curves_draw_each_segments_last_row_but_not_short_validation_rows():
     """train_plots.ce_rows: a few-step row logged for a mid-interval validation is not drawn as train CE; the
     last row of a short decay branch is (small: 25 decay steps against a 58-step log interval)."""
-    import train_plots
+    from lab import train_plots
     ms = [{"branch": None, "step": 58, "ce_steps": 58}, {"branch": None, "step": 60, "ce_steps": 2},
           {"branch": None, "step": 116, "ce_steps": 56}, {"branch": 100, "step": 116, "ce_steps": 16},
           {"branch": 100, "step": 125, "ce_steps": 9}]

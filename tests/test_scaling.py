@@ -14,13 +14,13 @@ import pytest
 from scipy.optimize import minimize, minimize_scalar
 
 import scaling
-import scaling_analysis
-import scaling_rows
-import scaling_tables
+from lab import scaling_analysis
+from lab import scaling_rows
+from lab import scaling_tables
 from scaling import (PAPER_BASELINE, PAPER_BUDGETS, PAPER_CE_GAIN_PCT, PAPER_SMELT, PAPER_SPARSITIES,
                      PAPER_TPP_1E21, Coeffs, Points, ce_gain, fit, fit_result, frontier_loss, huber_objective, loss,
                      optimal_flops_per_token, tpp)
-from scaling_analysis import cell_bootstrap, fit_subsets, quartile_gains
+from lab.scaling_analysis import cell_bootstrap, fit_subsets, quartile_gains
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "chinchilla_fig4_points.csv")
 SCALES = (1e8, 2e8, 6e8, 1.6e9)            # active params of the paper's four scales

@@ -116,7 +116,7 @@ def test_howto_adapters(tmp_path):
 
 
 def test_howto_plt(tmp_path):
-    import stats
+    from lab import stats
     variants = ["no_loop", "sequential", "unshifted", "plt_add", "plt_add_kv", "plt_norm_gate"]
     r = run("howto_plt", tmp_path, "--steps", "4", "--variants", *variants, "--ratio-tokens", "128")
     rows = {row["variant"]: row for row in r["rows"]}
@@ -202,7 +202,7 @@ class _OneDocData:
     """A held-out set of one source holding one known text, in TokenData's interface."""
 
     def __init__(self, text: str, vocab: int = 512):
-        import tokenizer
+        from lab import tokenizer
         self.vocab_size, self.eot = vocab, vocab - 1
         self.sources, self.domains = ["s"], {"s": "code"}
         self._tok = tokenizer.get_tokenizer(vocab)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-import stats
+from lab import stats
 
 
 def test_mean_interval_hand_computed():

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-import plots
-import stats
-from probe_claims import _cells, max_visits, pair_intervals, panels, visit_words
+from lab import plots
+from lab import stats
+from lab.probe_claims import _cells, max_visits, pair_intervals, panels, visit_words
 
 VISIT_COLORS = ["tab:blue", "tab:red", "tab:green", "tab:purple"]
 DPI = 120

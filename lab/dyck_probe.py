@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import probe_io
+from lab import probe_io
 
 DYCK_KS = (1, 2, 4, 8)
 CLOSERS = (")", "]", "}", ">")
@@ -67,7 +67,7 @@ def dyck_prompts(enc, block_size: int, ks: Sequence[int] = DYCK_KS, n_items: int
     "ks": the k values used, "skipped_k": those that cannot fit block_size}.
     """
     probe_io.positive_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
-    import tasks as ev   # build_prompt, load_bigbench
+    from lab import tasks as ev   # build_prompt, load_bigbench
     task = task or ev.load_bigbench("dyck_languages")
     encode = getattr(enc, "encode_ordinary", None) or enc.encode
     items = task.items

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 import configs
-import plots
+from lab import plots
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -129,6 +129,6 @@ def fetch_gpt2_files(cache_dir: Path) -> Path:
 # ----------------------------------------------------------------------------- the cache and its file helpers
 def cache_root() -> Path:
     """Where packages, BPE files and prepared datasets live: $LOOPED_MOE_CACHE or <repo>/.cache."""
-    return Path(os.environ.get("LOOPED_MOE_CACHE") or Path(__file__).resolve().parent / ".cache")
+    return Path(os.environ.get("LOOPED_MOE_CACHE") or Path(__file__).resolve().parents[1] / ".cache")
 
 

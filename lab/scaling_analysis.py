@@ -29,12 +29,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-import scaling_plots
-import stats
+from lab import scaling_plots
+from lab import stats
 from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain,
                      check_budget, data_ranges, fit, fit_result, optimal_flops_per_token, short_num, tpp)
-from scaling_rows import cell_id, check_rows, seed_means, split_control, subset_points, to_points
-from scaling_tables import failed_text, format_table, markdown, pct_text, tpp_text, why_text
+from lab.scaling_rows import cell_id, check_rows, seed_means, split_control, subset_points, to_points
+from lab.scaling_tables import failed_text, format_table, markdown, pct_text, tpp_text, why_text
 
 
 # ----------------------------------------------------------------------------- cell bootstrap (SMELT 4.3's brackets)

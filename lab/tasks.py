@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from checks import JSONFileError, read_json
 
-TASK_DIR = Path(__file__).resolve().parent / "tasks" / "bigbench"
+TASK_DIR = Path(__file__).resolve().parents[1] / "tasks" / "bigbench"
 # name -> (kind, DCLM category, DCLM shots, DCLM v2 random baseline as a fraction)
 REAL_TASKS = {
     "qa_wikidata": ("gen", "World Knowledge", 10, 0.0),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import stats
+from lab import stats
 
 _EPS = 1e-8   # as probes.EPS: guards a unit with a zero count
 

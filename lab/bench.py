@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import attention
 import cli
-from bench_harness import clock_for, interleaved, machine, run_benchmarks, sync, threads, update_json
+from lab.bench_harness import clock_for, interleaved, machine, run_benchmarks, sync, threads, update_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 from moe import MoE, compute_dtype
@@ -270,7 +270,7 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     of the median time per token. "skinny" is the default (few-row products as W x^T on CPU);
     "F.linear" turns that rule off. On CUDA only the default is timed (the rule never applies).
     """
-    import cpu_fast
+    from lab import cpu_fast
     models = {}
     for name, cfg in decode_models().items():
         torch.manual_seed(0)

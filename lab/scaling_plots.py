@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-import plots
+from lab import plots
 from scaling import CONTROL_LABEL, Coeffs, Points, frontier_loss, loss
 
 

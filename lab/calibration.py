@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tasks import centred_accuracy, chance_of
+from lab.tasks import centred_accuracy, chance_of
 
 def sigmoid4(loss, a: float, b: float, alpha: float, tau: float, d: int):
     """SMELT Eq. 6: b + a / (1 + exp(-d alpha (loss - tau))), a, alpha > 0; d = +1 increasing, -1 decreasing."""
@@ -97,7 +97,7 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
     are not), and over the inside others only: "mean_residual", "residual_interval" (stats.mean_interval,
     a dict; None when none is inside), "by_group"}.
     """
-    import stats
+    from lab import stats
     bl, bs = np.asarray(base_losses, dtype=float), np.asarray(base_scores, dtype=float)
     ol, os_ = np.asarray(other_losses, dtype=float), np.asarray(other_scores, dtype=float)
     for name, a, b in (("Baseline", bl, bs), ("other", ol, os_)):

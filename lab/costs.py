@@ -65,7 +65,7 @@ def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
     (tasks.scoring_batches at BATCH_TOKENS["cuda"]) for every task and k eval.evaluate_endpoint scores
     (tasks.demos_available): no model runs. One host read per batch (its scores, read once).
     tests/test_gpu_path.py checks it against evaluate_task run on a stand-in model."""
-    import tasks as tasks_mod
+    from lab import tasks as tasks_mod
     n = Counter()
     for name in tasks_mod.resolve_tasks(plan.tasks):
         task = tasks_mod.get_task(name)

@@ -18,9 +18,9 @@ from typing import Sequence
 
 import numpy as np
 
-import plots
-from calibration import sigmoid4
-from tasks import chance_of
+from lab import plots
+from lab.calibration import sigmoid4
+from lab.tasks import chance_of
 
 def _above_chance(task: dict) -> bool:
     """Some k of this task entry has accuracy above its chance rate."""

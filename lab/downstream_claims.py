@@ -17,10 +17,10 @@ from typing import Sequence
 
 import numpy as np
 
-import stats
-from calibration import calibration_report
-from tasks import centred_accuracy
-from wins import (WIN_METRICS, check_grid, icl_sweep, length_families, matched_pairs, metric_value, scale_rank,
+from lab import stats
+from lab.calibration import calibration_report
+from lab.tasks import centred_accuracy
+from lab.wins import (WIN_METRICS, check_grid, icl_sweep, length_families, matched_pairs, metric_value, scale_rank,
                   win_counts)
 
 

@@ -25,10 +25,10 @@ from typing import Sequence
 
 import numpy as np
 
-import stats
+from lab import stats
 from runfiles import endpoint_id
-from tasks import chance_of
-from validation import long_short_ratio, normalised_shape
+from lab.tasks import chance_of
+from lab.validation import long_short_ratio, normalised_shape
 
 
 def check_grid(records: Sequence[dict]) -> None:

@@ -44,7 +44,7 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
     """The training claims, with their noise: did every model learn (each endpoint's validation loss vs the
     corpus's unigram entropy); SMELT - Baseline final validation loss, paired over seeds in the repeated
     cell (t-interval) and per cell at seed 0 with the seed noise measured in the repeated cell."""
-    import stats
+    from lab import stats
     fin = finals(rows)
     learned = {"entropy": entropy, "required_margin": 1.5, "endpoints": len(rows),
                "min_margin": min((entropy - r["val_loss"] for r in rows), default=None),
@@ -160,13 +160,13 @@ def _derived_text(d: dict | None, nd: int = 3, scale: float = 1.0) -> str:
     fail = f" ({100 * d['failed_share']:.1f} % of draws failed)" if d.get("failed_share") is not None else ""
     if iv is None:
         return f"{d['point'] * scale:+.{nd}f} (no interval: {d.get('interval_why') or 'no bootstrap'})"
-    import stats
+    from lab import stats
     return stats.Interval(**iv).fmt(nd, scale) + fail
 
 
 def _scaling_claims(scal: dict) -> list[list[str]]:
     """SMELT 4.3 / 5.2's further claims from scaling_analysis's `derived` entries and per-domain gains."""
-    import stats
+    from lab import stats
     der = scal.get("derived") or {} if isinstance(scal, dict) else {}
     why = "not resolved at this scale: " + _short(scal.get("error") or "; ".join(scal.get("gains", {}).get("why", []))
                                                   or "no pair bootstrap (two identified surfaces and n_boot > 0)")
@@ -207,8 +207,8 @@ def _code_claim(scal: dict) -> str:
 
 def _overlap_claim(prb: dict) -> list[str]:
     """SMELT 6.1: expert overlap / k at the largest pool minus the smallest, per scale (probe_claims)."""
-    import probe_claims
-    import stats
+    from lab import probe_claims
+    from lab import stats
     o = probe_claims.overlap_by_sparsity(prb)
     iv = o["interval"]
     return ["expert overlap falls as sparsity rises: overlap / k at the largest pool minus the smallest, mean over "
@@ -237,7 +237,7 @@ def _ablation_claims(out: Path | None) -> list[list[str]]:
 def _ce_gain_claim(scal: dict) -> list[str]:
     """CE gain > 0 at budgets inside the data: reproduced when every non-extrapolated cell's bootstrap interval
     is above 0, contradicted when one is wholly below, else not resolved (also: no identified fit)."""
-    import stats
+    from lab import stats
     claim, paper = "CE gain of SMELT over Baseline > 0 at the in-window budgets (Sec. 4.3)", PAPER["ce_gain"]
     g = scal.get("gains", {}) if isinstance(scal, dict) else {}
     if "error" in scal or not g.get("available"):
@@ -273,7 +273,7 @@ def _iv(d: dict | None, nd: int = 3) -> str:
     """An Interval dict as 'mean [lo, hi]' (or 'mean (no interval)')."""
     if not d:
         return "n/a"
-    import stats
+    from lab import stats
     return stats.Interval(**d).fmt(nd)
 
 
@@ -527,7 +527,7 @@ def run_summary(preset: str, stage_s: dict, wall: float) -> dict:
     import platform
     import subprocess
     import sys
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]
 
     def git(*a):
         try:

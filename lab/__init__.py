@@ -1,0 +1,1 @@
+"""The machinery behind the concepts at the root: see lab/README.md."""
