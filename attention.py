@@ -232,7 +232,7 @@ class Cache:
 class Attention(nn.Module):
     RESIDUAL_OUT = ("wo.weight",)                       # GPT.init_weights: depth-scaled std
     OWN_INIT = ("kv_gate.weight",)                      # zero-initialised here, skipped by GPT.init_weights
-    DECODE_PROJECTIONS = ("wq", "wk", "wv", "wo")       # cpu_fast.few_row_projections
+    DECODE_PROJECTIONS = ("wq", "wk", "wv", "wo")       # model.few_row_projections
 
     def __init__(self, cfg: ModelConfig, layer: int,
                  adapters: Callable[[dict[str, tuple[int, int]]], nn.ModuleDict] | None = None):

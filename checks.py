@@ -140,3 +140,14 @@ def require_keys(obj, keys, where: str) -> None:
     missing = [k for k in keys if k not in obj]
     if missing:
         raise JSONFileError(f"{where}: missing key(s) {missing}")
+
+
+def positive_ints(where: str, **values) -> None:
+    """ValueError naming the first value that is not a positive integer (a sequence: every element)."""
+    for name, v in values.items():
+        for x in (v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+                raise ValueError(f"{where}: {name} must be a positive integer (or a non-empty list of them), "
+                                 f"got {v!r}")
+        if isinstance(v, (tuple, list)) and not v:
+            raise ValueError(f"{where}: {name} must not be empty")

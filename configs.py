@@ -5,7 +5,7 @@ size means lives here as plain tables, so the code that uses them reads like its
   * LADDERS       the Baseline grid of each run size (scales x expert pools, SMELT Appendix A for
                   `paper`) and budget.match's search options; budget.ladder_cells matches a SMELT to
                   each Baseline (SMELT 3.2); budget.preset_baselines builds their ModelConfigs.
-  * DATA_PRESETS  the corpus sizes data.prepare builds (smoke | tiny | small).
+  * DATA_PRESETS  the corpus sizes corpus.prepare builds (smoke | tiny | small).
   * PLANS         what reproduce.py trains and evaluates per run size (WSD schedule, SMELT 3.1;
                   eval sizes; seeds), and the loop knobs the ladder is matched with: r = n_loops,
                   span_fraction (loop.middle_span), n_shared_experts; later stages read r from the runs.
@@ -103,7 +103,7 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
 
 
 # ----------------------------------------------------------------------------------------
-# Data presets: the corpus sizes data.prepare builds
+# Data presets: the corpus sizes corpus.prepare builds
 
 @dataclass(frozen=True)
 class DataPreset:
@@ -141,7 +141,7 @@ def data_preset(name: str) -> DataPreset:
 @dataclass
 class Plan:
     """Everything a preset decides besides the model ladder (which LADDERS holds)."""
-    data: str                       # data.prepare preset
+    data: str                       # corpus.prepare preset
     ladder: str                     # LADDERS preset (its block size is the training context)
     block_size: int                 # training context; must equal LADDERS[ladder]["block"]
     batch_size: int

@@ -10,12 +10,11 @@ import pytest  # noqa: E402
 import threadpoolctl  # noqa: E402,F401  -- sets KMP_DUPLICATE_LIB_OK on import: once, before any test's snapshot
 with contextlib.suppress(ImportError):   # appends its _vendor folder to sys.path on import (inductor imports it)
     import setuptools  # noqa: E402,F401
-from lab import cpu_fast  # noqa: E402
-import train  # noqa: E402,F401  -- imported once, before any test's snapshot
+import train  # noqa: E402  -- imported once, before any test's snapshot
 
 # glibc's mmap / trim thresholds cannot be read back, so the state guard below cannot check them, and every
-# CPU Trainer raises them (cpu_fast.machine_settings): raised once here, every test sees the same allocator.
-cpu_fast.machine_settings(allocator=True)
+# CPU Trainer raises them (train.machine_settings): raised once here, every test sees the same allocator.
+train.machine_settings(allocator=True)
 
 
 @pytest.fixture(scope="module")

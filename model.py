@@ -12,7 +12,7 @@ RMSNorm and an untied output head. This file holds that template:
     the span's loops in order in training (How-to-Loop Algorithm 1) and, decoding one token,
     all loops as one batched call over the shared weights (Algorithm 2).
   * Decoding: `new_cache`, `forward_step` (prefill or one-token steps; logits equal the full
-    forward's) and `generate`. On CPU forward_step runs under cpu_fast.few_row_projections.
+    forward's) and `generate`. On CPU forward_step runs under few_row_projections.
   * `init_weights`: N(0, init_std) everywhere; each module's `RESIDUAL_OUT` parameters get
     std / sqrt(2 * n_layer) (GPT-2's rule over stored layers, looped or not); `OWN_INIT` modules are skipped.
   * `compile_model`: torch.compile for training (one graph per config, tests/test_compile.py).
@@ -24,8 +24,11 @@ Read loop.py, attention.py and moe.py next; design notes and measurements: docs/
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import types
+import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from numbers import Integral, Real
@@ -38,7 +41,6 @@ from torch import Tensor
 import loop as looping
 from attention import KV, Attention, Cache, rope_table
 from checks import check_fields, from_dict
-from lab.cpu_fast import few_row_projections
 from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
 from moe import IMPLS as MOE_IMPLS, MoE, RouterStats
 
@@ -142,7 +144,7 @@ class Output:
 
 class SwiGLU(nn.Module):
     RESIDUAL_OUT = ("down.weight",)                     # GPT.init_weights: depth-scaled std
-    DECODE_PROJECTIONS = ("gate", "up", "down")         # cpu_fast.few_row_projections
+    DECODE_PROJECTIONS = ("gate", "up", "down")         # few_row_projections
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -481,7 +483,7 @@ class GPT(nn.Module):
         p0 = cache.length
         pos = torch.arange(p0, p0 + T, device=idx.device)
         ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None, B, cache=cache, start=p0)
-        with few_row_projections(self):   # a CPU speed switch only (cpu_fast.py); same logits
+        with few_row_projections(self):   # a CPU speed switch only (below); same logits
             x = self.tok_emb(idx)
             x = self._visits(x, ctx, self.plan, []) if self.plt is None else self._plt_step(x, ctx, cache)
             logits = self._head(x, None, []).logits
@@ -553,3 +555,71 @@ def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="induct
     """
     torch._dynamo.reset()
     return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)
+
+
+# ---- CPU decoding: a few rows times a large matrix run as W @ x^T (docs/cpu_fast.md) ----
+# Products with at most this many rows (batch-1 decoding; PLT's r stacked loops) run as
+# W @ x^T under `few_row_projections`. 0 turns the rule off (bench.py times both).
+SKINNY_ROWS = 16
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight^T, (..., d_in) -> (..., d_out): F.linear, except that in CPU inference a product of
+    1..SKINNY_ROWS rows runs as W @ x^T (a single row padded to two when torch has 2+ threads)."""
+    rows = x.numel() // x.shape[-1]
+    if (not 0 < rows <= SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()):
+        return F.linear(x, weight)
+    x_RD = x.reshape(rows, x.shape[-1])
+    if rows == 1:   # MKL's GEMV runs on one thread here; a two-column GEMM uses them all
+        if torch.get_num_threads() == 1:
+            return F.linear(x, weight)
+        x_RD = torch.cat([x_RD, x_RD])
+    y_RO = torch.mm(weight, x_RD.t())[:, :rows].t().contiguous()   # (rows, d_out), F.linear's layout
+    return y_RO.view(*x.shape[:-1], weight.shape[0])
+
+
+def _few_row_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    return linear(x, self.weight)
+
+
+# model -> [(projection, its few-row forward)]: weak keys, so a model's entry goes with the model
+_BOUND: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def _projections(model: nn.Module) -> list[nn.Linear]:
+    """The matrices a decoded token passes: each module's DECODE_PROJECTIONS, then the head."""
+    lins = []
+    for m in model.modules():
+        lins += [getattr(m, name) for name in getattr(m, "DECODE_PROJECTIONS", ())]
+    head = getattr(model, "lm_head", None)
+    lins += [head] if head is not None else []
+    if biased := [type(m).__name__ for m in lins if m.bias is not None]:   # _few_row_forward drops a bias
+        raise ValueError(f"few_row_projections: projections with a bias are not supported ({biased})")
+    return lins
+
+
+@contextlib.contextmanager
+def few_row_projections(model: nn.Module):
+    """Within this block, the model's projections (`_projections`) compute with `linear` on CPU.
+
+    Each projection gets an instance-level `forward` for the duration of the block, removed on
+    exit (also on error); a block nested inside another leaves the outer one's in place. The list
+    of projections is built once per model (`_BOUND`); a projection swapped in later runs plain
+    F.linear (slower, same results). Outside this block the model is plain nn.Linear everywhere,
+    and a tied head (`tie_embeddings`) stays F.linear.
+    """
+    pairs = _BOUND.get(model)
+    if pairs is None:   # built once per model: this runs for every decoded token
+        pairs = _BOUND[model] = [(m, types.MethodType(_few_row_forward, m)) for m in _projections(model)]
+    if not pairs or pairs[0][0].weight.device.type != "cpu":
+        yield model
+        return
+    mine = [(m, f) for m, f in pairs if "forward" not in m.__dict__]
+    for m, f in mine:
+        m.__dict__["forward"] = f
+    try:
+        yield model
+    finally:
+        for m, _ in mine:
+            m.__dict__.pop("forward", None)

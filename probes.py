@@ -14,21 +14,16 @@ group), so memory grows with the units, never with tokens. The measures, for vis
                         (head h vs (h + H/2) mod H, same layer and visit), and sum_j min(p1_j, p2_j).
   Sec. 6.4, Fig. 28/30  attention-sink mass on the first token of each query's document.
 
-`probe` runs one model, `held_out_sample` draws the tokens every model sees (each domain equally),
-`probe_pairs` runs every matched (Baseline, SMELT) pair and the Dyck case study (dyck_probe.py).
-Read next: probe_claims.py (the quantity registry, intervals, claims), probe_plots.py (figures);
-the design choices are in docs/probes.md. Visits are numbered from 1 in every label ("L3.v2").
-
-CLI: python probes.py --pair NAME BASELINE_RUN SMELT_RUN [--pair ...] [--tokens N] [--out-dir DIR]
-writes probes.json and the figures (Fig. 21-28/30 per pair, Fig. 23 grid, App. D profiles).
+`probe` runs one model, `held_out_sample` draws the tokens every model sees (each domain equally).
+Visits are numbered from 1 in every label ("L3.v2"). The design choices are in docs/probes.md.
+Read next: lab/probe_pairs.py (every matched pair, and the CLI `python -m lab.probe_pairs --pair NAME
+BASELINE_RUN SMELT_RUN`, which writes probes.json and the figures), lab/probe_claims.py (the claims).
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,12 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import cli
-from lab import dyck_probe
-from lab import probe_claims
-from lab import probe_io
-from lab import probe_plots
-from lab import stats
 from loop import Visit
 
 EPS = 1e-8
@@ -536,138 +525,3 @@ def held_out_sample(data, tokens: int, block_size: int) -> Sample:
     if not idx:
         raise ValueError(f"held_out_sample: no source has a full {block_size}-token validation context")
     return Sample(torch.cat(idx), torch.cat(doc), units, srcs, doms)
-
-
-# ----------------------------------------------------------------------------------------
-# Every matched pair on one held-out sample
-
-def _load(model_or_path, device):
-    if isinstance(model_or_path, (str, os.PathLike)):
-        from eval import load_model   # one loader for run directories and endpoint files
-        return load_model(model_or_path, device)[0]
-    return model_or_path
-
-
-def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batch_size: int = 8,
-                dyck: bool = True, dyck_items: int = 8, dyck_ks: Sequence[int] = dyck_probe.DYCK_KS,
-                dyck_block_size: int | None = None, seed: int = 0,
-                attn_topk: Sequence[int] = (1, 8), device: str | None = None, n_draws: int = 1000,
-                log: Callable[[str], None] | None = print) -> dict:
-    """SMELT Section 6 on every matched pair: [(name, baseline, smelt)], each model a GPT or a run directory /
-    endpoint file (loaded one at a time). All models see one held-out sample (`held_out_sample`: about
-    `tokens` tokens, every domain equally) in contexts of block_size (the training context); the SMELT
-    model of each pair also runs the Dyck case study (prompts from data.tokenizer() that fit
-    block_size, or dyck_block_size if given: a k whose prompts do not fit is reported in "skipped_k",
-    never truncated).
-
-    Refused up front (ValueError naming the value): a count that is not a positive integer, a block_size beyond a
-    model's context, a pair that is not a matched (Baseline, SMELT) pair by the runs' configs (probe_io.check_pairs).
-    Returns a JSON-able dict: "sample" (what was probed), "pairs" {name: {"baseline", "smelt" (probe
-    results), "dyck", "seconds"}}, "aggregate" (each summary quantity averaged over pairs), "claims"
-    (`probe_claims.claims(result)` as JSON), "pair_intervals" (Fig. 23's quantities per pair, as JSON)
-    and "seconds". Pass the result to `probe_claims.claims` (for stats.Interval objects) and
-    `probe_plots.plot_pairs`.
-    """
-    probe_io.positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
-                           dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
-    probe_io.check_fit(pairs, probe_io.check_pairs(pairs), data, block_size)   # before any model runs
-    names = [p[0] for p in pairs]
-    log = log or (lambda m: None)
-    t0 = time.time()
-    sample = held_out_sample(data, tokens, block_size)
-    desc = sample.describe()
-    log(f"probes: {len(pairs)} pairs on {desc['tokens']} held-out tokens ({desc['contexts']} contexts, "
-        f"{desc['units']} document groups, domains {', '.join(desc['domains'])})")
-    enc = data.tokenizer() if dyck else None
-    out: dict = {"sample": desc, "pairs": {}, "order": names}
-    prompts_cache: dict[int, dict] = {}
-    for i, (name, base, smelt) in enumerate(pairs):
-        t1 = time.time()
-        entry: dict = {}
-        for arch, m in (("baseline", base), ("smelt", smelt)):
-            model = _load(m, device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            entry[arch] = probe(model, sample.batches(batch_size), attn_topk=attn_topk, units=sample.units)
-            if arch == "smelt" and dyck:
-                blk = min(model.cfg.block_size, dyck_block_size or block_size)   # no unseen distances
-                if blk not in prompts_cache:
-                    prompts_cache[blk] = dyck_probe.dyck_prompts(enc, blk, dyck_ks, dyck_items, seed=seed)
-                entry["dyck"] = dyck_probe.dyck_case_study(model, enc, prompts=prompts_cache[blk])
-            del model
-        entry["seconds"] = round(time.time() - t1, 2)
-        out["pairs"][name] = entry
-        s, last = entry["smelt"]["summary"], max(d["visit"] for d in entry["smelt"]["per_visit"].values())
-        log(f"probes {i + 1}/{len(pairs)} {name}: update ratio {_f(s.get('ratio_update'))}, top-8 overlap "
-            f"{_f(s.get('attn_top8'))} (control {_f(s.get('attn_top8_control'))}), sink in span "
-            f"{_f(s.get('sink_mass_span_v1'))} -> {_f(s.get(f'sink_mass_span_v{last}'))} ({entry['seconds']:.1f}s, "
-            f"eta {(time.time() - t0) / (i + 1) * (len(pairs) - i - 1):.0f}s)")
-    out["aggregate"] = probe_claims.aggregate(out)
-    cells = probe_claims._cells(out)                                 # shared: every bootstrap draws the same units
-    out["claims"] = [probe_claims.claim_json(c) for c in probe_claims.claims(out, n_draws, seed, _cells_of=cells)]
-    out["pair_intervals"] = probe_claims.panel_intervals(out, n_draws, seed, cells)
-    out["n_draws"] = n_draws
-    out["seconds"] = round(time.time() - t0, 2)
-    log(f"probes: done in {out['seconds']:.0f}s")
-    return out
-
-
-def _f(x, nd: int = 3) -> str:
-    return "n/a" if x is None else f"{x:.{nd}f}"
-
-
-# ----------------------------------------------------------------------------------------
-# CLI
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("SMELT Section 6 probes on matched (Baseline, SMELT) pairs.")
-    ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "BASELINE", "SMELT"),
-                    help="a matched pair: a name and two run directories or endpoint files (repeatable)")
-    ap.add_argument("--data-dir", default=None, help="prepared data directory (default: the SMELT run's data_dir)")
-    ap.add_argument("--tokens", type=cli.positive_int, default=4096,
-                    help="held-out tokens, split equally over the domains")
-    ap.add_argument("--block-size", type=cli.nonneg_int, default=0, help="context length (0: the first SMELT model's)")
-    ap.add_argument("--batch-size", type=cli.positive_int, default=8,
-                    help="probe batch (memory ~ visits x B x heads x T^2 x 4 bytes for attention maps)")
-    ap.add_argument("--dyck-items", type=cli.positive_int, default=8, help="Dyck query items (each at every k)")
-    ap.add_argument("--no-dyck", action="store_true", help="skip the Dyck case study")
-    ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="Dyck prompt seed and bootstrap seed")
-    ap.add_argument("--draws", type=cli.positive_int, default=1000, help="bootstrap draws per interval")
-    cli.add_device(ap)
-    cli.add_out_dir(ap, "output directory (default: probes/ beside the first SMELT run)")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> dict:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    import data as data_mod
-    device = cli.resolve_device(args.device)
-    pairs = [tuple(p) for p in args.pair]
-    try:                                                             # every bad value refused before any work
-        metas = probe_io.check_pairs(pairs)
-        meta = metas[0][1]                                           # the first SMELT run's config
-        data_dir = args.data_dir or meta.get("data_dir")
-        if not data_dir:
-            raise ValueError("--data-dir is needed: the SMELT run's config.json names no data_dir")
-        block = args.block_size or (meta.get("train") or {}).get("block_size") or meta["model"]["block_size"]
-        if args.tokens < block:
-            raise ValueError(f"--tokens {args.tokens} is less than one {block}-token context")
-        out = args.out_dir or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")
-        probe_io.check_out_dir(out)
-        data = data_mod.TokenData(data_dir)
-        probe_io.check_fit(pairs, metas, data, block)
-    except (ValueError, OSError, cli.UserError) as e:
-        ap.error(str(e))
-    res = probe_pairs(pairs, data, args.tokens, block, args.batch_size, dyck=not args.no_dyck,
-                      dyck_items=args.dyck_items, seed=args.seed, device=device, n_draws=args.draws)
-    res["figures"] = probe_plots.plot_pairs(res, out, n_draws=args.draws)
-    probe_io.save_result(os.path.join(out, "probes.json"), res)
-    for c in res["claims"]:
-        iv = c["interval"]
-        shown = "n/a" if iv is None else stats.Interval(**iv).fmt()
-        print(f"{c['id']:18s} {c['direction']} {c['value']:g}: {shown}  {c['verdict']}  (paper: {c['paper']})")
-    print(f"wrote {os.path.join(out, 'probes.json')} and {len(res['figures'])} figures", flush=True)
-    return res
-
-
-if __name__ == "__main__":
-    cli.run_main(main)

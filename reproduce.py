@@ -3,16 +3,16 @@
   python reproduce.py [--preset smoke|tiny|small|medium|paper] [--out-dir DIR] [--loops R]
 
 Stages (each reads the JSON the previous one wrote; finished work is skipped on re-run):
-  1. data      data.prepare(preset) (or a pack, --data-dir): the offline multi-domain corpus.
+  1. data      corpus.prepare(preset) (or a pack, --data-dir): the offline multi-domain corpus.
   2. ladder    budget.ladder_cells at the data's measured document length: each SMELT matched to
                its Baseline on FLOPs without the head, parameters and KV cache (SMELT 3.2), with the
                plan's r, span and shared experts. ladder.json; the plan's cost is printed first.
   3. train     train.train for every run of configs.plan_runs: WSD with decay branches (SMELT 3.1);
                both models of a cell and seed see identical batches. One row per branch.
-  4. eval      eval.evaluate_endpoint on every branch endpoint, then downstream_claims.downstream_report (SMELT 5,
+  4. eval      evaluate.evaluate_endpoint on every branch endpoint, then downstream_claims.downstream_report (SMELT 5,
                Appendix C, Eq. 6-7).
   5. scaling   scaling_analysis.analyse: separate surfaces per architecture, CE gain and TPP (SMELT 4, 5.2).
-  6. probes    probes.probe_pairs on every matched pair, all domains held out (SMELT 6).
+  6. probes    probe_pairs.probe_pairs on every matched pair, all domains held out (SMELT 6).
   7. report    report.write_report: REPORT.md, every claim reproduced / contradicted / not resolved
                by its interval; train_plots.plot_curves: the learning curves.
 This file holds the stages, the worker pool that runs them `--jobs` at a time, the plan's cost and
@@ -65,8 +65,9 @@ def fmt_time(seconds: float) -> str:
 
 def stage_data(plan: configs.Plan, data_dir: str | None = None):
     import data
+    from lab import corpus
     if data_dir is None:
-        data.prepare(plan.data)
+        corpus.prepare(plan.data)
         data_dir = data.default_data_dir(plan.data)
     d = data.TokenData(data_dir)
     log(f"data: {plan.data} preset ({d.dir}), vocab {d.vocab_size}, {len(d.sources)} sources, "
@@ -329,11 +330,11 @@ def _eval_one(job: tuple) -> dict:
     """Evaluate one endpoint and cache it as OUT/eval/ID.json: (endpoint path, data dir, plan, cache path, tag,
     run dir relative to the out dir: stored as the record's "run", so the out dir can move)."""
     import data as data_mod
-    import eval as ev
+    from lab import evaluate
     path, data_dir, plan, cache, tag, run = job
-    rec = ev.evaluate_endpoint(path, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
-                               val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir),
-                               log=lambda m: None)
+    rec = evaluate.evaluate_endpoint(path, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
+                                     val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir),
+                                     log=lambda m: None)
     rec["run"] = run
     runfiles.write_json(Path(cache), rec)
     return rec
@@ -394,22 +395,21 @@ def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
 
 
 def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dict:
-    """SMELT 6 on every matched pair (probes.probe_pairs), one held-out sample over all domains."""
-    from lab import probe_io
+    """SMELT 6 on every matched pair (probe_pairs.probe_pairs), one held-out sample over all domains."""
+    from lab import probe_pairs
     from lab import probe_plots
-    import probes
     path = out / "probes.json"
-    cached = probe_io.load_result(path)                             # None when absent or damaged (named)
+    cached = probe_pairs.load_result(path)                             # None when absent or damaged (named)
     if cached is not None:
         return cached
     runs = configs.plan_runs(out, ladder, plan)
     pairs = [(b.key + (f"_seed{b.seed}" if b.seed else ""), str(b.dir), str(s.dir))
              for b, s in zip(runs[::2], runs[1::2])]            # every matched pair, seed replicates included
     log(f"probes: {len(pairs)} matched pairs, {plan.probe_tokens} held-out tokens over every domain")
-    res = probes.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
+    res = probe_pairs.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
     largest = configs.cell_key(ladder[-1]["scale"], ladder[-1]["sparsity_label"])   # the per-pair figures: largest cell
     res["figures"] = probe_plots.plot_pairs(res, str(out / "figures" / "probes"), detail=[largest])
-    probe_io.save_result(path, res)                                 # hashed, figure paths relative to out
+    probe_pairs.save_result(path, res)                                 # hashed, figure paths relative to out
     return res
 
 
@@ -492,8 +492,8 @@ def main(argv=None) -> Path:
     out = runfiles.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{r}")   # before any work
     with runfiles.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
         if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
-            import data
-            data.use_pack(args.data_dir, plan.data)
+            from lab import corpus
+            corpus.use_pack(args.data_dir, plan.data)
         return _pipeline(args, plan, out)
 
 
@@ -529,13 +529,13 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
-    from lab import cpu_fast
-    ms = cpu_fast.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
+    import train
+    ms = train.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
     runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], avx512_bf16=ms["avx512_bf16"],
                    cpu_dtype=ms["cpu_dtype"],
                    malloc="per worker: " + ("environment" if ms["malloc"] == "environment" else
-                                            f"mmap threshold {cpu_fast.MALLOC_MMAP_BYTES >> 20} MiB, "
-                                            f"trim {cpu_fast.MALLOC_TRIM_BYTES >> 20} MiB")
+                                            f"mmap threshold {train.MALLOC_MMAP_BYTES >> 20} MiB, "
+                                            f"trim {train.MALLOC_TRIM_BYTES >> 20} MiB")
                    if runtime["device"] == "cpu" else ms["malloc"])
     log("runtime: " + ", ".join(f"{k} {v}" for k, v in runtime.items()))
     check_disk(plan, ladder, out, jobs)

@@ -12,19 +12,20 @@
 * The frontier for a budget C = F D, in closed form: F* (Eq. 3), L*(C, S) (Eq. 4, gamma =
   ac/(a+c)), `compute_for_loss` (Eq. 4 inverted), the CE gain of a target over a reference
   (Eq. 5) and tokens per dense-equivalent parameter `tpp` = D* / (F*/6).
-* `PAPER_*`: Table 4.3's printed coefficients; `python scaling.py --paper` recomputes its tables,
-  `python scaling.py --results results.jsonl` runs scaling_analysis.analyse over train.py's rows.
+* Rows -> points: `read_results` / `check_rows` (train.py's rows, each bad one named),
+  `seed_means` (a repeated cell weighs as one), `split_control` (the S = 0 controls left out,
+  SMELT 4.3), `to_points` / `subset_points` (whole validation, or per source / domain).
+* `PAPER_*`: Table 4.3's printed coefficients.
 
-Read first: budget.py (F and S).  Read next: scaling_rows.py, scaling_analysis.py (rows -> fits, cell
-bootstrap, CE gain / TPP with intervals, per-subset gains), scaling_tables.py (tables.md),
-scaling_plots.py (figures).  Why each rule and design choice, with the measurements: docs/scaling.md.
+Read first: budget.py (F and S).  Read next: lab/scaling_analysis.py (fits, cell bootstrap, CE gain / TPP
+with intervals, per-subset gains, and the CLI `python -m lab.scaling_analysis --results results.jsonl`
+or `--paper`), lab/scaling_report.py (tables.md, figures).  The rules and choices: docs/scaling.md.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import warnings
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from itertools import product
@@ -33,7 +34,6 @@ from typing import Mapping, Sequence
 import numpy as np
 from scipy.optimize import minimize
 
-import cli
 
 try:  # scipy's L-BFGS-B calls BLAS on 6-vectors: one BLAS thread is much faster there (docs/scaling.md)
     from threadpoolctl import threadpool_limits
@@ -433,7 +433,6 @@ class Points:
         return Points(self.F[idx], self.S[idx], self.D[idx], self.L[idx], self.cell[idx])
 
 
-
 def paper_shaped_points(co: Coeffs, F_span: float, D_span: float, noise: float, seed: int = 0,
                         n_scales: int = 4, sparsities: Sequence[float] = PAPER_SPARSITIES,
                         n_horizons: int = 6, horizons: Sequence[float] | None = None) -> Points:
@@ -485,46 +484,103 @@ def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=
     return out
 
 
-# ----------------------------------------------------------------------------- command line
-def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("Fit SMELT Eq. 2 loss surfaces per architecture, say whether each fit is identified, and "
-                    "from identified fits report CE gain, TPP, cell-bootstrap brackets, per-subset gains and plots.")
-    ap.add_argument("--results", help="results.jsonl written by train.py (one JSON row per finished run)")
-    cli.add_out_dir(ap, "output directory for JSON, tables and plots", default="scaling_out")
-    ap.add_argument("--bootstrap", type=cli.nonneg_int, default=2000, help="cell-bootstrap draws (0 to skip)")
-    ap.add_argument("--jobs", type=cli.positive_int, default=2, help="worker processes for the bootstrap")
-    cli.deprecated_alias(ap, "--n-jobs", "jobs", "--jobs", type=cli.positive_int)
-    ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="bootstrap seed")
-    ap.add_argument("--budgets", type=cli.positive_float, nargs="+", help="compute budgets (FLOPs) for the CE-gain "
-                    "table; default: the data's compute window (its geometric midpoint and log-quartiles); TPP uses "
-                    "the middle one; budgets outside the data are marked extrapolated")
-    ap.add_argument("--include-dense", action="store_true",
-                    help=f"also fit the {CONTROL_LABEL.replace('%', '%%')} control cells (the paper excludes them)")
-    ap.add_argument("--paper", action="store_true", help="print SMELT's CE-gain and TPP tables from Table 4.3")
-    return ap
+# ----------------------------------------------------------------------------- results rows -> points
+REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from lab import scaling_analysis  # the CLI's work lives in the files that import this one: imported here, no cycle
-    from lab import scaling_rows
-    from lab import scaling_tables
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.paper:
-        print(scaling_tables.paper_tables())
-        return
-    if not args.results:
-        ap.error("give --results FILE or --paper")
-    try:   # every row checked before any fit
-        rows = scaling_rows.read_results(args.results)
-        scaling_rows.check_rows(rows)
-    except (OSError, ValueError) as e:
-        ap.error(f"--results {args.results}: {getattr(e, 'strerror', None) or e}")
-    scaling_analysis.analyse(rows, args.out_dir, n_boot=args.bootstrap, n_jobs=args.jobs, seed=args.seed,
-                             include_dense=args.include_dense, budgets=args.budgets)
-    print(open(os.path.join(args.out_dir, "tables.md")).read())
+def read_results(path: str) -> list[dict]:
+    """train.py's results rows: each row's hash checked and the keys this module needs present
+    (runfiles.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
+    import runfiles   # run files bring torch: the fits themselves need neither
+    try:
+        return runfiles.read_jsonl(path, REQUIRED_KEYS)
+    except runfiles.CheckpointError as e:
+        raise ValueError(str(e)) from None
 
 
-if __name__ == "__main__":
-    cli.run_main(main)
+def check_rows(rows: Sequence[dict]) -> None:
+    """Every row a dict with REQUIRED_KEYS, F, D, val_loss finite and > 0, S finite in [0, 1) (control
+    cells: [-0.5, 1));
+    the error names the row (index, arch, scale, sparsity label) and the field."""
+    if not isinstance(rows, (list, tuple)) or not rows:
+        raise ValueError("rows must be a non-empty list of results rows (dicts)")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ValueError(f"rows[{i}] is not a dict: {type(r).__name__}")
+        missing = [k for k in REQUIRED_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"rows[{i}] misses keys {missing}")
+        where = f"rows[{i}] ({r['arch']} {r['scale']} {r['sparsity_label']})"
+        for k in ("F", "S", "D", "val_loss"):
+            v = r[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{where}: {k} = {v!r} is not a finite number")
+        for k in ("F", "D", "val_loss"):
+            if r[k] <= 0:
+                raise ValueError(f"{where}: {k} = {r[k]!r} must be > 0")
+        # a control cell's looped model may measure S slightly below 0 (matching moves its FLOPs by up to
+        # 4 %); control rows are fitted only with include_dense, at S clipped to 0 (split_control)
+        lo = -0.5 if r["sparsity_label"] == CONTROL_LABEL else -S_ROUNDING
+        if not lo <= r["S"] < 1:
+            raise ValueError(f"{where}: S = {r['S']!r} must lie in [{0 if lo > -0.5 else lo}, 1) (a fraction)")
 
+
+def cell_id(row: dict) -> str:
+    return f"{row['scale']}/{row['sparsity_label']}"
+
+
+def to_points(rows: Sequence[dict], losses: Sequence[float] | None = None) -> Points:
+    """Rows -> Points; `losses` overrides row["val_loss"] (per-subset fits)."""
+    L = [r["val_loss"] for r in rows] if losses is None else losses
+    cell = np.array([cell_id(r) for r in rows])
+    F, S, D, L = check_points([r["F"] for r in rows], [r["S"] for r in rows], [r["D"] for r in rows], L)
+    return Points(F, S, D, L, cell)
+
+
+def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
+    """Per-subset Points from row[key] = {subset: loss} ("val_loss_by_source" / "_by_domain")."""
+    by: dict[str, list] = defaultdict(list)
+    for r in rows:
+        for name, value in (r.get(key) or {}).items():
+            by[name].append((r, value))
+    return {name: to_points([r for r, _ in rv], [v for _, v in rv]) for name, rv in sorted(by.items())}
+
+
+def seed_means(rows: Sequence[dict]) -> list[dict]:
+    """One row per (arch, cell, D): replicates (rows of one cell and endpoint, e.g. the repeated cell's
+    training seeds) averaged: val_loss and every "val_loss_by_*" subset loss; "n_seeds" / "seeds" say
+    what was averaged.  Replicates must share F and S (the same model) and report the same subsets; a row
+    alone passes unchanged."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["arch"], cell_id(r), float(r["D"]))].append(r)
+    out = []
+    for (arch, cell, D), rs in groups.items():
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+        for k in ("F", "S"):
+            v = [float(r[k]) for r in rs]
+            if max(v) - min(v) > 1e-6 * max(1.0, abs(max(v))):
+                raise ValueError(f"{arch} {cell} at D = {D:g}: {len(rs)} rows differ in {k} ({min(v):g} .. "
+                                 f"{max(v):g}), so they are not replicates of one model")
+        m = {**rs[0], "val_loss": float(np.mean([r["val_loss"] for r in rs])), "n_seeds": len(rs),
+             "seeds": [r.get("seed") for r in rs]}
+        for k in sorted({k for r in rs for k in r if k.startswith("val_loss_by_")}):
+            names = [sorted((r.get(k) or {}).keys()) for r in rs]
+            if any(n != names[0] for n in names):     # a mean over fewer seeds than val_loss's would mix the two
+                raise ValueError(f"{arch} {cell} at D = {D:g}: its {len(rs)} replicates report different {k} "
+                                 f"subsets, so their means would rest on different seeds")
+            m[k] = {n: float(np.mean([r[k][n] for r in rs])) for n in names[0]}
+        out.append(m)
+    return out
+
+
+def split_control(rows: Sequence[dict], include_dense: bool = False) -> tuple[list[dict], list[dict]]:
+    """(rows to fit, control rows left out): the control is every row whose sparsity_label is
+    CONTROL_LABEL, for both architectures, whatever S it measures (SMELT 4.3).  include_dense
+    keeps them in the fit (and returns no control rows), a looped control's S below 0 clipped to 0."""
+    control = [r for r in rows if r["sparsity_label"] == CONTROL_LABEL]
+    if include_dense:
+        return [{**r, "S": max(float(r["S"]), 0.0)} if r["sparsity_label"] == CONTROL_LABEL else r for r in rows], []
+    return [r for r in rows if r["sparsity_label"] != CONTROL_LABEL], control

@@ -49,7 +49,6 @@ from torch import Tensor
 
 import budget
 import cli
-from lab import cpu_fast
 import configs
 import data as data_mod
 from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
@@ -59,8 +58,34 @@ from data import SyntheticData   # a corpus-free stand-in with TokenData's inter
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
 from runfiles import run_lock
-from lab.validation import token_nll, val_loss_report
+from eval import token_nll, val_loss_by
 
+
+
+MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
+
+
+def machine_settings(allocator: bool = False) -> dict:
+    """What this machine offers and what a run here uses (one line of the run's summary; reproduce.py may print
+    it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
+    allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
+    instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
+    on CPU changes the numbers and measured slower, so fp32 stays the CPU default (docs/train.md)."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    out = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in flags.split(),
+           "avx512_bf16": "avx512_bf16" in flags.split(),
+           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu_dtype": "fp32",
+           "malloc": "environment" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default"}
+    if allocator and out["malloc"] == "default":
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+            libc = ctypes.CDLL(None)   # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3 (glibc malloc.h)
+            if libc.mallopt(-3, MALLOC_MMAP_BYTES) and libc.mallopt(-1, MALLOC_TRIM_BYTES):
+                out["malloc"] = f"mmap threshold {MALLOC_MMAP_BYTES >> 20} MiB, trim {MALLOC_TRIM_BYTES >> 20} MiB"
+    return out
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -450,8 +475,8 @@ class Trainer(Checkpoints):
         self.at = (branch, end)
 
     def evaluate(self) -> dict:
-        """validation.val_loss_report through the (unwrapped) objective, micro-batches padded to one shape."""
-        return val_loss_report(lambda i, t, d: self.objective(i, t, d, per_token=True), self.data,
+        """eval.val_loss_by through the (unwrapped) objective, micro-batches padded to one shape."""
+        return val_loss_by(lambda i, t, d: self.objective(i, t, d, per_token=True), self.data,
                                self.tc.block_size, self.micro, self.tc.eval_tokens, device=self.device,
                                autocast=self.autocast)
 
@@ -475,7 +500,7 @@ class Trainer(Checkpoints):
 
     def run(self) -> list[dict]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ms = cpu_fast.machine_settings(allocator=self.device.type == "cpu")   # measured faster, same numbers: docs/train.md
+        ms = machine_settings(allocator=self.device.type == "cpu")   # measured faster, same numbers: docs/train.md
         if self.d.rank == 0:
             print(f"{self.prefix}machine: " + ", ".join(f"{k} {v}" for k, v in ms.items()), flush=True)
         with run_lock(self.run_dir) if self.d.rank == 0 else contextlib.nullcontext():
@@ -568,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model-json", help="path to a ModelConfig JSON (ModelConfig.to_dict())")
     m.add_argument("--preset", choices=PRESETS, help="one of the smoke-size models (run-size presets are reproduce.py's)")
     p.add_argument("--data", default="smoke", choices=[*configs.DATA_PRESETS, "synthetic"],
-                   help="corpus preset for data.prepare, or random tokens")
+                   help="corpus preset for corpus.prepare, or random tokens")
     p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
     p.add_argument("--vocab-size", type=cli.positive_int, default=256, help="vocabulary of --data synthetic")
     for key in ("arch", "scale", "sparsity_label"):
@@ -603,7 +628,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not a.data_dir:
             d = init_distributed(tc)
             if d.rank == 0:
-                data_mod.prepare(a.data)
+                from lab import corpus   # building the corpus is machinery: only this CLI path needs it
+                corpus.prepare(a.data)
             if d.world > 1:
                 dist.barrier()
         data = data_mod.TokenData(data_dir)

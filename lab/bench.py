@@ -263,36 +263,36 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
 
 
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
-    """Median per-token time of greedy decoding, under both CPU projection layouts (cpu_fast.few_row_projections).
+    """Median per-token time of greedy decoding, under both CPU projection layouts (model.few_row_projections).
 
     Models and layouts take turns token by token (each decodes one token, then the next model
     does), so the machine's drift hits all alike; the figure is, per model, the median over reps
     of the median time per token. "skinny" is the default (few-row products as W x^T on CPU);
     "F.linear" turns that rule off. On CUDA only the default is timed (the rule never applies).
     """
-    from lab import cpu_fast
+    import model as model_lib   # model.SKINNY_ROWS: the few-row rule's switch
     models = {}
     for name, cfg in decode_models().items():
         torch.manual_seed(0)
         models[name] = GPT(cfg).to(device, dtype).eval()
     idx = torch.randint(0, models["unlooped"].cfg.vocab_size, (1, prompt), device=device)
-    layouts = {"skinny": cpu_fast.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
+    layouts = {"skinny": model_lib.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
 
     def one_token(lay, name, state):
         def f():
-            cpu_fast.SKINNY_ROWS = layouts[lay]
+            model_lib.SKINNY_ROWS = layouts[lay]
             nxt = state["logits"].argmax(-1, keepdim=True)
             state["logits"] = models[name].forward_step(nxt, state["cache"])[:, -1]
         return f
 
     per_rep = []
-    default = cpu_fast.SKINNY_ROWS
+    default = model_lib.SKINNY_ROWS
     try:
         for rep in range(reps + 1):                                # rep 0 is the warm-up
             steps = {}
             for lay in layouts:
                 for name, m in models.items():
-                    cpu_fast.SKINNY_ROWS = layouts[lay]
+                    model_lib.SKINNY_ROWS = layouts[lay]
                     state = {"cache": m.new_cache(1, prompt + new_tokens)}
                     state["logits"] = m.forward_step(idx, state["cache"])[:, -1]     # prefill: not timed
                     steps[(lay, name)] = one_token(lay, name, state)
@@ -300,7 +300,7 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
             if rep:
                 per_rep.append(med)
     finally:
-        cpu_fast.SKINNY_ROWS = default
+        model_lib.SKINNY_ROWS = default
     med = {k: statistics.median(r[k] for r in per_rep) for k in per_rep[0]}
     depth = len(models["sequential_2loop"].plan) / models["unlooped"].cfg.n_layer
     res = {}

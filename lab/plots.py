@@ -1,7 +1,7 @@
 """Figure plumbing shared by every *_plots.py module: a headless pyplot and one way to save.
 
 The figures themselves live beside their idea's machinery (eval_plots.py, probe_plots.py,
-scaling_plots.py, train_plots.py); this file only makes matplotlib safe on a machine with no
+scaling_report.py, train_plots.py); this file only makes matplotlib safe on a machine with no
 screen and writes PNGs the same way everywhere. Read next: any *_plots.py.
 """
 from pathlib import Path

@@ -191,7 +191,7 @@ def visit_words(n_visits: int) -> dict[str, str]:
 
 
 def max_visits(result: dict) -> int:
-    """The most visits any SMELT model of a `probes.probe_pairs` result makes to a layer (r)."""
+    """The most visits any SMELT model of a `probe_pairs.probe_pairs` result makes to a layer (r)."""
     return max((d["visit"] for e in result["pairs"].values() for d in e["smelt"]["per_visit"].values()), default=1)
 
 
@@ -297,7 +297,7 @@ def _verdict(d: dict, direction: str, value: float) -> str:
 
 
 def claims(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | None = None) -> list[dict]:
-    """Section 6's claims on a `probes.probe_pairs` result, each a paired quantity with intervals.
+    """Section 6's claims on a `probe_pairs.probe_pairs` result, each a paired quantity with intervals.
 
     Each dict: id, figure, what, paper, direction ('>' | '<') and value (the claim is "quantity
     direction value"), interval (stats.Interval of the quantity averaged over pairs, bootstrap over

@@ -7,7 +7,7 @@
                       pair with its bootstrap interval over held-out document groups.
   plot_sink_profiles  Appendix D (Fig. 56): every pair's sink profile.
   plot_dyck           Fig. 27: the Dyck head's attention at the answer targets per visit.
-  plot_pairs          all of the above for a `probes.probe_pairs` result (what the main job draws).
+  plot_pairs          all of the above for a `probe_pairs.probe_pairs` result (what the main job draws).
 
 Visits are numbered from 1; layers outside the looped span are "unlooped". With r > 2 visits a
 cross-visit figure compares visit v+1 with visit v (probe_claims.visit_words). Read probes.py and

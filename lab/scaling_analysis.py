@@ -1,7 +1,7 @@
 """From train.py's results rows to the scaling report (SMELT Sections 4.3 and 5.2).
 
-`analyse` is the pipeline's scaling stage (reproduce.stage_scaling, `python scaling.py --results`):
-* rows -> fit data (scaling_rows.py): checked, seed replicates averaged, the S = 0 control cells
+`analyse` is the pipeline's scaling stage (reproduce.stage_scaling, and the CLI below):
+* rows -> fit data (scaling.py's rows readers): checked, seed replicates averaged, the S = 0 control cells
   left out of the fits as in SMELT 4.3; CE gains compare only the cells both architectures have.
 * one Eq. 2 surface per architecture (`scaling.fit_result`), and nothing derived from a fit that
   is not identified (`scaling.identify`): it is reported as "not identified (why)".
@@ -12,12 +12,14 @@
   (refit not identified) counts as -inf / +inf in the 2.5 / 97.5 percentiles (`_derived`: a, c, gamma).
 * SMELT 5.2: per-domain / per-source intercept fits with the aggregate exponents (`fit_subsets`),
   their CE gains, and the gain by Baseline-loss quartile (`quartile_gains`).
-It writes coeffs.json, tables.json, tables.md (scaling_tables.py) and the figures (scaling_plots.py).
+It writes coeffs.json, tables.json, tables.md and the figures (scaling_report.py). The CLI:
+`python -m lab.scaling_analysis --results results.jsonl` (or `--paper`: Table 4.3 recomputed).
 
-Read first: scaling.py, scaling_rows.py.  Why the budgets, flags and interval rules are as they are: docs/scaling.md.
+Read first: scaling.py.  Why the budgets, flags and interval rules are as they are: docs/scaling.md.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -29,12 +31,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from lab import scaling_plots
-from lab import stats
-from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain,
-                     check_budget, data_ranges, fit, fit_result, optimal_flops_per_token, short_num, tpp)
-from lab.scaling_rows import cell_id, check_rows, seed_means, split_control, subset_points, to_points
-from lab.scaling_tables import failed_text, format_table, markdown, pct_text, tpp_text, why_text
+import cli
+from lab import scaling_report, stats
+from lab.scaling_report import failed_text, format_table, markdown, paper_tables, pct_text, tpp_text, why_text
+from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain, cell_id,
+                     check_budget, check_rows, data_ranges, fit, fit_result, optimal_flops_per_token, read_results,
+                     seed_means, short_num, split_control, subset_points, to_points, tpp)
 
 
 # ----------------------------------------------------------------------------- cell bootstrap (SMELT 4.3's brackets)
@@ -548,7 +550,7 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     plots to `out`, and returns (the report prints from it without further checks):
 
       control_label, include_dense, n_rows, n_control_rows, unmatched_cells   (which rows were fitted)
-      seed_means     {"arch cell": n seeds} of the cells whose replicates were averaged (scaling_rows.seed_means)
+      seed_means     {"arch cell": n seeds} of the cells whose replicates were averaged (scaling.seed_means)
       fits[arch]     identified, why, n_points, cells, ranges {F, D, C, one_minus_S: [lo, hi]};
                      only when identified: E A K a b c, se {a, b, c}, gamma, rmse_nats, objective,
                      converged, fixed
@@ -605,7 +607,7 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
         report["quartiles"] = {"available": False, "why": gains["why"] or ["no CE gain"]}
     gain_plot = (_gain_curve(g, fits, ranges, Cgrid, boots, len(budgets), target, ref, rules)
                  if gains["available"] and len(Cgrid) else None)
-    report["figures"] = scaling_plots.figures(out, g.pts, g.control, fits, why, g.cols, gain_plot, (target, ref))
+    report["figures"] = scaling_report.figures(out, g.pts, g.control, fits, why, g.cols, gain_plot, (target, ref))
 
     md = markdown(report, g.cols, md_sub, target, ref)
     report["tables_md"] = "tables.md"
@@ -616,3 +618,44 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     with open(os.path.join(out, "tables.md"), "w") as f:
         f.write(md)
     return report
+
+
+# ----------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.parser("Fit SMELT Eq. 2 loss surfaces per architecture, say whether each fit is identified, and "
+                    "from identified fits report CE gain, TPP, cell-bootstrap brackets, per-subset gains and plots.")
+    ap.add_argument("--results", help="results.jsonl written by train.py (one JSON row per finished run)")
+    cli.add_out_dir(ap, "output directory for JSON, tables and plots", default="scaling_out")
+    ap.add_argument("--bootstrap", type=cli.nonneg_int, default=2000, help="cell-bootstrap draws (0 to skip)")
+    ap.add_argument("--jobs", type=cli.positive_int, default=2, help="worker processes for the bootstrap")
+    cli.deprecated_alias(ap, "--n-jobs", "jobs", "--jobs", type=cli.positive_int)
+    ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="bootstrap seed")
+    ap.add_argument("--budgets", type=cli.positive_float, nargs="+", help="compute budgets (FLOPs) for the CE-gain "
+                    "table; default: the data's compute window (its geometric midpoint and log-quartiles); TPP uses "
+                    "the middle one; budgets outside the data are marked extrapolated")
+    ap.add_argument("--include-dense", action="store_true",
+                    help=f"also fit the {CONTROL_LABEL.replace('%', '%%')} control cells (the paper excludes them)")
+    ap.add_argument("--paper", action="store_true", help="print SMELT's CE-gain and TPP tables from Table 4.3")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.paper:
+        print(paper_tables())
+        return
+    if not args.results:
+        ap.error("give --results FILE or --paper")
+    try:   # every row checked before any fit
+        rows = read_results(args.results)
+        check_rows(rows)
+    except (OSError, ValueError) as e:
+        ap.error(f"--results {args.results}: {getattr(e, 'strerror', None) or e}")
+    analyse(rows, args.out_dir, n_boot=args.bootstrap, n_jobs=args.jobs, seed=args.seed,
+                             include_dense=args.include_dense, budgets=args.budgets)
+    print(open(os.path.join(args.out_dir, "tables.md")).read())
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

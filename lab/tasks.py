@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checks import JSONFileError, read_json
+from eval import forward_logits, model_device
 
 TASK_DIR = Path(__file__).resolve().parents[1] / "tasks" / "bigbench"
 # name -> (kind, DCLM category, DCLM shots, DCLM v2 random baseline as a fraction)
@@ -54,12 +55,6 @@ GENERATED_TASKS = ("gen_dyck", "gen_copy", "gen_reverse", "gen_kv", "gen_modadd"
 
 
 # ================================================================ forwards
-
-def forward_logits(model: nn.Module, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's float logits (B, T, V) for idx (B, T), under bf16 autocast on CUDA."""
-    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
-        out = model(idx) if doc_ids is None else model(idx, doc_ids=doc_ids)
-    return (out[0] if isinstance(out, tuple) else out).float()
 
 
 @contextlib.contextmanager
@@ -92,12 +87,6 @@ def _logits_at(model: nn.Module, idx_BT: torch.Tensor, pos_BM: torch.Tensor) -> 
     with _head_at(model, pos_BM) as hooked:
         logits = forward_logits(model, idx_BT)
     return logits if hooked else logits.gather(1, pos_BM[..., None].expand(-1, -1, logits.shape[-1]))
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (CPU for a model without parameters)."""
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
 
 
 # ================================================================ tasks

@@ -1,7 +1,7 @@
 """The grid: SMELT against its matched Baseline over many endpoints, each comparison with an interval.
 
 What this file implements (SMELT Sections 5.1, 5.3 and Appendix C), from a list of endpoint
-evaluations (eval.evaluate_endpoint outputs):
+evaluations (evaluate.evaluate_endpoint outputs):
 * `matched_pairs`: the Baseline and SMELT endpoints of one cell, training seed and branch step.
 * `win_counts`: SMELT 5.1's counts ("Completion 96/96") per metric, per cell, per endpoint.
 * `icl_sweep`: Appendix C: per task and k, accuracy averaged within cells, then over the cells
@@ -28,7 +28,7 @@ import numpy as np
 from lab import stats
 from runfiles import endpoint_id
 from lab.tasks import chance_of
-from lab.validation import long_short_ratio, normalised_shape
+from eval import long_short_ratio, normalised_shape
 
 
 def check_grid(records: Sequence[dict]) -> None:

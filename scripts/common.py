@@ -404,7 +404,7 @@ def val_bytes_per_token(data, block_size: int, max_tokens: int) -> dict:
     """Bytes per token of exactly the held-out targets train.evaluate scores (data.val_batches of every source,
     capped at max_tokens per source, targets != -1): {"bytes_per_token", "bytes", "tokens", "by_domain"}.
 
-    data.measure_bytes_per_token reports the whole validation text per domain re-tokenised at other
+    corpus.measure_bytes_per_token reports the whole validation text per domain re-tokenised at other
     vocabularies (a tokenizer study); bits per byte needs the bytes of the very tokens the loss averages.
     Predicting <|endoftext|> costs loss but covers no text (0 bytes), as in the usual bpb convention.
     """

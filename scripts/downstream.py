@@ -4,7 +4,7 @@
 
 The pair: two run directories (--runs), the last cell of a scaling_ladder.py / reproduce.py output
 (--ladder), or, by default, the preset's Baseline and its matched SMELT trained here. Every finished
-decay branch of each run (eval.run_endpoints) goes through eval.evaluate_endpoint: validation loss
+decay branch of each run (eval.run_endpoints) goes through evaluate.evaluate_endpoint: validation loss
 overall, per source, per domain and per document-length bucket on the run's own data; the few-shot
 shot sweep (tasks / shots / seeds / items from configs.PLANS). downstream_claims.downstream_report then pairs
 the endpoints branch by branch: win counts (SMELT 5.1), the shot sweep averaged over the pair where
@@ -22,6 +22,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 import cli
 from lab import downstream_claims
 import eval as ev
+from lab import evaluate
 from lab import eval_plots
 import reproduce
 from lab import stats
@@ -52,7 +53,7 @@ def main(argv=None) -> dict:
         eps = ev.run_endpoints(run) if (run / "results.jsonl").is_file() else [{"path": run}]
         common.log(f"evaluate {arch}: {run} ({len(eps)} endpoints)")
         for e in eps:
-            recs.append({**ev.evaluate_endpoint(e["path"], **kw), "arch": arch})
+            recs.append({**evaluate.evaluate_endpoint(e["path"], **kw), "arch": arch})
     # the two runs are the pair by construction: give them one cell and seed if their metadata differ
     for key, default in (("scale", "pair"), ("sparsity_label", "-"), ("seed", None)):
         if len({str(r.get(key)) for r in recs}) != 1 or recs[0].get(key) is None:

@@ -1,9 +1,9 @@
-"""SMELT Section 6: what the second visit computes, on every matched pair (probes.probe_pairs, probe_claims).
+"""SMELT Section 6: what the second visit computes, on every matched pair (probe_pairs.probe_pairs, probe_claims).
 
   python scripts/probe_runs.py --preset smoke|tiny|small [--runs BASELINE LOOPED | --ladder DIR] [--tokens N]
 
 The pairs: --runs (one pair), --ladder (every cell of a scaling_ladder / reproduce output), or the
-preset's Baseline and matched SMELT trained here. probes.probe_pairs runs every model on one
+preset's Baseline and matched SMELT trained here. probe_pairs.probe_pairs runs every model on one
 held-out sample that spans every domain of the data (--tokens in all, equal shares, default the
 plan's probe_tokens) and the Dyck case study on each SMELT model; probe_claims.claims gives each Section 6
 claim as a paired quantity with a 95 % bootstrap interval over held-out document groups and a
@@ -18,11 +18,10 @@ from pathlib import Path
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import cli
-from lab import probe_io
+from lab import probe_pairs
 import reproduce
 from lab import probe_plots
 import configs
-import probes
 
 
 def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
@@ -53,10 +52,10 @@ def main(argv=None) -> dict:
     exp = common.Experiment("probe_runs", args)
     tokens = args.tokens or exp.plan.probe_tokens
     pairs = pairs_of(exp)
-    res = probes.probe_pairs(pairs, exp.load_data(), tokens, exp.plan.block_size, args.batch_size,
+    res = probe_pairs.probe_pairs(pairs, exp.load_data(), tokens, exp.plan.block_size, args.batch_size,
                              dyck_items=args.dyck_items, seed=args.seed, n_draws=args.draws, log=common.log)
     res["figures"] = probe_plots.plot_pairs(res, str(exp.out / "figures"))
-    probe_io.save_result(exp.out / "probes.json", res)
+    probe_pairs.save_result(exp.out / "probes.json", res)
     rows = [{"claim": c["id"], "figure": c["figure"], "claim_is": f"{c['direction']} {c['value']:g}",
              "mean": None if c["interval"] is None else c["interval"]["mean"],
              "lo": None if c["interval"] is None else c["interval"]["lo"],

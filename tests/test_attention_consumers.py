@@ -21,7 +21,7 @@ import attention
 import probes
 from lab import tasks
 import train
-from lab import validation
+import eval as validation
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -87,7 +87,7 @@ def test_validation_takes_flex_on_cuda_at_one_shape(model, who):
     with cuda_choices(model) as (seen, shapes):
         if who == "train":
             obj = train.Objective(model)
-            validation.val_loss_report(lambda i, t, d: obj(i, t, d, per_token=True), data, 32, 2, 5 * 32)
+            validation.val_loss_by(lambda i, t, d: obj(i, t, d, per_token=True), data, 32, 2, 5 * 32)
         else:
             ev.val_loss_report(model, data, 32, 2, 5 * 32)
     assert set(seen) == {"flex"} and shapes == {(2, 32)}

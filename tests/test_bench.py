@@ -149,8 +149,8 @@ def test_visit_step_times_one_block_visit_inside_the_loop():
 def test_profile_step_lists_the_step_operators(tmp_path, capsys, monkeypatch):
     """scripts/profile_step.py on a smoke cell: the matmuls are among the top operators, the shares are
     fractions of the profiled time, and the figures it prints are the ones it writes."""
-    import data as data_mod
-    data_mod.prepare("smoke")
+    from lab import corpus
+    corpus.prepare("smoke")
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))   # restored after the test
     import profile_step
     res = profile_step.main(["--preset", "smoke", "--steps", "1", "--top", "5", "--out-dir", str(tmp_path)])
@@ -165,8 +165,8 @@ def test_profile_step_lists_the_step_operators(tmp_path, capsys, monkeypatch):
 def test_profile_step_dtype_bf16_runs_under_autocast(monkeypatch):
     """--dtype bf16 profiles the step under train.py's bf16 autocast: the casts autocast inserts show as
     extra aten::_to_copy calls per step beside the fp32 profile of the same cell."""
-    import data as data_mod
-    data_mod.prepare("smoke")
+    from lab import corpus
+    corpus.prepare("smoke")
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))   # restored after the test
     import profile_step
     casts = {}

@@ -293,7 +293,7 @@ def test_paper_ladder_uses_the_published_smelt_geometry():
 def test_plan_epochs():
     """configs.plan_epochs: (stable + decay) x batch x block over the training stream (branches share the decay
     data); the small plan reads no token twice while >= 85 % of its planned tokens reach the training stream
-    (data.prepare holds the rest out for validation; measured: tiny 88 %, small 94 %)."""
+    (corpus.prepare holds the rest out for validation; measured: tiny 88 %, small 94 %)."""
     plan = configs.Plan(data="tiny", ladder="tiny", block_size=128, batch_size=4, lr=1e-3, warmup_steps=1,
                         stable_steps=90, branch_steps=[30, 90], decay_steps=10, eval_tokens=64)
     assert configs.plan_epochs(plan, 100 * 4 * 128) == 1.0 and configs.plan_epochs(plan, 400 * 128) == 1.0
@@ -337,8 +337,9 @@ def test_ladder_and_main_job_share_one_builder(tmp_path):
     """budget.py --ladder P and the main job build the ladder with the same function at the same measured
     document length, so they print the same configs (issue: d_model 80 vs 84 when they differed)."""
     import data as data_mod
+    from lab import corpus
     import reproduce
-    data_mod.prepare("smoke")
+    corpus.prepare("smoke")
     d = data_mod.TokenData(data_mod.default_data_dir("smoke"))
     ctx = budget.preset_doc_length("smoke", d)
     assert ctx == data_mod.measured_doc_length(d, configs.LADDERS["smoke"]["block"]) and 1 < ctx <= 64

@@ -19,7 +19,7 @@ import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("scripts_importable")   # scripts/ on sys.path for this module only
-MODULES = ["reproduce", "train", "eval", "scaling", "budget", "lab.bench", "probes", "data"]
+MODULES = ["reproduce", "train", "lab.evaluate", "lab.scaling_analysis", "budget", "lab.bench", "lab.probe_pairs", "lab.corpus"]
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem != "common")
 ENTRY_POINTS = MODULES + SCRIPTS
 RUN_PRESETS = {"smoke", "tiny", "small", "medium", "paper"}
@@ -89,11 +89,11 @@ def test_presets_are_one_set():
     assert set(SCRIPTS) - set(sized) == {"render_notebooks", "fault_table"}   # the tools that have no run size
     for name in sized:
         assert set(options(parser_of(name))["--preset"].choices) == {"smoke", "tiny", "small"}, name
-    assert set(options(parser_of("data"))["--preset"].choices) == set(configs.DATA_PRESETS) == {"smoke", "tiny", "small"}
+    assert set(options(parser_of("lab.corpus"))["--preset"].choices) == set(configs.DATA_PRESETS) == {"smoke", "tiny", "small"}
     assert set(options(parser_of("train"))["--data"].choices) == set(configs.DATA_PRESETS) | {"synthetic"}
 
 
-@pytest.mark.parametrize("name,argv", [("reproduce", []), ("probes", ["--pair", "p", "b", "s"]), ("data", []),
+@pytest.mark.parametrize("name,argv", [("reproduce", []), ("lab.probe_pairs", ["--pair", "p", "b", "s"]), ("lab.corpus", []),
                                        ("span_sweep", []), ("decode_latency", [])])
 def test_old_out_spelling_still_works(name, argv, capsys):
     args = parser_of(name).parse_args([*argv, "--out", "somewhere"])
@@ -122,38 +122,38 @@ def test_help_formatter_shows_lists_and_percent():
 
 
 BAD = [  # (entry point, argv, the option the message must name, a fragment of the reason)
-    ("eval", ["--run", "r", "--max-items", "-1"], "--max-items", "non-negative"),
-    ("eval", ["--run", "r", "--shots", "2", "-1"], "--shots", "non-negative"),
-    ("eval", ["--run", "r", "--seeds", "0"], "--seeds", "positive"),
-    ("eval", ["--run", "r", "--batch-size", "0"], "--batch-size", "positive"),
-    ("eval", ["--run", "r", "--val-tokens", "-5"], "--val-tokens", "non-negative"),
-    ("eval", ["--run", "r", "--seeds", "two"], "--seeds", "integer"),
-    ("eval", ["--run", "r", "--tasks", "no_such_task"], "--tasks", "invalid choice"),
-    ("eval", ["--run", "r", "--device", "gpu"], "--device", "expected auto"),
-    ("probes", ["--pair", "p", "b", "s", "--batch-size", "0"], "--batch-size", "positive"),
-    ("probes", ["--pair", "p", "b", "s", "--tokens", "0"], "--tokens", "positive"),
-    ("probes", ["--pair", "p", "b", "s", "--dyck-items", "-1"], "--dyck-items", "positive"),
-    ("probes", ["--pair", "p", "b", "s", "--draws", "0"], "--draws", "positive"),
-    ("probes", ["--pair", "p", "b", "s", "--block-size", "-1"], "--block-size", "non-negative"),
-    ("probes", ["--pair", "p", "b", "s", "--device", "gpu"], "--device", "expected auto"),
-    ("probes", ["--tokens", "64"], "--pair", "required"),
+    ("lab.evaluate", ["--run", "r", "--max-items", "-1"], "--max-items", "non-negative"),
+    ("lab.evaluate", ["--run", "r", "--shots", "2", "-1"], "--shots", "non-negative"),
+    ("lab.evaluate", ["--run", "r", "--seeds", "0"], "--seeds", "positive"),
+    ("lab.evaluate", ["--run", "r", "--batch-size", "0"], "--batch-size", "positive"),
+    ("lab.evaluate", ["--run", "r", "--val-tokens", "-5"], "--val-tokens", "non-negative"),
+    ("lab.evaluate", ["--run", "r", "--seeds", "two"], "--seeds", "integer"),
+    ("lab.evaluate", ["--run", "r", "--tasks", "no_such_task"], "--tasks", "invalid choice"),
+    ("lab.evaluate", ["--run", "r", "--device", "gpu"], "--device", "expected auto"),
+    ("lab.probe_pairs", ["--pair", "p", "b", "s", "--batch-size", "0"], "--batch-size", "positive"),
+    ("lab.probe_pairs", ["--pair", "p", "b", "s", "--tokens", "0"], "--tokens", "positive"),
+    ("lab.probe_pairs", ["--pair", "p", "b", "s", "--dyck-items", "-1"], "--dyck-items", "positive"),
+    ("lab.probe_pairs", ["--pair", "p", "b", "s", "--draws", "0"], "--draws", "positive"),
+    ("lab.probe_pairs", ["--pair", "p", "b", "s", "--block-size", "-1"], "--block-size", "non-negative"),
+    ("lab.probe_pairs", ["--pair", "p", "b", "s", "--device", "gpu"], "--device", "expected auto"),
+    ("lab.probe_pairs", ["--tokens", "64"], "--pair", "required"),
     ("reproduce", ["--jobs", "0"], "--jobs", "positive"),
     ("reproduce", ["--preset", "huge"], "--preset", "invalid choice"),
     ("reproduce", ["--skip", "train"], "--skip", "invalid choice"),
     ("reproduce", ["--loops", "0"], "--loops", "positive"),
-    ("scaling", ["--bootstrap", "-1"], "--bootstrap", "non-negative"),
-    ("scaling", ["--jobs", "0"], "--jobs", "positive"),
-    ("scaling", ["--budgets", "1e21", "-1"], "--budgets", "positive"),
-    ("scaling", ["--budgets", "0"], "--budgets", "positive"),
-    ("scaling", ["--budgets", "nan"], "--budgets", "finite"),
+    ("lab.scaling_analysis", ["--bootstrap", "-1"], "--bootstrap", "non-negative"),
+    ("lab.scaling_analysis", ["--jobs", "0"], "--jobs", "positive"),
+    ("lab.scaling_analysis", ["--budgets", "1e21", "-1"], "--budgets", "positive"),
+    ("lab.scaling_analysis", ["--budgets", "0"], "--budgets", "positive"),
+    ("lab.scaling_analysis", ["--budgets", "nan"], "--budgets", "finite"),
     ("budget", ["--ladder", "huge"], "--ladder", "invalid choice"),
     ("budget", ["--ctx-len", "0"], "--ctx-len", "positive"),
     ("lab.bench", ["--train-batch", "0"], "--train-batch", "positive"),
     ("lab.bench", ["--train-preset", "huge"], "--train-preset", "invalid choice"),
     ("lab.bench", ["--device", "tpu"], "--device", "expected auto"),
-    ("data", ["--vocab-size", "100"], "--vocab-size", "[257, 50257]"),
-    ("data", ["--measure", "4096,x"], "--measure", "integer"),
-    ("data", ["--preset", "medium"], "--preset", "invalid choice"),
+    ("lab.corpus", ["--vocab-size", "100"], "--vocab-size", "[257, 50257]"),
+    ("lab.corpus", ["--measure", "4096,x"], "--measure", "integer"),
+    ("lab.corpus", ["--preset", "medium"], "--preset", "invalid choice"),
     ("train", ["--preset", "smoke-dense", "--branch-steps", "0"], "--branch-steps", "positive"),
     ("train", ["--preset", "smoke-dense", "--dtype", "fp16"], "--dtype", "invalid choice"),
     ("train", ["--preset", "smoke-dense", "--device", "gpu"], "--device", "expected auto"),
@@ -206,9 +206,9 @@ def test_train_config_rules_refused_before_anything_runs(argv, why, capsys, tmp_
 
 
 def test_good_values_parse():
-    a = parser_of("eval").parse_args(["--run", "r", "--max-items", "0", "--shots", "0", "2", "--device", "cpu"])
+    a = parser_of("lab.evaluate").parse_args(["--run", "r", "--max-items", "0", "--shots", "0", "2", "--device", "cpu"])
     assert a.max_items == 0 and a.shots == [0, 2] and a.device == "cpu"
-    a = parser_of("scaling").parse_args(["--budgets", "1e21", "--bootstrap", "0"])
+    a = parser_of("lab.scaling_analysis").parse_args(["--budgets", "1e21", "--bootstrap", "0"])
     assert a.budgets == [1e21] and a.bootstrap == 0 and a.out_dir == "scaling_out"
     a = parser_of("decode_latency").parse_args(["--new-tokens", "4"])
     assert a.new_tokens == 4 and a.steps is None and a.device == "auto"

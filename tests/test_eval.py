@@ -15,10 +15,11 @@ import torch.nn as nn
 
 from lab import calibration
 import eval as ev
+from lab import evaluate
 from lab import eval_plots
 import runfiles
 from lab import tasks
-from lab import validation
+import eval as validation
 from lab import downstream_claims
 from lab import wins
 from loop import LoopConfig
@@ -99,7 +100,7 @@ def test_summary_completion_pools_tokens_over_tasks():
             r.update(gold_nll_sum=nll, gold_tokens=toks, gold_loss=nll / toks if toks else math.nan)
         return {"origin": origin, "kind": kind, "headline_k": 2, "by_k": {"0": dict(r), "2": r}}
     # losses 2.0 over 10 tokens and 4.0 over 2: pooled 28 / 12 = 2.333, the macro mean would be 3.0
-    s = ev.summarise({"a": t("gen", 20.0, 10, 0.1), "b": t("gen", 8.0, 2, 0.3), "c": t("mc", None, None, 0.5),
+    s = evaluate.summarise({"a": t("gen", 20.0, 10, 0.1), "b": t("gen", 8.0, 2, 0.3), "c": t("mc", None, None, 0.5),
                       "g": t("gen", 3.0, 1, 0.0, origin="generated")})
     assert s["real"]["completion"] == pytest.approx(28 / 12)
     assert s["real"]["by_k"]["2"]["completion"] == pytest.approx(28 / 12)
@@ -316,10 +317,10 @@ def test_shot_sweep_reports_the_demonstrations_that_fit(tmp_path):
     assert (fits["demos_kept"], fits["share_short"], fits["share_cut"]) == (3.0, 0.0, 0.0)
     short = tasks.evaluate_task(Successor(), CharTok(), t, k=3, seeds=2, max_items=4, block_size=16)
     assert 0 < short["demos_kept"] < 3 and short["share_short"] == 1.0 and short["share_cut"] == 0.0
-    assert ev.fit_label(3, short["demos_kept"]) == f"k=3 ({short['demos_kept']:.1f} fit)" and ev.fit_label(3, 3.0) == "k=3"
+    assert evaluate.fit_label(3, short["demos_kept"]) == f"k=3 ({short['demos_kept']:.1f} fit)" and evaluate.fit_label(3, 3.0) == "k=3"
     # an endpoint at a 64-token block: gen_copy's 8-shot prompts do not fit and leave the sweep, with their figures
     save_run(tmp_path / "run")
-    res = ev.evaluate_endpoint(tmp_path / "run", tasks=["gen_copy"], shots=[0, 1, 8], seeds=2, max_items=3,
+    res = evaluate.evaluate_endpoint(tmp_path / "run", tasks=["gen_copy"], shots=[0, 1, 8], seeds=2, max_items=3,
                                enc=CharTok(), val=False, log=lambda m: None)
     e = res["tasks"]["gen_copy"]
     assert set(e["by_k"]) == {"0", "1"} and set(e["short_k"]) == {"8"} and set(e["fit"]) == {"0", "1", "8"}
@@ -387,11 +388,11 @@ def test_compare_tests_over_seeds_one_sided():
         r0 = {"acc": acc0, "acc_by_seed": [acc0], "items": [0, 1], "per_item": [1.0, 0.0]}
         return {"tasks": {"t": {"by_k": {"0": r0, "2": r2}}}}
     base, smelt = res([0.4, 0.4, 0.4], 0.5), res([0.5, 0.6, 0.7], 0.5)
-    c = ev.compare(base, smelt)["tasks"]["t"]
+    c = evaluate.compare(base, smelt)["tasks"]["t"]
     # differences +0.1 +0.2 +0.3: of the 2^3 sign patterns only the observed one reaches the mean: p = 1/8;
     # the items' results are identical on both sides, so a test over items would find nothing
     assert c["2"]["p"] == pytest.approx(1 / 8) and c["2"]["gain"] == pytest.approx(0.2) and c["2"]["seeds"] == 3
-    assert ev.compare(smelt, base)["tasks"]["t"]["2"]["p"] == pytest.approx(1.0)      # one-sided: the other way
+    assert evaluate.compare(smelt, base)["tasks"]["t"]["2"]["p"] == pytest.approx(1.0)      # one-sided: the other way
     assert c["0"]["p"] is None                                                         # one seed at k = 0
     assert not hasattr(ev, "permutation_test")                                         # one implementation: stats
 
@@ -675,7 +676,7 @@ def test_load_model_round_trip_and_errors(tmp_path):
 def test_evaluate_run_compare_and_calibration(tmp_path):
     save_run(tmp_path / "run", block_size=512)   # 2-shot prompts fit, 32-shot ones do not
     logs = []
-    res = ev.evaluate_run(tmp_path / "run", tasks=["gen_kv", "operators", "repeat_copy_logic"],
+    res = evaluate.evaluate_run(tmp_path / "run", tasks=["gen_kv", "operators", "repeat_copy_logic"],
                           shots=[0, 2, 32], seeds=2, max_items=4, enc=CharTok(), data=FakeData(True), batch_size=2,
                           log=logs.append)
     assert res["val"]["tokens"] == 96 and res["val"]["length_from"] == "document"
@@ -690,7 +691,7 @@ def test_evaluate_run_compare_and_calibration(tmp_path):
     assert res["tasks"]["operators"]["headline_k"] == 2 and res["tasks"]["repeat_copy_logic"]["headline_k"] == 2
     assert res["tasks"]["gen_kv"]["by_k"]["2"]["seeds"] == 2
     json.dumps(res)                                                # eval.json-serialisable
-    cmp = ev.compare(res, res)
+    cmp = evaluate.compare(res, res)
     assert cmp["tasks"]["gen_kv"]["2"]["p"] == 1.0 and cmp["tasks"]["gen_kv"]["2"]["gain"] == 0
     # calibration over eval.json-like summaries: 5 Baselines on a known curve, one model above it
     def fake(loss, bump=0.0, scale="s"):
@@ -711,7 +712,7 @@ def test_evaluate_run_compare_and_calibration(tmp_path):
 def test_cli_writes_eval_json_and_says_why_no_plot(tmp_path, capsys):
     pytest.importorskip("data")
     save_run(tmp_path / "run", vocab_size=512, block_size=512)   # tokenizer.get_tokenizer(512) needs no download
-    ev.main(["--run", str(tmp_path / "run"), "--tasks", "gen_copy", "dyck_languages", "--shots", "0", "1",
+    evaluate.main(["--run", str(tmp_path / "run"), "--tasks", "gen_copy", "dyck_languages", "--shots", "0", "1",
              "--seeds", "2", "--max-items", "3", "--val-tokens", "0"])
     out = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert out["tasks"]["dyck_languages"]["by_k"]["1"]["n_items"] == 3 and out["val"] is None
@@ -792,7 +793,7 @@ def test_run_endpoints_finds_every_branch(trained_run, tmp_path):
 def test_evaluate_endpoints_every_branch_with_progress(trained_run):
     import train as T
     logs = []
-    recs = ev.evaluate_endpoints(trained_run, tasks=["gen_kv", "gen_copy"], shots=[0, 2], seeds=2, max_items=3,
+    recs = evaluate.evaluate_endpoints(trained_run, tasks=["gen_kv", "gen_copy"], shots=[0, 2], seeds=2, max_items=3,
                                  enc=CharTok(), data=T.SyntheticData(V), batch_size=2, val_tokens_per_source=64,
                                  log=logs.append)
     assert [(r["branch_step"], r["endpoint"]) for r in recs] == [(3, "endpoints/branch_0000003.pt"),
@@ -813,13 +814,13 @@ def test_evaluate_endpoints_every_branch_with_progress(trained_run):
     assert all(m.startswith(("toy_smelt@3:", "toy_smelt@6:")) for m in logs)
     assert sum("task 2/2 gen_copy" in m for m in logs) == 2
     # a validation report made elsewhere is used as given (no second validation pass)
-    again = ev.evaluate_endpoint(recs[1]["run"] + "/" + recs[1]["endpoint"], tasks=["gen_copy"], shots=[0],
+    again = evaluate.evaluate_endpoint(recs[1]["run"] + "/" + recs[1]["endpoint"], tasks=["gen_copy"], shots=[0],
                                  enc=CharTok(), val=recs[1]["val"], log=logs.append)
     assert again["val"] == recs[1]["val"] and again["branch_step"] == 6
     with pytest.raises(ValueError, match="val must be"):
-        ev.evaluate_endpoint(trained_run, tasks=["gen_copy"], shots=[0], enc=CharTok(), val={"loss": 1.0})
+        evaluate.evaluate_endpoint(trained_run, tasks=["gen_copy"], shots=[0], enc=CharTok(), val={"loss": 1.0})
     with pytest.raises(ValueError, match="no finished branch at steps \\[4\\]"):
-        ev.evaluate_endpoints(trained_run, branches=[4])
+        evaluate.evaluate_endpoints(trained_run, branches=[4])
 
 
 # ---------------------------------------------------------------------------- the grid (hand-made endpoints)
@@ -1069,7 +1070,7 @@ def test_run_unit_pairs_each_training_seed_of_a_cell():
 
 
 def _item_rec(arch, scale, seed, tasks_):
-    """An endpoint whose summary is eval.summarise's of `tasks_` {name: (origin, kind, rho, per_item, nll | None)},
+    """An endpoint whose summary is evaluate.summarise's of `tasks_` {name: (origin, kind, rho, per_item, nll | None)},
     each at k = 0 over the same items, gold nll over 1 + (item % 3) tokens per item."""
     ts = {}
     for name, (origin, kind, rho, acc, nll) in tasks_.items():
@@ -1082,12 +1083,12 @@ def _item_rec(arch, scale, seed, tasks_):
                       gold_tokens=sum(toks))
         ts[name] = {"origin": origin, "kind": kind, "rho": rho, "headline_k": 0, "by_k": {"0": bk}}
     r = rec(arch, scale, "S~50%", 10, seed=seed, tasks=ts)
-    r["summary"] = ev.summarise(ts)
+    r["summary"] = evaluate.summarise(ts)
     return r
 
 
 def _slow_item_noise(units, origin, key, n_boot, seed):
-    """downstream_claims._item_noise's draws one at a time: the same generator calls, each endpoint's summary by eval.summarise."""
+    """downstream_claims._item_noise's draws one at a time: the same generator calls, each endpoint's summary by evaluate.summarise."""
     rng, names = np.random.default_rng(seed), sorted(n for n, t in units[0][0][0]["tasks"].items()
                                                      if t["origin"] == ("bigbench" if origin == "real" else "generated"))
     names = [n for n in names if key == "core" or units[0][0][0]["tasks"][n]["kind"] == "gen"]
@@ -1104,7 +1105,7 @@ def _slow_item_noise(units, origin, key, n_boot, seed):
                 nb.update(gold_nll_sum=float(np.array(bk["gold_nll_by_item"])[sel].sum()),
                           gold_tokens=int(np.array(bk["gold_tokens_by_item"])[sel].sum()))
             ts[n] = {**t, "by_k": {"0": nb}}
-        return ev.summarise(ts)[origin][key]
+        return evaluate.summarise(ts)[origin][key]
     return [np.mean([np.mean([redrawn(s, d) - redrawn(b, d) for b, s in u]) for u in units]) for d in range(n_boot)]
 
 
@@ -1137,7 +1138,7 @@ def test_item_noise_holds_a_gain_carried_by_two_items_unresolved():
 def test_item_noise_equals_a_per_draw_loop_over_eval_summarise(origin, key):
     """Two tasks of each origin (different rho; generation tasks with unequal token counts), two seeds per cell
     (a unit of two endpoint pairs): the vectorised draws give the percentile interval of a per-draw loop that
-    re-runs eval.summarise, and "both" adds the draws' variance to the t-interval's."""
+    re-runs evaluate.summarise, and "both" adds the draws' variance to the t-interval's."""
     from lab import stats
     rng, recs = np.random.default_rng(2), []
     for c in range(4):

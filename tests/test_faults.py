@@ -643,12 +643,12 @@ UNMATCHED = [   # (Baseline run's fields, SMELT run's fields, the reason named)
 @pytest.mark.fault("api")
 @pytest.mark.parametrize("base,smelt,why", UNMATCHED, ids=[u[2].split()[0] for u in UNMATCHED])
 def test_probes_refuse_a_pair_that_is_not_matched(tmp_path, base, smelt, why):
-    import probes
+    from lab import probe_pairs
     b = _probe_run(tmp_path, "b", **(base or dict(looped=False)))
     s = b if smelt is None else _probe_run(tmp_path, "s", **smelt)
     with pytest.raises(ValueError, match=rf"pair 'cell': {b} \(Baseline\) and {s} \(SMELT\) are not a matched "
                                          rf"pair: .*{why}"):
-        probes.probe_pairs([("cell", b, s)], None, 64, 32)
+        probe_pairs.probe_pairs([("cell", b, s)], None, 64, 32)
 
 
 @pytest.mark.fault("api")
@@ -658,11 +658,11 @@ def test_probes_refuse_a_pair_that_is_not_matched(tmp_path, base, smelt, why):
                                      (dict(pairs=[("", "a", "b")]), "non-empty name"),
                                      (dict(pairs=[("x", "/nonexistent/run", "b")]), "/nonexistent/run not found")])
 def test_probes_refuse_bad_values_by_name(tmp_path, kw, name):
-    import probes
+    from lab import probe_pairs
     pairs = [("cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"))]
     args = {"pairs": pairs, "data": None, "tokens": 64, "block_size": 32, **kw}
     with pytest.raises(ValueError, match=name):
-        probes.probe_pairs(**args)
+        probe_pairs.probe_pairs(**args)
 
 
 @pytest.mark.fault("cli")
@@ -670,7 +670,7 @@ def test_probes_refuse_bad_values_by_name(tmp_path, kw, name):
                                       ("missing", "missing_run not found"), ("tokens", "--tokens 16 is less than"),
                                       ("no_data", "no_data_here"), ("block", "block_size 48 exceeds pair 'cell'")])
 def test_probes_cli_refuses_before_any_work(tmp_path, capsys, monkeypatch, case, msg):
-    import probes
+    from lab import probe_pairs
     b, s = _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s")
     pair = {"twice": [s, s], "swapped": [s, b], "missing": [b, str(tmp_path / "missing_run")]}.get(case, [b, s])
     extra = {"tokens": ["--tokens", "16"], "no_data": ["--data-dir", str(tmp_path / "no_data_here")],
@@ -678,17 +678,17 @@ def test_probes_cli_refuses_before_any_work(tmp_path, capsys, monkeypatch, case,
     if case == "block":                                              # prepared data of the pair's vocabulary
         monkeypatch.setattr(data_mod, "TokenData", lambda d: type("Data", (), {"vocab_size": 64})())
     with pytest.raises(SystemExit) as e:
-        probes.main(["--pair", "cell", *pair, "--out-dir", str(tmp_path / "out"), *extra])
+        probe_pairs.main(["--pair", "cell", *pair, "--out-dir", str(tmp_path / "out"), *extra])
     assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not (tmp_path / "out" / "probes.json").exists()
 
 
 @pytest.mark.fault("disk")
 def test_probes_cli_refuses_a_file_as_out_dir(tmp_path, capsys):
-    import probes
+    from lab import probe_pairs
     (tmp_path / "out").write_text("a file")
     with pytest.raises(SystemExit):
-        probes.main(["--pair", "cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"),
+        probe_pairs.main(["--pair", "cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"),
                      "--out-dir", str(tmp_path / "out")])
     assert f"output directory {tmp_path / 'out'} is a file" in capsys.readouterr().err
 
@@ -696,13 +696,13 @@ def test_probes_cli_refuses_a_file_as_out_dir(tmp_path, capsys):
 @pytest.mark.fault("corruption")
 @pytest.mark.parametrize("damage", ["truncated", "edited", "unhashed", "figure_gone", "absolute_figure"])
 def test_damaged_probes_json_is_named_and_recomputed(tmp_path, capsys, damage):
-    from lab import probe_io
+    from lab import probe_pairs
     path, fig = tmp_path / "probes.json", tmp_path / "figures" / "fig23.png"
     fig.parent.mkdir()
     fig.write_bytes(b"png")
     res = {"sample": {"tokens": 64}, "pairs": {"cell": {"x": 0.25}}, "claims": [], "figures": [str(fig)]}
-    probe_io.save_result(path, res)
-    assert probe_io.load_result(path) == res and json.loads(path.read_text())["figures"] == ["figures/fig23.png"]
+    probe_pairs.save_result(path, res)
+    assert probe_pairs.load_result(path) == res and json.loads(path.read_text())["figures"] == ["figures/fig23.png"]
     text = path.read_text()
     if damage == "truncated":
         path.write_text(text[:len(text) // 2])
@@ -715,7 +715,7 @@ def test_damaged_probes_json_is_named_and_recomputed(tmp_path, capsys, damage):
     else:
         runfiles.write_json(path, res)                               # hashed, but an absolute figure path
     capsys.readouterr()
-    assert probe_io.load_result(path) is None
+    assert probe_pairs.load_result(path) is None
     assert str(path) in capsys.readouterr().out
 
 
@@ -786,7 +786,7 @@ def test_dyck_prompts_refuse_bad_values_by_name(kw, name):
 
 @pytest.mark.fault("api")
 def test_probes_refuse_data_of_another_vocabulary(tmp_path):
-    import probes
+    from lab import probe_pairs
     pairs = [("cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"))]
     with pytest.raises(ValueError, match=r"the data's vocabulary \(512 tokens\) is not pair 'cell''s \(64\)"):
-        probes.probe_pairs(pairs, type("Data", (), {"vocab_size": 512})(), 64, 32)
+        probe_pairs.probe_pairs(pairs, type("Data", (), {"vocab_size": 512})(), 64, 32)

@@ -13,12 +13,11 @@ import pytest
 
 import budget
 import cli
-import eval as ev
+from lab import evaluate
 from data import FORMAT_VERSION
-import probes
+from lab import probe_pairs
 import reproduce
 import runfiles
-import scaling
 import train as T
 from test_faults import _probe_run
 from toys import tiny_model
@@ -86,8 +85,8 @@ def test_eval_run_config(tmp_path, capsys, forbid, fault):
     run.mkdir()
     text = model_text(fault)
     (run / "config.json").write_text(text if fault == "malformed" else f'{{"model": {text}}}')
-    forbid(ev, "evaluate_endpoint")
-    refused(ev.main, ["--run", str(run)], "eval.py", capsys, "--run", str(run / "config.json"), *WORDS[fault])
+    forbid(evaluate, "evaluate_endpoint")
+    refused(evaluate.main, ["--run", str(run)], "evaluate.py", capsys, "--run", str(run / "config.json"), *WORDS[fault])
 
 
 @pytest.mark.fault("cli")
@@ -100,9 +99,9 @@ def test_eval_compare_and_baselines_files(tmp_path, capsys, forbid, fault, text,
     save_run(tmp_path / "run")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "eval.json").write_text(text)
-    forbid(ev, "evaluate_endpoint")
+    forbid(evaluate, "evaluate_endpoint")
     for flag in ("--compare", "--baselines"):
-        refused(ev.main, ["--run", str(tmp_path / "run"), flag, str(tmp_path / "other")], "eval.py", capsys,
+        refused(evaluate.main, ["--run", str(tmp_path / "run"), flag, str(tmp_path / "other")], "evaluate.py", capsys,
                 str(tmp_path / "other" / "eval.json"), *words)
 
 
@@ -114,8 +113,8 @@ def test_probes_pair_config(tmp_path, capsys, forbid, fault):
     Path(s, "config.json").write_text(text if fault == "malformed" else
                                       json.dumps({**json.loads(Path(b, "config.json").read_text()),
                                                   "model": json.loads(text)}))
-    forbid(probes, "probe_pairs")
-    refused(probes.main, ["--pair", "cell", b, s, "--out-dir", str(tmp_path / "out")], "probes.py", capsys,
+    forbid(probe_pairs, "probe_pairs")
+    refused(probe_pairs.main, ["--pair", "cell", b, s, "--out-dir", str(tmp_path / "out")], "probe_pairs.py", capsys,
             str(Path(s, "config.json")), *[w for w in WORDS[fault] if w != "fix the file"])
 
 
@@ -147,7 +146,7 @@ def test_scaling_results_file(tmp_path, capsys, forbid, fault):
     forbid(scaling_analysis, "analyse")
     words = {"malformed": ["not valid JSON"], "wrong_type": ["F = 'big' is not a finite number"],
              "misspelt": ["missing key(s) ['val_loss']"]}[fault]
-    refused(scaling.main, ["--results", str(f), "--out-dir", str(tmp_path / "out")], "scaling.py", capsys,
+    refused(scaling_analysis.main, ["--results", str(f), "--out-dir", str(tmp_path / "out")], "scaling_analysis.py", capsys,
             "--results", str(f), *words)
 
 
@@ -250,7 +249,7 @@ def test_the_real_entry_point_is_one_line(tmp_path):
                        f"double quotes: fix the file\n"
 
 
-ENTRY_POINTS = ["reproduce.py", "train.py", "eval.py", "probes.py", "budget.py", "scaling.py", "data.py", "lab/bench.py",
+ENTRY_POINTS = ["reproduce.py", "train.py", "lab/evaluate.py", "lab/probe_pairs.py", "budget.py", "lab/scaling_analysis.py", "lab/corpus.py", "lab/bench.py",
                 *sorted(f"scripts/{p.name}" for p in (ROOT / "scripts").glob("*.py") if p.name != "common.py")]
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import checks
-import eval as ev
+from lab import evaluate
 import runfiles
 from lab import tasks
 from test_eval import CharTok, Successor, save_run
@@ -14,15 +14,15 @@ from test_eval import CharTok, Successor, save_run
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """eval.main's checks must come before the evaluation: evaluate_endpoint fails the test if reached."""
+    """evaluate.main's checks must come before the evaluation: evaluate_endpoint fails the test if reached."""
     def boom(*a, **kw):
         raise AssertionError("the evaluation ran before the bad input was refused")
-    monkeypatch.setattr(ev, "evaluate_endpoint", boom)
+    monkeypatch.setattr(evaluate, "evaluate_endpoint", boom)
 
 
 def _refused(argv, capsys, *words):
     with pytest.raises(SystemExit) as e:
-        ev.main(argv)
+        evaluate.main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and all(w in err for w in words), err
     return err
@@ -64,18 +64,18 @@ def test_unwritable_or_full_out_dir_is_refused(tmp_path, monkeypatch):
     def deny(*a, **kw):
         raise PermissionError(13, "Permission denied")
     with monkeypatch.context() as m:   # what a read-only directory does to the probe file
-        m.setattr(ev.tempfile, "NamedTemporaryFile", deny)
+        m.setattr(evaluate.tempfile, "NamedTemporaryFile", deny)
         with pytest.raises(ValueError, match=f"{tmp_path} is not a writable directory \\(Permission denied\\)"):
-            ev.check_out_dir(tmp_path)
-    monkeypatch.setattr(ev.shutil, "disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
+            evaluate.check_out_dir(tmp_path)
+    monkeypatch.setattr(evaluate.shutil, "disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
     with pytest.raises(ValueError, match="has 1 MiB free"):
-        ev.check_out_dir(tmp_path)
+        evaluate.check_out_dir(tmp_path)
     assert not list(tmp_path.iterdir())                                  # the probe file is gone
 
 
 def _eval_json(tmp_path, name="other"):
     save_run(tmp_path / name, vocab_size=512, block_size=128)
-    ev.main(["--run", str(tmp_path / name), "--tasks", "gen_copy", "--shots", "0", "1", "--seeds", "2",
+    evaluate.main(["--run", str(tmp_path / name), "--tasks", "gen_copy", "--shots", "0", "1", "--seeds", "2",
              "--max-items", "2", "--val-tokens", "0"])
     return tmp_path / name / "eval.json"
 
@@ -89,9 +89,9 @@ def _edited(obj: dict) -> dict:
 def test_damaged_compare_files_are_named(tmp_path, capsys, monkeypatch):
     path = _eval_json(tmp_path)
     good = path.read_text()
-    assert ev.read_eval(path.parent)["tasks"]["gen_copy"]["by_k"]["1"]["seeds"] == 2      # hash-checked, fields fine
+    assert evaluate.read_eval(path.parent)["tasks"]["gen_copy"]["by_k"]["1"]["seeds"] == 2      # hash-checked, fields fine
     save_run(tmp_path / "run")
-    monkeypatch.setattr(ev, "evaluate_endpoint", lambda *a, **kw: pytest.fail("evaluated before the check"))
+    monkeypatch.setattr(evaluate, "evaluate_endpoint", lambda *a, **kw: pytest.fail("evaluated before the check"))
     cases = {"truncated": (good[:len(good) // 2], "truncated"),
              "edited": (json.dumps(_edited(json.loads(good))), "differs from its sha256"),
              "not JSON": ("\x00\x01", "not valid JSON")}
@@ -105,7 +105,7 @@ def test_damaged_compare_files_are_named(tmp_path, capsys, monkeypatch):
     _refused(["--run", str(tmp_path / "run"), "--compare", str(path.parent)], capsys, str(path),
              "task 'gen_copy' k=1 needs")
     with pytest.raises(checks.JSONFileError, match="'val' must be null"):
-        ev.check_eval_record({"tasks": {}, "summary": {}, "val": {"loss": "low"}}, "x.json")
+        evaluate.check_eval_record({"tasks": {}, "summary": {}, "val": {"loss": "low"}}, "x.json")
 
 
 @pytest.mark.fault("corruption")
@@ -149,6 +149,6 @@ def test_evaluate_task_refuses_bad_values_by_name(kw, field):
                                        (dict(val_tokens_per_source=-5), "val_tokens_per_source must be")])
 def test_evaluate_endpoint_refuses_bad_values_before_loading(tmp_path, kw, words):
     with pytest.raises(ValueError, match=f"evaluate_endpoint: {words}"):      # checked before the (missing) model loads
-        ev.evaluate_endpoint(tmp_path / "no_such_run", **kw)
+        evaluate.evaluate_endpoint(tmp_path / "no_such_run", **kw)
     with pytest.raises(KeyError, match="unknown task 'gen_cpy'"):
-        ev.evaluate_endpoint(tmp_path / "no_such_run", tasks=["gen_cpy"])
+        evaluate.evaluate_endpoint(tmp_path / "no_such_run", tasks=["gen_cpy"])

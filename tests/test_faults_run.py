@@ -25,6 +25,7 @@ import pytest
 import cli
 import configs
 import data as data_mod
+from lab import corpus
 import reproduce
 import runfiles
 from checks import JSONFileError
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """A private copy of the prepared smoke dataset (hashed manifest)."""
-    data_mod.prepare("smoke")
+    corpus.prepare("smoke")
     d = tmp_path_factory.mktemp("data") / "smoke"
     shutil.copytree(data_mod.default_data_dir("smoke"), d)
     return d
@@ -107,7 +108,7 @@ def test_an_old_unhashed_manifest_is_refused_and_the_cache_rebuilt(data_copy, ca
     _edit_manifest(data_copy, lambda m: m.pop("sha256"))
     with pytest.raises(JSONFileError, match="no sha256 .*delete it"):
         data_mod.TokenData(data_copy)
-    data_mod.prepare("smoke", out_dir=str(data_copy))          # a damaged cache: recomputed, never trusted
+    corpus.prepare("smoke", out_dir=str(data_copy))          # a damaged cache: recomputed, never trusted
     assert "no sha256" in capsys.readouterr().out
     assert data_mod.TokenData(data_copy).vocab_size == configs.DATA_PRESETS["smoke"].vocab_size
 
@@ -124,11 +125,11 @@ def test_an_empty_corpus_is_refused_by_name(data_copy):
 @pytest.mark.fault("corruption")
 def test_an_edited_pack_is_refused_naming_pack_json(tmp_path):
     dest = tmp_path / "pack"
-    data_mod.pack("smoke", dest)
+    corpus.pack("smoke", dest)
     info = json.loads((dest / "PACK.json").read_text())
     (dest / "PACK.json").write_text(json.dumps({**info, "dataset": "data/tiny-v2"}))
     with pytest.raises(JSONFileError, match=r"PACK.json: content differs from its sha256.*build the pack again"):
-        data_mod.use_pack(dest, "smoke")
+        corpus.use_pack(dest, "smoke")
 
 
 @pytest.mark.fault("disk")
@@ -136,11 +137,11 @@ def test_data_refuses_a_file_as_out_dir_and_leaves_no_temp_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(runfiles.OutDirError, match=rf"data dir {f} is a file"):
-        data_mod.prepare("smoke", out_dir=str(f))
+        corpus.prepare("smoke", out_dir=str(f))
     out = tmp_path / "d"
     (out / "train.bin").mkdir(parents=True)                    # the final rename fails mid-prepare
     with pytest.raises(OSError):
-        data_mod.prepare("smoke", out_dir=str(out))
+        corpus.prepare("smoke", out_dir=str(out))
     assert not [p.name for p in out.rglob("*.tmp*")]
 
 
@@ -207,7 +208,7 @@ def test_contradictory_reproduce_flags_are_refused(argv, why, capsys):
 @pytest.mark.fault("cli")
 def test_data_pack_with_out_dir_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        data_mod.main(["--preset", "smoke", "--out-dir", str(tmp_path / "d"), "--pack", str(tmp_path / "p")])
+        corpus.main(["--preset", "smoke", "--out-dir", str(tmp_path / "d"), "--pack", str(tmp_path / "p")])
     assert e.value.code == 2 and "--pack copies the preset's dataset" in capsys.readouterr().err
     assert not (tmp_path / "d").exists() and not (tmp_path / "p").exists()
 

@@ -12,9 +12,10 @@ import torch
 
 import checkpoint
 import eval as ev
+from lab import evaluate
 import runfiles
 import train as T
-from lab import validation
+import eval as validation
 from toys import tiny_model, tiny_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,9 +44,9 @@ def test_stored_report_is_the_one_eval_uses(finished, monkeypatch):
         assert fresh["by_length"][b] == pytest.approx(stored["by_length"][b], rel=1e-5)
     # evaluate_endpoint takes the stored report and runs no validation of its own
     calls = []
-    monkeypatch.setattr(ev, "val_loss_report", lambda *a, **k: calls.append(1))
-    rec = ev.evaluate_endpoint(run / "endpoints" / "branch_0000006.pt", tasks=(), data=data, enc=object(),
-                               val_tokens_per_source=128, log=lambda m: None)
+    monkeypatch.setattr(evaluate, "val_loss_report", lambda *a, **k: calls.append(1))
+    rec = evaluate.evaluate_endpoint(run / "endpoints" / "branch_0000006.pt", tasks=(), data=data, enc=object(),
+                                     val_tokens_per_source=128, log=lambda m: None)
     assert rec["val"]["loss"] == stored["loss"] and not calls
     # other settings (a different token cap) are not reused
     assert validation.stored_report(run, 6, data, 32, 256) is None
@@ -60,9 +61,9 @@ def test_padded_batches_give_the_same_numbers():
     def nll(i, t, d):
         seen.append(i.shape)
         return validation.token_nll(model(i, doc_ids=d)[0].float(), t)
-    padded = validation.val_loss_report(nll, data, 32, 3, 160)     # 5 contexts per source: batches 3 + 2 (padded)
+    padded = validation.val_loss_by(nll, data, 32, 3, 160)     # 5 contexts per source: batches 3 + 2 (padded)
     assert set(seen) == {(3, 32)}
-    exact = validation.val_loss_report(nll, data, 32, 1, 160)      # one context per batch: nothing to pad
+    exact = validation.val_loss_by(nll, data, 32, 1, 160)      # one context per batch: nothing to pad
     assert padded["tokens"] == exact["tokens"] and padded["loss"] == pytest.approx(exact["loss"], rel=1e-6)
     b = validation.pad_batch((torch.ones(2, 4, dtype=torch.long),) * 3, 3)
     assert b[1][2].tolist() == [-1] * 4 and b[0][:2].tolist() == [[1] * 4] * 2
@@ -209,7 +210,7 @@ def test_memory_floor_is_a_lower_bound():
 
 
 def test_machine_settings_name_what_a_run_uses():
-    from lab import cpu_fast
-    ms = cpu_fast.machine_settings()
+    import train
+    ms = train.machine_settings()
     assert ms["torch_threads"] == torch.get_num_threads() and ms["cpus"] >= 1 and ms["cpu_dtype"] == "fp32"
     assert json.loads(json.dumps(ms)) == ms   # printable in a summary, and read back as it was

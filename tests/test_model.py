@@ -47,19 +47,19 @@ def test_decode_equals_full_forward(kw):
 @pytest.mark.parametrize("shape", [(1, 1, 48), (2, 1, 48), (1, 3, 48), (4, 4, 48), (2, 8, 48), (0, 48),
                                    "transposed"])
 def test_few_row_projection_layout_matches_f_linear(shape):
-    """cpu_fast.linear (W x^T for 1..SKINNY_ROWS rows in CPU inference) equals the plain F.linear,
+    """model.linear (W x^T for 1..SKINNY_ROWS rows in CPU inference) equals the plain F.linear,
     with F.linear's contiguous output, for empty and non-contiguous inputs too."""
-    from lab import cpu_fast
+    import model as model_lib
     torch.manual_seed(0)
     x = torch.randn(48, 3).t() if shape == "transposed" else torch.randn(*shape)   # (3, 48), not contiguous
     w = torch.randn(80, 48)
     ref = torch.nn.functional.linear(x, w)
     with torch.no_grad():
-        y = cpu_fast.linear(x, w)
+        y = model_lib.linear(x, w)
     assert y.shape == ref.shape and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     w.requires_grad_(True)
-    out = cpu_fast.linear(x, w)                   # grad enabled: exactly F.linear, and it trains
+    out = model_lib.linear(x, w)                   # grad enabled: exactly F.linear, and it trains
     assert torch.equal(out, ref) and out.requires_grad
 
 
@@ -67,20 +67,20 @@ def test_few_row_projection_layout_matches_f_linear(shape):
                                 dict(loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True))])
 def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
     """The model is plain nn.Linear: `few_row_projections` is entered by forward_step only, routes every
-    attention / SwiGLU / head projection through cpu_fast.linear, is removed afterwards, and gives the
+    attention / SwiGLU / head projection through model.linear, is removed afterwards, and gives the
     logits of plain F.linear (SKINNY_ROWS = 0) to float rounding."""
-    from lab import cpu_fast
+    import model as model_lib
     import model as model_lib
     torch.manual_seed(0)
     m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
                         **kw)).eval()
-    projections = cpu_fast._projections(m)
+    projections = model_lib._projections(m)
     assert all(type(p) is torch.nn.Linear for p in projections)
     dense = sum(isinstance(b.mlp, model_lib.SwiGLU) for b in m.blocks)
     assert len(projections) == 4 * len(m.blocks) + 3 * dense + 1
     calls = []
-    real = cpu_fast.linear
-    monkeypatch.setattr(cpu_fast, "linear", lambda x, w: calls.append(w) or real(x, w))
+    real = model_lib.linear
+    monkeypatch.setattr(model_lib, "linear", lambda x, w: calls.append(w) or real(x, w))
     idx = torch.randint(0, 64, (1, 6))
     with torch.no_grad():
         m(idx)
@@ -90,12 +90,12 @@ def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
     assert {id(w) for w in calls} == {id(p.weight) for p in projections}
     assert not any("forward" in p.__dict__ for p in projections)   # switched off again
     step = m.forward_step(idx[:, 5:], cache)
-    monkeypatch.setattr(cpu_fast, "SKINNY_ROWS", 0)
+    monkeypatch.setattr(model_lib, "SKINNY_ROWS", 0)
     cache0 = m.new_cache(1, 8)
     m.forward_step(idx[:, :5], cache0)
     torch.testing.assert_close(step, m.forward_step(idx[:, 5:], cache0), rtol=1e-5, atol=1e-5)
-    with cpu_fast.few_row_projections(m):                         # nested: the outer switch survives
-        with cpu_fast.few_row_projections(m):
+    with model_lib.few_row_projections(m):                         # nested: the outer switch survives
+        with model_lib.few_row_projections(m):
             pass
         assert all("forward" in p.__dict__ for p in projections)
     assert not any("forward" in p.__dict__ for p in projections)
@@ -104,7 +104,6 @@ def test_few_row_layout_is_a_decoding_only_switch(kw, monkeypatch):
 def test_few_row_layout_refuses_a_projection_with_a_bias():
     """The few-row forward multiplies by the weight only: a projection given a bias is refused by name rather than
     decoded without it."""
-    from lab import cpu_fast
     m = GPT(tiny()).eval()
     m.blocks[1].attn.wq = torch.nn.Linear(m.cfg.d_model, m.cfg.n_head * m.cfg.hd, bias=True)
     with pytest.raises(ValueError, match="projections with a bias are not supported"):
@@ -113,13 +112,13 @@ def test_few_row_layout_refuses_a_projection_with_a_bias():
 
 def test_one_row_projection_is_plain_f_linear_on_one_thread():
     """On one thread the 1-row product is not padded (the GEMV is the faster kernel there)."""
-    from lab import cpu_fast
+    import model as model_lib
     x, w = torch.randn(1, 48), torch.randn(80, 48)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         with torch.no_grad():
-            assert torch.equal(cpu_fast.linear(x, w), torch.nn.functional.linear(x, w))
+            assert torch.equal(model_lib.linear(x, w), torch.nn.functional.linear(x, w))
     finally:
         torch.set_num_threads(threads)
 

@@ -4,7 +4,7 @@ and each has a current rendered copy with its figures in notebooks/rendered/.
 Every notebook runs top to bottom in a fresh python3 kernel with cwd = notebooks/ (their first code
 cell puts the repository root on sys.path), 180 s per cell at most. The notebooks use tiny shapes
 and each takes well under a minute on a 2-core CPU; notebooks 04 and 06 train a smoke-size model
-on `data.prepare("smoke")` (offline, cached under .cache/) in a scratch directory.
+on `corpus.prepare("smoke")` (offline, cached under .cache/) in a scratch directory.
 
 The rendered copies (scripts/render_notebooks.py) are checked without executing anything: each
 records the sha256 of its source's cells, which must match the notebook in notebooks/ (and so must

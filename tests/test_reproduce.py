@@ -206,13 +206,13 @@ def test_damaged_json_during_the_pipeline_is_one_line(tmp_path, monkeypatch, cap
 
 def test_probes_stage_names_every_matched_pair_with_its_seed(tmp_path, monkeypatch):
     """Each matched pair is (cell key, with _seedN for seed replicates; Baseline dir; SMELT dir)."""
-    import probes
+    from lab import probe_pairs
     seen = []
 
     def stop(pairs, *a, **kw):
         seen.extend(pairs)
         raise RuntimeError("stop")
-    monkeypatch.setattr(probes, "probe_pairs", stop)
+    monkeypatch.setattr(probe_pairs, "probe_pairs", stop)
     ladder = [{"scale": "m48", "sparsity_label": "S=0%"}, {"scale": "m64", "sparsity_label": "S~85%"}]
     with pytest.raises(RuntimeError, match="stop"):
         reproduce.stage_probes(configs.PLANS["smoke"], ladder, None, tmp_path)

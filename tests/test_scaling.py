@@ -15,8 +15,7 @@ from scipy.optimize import minimize, minimize_scalar
 
 import scaling
 from lab import scaling_analysis
-from lab import scaling_rows
-from lab import scaling_tables
+from lab import scaling_report
 from scaling import (PAPER_BASELINE, PAPER_BUDGETS, PAPER_CE_GAIN_PCT, PAPER_SMELT, PAPER_SPARSITIES,
                      PAPER_TPP_1E21, Coeffs, Points, ce_gain, fit, fit_result, frontier_loss, huber_objective, loss,
                      optimal_flops_per_token, tpp)
@@ -209,7 +208,7 @@ def test_paper_gain_gap_is_within_coefficient_rounding():
 
 
 def test_paper_cli_prints_both_tables(capsys):
-    scaling.main(["--paper"])
+    scaling_analysis.main(["--paper"])
     out = capsys.readouterr().out
     assert "17.9 (paper 18.0)" in out and "75 (paper 75)" in out and "TPP" in out
 
@@ -322,17 +321,17 @@ def test_group_fits_only_cells_both_archs_have_and_leaves_the_control_out():
 
 
 def test_seed_means_average_each_cells_replicates_into_one_row_per_endpoint():
-    """scaling_rows.seed_means: rows of one (arch, cell, D) are averaged, subset losses too; a single row passes
+    """scaling.seed_means: rows of one (arch, cell, D) are averaged, subset losses too; a single row passes
     unchanged; replicates whose F or S differ are refused, naming the cell."""
     a = [{**_cell_row("smelt", "a", "S=90%", 0.9, loss=L), "seed": s, "val_loss_by_source": {"x": L + 1}}
          for s, L in enumerate((3.0, 3.3, 3.6))]
     other = _cell_row("smelt", "a", "S=90%", 0.9, D=2e10, loss=2.9)                  # another endpoint: not merged
-    got = scaling_rows.seed_means([*a, other, _cell_row("baseline", "a", "S=90%", 0.9, loss=3.1)])
+    got = scaling.seed_means([*a, other, _cell_row("baseline", "a", "S=90%", 0.9, loss=3.1)])
     assert len(got) == 3 and got[1] is other
     assert got[0]["val_loss"] == pytest.approx(3.3) and got[0]["val_loss_by_source"] == {"x": pytest.approx(4.3)}
     assert got[0]["n_seeds"] == 3 and got[0]["seeds"] == [0, 1, 2] and "n_seeds" not in got[2]
     with pytest.raises(ValueError, match=r"smelt a/S=90% at D = 1e\+10: 2 rows differ in F"):
-        scaling_rows.seed_means([a[0], {**a[1], "F": 2e9}])
+        scaling.seed_means([a[0], {**a[1], "F": 2e9}])
 
 
 def test_seed_means_average_every_subset_and_refuse_replicates_of_another_sparsity():
@@ -341,14 +340,14 @@ def test_seed_means_average_every_subset_and_refuse_replicates_of_another_sparsi
     some have) are refused, since those means would rest on fewer seeds; so are replicates whose S differs."""
     a = [{**_cell_row("smelt", "a", "S=90%", 0.9, loss=L), "seed": s, "val_loss_by_source": {"x": L + 1},
           "val_loss_by_domain": {"web": L + 2, "y": 4.0 + s}} for s, L in enumerate((3.0, 3.1, 3.5))]
-    [m] = scaling_rows.seed_means(a)
+    [m] = scaling.seed_means(a)
     assert m["val_loss"] == pytest.approx(3.2) and m["val_loss_by_source"] == {"x": pytest.approx(4.2)}
     assert m["val_loss_by_domain"] == {"web": pytest.approx(5.2), "y": pytest.approx(5.0)}
     with pytest.raises(ValueError, match=r"smelt a/S=90% at D = 1e\+10: 2 rows differ in S"):
-        scaling_rows.seed_means([a[0], {**a[1], "S": 0.85}])
+        scaling.seed_means([a[0], {**a[1], "S": 0.85}])
     for other in ({**a[1], "val_loss_by_domain": {"web": 5.1}}, {k: v for k, v in a[1].items() if k != "val_loss_by_domain"}):
         with pytest.raises(ValueError, match="replicates report different val_loss_by_domain subsets"):
-            scaling_rows.seed_means([a[0], other])
+            scaling.seed_means([a[0], other])
 
 
 def test_a_repeated_cell_weighs_as_one_cell_in_the_fits(tmp_path):
@@ -596,12 +595,12 @@ def test_analyse_on_an_unidentifiable_surface_prints_no_derived_number(bad_repor
 def test_table_formatters():
     """format_table's markdown, by hand; a gain as a signed percentage ("< -9999" past GAIN_FLOOR), the failed
     share in percent, TPP as an integer from 10 up to 1e6 else 3 digits, and each reason key once."""
-    assert scaling_tables.format_table("T", ["r1", "r2"], ["a", "b"], [["1", "2"], ["3", "4"]]) == (
+    assert scaling_report.format_table("T", ["r1", "r2"], ["a", "b"], [["1", "2"], ["3", "4"]]) == (
         "### T\n\n| | a | b |\n|---|---|---|\n| r1 | 1 | 2 |\n| r2 | 3 | 4 |\n")
-    assert [scaling_tables.pct_text(g) for g in (0.1234, -0.5, -100.0, None)] == ["+12.3", "-50.0", "< -9999", "< -9999"]
-    assert scaling_tables.failed_text(0.025) == " (2.5 % of draws failed)" and scaling_tables.failed_text(None) == ""
-    assert [scaling_tables.tpp_text(x) for x in (9.5, 56.4, 999_999.0, 2.5e7)] == ["9.5", "56", "999999", "2.5e+07"]
-    assert scaling_tables.why_short(["compute range: a", "F range: b", "compute range: c"]) == (
+    assert [scaling_report.pct_text(g) for g in (0.1234, -0.5, -100.0, None)] == ["+12.3", "-50.0", "< -9999", "< -9999"]
+    assert scaling_report.failed_text(0.025) == " (2.5 % of draws failed)" and scaling_report.failed_text(None) == ""
+    assert [scaling_report.tpp_text(x) for x in (9.5, 56.4, 999_999.0, 2.5e7)] == ["9.5", "56", "999999", "2.5e+07"]
+    assert scaling_report.why_short(["compute range: a", "F range: b", "compute range: c"]) == (
         "not identified (compute range, F range; details in the coefficients table)")
 
 
@@ -630,15 +629,15 @@ def test_s0_control_is_selected_by_cell(good_report):
     assert not any(c.endswith("/S=0%") for c in cells["smelt"]) and "S=0%" not in rep["sparsity"]
     assert rep["unmatched_cells"] == [] and rep["bootstrap"]["pair"]["n_draws"] == 12
     rows = _rows(F_span=2, D_span=2, sources=0)
-    fitted, control = scaling_rows.split_control(rows)
+    fitted, control = scaling.split_control(rows)
     assert {r["sparsity_label"] for r in control} == {"S=0%"} and len(control) == 48
     assert {(r["arch"], r["S"]) for r in control} == {("baseline", 0.0), ("smelt", 0.06)}
     assert all(r["S"] >= 0.85 for r in fitted)
-    assert scaling_rows.split_control(rows, include_dense=True) == (rows, [])
+    assert scaling.split_control(rows, include_dense=True) == (rows, [])
     looped = [{**r, "S": -0.014} if r["sparsity_label"] == "S=0%" and r["arch"] == "smelt" else r for r in rows]
-    kept, none = scaling_rows.split_control(looped, include_dense=True)   # SMELT's control: F ratio up to 1.04
+    kept, none = scaling.split_control(looped, include_dense=True)   # SMELT's control: F ratio up to 1.04
     assert none == [] and min(r["S"] for r in kept) == 0.0 and len(kept) == len(rows)
-    assert scaling_rows.to_points([r for r in kept if r["arch"] == "smelt"]).S.min() == 0.0
+    assert scaling.to_points([r for r in kept if r["arch"] == "smelt"]).S.min() == 0.0
     import configs                                      # the label configs.py's ladders give the control
     assert configs.PAPER_POOLS[0][0] == scaling.CONTROL_LABEL
 
@@ -707,7 +706,7 @@ def _write_results(path, with_bad_row=False):
 def test_cli_writes_fits_tables_and_plots(tmp_path):
     res, out = tmp_path / "results.jsonl", tmp_path / "out"
     _write_results(res)
-    scaling.main(["--results", str(res), "--out-dir", str(out), "--bootstrap", "0"])
+    scaling_analysis.main(["--results", str(res), "--out-dir", str(out), "--bootstrap", "0"])
     fits = json.loads((out / "coeffs.json").read_text())
     assert set(fits) == {"baseline", "smelt"}
     assert all(f["n_points"] == 72 and f["identified"] for f in fits.values())   # the S=0% cells are excluded
@@ -724,7 +723,7 @@ def test_read_results_names_the_bad_line(tmp_path):
     res = tmp_path / "results.jsonl"
     _write_results(res, with_bad_row=True)
     with pytest.raises(ValueError, match=r"results.jsonl:193: missing key"):
-        scaling_rows.read_results(str(res))
+        scaling.read_results(str(res))
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -826,7 +825,7 @@ def test_scaling_py_reads_alone():
     matplotlib: the layout's import chain stays short and free of cycles."""
     import subprocess
     import sys
-    code = ("import sys, scaling; bad = [m for m in ('scaling_analysis', 'scaling_tables', 'scaling_plots', "
+    code = ("import sys, scaling; bad = [m for m in ('lab.scaling_analysis', 'lab.scaling_report', "
             "'matplotlib', 'train', 'torch') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
@@ -885,7 +884,7 @@ def test_derived_claims_and_failed_share_beside_every_interval(good_report):
 
 def test_quartiles_rank_a_repeated_cell_once_at_its_seeds_mean(tmp_path):
     """A Baseline cell trained over 3 seeds ranks its sources once per endpoint, at the seeds' mean per-source
-    losses (scaling_rows.seed_means), not once per seed: two replicates that rank the sources the other way would
+    losses (scaling.seed_means), not once per seed: two replicates that rank the sources the other way would
     otherwise weigh that cell three times in the quartiles."""
     rows = _rows(control=False)
     cell = next((r["scale"], r["sparsity_label"]) for r in rows if r["arch"] == "baseline")
@@ -899,7 +898,7 @@ def test_quartiles_rank_a_repeated_cell_once_at_its_seeds_mean(tmp_path):
     q = rep["quartiles"]
     assert q["available"]
     gains = {n: v[q["sparsity_label"]]["gain"] for n, v in rep["subsets"]["val_loss_by_source"]["gains"].items()}
-    once = [r["val_loss_by_source"] for r in scaling_rows.seed_means(rows + reps) if r["arch"] == "baseline"]
+    once = [r["val_loss_by_source"] for r in scaling.seed_means(rows + reps) if r["arch"] == "baseline"]
     per_seed = [r["val_loss_by_source"] for r in rows + reps if r["arch"] == "baseline"]
     want = quartile_gains(gains, once, n_groups=4)
     assert q["gain"] == pytest.approx(want.tolist()) and not np.allclose(want, quartile_gains(gains, per_seed, 4))

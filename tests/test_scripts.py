@@ -202,7 +202,7 @@ class _OneDocData:
     """A held-out set of one source holding one known text, in TokenData's interface."""
 
     def __init__(self, text: str, vocab: int = 512):
-        from lab import tokenizer
+        import data as tokenizer
         self.vocab_size, self.eot = vocab, vocab - 1
         self.sources, self.domains = ["s"], {"s": "code"}
         self._tok = tokenizer.get_tokenizer(vocab)
