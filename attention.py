@@ -23,7 +23,7 @@ Read model.py first (the block that calls this); design notes: docs/attention.md
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,11 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:   # annotations only: this file imports none of the project's modules
+if TYPE_CHECKING:   # annotations only
     from typing import Callable
-
-    from loop import Visit
-    from model import Ctx, ModelConfig
 
 # ----------------------------------------------------------------------------------------
 # Rotary embedding and attention kernels
@@ -234,7 +231,7 @@ class Attention(nn.Module):
     OWN_INIT = ("kv_gate.weight",)                      # zero-initialised here, skipped by GPT.init_weights
     DECODE_PROJECTIONS = ("wq", "wk", "wv", "wo")       # model.few_row_projections
 
-    def __init__(self, cfg: ModelConfig, layer: int,
+    def __init__(self, cfg, layer: int,   # cfg: a model.ModelConfig
                  adapters: Callable[[dict[str, tuple[int, int]]], nn.ModuleDict] | None = None):
         """adapters: None, or loop.make_adapters bound to cfg.loop (the block decides which layers get them)."""
         super().__init__()
@@ -258,7 +255,7 @@ class Attention(nn.Module):
         """lin(x), plus the loop's adapter correction inside an adapted span (loop None: stacked PLT batch)."""
         return lin(x) if self.adapters is None else self.adapters[name].add_to(lin(x), x, loop)
 
-    def forward(self, x: Tensor, ctx: Ctx, visit: Visit, loop: int | None) -> Tensor:
+    def forward(self, x: Tensor, ctx: Ctx, visit, loop: int | None) -> Tensor:   # visit: a loop.Visit
         B, T, _ = x.shape
         H, Hkv, hd = self.n_head, self.n_kv_head, self.hd
         q = self.proj("q", self.wq, x, loop).view(B, T, H, hd).transpose(1, 2)
@@ -348,3 +345,34 @@ class Attention(nn.Module):
         ring, rows = ctx.slot(visit, None, ring=True)
         yl = self._ring_attend(q[B:], k[B:], v[B:], ring, rows, ctx)
         return torch.cat([y1, self._mix(x[B:], yg, yl)], dim=0)
+
+
+@dataclass
+class Ctx:
+    """Per-call context handed to every block: positions, RoPE rows, masks, cache, capture."""
+    q_pos: Tensor                 # (T,) absolute positions of the new tokens
+    cos: Tensor
+    sin: Tensor
+    doc: Tensor | None            # (B, T) document ids (full forward only)
+    batch: int
+    cache: Cache | None = None
+    start: int = 0                # cache length before this call
+    capture: dict | None = None
+    shared: dict = field(default_factory=dict)   # layer -> loop-1 (k, v) for PLT KV sharing
+    ring_pos_updates: list = field(default_factory=list)  # applied after the call: all loops read the old ring
+    masks: dict = field(default_factory=dict)    # attention masks built once per forward (flex block masks)
+
+    def slot(self, visit, loop: int | None, ring: bool = False) -> tuple[KV, slice]:   # visit: a loop.Visit
+        """(KV, rows) of the cache this attention visit reads and writes.
+
+        Stacked PLT caches hold loop l in rows [l*B, (l+1)*B); loop=None means all rows.
+        With KV sharing, ("full", layer) is loop 1's cache and ("ring", layer) the later loops' windows.
+        """
+        c, L, B = self.cache, visit.layer, self.batch
+        if ("plt", L) in c.kv:
+            return c.kv[("plt", L)], slice(None) if loop is None else slice(loop * B, (loop + 1) * B)
+        if ("ring", L) in c.kv:
+            if not ring:
+                return c.kv[("full", L)], slice(None)
+            return c.kv[("ring", L)], slice(None) if loop is None else slice((loop - 1) * B, loop * B)
+        return c.kv[(L, visit.visit)], slice(None)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-import cli
+import checks
 import configs
 import loop as looping
 from loop import LoopConfig, middle_span
@@ -637,25 +637,25 @@ def format_ladder(rows: list[dict]) -> str:
 
 
 def _fraction(text: str) -> float:
-    if (x := cli.positive_float(text)) > 1:
+    if (x := checks.positive_float(text)) > 1:
         raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
     return x
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("Budget accounting and SMELT budget matching (see the module docstring).")
+    ap = checks.parser("Budget accounting and SMELT budget matching (see the module docstring).")
     ap.add_argument("--ladder", choices=list(configs.LADDERS), help="print the matched Baseline/SMELT grid of a preset")
     ap.add_argument("--config", help="print the accounting of a ModelConfig JSON file (e.g. a run's config.json)")
-    ap.add_argument("--ctx-len", type=cli.positive_float, default=None, help="document length for attention FLOPs "
+    ap.add_argument("--ctx-len", type=checks.positive_float, default=None, help="document length for attention FLOPs "
                     "(default: measured on the preset's prepared data, the paper's 833 for --ladder paper; "
                     "with --config, the config's block_size)")
-    ap.add_argument("--loops", type=cli.positive_int, default=2, help="SMELT's passes over its looped span (r)")
+    ap.add_argument("--loops", type=checks.positive_int, default=2, help="SMELT's passes over its looped span (r)")
     ap.add_argument("--span-fraction", type=_fraction, default=0.5, help="SMELT's looped share of the stack, "
                     "placed in the middle (loop.middle_span)")
-    ap.add_argument("--shared-experts", type=cli.nonneg_int, default=0, help="shared experts per MoE layer, "
+    ap.add_argument("--shared-experts", type=checks.nonneg_int, default=0, help="shared experts per MoE layer, "
                     "Baseline and SMELT alike")
-    cli.add_out_dir(ap, "also write the ladder rows to DIR/ladder_PRESET.json (default: print only)", old=())
-    cli.deprecated_alias(ap, "--json", "json", "--out-dir DIR (writes DIR/ladder_PRESET.json)")
+    checks.add_out_dir(ap, "also write the ladder rows to DIR/ladder_PRESET.json (default: print only)", old=())
+    checks.deprecated_alias(ap, "--json", "json", "--out-dir DIR (writes DIR/ladder_PRESET.json)")
     return ap
 
 
@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.ladder and not args.config:
         ap.error("give --ladder PRESET or --config FILE")
     if args.config:
-        cfg = cli.read_config(args.config, ModelConfig, "--config", key="model")
+        cfg = checks.read_config(args.config, ModelConfig, "--config", key="model")
         ctx = args.ctx_len or cfg.block_size
         print(json.dumps({**count_params(cfg), "flops_per_token": flops_per_token(cfg, ctx),
                           "flops_per_token_with_head": flops_per_token(cfg, ctx, include_head=True), "ctx_len": ctx,
@@ -690,4 +690,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -10,9 +10,9 @@ uninterrupted one. Nothing non-finite is saved (DivergenceError), so the last ch
 
 Retention (`needed_checkpoints`): each pending branch needs only its own latest checkpoint or the latest
 stable one at or before its fork, so a run holds at most two full checkpoints at once and none once it
-has finished. `disk_estimate` replays the Trainer's save / prune rules (`save_kind`, `logged`) to size a
-run before it starts. Files are written and verified by runfiles.py (read it first); the Trainer in
-train.py inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoint.md.
+has finished. lab/costs.py's `disk_estimate` replays the Trainer's save / prune rules (`save_kind`,
+`logged`) to size a run before it starts. Files are written and verified by checks.py (read it first);
+the Trainer in train.py inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoint.md.
 """
 from __future__ import annotations
 
@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import budget
-import runfiles
+import checks
 from checks import read_json
-from model import GPT, ModelConfig
-from runfiles import (CheckpointError, RunLockedError, atomic_copy, atomic_save, atomic_write_text, file_digest,
+from model import ModelConfig
+from checks import (CheckpointError, RunLockedError, atomic_copy, atomic_save, atomic_write_text, file_digest,
                       jsonl_line, load_file, read_jsonl, remove_stale_tmp, repair_torn_tail, run_lock)
 
 # `TrainConfig` in annotations is train.TrainConfig, not imported: train.py imports this module.
@@ -175,7 +174,7 @@ def _intact_row(raw: bytes) -> bool:
     """A JSON-lines row whose content matches its hash (re-hashing an intact row reproduces it byte for byte)."""
     try:
         text = raw.decode()
-        return runfiles.jsonl_line(json.loads(text)) == text + "\n"
+        return checks.jsonl_line(json.loads(text)) == text + "\n"
     except (ValueError, TypeError, AttributeError):   # not text, not JSON, not an object
         return False
 
@@ -543,90 +542,6 @@ class Checkpoints:
                 raise CheckpointError(f"{path} holds results of another configuration: {'; '.join(diff)}; "
                                       f"use a new run directory")
         return list({r["branch_step"]: r for r in rows if r["branch_step"] in self.tc.branches}.values())
-
-
-# ----------------------------------------------------------------------------------------
-# Disk: what a run writes, estimated before it starts (pure functions)
-
-# A torch file's bytes beyond its tensors' data (zip headers, alignment, pickle; docs/checkpoint.md)
-_FILE_BYTES = 1261 + runfiles._TRAILER_LEN
-_TENSOR_BYTES = 280
-_RNG_BYTES = 5056 + 625 * 8 * 2 + 3 * _TENSOR_BYTES   # torch, numpy and python generator states
-_METRICS_ROW_BYTES = 420   # one metrics.jsonl row with its hash
-
-
-def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]:
-    """(full resume checkpoint, weights-only endpoint) file sizes for this model: fp32 weights, AdamW's two
-    fp32 moments + a step per parameter, RNG states, JSON meta. The parameter list comes from a GPT
-    built on the meta device (no memory allocated)."""
-    with torch.device("meta"):
-        gpt = GPT(model_cfg)
-    params = list(gpt.named_parameters())
-    weights = sum(p.numel() * 4 + _TENSOR_BYTES for _, p in params)
-    meta = len(json.dumps({"format": 2, "kind": "endpoint", "model": model_cfg.to_dict(), "train": asdict(tc),
-                           "step": 0, "branch": 0, "tokens": 0, "wall_s": 0.0, "run": {}})) + 100
-    endpoint = _FILE_BYTES + weights + meta
-    adam = sum(2 * (p.numel() * 4 + _TENSOR_BYTES) + 4 + _TENSOR_BYTES + 2 * (len(n) + 12) for n, p in params)
-    return endpoint + adam + _RNG_BYTES + 600, endpoint
-
-
-def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
-    """Bytes one train() run keeps on disk, replaying the Trainer's save / prune rules (save_kind,
-    needed_checkpoints, logged): "peak" (the most at any moment), "final" (after the run: endpoints, ckpt.pt,
-    logs), "written" (all bytes written, deleted files included), and the per-file sizes."""
-    tc = type(tc).from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
-    full, endpoint = checkpoint_bytes(model_cfg, tc)
-    row = len(json.dumps({"config": model_cfg.to_dict(), "train": asdict(tc)})) + len(json.dumps(
-        budget.dense_control(model_cfg).to_dict())) + 1500   # results row: configs, losses by source, hash
-    logs = 2 * len(json.dumps({"model": model_cfg.to_dict(), "train": asdict(tc)}, indent=2))  # config.json
-    ckpts: dict = {}
-    state = {"peak": 0, "written": logs, "kept": logs}   # kept: endpoints + logs
-
-    def now() -> int:
-        return state["kept"] + full * len(ckpts)
-
-    def write(n: int, key=None) -> None:
-        state["written"] += n
-        if key is None:
-            state["kept"] += n
-        else:
-            ckpts[key] = True
-        state["peak"] = max(state["peak"], now())
-
-    def prune(pending) -> None:
-        for key in set(ckpts) - needed_checkpoints(ckpts, pending):
-            del ckpts[key]
-
-    pending, s = list(tc.branches), 0
-    for b in tc.branches:
-        for branch, start, end in ((None, s, b), (b, b, b + tc.decay_steps)):
-            for done in range(start + 1, end + 1):
-                if any(logged(tc, done, end)):
-                    write(_METRICS_ROW_BYTES)
-                kind = save_kind(tc, branch, done, end)
-                if kind == "endpoint":
-                    write(endpoint)
-                elif kind == "full":
-                    write(full, (branch, done))
-                    prune(pending)
-        s = b
-        write(row)
-        pending.remove(b)
-        prune(pending)
-    write(endpoint)   # ckpt.pt
-    return {"peak": state["peak"], "final": now(), "written": state["written"], "full_checkpoint": full,
-            "endpoint": endpoint}
-
-
-def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int = 1) -> dict:
-    """disk_estimate over a set of runs trained `jobs` at a time: "final" is the sum of the runs' final
-    bytes; "peak" adds the `jobs` largest in-run surpluses (peak - final) on top of it, an upper bound
-    (it assumes every other run has already finished)."""
-    ests = [disk_estimate(c, tc) for c in model_cfgs]
-    final = sum(e["final"] for e in ests)
-    surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]
-    return {"final": final, "peak": final + sum(surplus), "written": sum(e["written"] for e in ests),
-            "runs": len(ests)}
 
 
 # ----------------------------------------------------------------------------------------

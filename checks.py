@@ -1,32 +1,48 @@
-"""Bad input refused up front: config field types and ranges, config dicts with unknown keys, and
-JSON files that cannot be parsed, each with an error naming the field / key / file and line.
+"""What is checked before it is trusted: config values, JSON files, command-line flags, run files.
 
-  * `check_fields`: types come from each dataclass field's annotation, so a field added later is
-    type-checked without touching this file: "int" refuses floats (2.0 included) and booleans,
-    "float" refuses NaN, infinity and booleans, "bool" accepts only True / False, "str" only
-    strings, "list[int]" a list of ints; numpy scalars are stored as Python int / float.
-  * `from_dict`: unknown keys in a config dict (a typo such as "n_expert") are an error naming the key.
-  * `parse_json` / `read_json` / `require_keys`: JSON errors are `JSONFileError` (a ValueError)
-    whose message starts with `path:line:column`, as compilers print them.
-  * `UserError`: the base of every refusal a user can act on (cli.run_main prints it in one line).
+* Values: `check_fields` types each dataclass field by its annotation ("int" refuses floats and
+  booleans, "float" NaN and infinity ...); `from_dict` / `config_from` refuse unknown keys (with a
+  did-you-mean); `parse_json` / `read_json` errors start with `path:line:column`. `UserError` is
+  the base of every refusal a user can act on.
+* Flags: every entry point builds its parser with `parser` (one-line errors, defaults shown) and
+  the value types below (`positive_int`, `nonneg_int`, `positive_float`, `device`, ...); `run_main`
+  is every `__main__`: an error the user can fix ends in one line and exit status 2, a bug keeps its
+  traceback. `read_config` reads a user's JSON file into its dataclass, naming the flag and file.
+* Run files: every torch file ends with the sha256 of its bytes (`atomic_save`, checked by
+  `file_digest` / `load_file` before anything is unpickled); every results / metrics row carries
+  the sha256 of its content (`jsonl_line` / `read_jsonl`); a JSON object carries its own
+  (`write_json` / `read_hashed_json`; `read_cache` recomputes a damaged cache). Writes go to a temp
+  file, fsync, os.replace, so a crash never leaves a half-written file; `repair_torn_tail` cuts a
+  partial last row. One writer per run directory (`run_lock`, else RunLockedError);
+  `check_out_dir` checks an output folder before work starts.
 
-ModelConfig, LoopConfig and TrainConfig apply these at construction (their `validate` adds the
-field-specific ranges); train.py, data.py, runfiles.py and the CLIs read JSON through them.
-Why, and the fuzz that found the gaps: docs/checks.md. Read next: loop.py, model.py.
+Why each rule, and the fuzz that found the gaps: docs/checks.md, docs/cli.md, docs/runfiles.md.
+Read next: loop.py, model.py.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import difflib
+import errno
+import hashlib
 import json
 import math
 import numbers
+import os
+import re
+import shutil
+import sys
+import traceback
 from dataclasses import fields
 from pathlib import Path
+
+import torch
 
 
 class UserError(Exception):
     """An error the user can fix (a bad file, value or directory, a locked run, a full disk): an entry point
-    prints it as one line and exits with status 2 (cli.run_main); the project's own refusals subclass it."""
+    prints it as one line and exits with status 2 (run_main); the project's own refusals subclass it."""
 
 
 class BadFileError(UserError, ValueError):
@@ -151,3 +167,529 @@ def positive_ints(where: str, **values) -> None:
                                  f"got {v!r}")
         if isinstance(v, (tuple, list)) and not v:
             raise ValueError(f"{where}: {name} must not be empty")
+
+
+# ======================================================================== command-line flags
+
+DEVICE_TYPES = ("cpu", "cuda")   # the device types the code is tested on
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps a module docstring's layout as the description and appends "(default: X)" to every
+    option that has a default and does not already describe it ("default" in its help). Flags
+    (store_true) and options without a default (None: computed, and explained in the help) get
+    nothing appended, so no help line ever shows two defaults."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        d = action.default
+        if ("default" in help.lower() or d is None or d is argparse.SUPPRESS or not action.option_strings
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse._HelpAction, argparse._VersionAction))):
+            return help
+        shown = (" ".join(map(str, d)) or "none") if isinstance(d, (list, tuple)) else str(d)
+        return f"{help} (default: {shown.replace('%', '%%')})"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose refusal is one line on stderr (exit status 2) that points at --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def parser(description: str | None = None, **kw) -> argparse.ArgumentParser:
+    """A Parser with the project's HelpFormatter."""
+    return Parser(description=description, formatter_class=HelpFormatter, **kw)
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+# ----------------------------------------------------------------------------------------
+# Errors: the user's in one line, the code's with a traceback
+
+def _os_message(e: OSError) -> str:
+    where = f": {e.filename}" if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device{where}: free some space, or pass --out-dir on a disk with room"
+    return f"{e.strerror or e}{where}: check the path and its permissions"
+
+
+def run_main(main, argv=None, prog: str | None = None):
+    """main(argv), as every entry point's `__main__` runs it. A UserError or an OSError (a file, a folder,
+    the disk) ends the command with one line on stderr, exit status 2; any other exception is a bug in
+    the code: its traceback, a line asking for a report, exit status 1. Returns main's value."""
+    prog = prog or os.path.basename(sys.argv[0])
+    try:
+        return main(argv)
+    except UserError as e:
+        msg = str(e)
+    except OSError as e:
+        msg = _os_message(e)
+    except ModuleNotFoundError as e:
+        msg = f"the package {e.name!r} is not installed: pip install -r requirements.txt"
+    except Exception:
+        traceback.print_exc()
+        print(f"{prog}: this is a bug in looped-moe, not in your input: please report it with the command line "
+              f"and the traceback above", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    print(f"{prog}: error: {one_line(msg)}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def read_config(path: str, cls, flag: str, key: str | None = None):
+    """The config dataclass `cls` from the JSON file `path` a user passed as `flag` (a run's config.json
+    holds it under `key`), checked field by field: unknown fields, wrong types and out-of-range values.
+    Any problem is a BadFileError (a UserError) naming the flag, the file and what to fix."""
+    try:
+        d = read_json(path)
+    except JSONFileError as e:
+        raise BadFileError(f"{flag} {e}: fix the file") from None
+    except OSError as e:
+        raise BadFileError(f"{flag} {path}: {e.strerror or e}: give the path of a JSON file") from None
+    if key and isinstance(d, dict) and isinstance(d.get(key), dict):
+        d = d[key]
+    return config_from(cls, d, f"{flag} {path}", f"fix the file (it holds {cls.__name__}.to_dict()'s fields)")
+
+
+# ----------------------------------------------------------------------------------------
+# Types: bad values are refused by argparse, naming the option and the rule
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if x != x or x in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return x
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, counts, steps, batch sizes, number of seeds or jobs)."""
+    n = _int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text}")
+    return n
+
+
+def nonneg_int(text: str) -> int:
+    """An integer >= 0 (shot counts, seeds, and counts where 0 has a documented meaning)."""
+    n = _int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer (>= 0), got {text}")
+    return n
+
+
+def int_range(lo: int, hi: int):
+    """An integer in [lo, hi]."""
+    def check(text: str) -> int:
+        n = _int(text)
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must lie in [{lo}, {hi}], got {text}")
+        return n
+    check.__name__ = f"int in [{lo}, {hi}]"
+    return check
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (lengths, FLOP budgets, learning rates)."""
+    x = _float(text)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number (> 0), got {text}")
+    return x
+
+
+def nonneg_float(text: str) -> float:
+    """A finite number >= 0."""
+    x = _float(text)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number (>= 0), got {text}")
+    return x
+
+
+def device(text: str) -> str:
+    """auto, or a device torch knows of a supported type: cpu, cuda, cuda:N."""
+    if text == "auto":
+        return text
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def resolve_device(name: str | None) -> str:
+    """auto (or None) -> "cuda" when torch sees a GPU, else "cpu"; anything else unchanged."""
+    if name in (None, "auto"):
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+# ----------------------------------------------------------------------------------------
+# The shared options
+
+class _Deprecated(argparse.Action):
+    """A hidden old spelling: stores into the new option's dest and says once what to use instead."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kw):
+        self.new = new
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(ap: argparse.ArgumentParser, flag: str, dest: str, new: str, **kw) -> None:
+    """A hidden old spelling `flag` that stores into `dest` (the new option's) and names `new` on use."""
+    ap.add_argument(flag, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS, **kw)
+
+
+def add_out_dir(ap: argparse.ArgumentParser, help: str, default: str | None = None,
+                old: tuple[str, ...] = ("--out",)) -> None:
+    """--out-dir DIR (dest out_dir), plus the hidden deprecated spellings `old` (same dest, same meaning)."""
+    ap.add_argument("--out-dir", default=default, metavar="DIR", help=help)
+    for flag in old:
+        deprecated_alias(ap, flag, "out_dir", "--out-dir")
+
+
+def add_device(ap: argparse.ArgumentParser, help: str = "where to run: auto (cuda when available, else cpu), "
+                                                          "cpu, cuda or cuda:N") -> None:
+    """--device, default auto, checked when parsed; resolve with `resolve_device`."""
+    ap.add_argument("--device", type=device, default="auto", help=help)
+
+
+# ======================================================================== run files
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint (or run-directory record) cannot be read or belongs to another configuration."""
+
+
+class RunLockedError(UserError, RuntimeError):
+    """Another process is writing this run directory (it holds RUN_DIR/.lock)."""
+
+
+# ----------------------------------------------------------------------------------------
+# Hashed torch files and atomic writes
+
+# torch.save's bytes + this trailer + their sha256 in hex (torch.load ignores it; why: docs/runfiles.md)
+HASH_TRAILER = b"\nlooped-moe-sha256:"
+_TRAILER_LEN = len(HASH_TRAILER) + 64 + 1
+_TMP = re.compile(r".+\.tmp(\d+)")
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through it (torch.save streams into it)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":   # no safe liveness probe: treat as alive (the file is left alone)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_tmp(directory: str | Path) -> list[Path]:
+    """Delete `*.tmpPID` files in `directory` left by writers that died (PID no longer running)."""
+    removed = []
+    d = Path(directory)
+    if not d.is_dir():
+        return removed
+    for p in d.iterdir():
+        m = _TMP.fullmatch(p.name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _atomic_write(path: str | Path, write) -> None:
+    """write(f) into PATH.tmpPID, fsync, os.replace: `path` is always a complete file or absent.
+    Stale temp files of dead writers in the same directory are removed first."""
+    path = Path(path)
+    remove_stale_tmp(path.parent)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_save(obj, path: str | Path) -> None:
+    """torch.save(obj) + sha256 trailer, written atomically (see _atomic_write)."""
+    def write(f):
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+        f.write(HASH_TRAILER + w.sha.hexdigest().encode() + b"\n")
+    _atomic_write(path, write)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """`data` to `path` atomically, its folder made if missing (prepared data, BPE files, JSON)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def sha256_of(path: str | Path) -> str:
+    """The plain sha256 of a file's bytes (manifests and packs list it per file)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_copy(src: str | Path, dst: str | Path) -> None:
+    """A byte copy of `src` at `dst`, written atomically (see _atomic_write)."""
+    def copy(f):
+        with open(src, "rb") as s:
+            shutil.copyfileobj(s, f, 1 << 24)
+    _atomic_write(dst, copy)
+
+
+def file_digest(path: str | Path) -> str:
+    """Check a torch file's sha256 trailer against its content; returns the digest. Raises CheckpointError
+    naming the file when the trailer is missing (truncated, or not written by this code) or differs."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        tail = b""
+        if size >= _TRAILER_LEN:
+            f.seek(size - _TRAILER_LEN)
+            tail = f.read()
+        want = tail[len(HASH_TRAILER):-1]
+        if not (tail.startswith(HASH_TRAILER) and tail.endswith(b"\n")
+                and re.fullmatch(rb"[0-9a-f]{64}", want)):
+            raise CheckpointError(f"checkpoint {path} has no valid content hash at its end: it is truncated or "
+                                  f"corrupt (or was not written by train.py)")
+        f.seek(0)
+        sha, left = hashlib.sha256(), size - _TRAILER_LEN
+        while left:
+            chunk = f.read(min(left, 1 << 24))
+            if not chunk:
+                break
+            sha.update(chunk)
+            left -= len(chunk)
+    if sha.hexdigest().encode() != want:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: its sha256 differs from the one "
+                              f"recorded in the file")
+    return want.decode()
+
+
+def load_file(path: str | Path) -> dict:
+    """A torch file written by atomic_save: content hash checked, then torch.load(weights_only=True) on CPU.
+    Every failure is a CheckpointError naming the file."""
+    path = Path(path)
+    file_digest(path)
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+        meta = json.loads(ck["meta"])
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is truncated or "
+                              f"corrupt") from e
+    if not isinstance(ck.get("model"), dict) or not isinstance(meta, dict) or "model" not in meta:
+        raise CheckpointError(f"checkpoint {path} lacks 'model' weights or meta['model'] (not written by train.py?)")
+    return ck
+
+
+# ----------------------------------------------------------------------------------------
+# Hashed JSON-lines rows (results.jsonl, metrics.jsonl)
+
+def _row_digest(content: dict) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+ROW_HASH = "sha256"   # the key of a JSON-lines row's own hash
+
+
+def jsonl_line(row: dict) -> str:
+    """One JSON-lines row with ROW_HASH: the sha256 of its content as it reads back (canonical JSON)."""
+    content = json.loads(json.dumps(row))
+    content.pop(ROW_HASH, None)
+    return json.dumps({**content, ROW_HASH: _row_digest(content)}) + "\n"
+
+
+def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of a results.jsonl / metrics.jsonl, each checked against its hash (which is removed) and
+    for `keys`. Raises CheckpointError naming the file and line."""
+    path, rows = Path(path), []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = parse_json(raw.decode(), path, n)
+            require_keys(row, (ROW_HASH, *keys), f"{path}:{n}")
+        except (JSONFileError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{e if isinstance(e, JSONFileError) else f'{path}:{n}: not text'}; "
+                                  f"delete that line to recompute it") from None
+        got = row.pop(ROW_HASH)
+        if got != _row_digest(row):
+            raise CheckpointError(f"{path}:{n}: row content differs from its sha256 (edited or corrupt); "
+                                  f"delete that line to recompute it")
+        rows.append(row)
+    return rows
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    """Write a JSON object atomically with ROW_HASH: the sha256 of its content as it reads back, so
+    `read_hashed_json` catches any later edit or damage (ladder.json, eval/*.json, probes.json, PACK.json ...)."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"{path}: write_json takes a dict, got {type(obj).__name__}")
+    content = json.loads(json.dumps(obj, default=float))   # numpy scalars as numbers
+    content.pop(ROW_HASH, None)
+    atomic_write_text(path, json.dumps({**content, ROW_HASH: _row_digest(content)}, indent=1) + "\n")
+
+
+def read_hashed_json(path: str | Path, keys: tuple[str, ...] = ()) -> dict:
+    """A file `write_json` wrote, checked against its hash (which is removed) and for `keys`. Raises
+    JSONFileError naming the file: unparseable, not an object, no hash, hash mismatch, missing keys."""
+    path = Path(path)
+    obj = read_json(path)
+    if isinstance(obj, dict) and ROW_HASH not in obj:
+        raise JSONFileError(f"{path}: no sha256 (written by an older version, or edited): delete it to recompute it")
+    require_keys(obj, (ROW_HASH,), str(path))
+    got = obj.pop(ROW_HASH)
+    if got != _row_digest(obj):
+        raise JSONFileError(f"{path}: content differs from its sha256 (edited or corrupt)")
+    require_keys(obj, keys, str(path))
+    return obj
+
+
+def read_cache(path: str | Path, keys: tuple[str, ...] = ()) -> dict | None:
+    """A cached stage result written by `write_json`, or None (recompute it) when it is absent or damaged;
+    a damaged one is named on stdout, never trusted."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return read_hashed_json(path, keys)
+    except JSONFileError as e:
+        print(f"{e}; recomputing it", flush=True)
+        return None
+
+
+def repair_torn_tail(path: str | Path) -> bool:
+    """Cut a partial last line (an append interrupted by a crash: no final newline) from a JSON-lines file.
+    Only the run's writer (lock holder) calls this. Returns True if something was cut."""
+    path = Path(path)
+    if not path.exists():
+        return False
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return False
+    keep = data[:data.rfind(b"\n") + 1]
+    atomic_write_text(path, keep.decode(errors="replace"))
+    print(f"{path}: removed a partial last row ({len(data) - len(keep)} bytes, an interrupted write)", flush=True)
+    return True
+
+
+# ----------------------------------------------------------------------------------------
+# Output locations checked before work starts
+
+class OutDirError(UserError, RuntimeError):
+    """An output location that cannot be written: a file, a read-only folder, too little free space."""
+
+
+def check_out_dir(path: str | Path, need_bytes: int = 0, what: str = "out dir") -> Path:
+    """Make `path` (and its parents) and prove it writable by writing a probe file; refuse with OutDirError
+    naming the path when it is a file, a parent is a file, it is read-only, or < need_bytes are free."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutDirError(f"{what} {path} is a file, not a directory: pass another --out-dir")
+    parent = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise OutDirError(f"{what} {path}: {parent} is a file, not a directory: pass another --out-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe.tmp{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise OutDirError(f"{what} {path} is not writable ({e.strerror}): fix its permissions or pass another "
+                          f"--out-dir") from None
+    free = shutil.disk_usage(path).free
+    if need_bytes > free:
+        raise OutDirError(f"{what} {path}: needs {need_bytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free: free "
+                          f"space or pass another --out-dir")
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# One writer per run directory
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
+    """Hold an exclusive OS lock on RUN_DIR/.lock (fcntl.flock; msvcrt on Windows) for the block. The OS
+    drops it when the process exits however it exits, so a killed trainer never leaves a stale lock.
+    A second writer gets RunLockedError naming the holder's pid (reproduce.py locks its out dir the same way)."""
+    path = Path(run_dir) / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            if os.name == "nt":
+                import msvcrt
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            raise RunLockedError(f"run directory {Path(run_dir)} is in use by another {holder_kind} (pid {holder} holds "
+                                 f"{path}); wait for it to finish or use another directory") from None
+        if os.name != "nt":   # record the holder for the other writer's message
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        yield path
+    finally:
+        os.close(fd)   # closing the descriptor releases the lock
+
+
+def endpoint_id(rec: dict) -> str:
+    """'RUN_NAME@BRANCH_STEP' (or RUN_NAME alone for an endpoint without a branch): the key of an endpoint."""
+    name = rec.get("name") or Path(str(rec.get("run", "?"))).name
+    return name if rec.get("branch_step") is None else f"{name}@{rec['branch_step']}"

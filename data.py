@@ -38,7 +38,7 @@ import torch
 
 import configs
 from checks import JSONFileError, UserError
-from runfiles import atomic_write_bytes, read_json, sha256_of
+from checks import atomic_write_bytes, read_hashed_json, sha256_of
 
 FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
 
@@ -173,7 +173,7 @@ def read_manifest(data_dir: str | Path) -> dict:
         raise FileNotFoundError(f"no manifest.json in {path.parent}: prepare it with `python data.py --preset ... "
                                 f"--out-dir {path.parent}`")
     try:
-        m = read_json(path, MANIFEST_KEYS)
+        m = read_hashed_json(path, MANIFEST_KEYS)
         _check_manifest(m)
     except JSONFileError as e:
         raise JSONFileError(f"{e}; rebuild the dataset with `python data.py --force ...`") from None

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 import checks
 import data as data_mod
-import runfiles
 
 
 # ================================================================ validation loss
@@ -144,7 +143,7 @@ def stored_report(run_dir: str | Path | None, branch_step: int | None, data, blo
     if run_dir is None or branch_step is None or data is None or not path.is_file():
         return None
     want = settings(data, block_size, max_tokens_per_source, n_buckets)
-    rows = [r for r in runfiles.read_jsonl(path, ("branch_step",)) if r["branch_step"] == branch_step]
+    rows = [r for r in checks.read_jsonl(path, ("branch_step",)) if r["branch_step"] == branch_step]
     rep = rows[-1].get("val") if rows else None
     if not isinstance(rep, dict) or rep.get("settings") != want:
         return None
@@ -181,9 +180,9 @@ def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
 # ================================================================ endpoints and runs
 
 def _torch_load(path: Path) -> dict:
-    """A train.py torch file: its sha256 trailer checked first (runfiles.file_digest: a flipped byte is a
+    """A train.py torch file: its sha256 trailer checked first (checks.file_digest: a flipped byte is a
     CheckpointError naming the file), then loaded weights-only."""
-    runfiles.file_digest(path)
+    checks.file_digest(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, pickle with code, not a torch file
@@ -281,8 +280,8 @@ def run_endpoints(run_dir: str | Path) -> list[dict]:
     if not res.is_file():
         raise FileNotFoundError(f"{res} not found: train.py writes one row per finished decay branch")
     try:
-        rows = {int(r["branch_step"]): r for r in runfiles.read_jsonl(res, ("branch_step",))}   # hash-checked
-    except runfiles.CheckpointError as e:
+        rows = {int(r["branch_step"]): r for r in checks.read_jsonl(res, ("branch_step",))}   # hash-checked
+    except checks.CheckpointError as e:
         raise ValueError(str(e)) from None
     out = []
     for b, r in sorted(rows.items()):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import loop as looping
-from attention import KV, Attention, Cache, rope_table
+from attention import KV, Attention, Cache, Ctx, rope_table
 from checks import check_fields, from_dict
 from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
 from moe import IMPLS as MOE_IMPLS, MoE, RouterStats
@@ -204,37 +204,6 @@ class Block(nn.Module):
                 if stats is not None:
                     cap["topk_idx"] = stats.topk_idx
         return x, stats
-
-
-@dataclass
-class Ctx:
-    """Per-call context handed to every block: positions, RoPE rows, masks, cache, capture."""
-    q_pos: Tensor                 # (T,) absolute positions of the new tokens
-    cos: Tensor
-    sin: Tensor
-    doc: Tensor | None            # (B, T) document ids (full forward only)
-    batch: int
-    cache: Cache | None = None
-    start: int = 0                # cache length before this call
-    capture: dict | None = None
-    shared: dict = field(default_factory=dict)   # layer -> loop-1 (k, v) for PLT KV sharing
-    ring_pos_updates: list = field(default_factory=list)  # applied after the call: all loops read the old ring
-    masks: dict = field(default_factory=dict)    # attention masks built once per forward (flex block masks)
-
-    def slot(self, visit: Visit, loop: int | None, ring: bool = False) -> tuple[KV, slice]:
-        """(KV, rows) of the cache this attention visit reads and writes.
-
-        Stacked PLT caches hold loop l in rows [l*B, (l+1)*B); loop=None means all rows.
-        With KV sharing, ("full", layer) is loop 1's cache and ("ring", layer) the later loops' windows.
-        """
-        c, L, B = self.cache, visit.layer, self.batch
-        if ("plt", L) in c.kv:
-            return c.kv[("plt", L)], slice(None) if loop is None else slice(loop * B, (loop + 1) * B)
-        if ("ring", L) in c.kv:
-            if not ring:
-                return c.kv[("full", L)], slice(None)
-            return c.kv[("ring", L)], slice(None) if loop is None else slice((loop - 1) * B, loop * B)
-        return c.kv[(L, visit.visit)], slice(None)
 
 
 # ----------------------------------------------------------------------------------------

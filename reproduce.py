@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 import budget
-import cli
+import checks
 import configs
+import train
 from lab import costs
 from lab import report as reporting
-import runfiles
 from lab import train_plots
 from model import ModelConfig
 
@@ -46,13 +46,13 @@ def log(msg: str) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    """A script's own output (no hash; never read back by the pipeline, whose files use runfiles.write_json)."""
-    runfiles.atomic_write_text(path, json.dumps(obj, indent=2, default=float))
+    """A script's own output (no hash; never read back by the pipeline, whose files use checks.write_json)."""
+    checks.atomic_write_text(path, json.dumps(obj, indent=2, default=float))
 
 
 def read_ladder(out: str | Path) -> list[dict]:
     """The cells of OUT/ladder.json (hash checked; JSONFileError naming the file when damaged)."""
-    return runfiles.read_json(Path(out) / "ladder.json", ("cells",))["cells"]
+    return checks.read_hashed_json(Path(out) / "ladder.json", ("cells",))["cells"]
 
 
 def fmt_time(seconds: float) -> str:
@@ -101,7 +101,7 @@ def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
         log(f"ladder {c['scale']} {c['sparsity_label']}: SMELT d_model {c['smelt']['d_model']}, "
             f"{c['smelt']['n_experts']} experts; F {m['flops_ratio']:.3f}  N {m['params_ratio']:.3f}  "
             f"KV {m['kv_ratio']:.3f}" + ("" if m["within_tolerance"] else "  (outside SMELT's tolerances)"))
-    runfiles.write_json(out / "ladder.json", {"cells": cells})
+    checks.write_json(out / "ladder.json", {"cells": cells})
     return cells
 
 
@@ -140,7 +140,7 @@ def gpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
     (checkpoint.memory_floor: its batch and one micro-batch's fp32 logits with their gradient) plus
     CUDA_WORKER_OVERHEAD_BYTES. A lower bound, used to cap the jobs sharing one GPU."""
     import checkpoint
-    tc = train_config(plan)
+    tc = train.train_config(plan)
     return CUDA_WORKER_OVERHEAD_BYTES + max(checkpoint.memory_floor(ModelConfig.from_dict(r.cell[r.arch]), tc)
                                             for r in configs.plan_runs(Path("."), ladder, plan))
 
@@ -212,23 +212,13 @@ def _worker_init(parent: int, threads: int = 1) -> None:
 def _train_one(job: tuple) -> list[dict]:
     """One run: (model config dict, train config dict, data dir, run dir, meta)."""
     import data as data_mod
-    import train
     cfg, tc, data_dir, run, meta = job
     return train.train(ModelConfig.from_dict(cfg), train.TrainConfig(**tc), data_mod.TokenData(data_dir), run, meta)
 
 
-def train_config(plan: configs.Plan, seed: int = 0):
-    import train
-    return train.TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
-                             branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
-                             batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
-                             eval_interval=plan.eval_interval, log_interval=max(1, plan.stable_steps // 8),
-                             seed=seed)
-
-
 def run_tokens(plan: configs.Plan) -> int:
     """Tokens one run trains on: the stable phase and every decay branch (TrainConfig.branches)."""
-    tc = train_config(plan)
+    tc = train.train_config(plan)
     return (tc.stable_steps + len(tc.branches) * tc.decay_steps) * tc.batch_size * tc.block_size
 
 
@@ -266,20 +256,20 @@ def log_plan_cost(cost: dict) -> None:
 
 
 def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, refuse: bool = True) -> dict:
-    """Print what training will keep on disk (checkpoint.plan_disk_estimate) and refuse (unless `refuse` is False:
+    """Print what training will keep on disk (costs.plan_disk_estimate) and refuse (unless `refuse` is False:
     --plan-only), before any training, when the free space at `out` (plus what earlier invocations already wrote
     to out/runs) cannot hold it."""
     import shutil
     import checkpoint
     cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(out, ladder, plan)]
-    est = checkpoint.plan_disk_estimate(cfgs, train_config(plan), jobs)
+    est = costs.plan_disk_estimate(cfgs, train.train_config(plan), jobs)
     done = sum(f.stat().st_size for f in (out / "runs").rglob("*") if f.is_file()) if (out / "runs").exists() else 0
     free, fmt = shutil.disk_usage(out).free, checkpoint.format_bytes
     need = max(0, est["peak"] - done)
     log(f"disk: the {est['runs']} runs keep {fmt(est['final'])} when finished and up to {fmt(est['peak'])} while "
         f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
     if refuse and need > free:
-        raise cli.UserError(f"not enough disk at {out}: training needs up to {fmt(need)} more and "
+        raise checks.UserError(f"not enough disk at {out}: training needs up to {fmt(need)} more and "
                             f"{fmt(free)} is free; free space or pass --out-dir on a larger disk")
     return est
 
@@ -301,7 +291,7 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
         meta = {"arch": r.arch, "scale": r.cell["scale"], "sparsity_label": r.cell["sparsity_label"],
                 "seed": r.seed, "run": r.name,
                 "control": budget.dense_control(ModelConfig.from_dict(r.cell["baseline"])).to_dict()}
-        tc = train_config(plan, r.seed)
+        tc = train.train_config(plan, r.seed)
         tc.flops_ctx = r.cell["ctx_len"]     # F at the document length the ladder was matched at
         todo.append((r.cell[r.arch], asdict(tc), str(data.dir), r.dir, meta))
     cost = lambda job: run_time_proxy(ModelConfig.from_dict(job[0]), plan.block_size)
@@ -319,7 +309,7 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
 
     rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done, name=lambda j: j[3].name,
                                        threads=threads) for r in run_rows]
-    runfiles.atomic_write_text(out / "results.jsonl", "".join(runfiles.jsonl_line(r) for r in rows))
+    checks.atomic_write_text(out / "results.jsonl", "".join(checks.jsonl_line(r) for r in rows))
     return rows
 
 
@@ -336,7 +326,7 @@ def _eval_one(job: tuple) -> dict:
                                      val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir),
                                      log=lambda m: None)
     rec["run"] = run
-    runfiles.write_json(Path(cache), rec)
+    checks.write_json(Path(cache), rec)
     return rec
 
 
@@ -354,7 +344,7 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
     for e in eps:
         key = f"{Path(e['run']).name}@{e['branch_step']}"
         cache = out / "eval" / f"{key.replace('@', '_b')}.json"
-        rec = runfiles.read_cache(cache, EVAL_KEYS)   # absent or damaged: evaluated again
+        rec = checks.read_cache(cache, EVAL_KEYS)   # absent or damaged: evaluated again
         if rec is not None:
             records[key] = rec
         else:
@@ -380,7 +370,7 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
                             "seed": v.get("seed"), "branch_step": v.get("branch_step"),
                             "val_loss": v["val"]["loss"] if v.get("val") else None, "summary": v["summary"]}
                         for k, v in sorted(records.items())}}
-    runfiles.write_json(out / "eval_summary.json", summary)
+    checks.write_json(out / "eval_summary.json", summary)
     return summary
 
 
@@ -441,7 +431,7 @@ def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tu
     jobs = asked or default_jobs("cuda", cpus, free, per_run)
     fmt = lambda n: f"{n / 2**30:.1f} GiB"
     if jobs > 1 and jobs * per_run > free:
-        raise cli.UserError(f"--jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "
+        raise checks.UserError(f"--jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "
                             f"({fmt(per_run)} per run: reproduce.gpu_bytes_per_run), {fmt(free)} is free; "
                             f"use --jobs {max(1, free // per_run)}")
     return jobs, {"jobs": jobs, "jobs_from": f"{'--jobs' if asked else 'default_jobs'}, sharing the GPU: {cpus} "
@@ -451,18 +441,18 @@ def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tu
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser(__doc__)
+    ap = checks.parser(__doc__)
     ap.add_argument("--preset", default="tiny", choices=list(configs.PLANS), help="size of the reproduction")
-    cli.add_out_dir(ap, "output directory (default: runs/reproduce_PRESET, runs/reproduce_PRESET_rR with --loops R)")
+    checks.add_out_dir(ap, "output directory (default: runs/reproduce_PRESET, runs/reproduce_PRESET_rR with --loops R)")
     ap.add_argument("--data-dir", default=None, metavar="DIR",
                     help="read the data from a pack made by `python data.py --preset PRESET --pack DIR` "
                          "(for a machine without network: nothing is downloaded; default: prepare the preset's)")
-    ap.add_argument("--jobs", type=cli.positive_int, default=None,
+    ap.add_argument("--jobs", type=checks.positive_int, default=None,
                     help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; on CUDA "
                          "min(4, cores // 4) sharing the GPU, capped by GPU memory: reproduce.default_jobs)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
-    ap.add_argument("--loops", type=cli.positive_int, default=None, metavar="R",
+    ap.add_argument("--loops", type=checks.positive_int, default=None, metavar="R",
                     help="r: passes of every SMELT over its looped span, matched again to the same Baselines "
                          "(default: the preset's plan, 2 as in SMELT)")
     ap.add_argument("--plan-only", action="store_true",
@@ -489,8 +479,8 @@ def main(argv=None) -> Path:
     if args.loops is not None and args.loops != plan.n_loops:
         plan = replace(plan, n_loops=args.loops)
     r = f"_r{plan.n_loops}" if plan.n_loops != configs.PLANS[args.preset].n_loops else ""
-    out = runfiles.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{r}")   # before any work
-    with runfiles.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
+    out = checks.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{r}")   # before any work
+    with checks.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
         if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
             from lab import corpus
             corpus.use_pack(args.data_dir, plan.data)
@@ -513,7 +503,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     ladder = timed("ladder", stage_ladder, plan, data, out)
     cost = plan_cost(plan, ladder, len(data.train))
     log_plan_cost(cost)
-    runfiles.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
+    checks.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
     if args.plan_only:
         cuda = torch.cuda.is_available()
         host = {"cpus": os.cpu_count() or 1, "gpu_bytes": free_gpu_bytes()} if cuda else costs.GPU_HOST
@@ -529,7 +519,6 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
-    import train
     ms = train.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
     runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], avx512_bf16=ms["avx512_bf16"],
                    cpu_dtype=ms["cpu_dtype"],
@@ -543,13 +532,13 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     rows = timed("train", stage_train, plan, ladder, data, out, jobs, threads)
     train_sum = reporting.training_summary(plan, ladder, rows, entropy)
     train_sum["learned"]["unigram_val_loss"] = unigram_val
-    runfiles.write_json(out / "training_summary.json", train_sum)
+    checks.write_json(out / "training_summary.json", train_sum)
     train_plots.plot_curves(out, ladder, entropy, plan)
     ev_sum = timed("eval", stage_eval, plan, ladder, data, out, jobs, threads) if "eval" not in args.skip else {}
     scal = timed("scaling", stage_scaling, plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
     prb = timed("probes", stage_probes, plan, ladder, data, out) if "probes" not in args.skip else {}
     summary = {**reporting.run_summary(args.preset, stage_s, time.time() - t0), "runtime": runtime}
-    runfiles.write_json(out / "summary.json", summary)
+    checks.write_json(out / "summary.json", summary)
     report = reporting.write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, summary, train_sum, cost,
                                     probe_verdicts(prb))
     log(f"done in {(time.time() - t0) / 60:.1f} min: {report}")
@@ -557,4 +546,4 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

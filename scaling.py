@@ -490,11 +490,11 @@ REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
 
 def read_results(path: str) -> list[dict]:
     """train.py's results rows: each row's hash checked and the keys this module needs present
-    (runfiles.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
-    import runfiles   # run files bring torch: the fits themselves need neither
+    (checks.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
+    import checks   # run files bring torch: the fits themselves need neither
     try:
-        return runfiles.read_jsonl(path, REQUIRED_KEYS)
-    except runfiles.CheckpointError as e:
+        return checks.read_jsonl(path, REQUIRED_KEYS)
+    except checks.CheckpointError as e:
         raise ValueError(str(e)) from None
 
 

@@ -20,7 +20,7 @@ RUN_DIR also holds config.json, metrics.jsonl (one row per logged step), ckpt/ (
 the run is unfinished) and ckpt.pt (a copy of the longest branch's endpoint, what eval.py and probes.py
 load; `checkpoint.load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
 CUDA: bf16 autocast and torch.compile; CPU: fp32, eager.
-Read first: model.py, budget.py; checkpoints and resume: checkpoint.py; file integrity: runfiles.py.
+Read first: model.py, budget.py; checkpoints and resume: checkpoint.py; file integrity: checks.py.
 Design notes: docs/train.md.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import budget
-import cli
+import checks
 import configs
 import data as data_mod
 from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
@@ -57,7 +57,7 @@ from checks import check_fields, from_dict
 from data import SyntheticData   # a corpus-free stand-in with TokenData's interface (tests, benchmarks)
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
-from runfiles import run_lock
+from checks import run_lock
 from eval import token_nll, val_loss_by
 
 
@@ -578,6 +578,14 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, run_dir: str | P
 PRESETS = tuple(configs.SMOKE_MODELS)
 
 
+def train_config(plan: configs.Plan, seed: int = 0) -> TrainConfig:
+    """The TrainConfig of one run of a plan (configs.Plan): its schedule, batch, context and evaluation."""
+    return TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
+                       branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
+                       batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
+                       eval_interval=plan.eval_interval, log_interval=max(1, plan.stable_steps // 8), seed=seed)
+
+
 def preset_model(name: str, vocab_size: int) -> ModelConfig:
     """Tiny named models for smoke runs (configs.SMOKE_MODELS; the reproduction's ladders are configs.LADDERS)."""
     if name not in configs.SMOKE_MODELS:
@@ -588,25 +596,25 @@ def preset_model(name: str, vocab_size: int) -> ModelConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = cli.parser(__doc__.split("\n\n")[0])
+    p = checks.parser(__doc__.split("\n\n")[0])
     m = p.add_mutually_exclusive_group(required=True)
     m.add_argument("--model-json", help="path to a ModelConfig JSON (ModelConfig.to_dict())")
     m.add_argument("--preset", choices=PRESETS, help="one of the smoke-size models (run-size presets are reproduce.py's)")
     p.add_argument("--data", default="smoke", choices=[*configs.DATA_PRESETS, "synthetic"],
                    help="corpus preset for corpus.prepare, or random tokens")
     p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
-    p.add_argument("--vocab-size", type=cli.positive_int, default=256, help="vocabulary of --data synthetic")
+    p.add_argument("--vocab-size", type=checks.positive_int, default=256, help="vocabulary of --data synthetic")
     for key in ("arch", "scale", "sparsity_label"):
         p.add_argument(f"--{key.replace('_', '-')}", help=f"results-row field {key!r}")
     kinds = {"float": float, "int": int, "str": str}   # TrainConfig.validate checks the ranges, in main
-    special = {"device": dict(type=cli.device), "dtype": dict(choices=("auto", "bf16", "fp32")),
+    special = {"device": dict(type=checks.device), "dtype": dict(choices=("auto", "bf16", "fp32")),
                "dist_backend": dict(choices=DIST_BACKENDS), "out_dir": dict(metavar="DIR")}
     for f in fields(TrainConfig):
         flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
         elif f.type == "list[int]":
-            p.add_argument(flag, type=cli.positive_int, nargs="+", default=[], help=help)
+            p.add_argument(flag, type=checks.positive_int, nargs="+", default=[], help=help)
         else:
             p.add_argument(flag, **{"type": kinds[f.type], "default": f.default, "help": help, **special.get(f.name, {})})
     return p
@@ -620,7 +628,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tc.validate()
     except ValueError as e:
         p.error(str(e))
-    model_json = cli.read_config(a.model_json, ModelConfig, "--model-json") if a.model_json else None
+    model_json = checks.read_config(a.model_json, ModelConfig, "--model-json") if a.model_json else None
     if a.data == "synthetic" and not a.data_dir:
         data = SyntheticData(a.vocab_size)
     else:
@@ -656,4 +664,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

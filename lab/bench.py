@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import attention
-import cli
+import checks
 from lab.bench_harness import clock_for, interleaved, machine, run_benchmarks, sync, threads, update_json
 from loop import LoopConfig, middle_span
 from model import GPT, ModelConfig, compile_model
@@ -557,18 +557,18 @@ LIMITS = {"flex": (110, 40), "steps": (190, 60), "train": (130, 50), "decode": (
 
 def build_parser() -> argparse.ArgumentParser:
     import configs
-    ap = cli.parser(__doc__)
+    ap = checks.parser(__doc__)
     ap.add_argument("which", nargs="*", metavar="{" + ",".join(BENCHMARKS) + "}",
                     help="benchmarks to run (default: moe, decode, train on CPU; all of them on CUDA, in the order listed)")
-    cli.add_device(ap)
+    checks.add_device(ap)
     ap.add_argument("--train-preset", default=None, choices=list(configs.LADDERS),
                     help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
-    ap.add_argument("--train-batch", type=cli.positive_int, default=None,
+    ap.add_argument("--train-batch", type=checks.positive_int, default=None,
                     help="sequences per step in the train benchmark (default: 8 on CPU, 32 on CUDA)")
-    cli.add_out_dir(ap, "merge the measured figures into DIR/bench.json, after each benchmark (default: print only)",
+    checks.add_out_dir(ap, "merge the measured figures into DIR/bench.json, after each benchmark (default: print only)",
                     old=())
-    cli.deprecated_alias(ap, "--json", "json", "--out-dir DIR (merges into DIR/bench.json)")
-    ap.add_argument("--budget-s", type=cli.positive_float, default=None, metavar="S",
+    checks.deprecated_alias(ap, "--json", "json", "--out-dir DIR (merges into DIR/bench.json)")
+    ap.add_argument("--budget-s", type=checks.positive_float, default=None, metavar="S",
                     help="seconds for all the benchmarks: each runs under a limit from what is left "
                          "(bench.LIMITS; default: no limit)")
     return ap
@@ -580,7 +580,7 @@ def main(argv=None) -> int:
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
         args.json = os.path.join(args.out_dir, "bench.json")
-    device = torch.device(cli.resolve_device(args.device))
+    device = torch.device(checks.resolve_device(args.device))
     cuda = device.type == "cuda"
     which = args.which or ([*BENCHMARKS] if cuda else ["moe", "decode", "train"])
     if set(which) - set(BENCHMARKS):
@@ -609,4 +609,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.run_main(main))
+    raise SystemExit(checks.run_main(main))

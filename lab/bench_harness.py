@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from runfiles import atomic_write_text
+from checks import atomic_write_text
 
 
 def sync(device):

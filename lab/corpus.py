@@ -57,13 +57,12 @@ from typing import Callable
 import numpy as np
 import tiktoken
 
-import cli
+import checks
 import configs
 from checks import BadFileError, JSONFileError, read_json
 from data import (FORMAT_VERSION, GPT2_VOCAB, CorruptDataError, TokenData, cache_root, default_data_dir,
                   fetch_gpt2_files, get_tokenizer, gpt2_files, needs_bpe_files, read_manifest, verify)
-import runfiles
-from runfiles import atomic_write_bytes, check_out_dir, sha256_of, write_json
+from checks import atomic_write_bytes, check_out_dir, sha256_of, write_json
 
 MAX_DOC_CHARS = 64_000  # longer documents are split at paragraph breaks into parts of about this size
 
@@ -575,7 +574,7 @@ def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
         raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
                                 f"`python data.py --preset {preset or 'PRESET'} --pack {pack_dir}`")
     try:
-        info = runfiles.read_json(d / "PACK.json", ("format_version", "preset", "dataset", "files"))
+        info = checks.read_hashed_json(d / "PACK.json", ("format_version", "preset", "dataset", "files"))
     except JSONFileError as e:
         raise JSONFileError(f"{e}; build the pack again with `python data.py --preset {preset or 'PRESET'} "
                             f"--pack DIR`") from None
@@ -617,11 +616,11 @@ def measure_bytes_per_token(data_dir: str, vocab_sizes: list[int]) -> dict[str, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("Prepare the offline corpus (see the module docstring).")
+    ap = checks.parser("Prepare the offline corpus (see the module docstring).")
     ap.add_argument("--preset", choices=sorted(configs.DATA_PRESETS), default="tiny",
                     help="corpus size and vocabulary (the medium and paper reproductions use the small corpus)")
-    cli.add_out_dir(ap, "output directory (default: <cache>/data/<preset>-v<format>)")
-    ap.add_argument("--vocab-size", type=cli.int_range(257, GPT2_VOCAB), default=None,
+    checks.add_out_dir(ap, "output directory (default: <cache>/data/<preset>-v<format>)")
+    ap.add_argument("--vocab-size", type=checks.int_range(257, GPT2_VOCAB), default=None,
                     help="truncated GPT-2 vocabulary (default: the preset's)")
     ap.add_argument("--force", action="store_true", help="rebuild even if a valid cached dataset exists")
     ap.add_argument("--measure", type=_vocab_list, default=[], help="after preparing, report bytes/token per "
@@ -634,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _vocab_list(text: str) -> list[int]:
     """--measure: comma-separated vocabulary sizes, each in [257, 50257]."""
-    check = cli.int_range(257, GPT2_VOCAB)
+    check = checks.int_range(257, GPT2_VOCAB)
     return [check(v) for v in text.split(",") if v.strip()]
 
 
@@ -660,4 +659,4 @@ def _seed(name: str) -> int:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

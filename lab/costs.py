@@ -9,7 +9,7 @@ a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Count
   eval        per endpoint: the few-shot scoring on CUDA, counted from the batches tasks.score_continuations
               would run (tasks.scoring_batches; forward calls, rows, padded tokens, logit positions, one
               host read per batch), no model run; the validation report is the branch end's, reused
-              (validation.stored_report),
+              (eval.stored_report),
   probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
 Compiles: a training graph per run, and one eager flex kernel per run's validation (document ids, one
 shape); scoring (SDPA is_causal) and probes (math) compile nothing (attention.attention_kernel).
@@ -17,18 +17,27 @@ Wall time = FLOPs / (peak x MFU) + compiles x compile seconds / jobs + eager for
 overhead + host reads x sync cost, at both ends of each range in ASSUMED: estimates, not measurements
 (why each range: docs/gpu.md). `jobs` runs share the GPU (reproduce.default_jobs): their compiles
 (host-CPU work) overlap, their GPU work, launches and syncs are counted as if serial. Not yet run on a GPU.
+Disk: `disk_estimate` replays checkpoint.py's save / prune rules to size a run before it starts
+(`plan_disk_estimate`: every run of a plan, `jobs` at a time); the sizes are measured: docs/checkpoint.md.
 Read next: reproduce.py (which prints it), docs/gpu.md.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 import budget
 import checkpoint
+import checks
 import configs
-from model import ModelConfig
+from checkpoint import logged, needed_checkpoints, save_kind
+from model import GPT, ModelConfig
+from train import TrainConfig, train_config
 
 # (best, worst) of each assumption; the wall time's low end takes every best, its high end every worst
 ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 96-192): launch- and memory-bound
@@ -90,8 +99,7 @@ def val_counts(data, batch_size: int, block_size: int, max_tokens: int) -> dict:
 
 def run_steps(plan: configs.Plan) -> tuple[int, int]:
     """(optimizer steps, validations) of one run: the stable phase, every decay branch, checkpoint.logged."""
-    import reproduce
-    tc = reproduce.train_config(plan)
+    tc = train_config(plan)
     segments = [(0, tc.stable_steps)] + [(b, b + tc.decay_steps) for b in tc.branches]
     steps = sum(end - start for start, end in segments)
     vals = sum(checkpoint.logged(tc, done, end)[1] for start, end in segments for done in range(start + 1, end + 1))
@@ -123,8 +131,7 @@ def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict, jobs: 
     fwd = [budget.flops_per_token(c, x, include_head=False) / 3 for c, x in zip(cfgs, ctx)]     # forward, no head
     head = [budget.flops_per_token(c, x, include_head=True) / 3 - f for c, x, f in zip(cfgs, ctx, fwd)]
     steps, vals = run_steps(plan)
-    import reproduce
-    n_branches = len(reproduce.train_config(plan).branches)
+    n_branches = len(train_config(plan).branches)
     overlap = min(jobs, len(runs))
     train = _stage(cost["total_flops"], len(runs), steps * len(runs), TRAIN_READS_PER_STEP * steps * len(runs), 0,
                    "compile_s", overlap)
@@ -179,3 +186,91 @@ def report(plan: configs.Plan, ladder: list[dict], data, cost: dict, log=print, 
     c = stage_costs(plan, ladder, data, cost, jobs)
     log(format_costs(c))
     return c
+
+
+# ---------------------------------------------------------------------------------------- disk: what a run writes
+# A torch file's bytes beyond its tensors' data (zip headers, alignment, pickle; docs/checkpoint.md)
+_FILE_BYTES = 1261 + checks._TRAILER_LEN
+
+
+_TENSOR_BYTES = 280
+
+
+_RNG_BYTES = 5056 + 625 * 8 * 2 + 3 * _TENSOR_BYTES   # torch, numpy and python generator states
+
+
+_METRICS_ROW_BYTES = 420   # one metrics.jsonl row with its hash
+
+
+def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]:
+    """(full resume checkpoint, weights-only endpoint) file sizes for this model: fp32 weights, AdamW's two
+    fp32 moments + a step per parameter, RNG states, JSON meta. The parameter list comes from a GPT
+    built on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        gpt = GPT(model_cfg)
+    params = list(gpt.named_parameters())
+    weights = sum(p.numel() * 4 + _TENSOR_BYTES for _, p in params)
+    meta = len(json.dumps({"format": 2, "kind": "endpoint", "model": model_cfg.to_dict(), "train": asdict(tc),
+                           "step": 0, "branch": 0, "tokens": 0, "wall_s": 0.0, "run": {}})) + 100
+    endpoint = _FILE_BYTES + weights + meta
+    adam = sum(2 * (p.numel() * 4 + _TENSOR_BYTES) + 4 + _TENSOR_BYTES + 2 * (len(n) + 12) for n, p in params)
+    return endpoint + adam + _RNG_BYTES + 600, endpoint
+
+
+def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
+    """Bytes one train() run keeps on disk, replaying the Trainer's save / prune rules (save_kind,
+    needed_checkpoints, logged): "peak" (the most at any moment), "final" (after the run: endpoints, ckpt.pt,
+    logs), "written" (all bytes written, deleted files included), and the per-file sizes."""
+    tc = type(tc).from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
+    full, endpoint = checkpoint_bytes(model_cfg, tc)
+    row = len(json.dumps({"config": model_cfg.to_dict(), "train": asdict(tc)})) + len(json.dumps(
+        budget.dense_control(model_cfg).to_dict())) + 1500   # results row: configs, losses by source, hash
+    logs = 2 * len(json.dumps({"model": model_cfg.to_dict(), "train": asdict(tc)}, indent=2))  # config.json
+    ckpts: dict = {}
+    state = {"peak": 0, "written": logs, "kept": logs}   # kept: endpoints + logs
+
+    def now() -> int:
+        return state["kept"] + full * len(ckpts)
+
+    def write(n: int, key=None) -> None:
+        state["written"] += n
+        if key is None:
+            state["kept"] += n
+        else:
+            ckpts[key] = True
+        state["peak"] = max(state["peak"], now())
+
+    def prune(pending) -> None:
+        for key in set(ckpts) - needed_checkpoints(ckpts, pending):
+            del ckpts[key]
+
+    pending, s = list(tc.branches), 0
+    for b in tc.branches:
+        for branch, start, end in ((None, s, b), (b, b, b + tc.decay_steps)):
+            for done in range(start + 1, end + 1):
+                if any(logged(tc, done, end)):
+                    write(_METRICS_ROW_BYTES)
+                kind = save_kind(tc, branch, done, end)
+                if kind == "endpoint":
+                    write(endpoint)
+                elif kind == "full":
+                    write(full, (branch, done))
+                    prune(pending)
+        s = b
+        write(row)
+        pending.remove(b)
+        prune(pending)
+    write(endpoint)   # ckpt.pt
+    return {"peak": state["peak"], "final": now(), "written": state["written"], "full_checkpoint": full,
+            "endpoint": endpoint}
+
+
+def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int = 1) -> dict:
+    """disk_estimate over a set of runs trained `jobs` at a time: "final" is the sum of the runs' final
+    bytes; "peak" adds the `jobs` largest in-run surpluses (peak - final) on top of it, an upper bound
+    (it assumes every other run has already finished)."""
+    ests = [disk_estimate(c, tc) for c in model_cfgs]
+    final = sum(e["final"] for e in ests)
+    surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]
+    return {"final": final, "peak": final + sum(surplus), "written": sum(e["written"] for e in ests),
+            "runs": len(ests)}

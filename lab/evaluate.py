@@ -29,16 +29,14 @@ import numpy as np
 import torch
 
 import checks
-import cli
 import data as data_mod
-import runfiles
 from checks import JSONFileError
 from eval import load_model, long_short_ratio, normalised_shape, run_endpoints, stored_report, val_loss_report
 from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
 from lab.eval_plots import plot_calibration, plot_shot_sweep
 from lab.tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, get_task,
                        resolve_tasks)
-from runfiles import endpoint_id
+from checks import endpoint_id
 
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -234,14 +232,14 @@ def check_eval_record(rec, where: str) -> dict:
 
 def read_eval(path: str | Path) -> dict:
     """An eval.json (or a run directory holding one): hash-checked when it carries its hash
-    (runfiles.write_json), and field-checked (check_eval_record)."""
+    (checks.write_json), and field-checked (check_eval_record)."""
     p = Path(path)
     p = p / "eval.json" if p.is_dir() else p
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: run `python -m lab.evaluate --run {p.parent}` first")
     obj = checks.read_json(p)
-    if isinstance(obj, dict) and runfiles.ROW_HASH in obj:
-        obj = runfiles.read_json(p)
+    if isinstance(obj, dict) and checks.ROW_HASH in obj:
+        obj = checks.read_hashed_json(p)
     return check_eval_record(obj, str(p))
 
 
@@ -262,21 +260,21 @@ def check_out_dir(out: Path, need_bytes: int = 16 << 20) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("Evaluate a run: validation loss by source/domain/length, "
+    ap = checks.parser("Evaluate a run: validation loss by source/domain/length, "
                     "few-shot shot sweep, optional comparison and loss-to-score calibration.")
     ap.add_argument("--run", required=True, help="run directory with config.json and ckpt.pt, or an endpoint / "
                                                  "checkpoint file (RUN_DIR/endpoints/branch_XXXXXXX.pt)")
     ap.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
                     choices=["all", "real", "generated", *REAL_TASKS, *GENERATED_TASKS],
                     help=f"task names or groups real|generated|all; real: {list(REAL_TASKS)}; generated: {list(GENERATED_TASKS)}")
-    ap.add_argument("--shots", nargs="+", type=cli.nonneg_int, default=list(SHOTS), help="numbers of demonstrations k")
-    ap.add_argument("--seeds", type=cli.positive_int, default=10, help="demonstration seeds per k > 0 (k = 0 runs once)")
-    ap.add_argument("--max-items", type=cli.nonneg_int, default=100, help="items per task (a fixed shuffle); 0 = all")
-    ap.add_argument("--val-tokens", type=cli.nonneg_int, default=1 << 16,
+    ap.add_argument("--shots", nargs="+", type=checks.nonneg_int, default=list(SHOTS), help="numbers of demonstrations k")
+    ap.add_argument("--seeds", type=checks.positive_int, default=10, help="demonstration seeds per k > 0 (k = 0 runs once)")
+    ap.add_argument("--max-items", type=checks.nonneg_int, default=100, help="items per task (a fixed shuffle); 0 = all")
+    ap.add_argument("--val-tokens", type=checks.nonneg_int, default=1 << 16,
                     help="validation tokens per source; 0 = no validation")
-    ap.add_argument("--batch-size", type=cli.positive_int, default=8, help="validation batch size (rows of block_size)")
-    cli.add_device(ap)
-    cli.add_out_dir(ap, "where eval.json (for an endpoint file: NAME.eval.json) and the plots go (default: beside "
+    ap.add_argument("--batch-size", type=checks.positive_int, default=8, help="validation batch size (rows of block_size)")
+    checks.add_device(ap)
+    checks.add_out_dir(ap, "where eval.json (for an endpoint file: NAME.eval.json) and the plots go (default: beside "
                     "--run, where reproduce.py and --compare / --baselines look for them)", old=())
     ap.add_argument("--compare", default=None, help="another run dir with eval.json: permutation tests and length shape vs it")
     ap.add_argument("--baselines", nargs="+", default=None,
@@ -298,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_out_dir(out)
         if (src / "config.json").is_file():   # the run's model config, field by field
             from model import ModelConfig
-            cli.read_config(src / "config.json", ModelConfig, "--run", key="model")
+            checks.read_config(src / "config.json", ModelConfig, "--run", key="model")
         other = read_eval(args.compare) if args.compare else None
         base = [read_eval(d) for d in args.baselines] if args.baselines else None
     except (OSError, ValueError, checks.UserError) as e:
@@ -306,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     res = evaluate_endpoint(args.run, tasks=args.tasks, shots=args.shots, seeds=args.seeds,
                             max_items=args.max_items or None, val=args.val_tokens > 0,
                             val_tokens_per_source=args.val_tokens or None, batch_size=args.batch_size,
-                            device=cli.resolve_device(args.device))
+                            device=checks.resolve_device(args.device))
     out_json = out / "eval.json" if src.is_dir() else out / src.with_suffix(".eval.json").name
     stem = out / ("eval" if src.is_dir() else src.stem)
     if other:
@@ -320,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ValueError as e:   # e.g. this run's data_dir was unreadable: keep the task results
             res["calibration"] = {"error": str(e)}
             print(f"calibration skipped: {e}")
-    runfiles.write_json(out_json, json.loads(json.dumps(res, default=float)))   # hashed: read_eval checks it
+    checks.write_json(out_json, json.loads(json.dumps(res, default=float)))   # hashed: read_eval checks it
     note = plot_shot_sweep(res, f"{stem}_shots.png", other)
     if note:
         print(note)
@@ -336,4 +334,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -8,7 +8,7 @@ Dyck case study (dyck_probe.py) on the SMELT model, then aggregates and states t
 the runs' own configs (config.json of a run directory, the meta of an endpoint file, a GPT's config):
 one run twice, a swapped pair, two Baselines or two SMELT runs, or runs of different cells, data,
 vocabularies, seeds, training contexts or branch steps; the error names both runs and why.
-`save_result` / `load_result` write and read probes.json hashed (runfiles.write_json / read_cache: a
+`save_result` / `load_result` write and read probes.json hashed (checks.write_json / read_cache: a
 truncated or edited file is named and recomputed, never trusted) with its figure paths relative to
 its own folder, so a copied out dir re-runs. `check_out_dir` refuses a file or unwritable folder.
 The choices are in docs/probes.md. Read before: probes.py. Read next: probe_claims.py, probe_plots.py.
@@ -25,8 +25,6 @@ from pathlib import Path
 import torch
 
 import checks
-import cli
-import runfiles
 from checks import positive_ints
 from lab import dyck_probe, probe_claims, probe_plots, stats
 from model import ModelConfig
@@ -133,20 +131,20 @@ def check_out_dir(out: str | os.PathLike) -> None:
 
 
 def save_result(path: str | os.PathLike, res: dict) -> None:
-    """probes.json: hashed (runfiles.write_json), its figure paths relative to its own folder."""
+    """probes.json: hashed (checks.write_json), its figure paths relative to its own folder."""
     root, rel = Path(path).parent.resolve(), []
     for f in res.get("figures", []):
         p = Path(f).resolve()
         if not p.is_relative_to(root):
             raise ValueError(f"{path}: figure {f} lies outside {root}: write the figures inside the out dir")
         rel.append(p.relative_to(root).as_posix())
-    runfiles.write_json(path, {**res, "figures": rel})
+    checks.write_json(path, {**res, "figures": rel})
 
 
 def load_result(path: str | os.PathLike) -> dict | None:
     """probes.json as `save_result` wrote it, figures resolved against its folder; None (recompute it) when it is
-    absent, damaged or unhashed (runfiles.read_cache names it), or names a figure that is not there."""
-    res = runfiles.read_cache(path, RESULT_KEYS)
+    absent, damaged or unhashed (checks.read_cache names it), or names a figure that is not there."""
+    res = checks.read_cache(path, RESULT_KEYS)
     if res is None:
         return None
     root, figs = Path(path).parent, res["figures"]
@@ -232,21 +230,21 @@ def _f(x, nd: int = 3) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("SMELT Section 6 probes on matched (Baseline, SMELT) pairs.")
+    ap = checks.parser("SMELT Section 6 probes on matched (Baseline, SMELT) pairs.")
     ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "BASELINE", "SMELT"),
                     help="a matched pair: a name and two run directories or endpoint files (repeatable)")
     ap.add_argument("--data-dir", default=None, help="prepared data directory (default: the SMELT run's data_dir)")
-    ap.add_argument("--tokens", type=cli.positive_int, default=4096,
+    ap.add_argument("--tokens", type=checks.positive_int, default=4096,
                     help="held-out tokens, split equally over the domains")
-    ap.add_argument("--block-size", type=cli.nonneg_int, default=0, help="context length (0: the first SMELT model's)")
-    ap.add_argument("--batch-size", type=cli.positive_int, default=8,
+    ap.add_argument("--block-size", type=checks.nonneg_int, default=0, help="context length (0: the first SMELT model's)")
+    ap.add_argument("--batch-size", type=checks.positive_int, default=8,
                     help="probe batch (memory ~ visits x B x heads x T^2 x 4 bytes for attention maps)")
-    ap.add_argument("--dyck-items", type=cli.positive_int, default=8, help="Dyck query items (each at every k)")
+    ap.add_argument("--dyck-items", type=checks.positive_int, default=8, help="Dyck query items (each at every k)")
     ap.add_argument("--no-dyck", action="store_true", help="skip the Dyck case study")
-    ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="Dyck prompt seed and bootstrap seed")
-    ap.add_argument("--draws", type=cli.positive_int, default=1000, help="bootstrap draws per interval")
-    cli.add_device(ap)
-    cli.add_out_dir(ap, "output directory (default: probes/ beside the first SMELT run)")
+    ap.add_argument("--seed", type=checks.nonneg_int, default=0, help="Dyck prompt seed and bootstrap seed")
+    ap.add_argument("--draws", type=checks.positive_int, default=1000, help="bootstrap draws per interval")
+    checks.add_device(ap)
+    checks.add_out_dir(ap, "output directory (default: probes/ beside the first SMELT run)")
     return ap
 
 
@@ -254,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = build_parser()
     args = ap.parse_args(argv)
     import data as data_mod
-    device = cli.resolve_device(args.device)
+    device = checks.resolve_device(args.device)
     pairs = [tuple(p) for p in args.pair]
     try:                                                             # every bad value refused before any work
         metas = check_pairs(pairs)
@@ -269,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_out_dir(out)
         data = data_mod.TokenData(data_dir)
         check_fit(pairs, metas, data, block)
-    except (ValueError, OSError, cli.UserError) as e:
+    except (ValueError, OSError, checks.UserError) as e:
         ap.error(str(e))
     res = probe_pairs(pairs, data, args.tokens, block, args.batch_size, dyck=not args.no_dyck,
                       dyck_items=args.dyck_items, seed=args.seed, device=device, n_draws=args.draws)
@@ -284,4 +282,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-import cli
+import checks
 from lab import scaling_report, stats
 from lab.scaling_report import failed_text, format_table, markdown, paper_tables, pct_text, tpp_text, why_text
 from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain, cell_id,
@@ -622,15 +622,15 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
 
 # ----------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser("Fit SMELT Eq. 2 loss surfaces per architecture, say whether each fit is identified, and "
+    ap = checks.parser("Fit SMELT Eq. 2 loss surfaces per architecture, say whether each fit is identified, and "
                     "from identified fits report CE gain, TPP, cell-bootstrap brackets, per-subset gains and plots.")
     ap.add_argument("--results", help="results.jsonl written by train.py (one JSON row per finished run)")
-    cli.add_out_dir(ap, "output directory for JSON, tables and plots", default="scaling_out")
-    ap.add_argument("--bootstrap", type=cli.nonneg_int, default=2000, help="cell-bootstrap draws (0 to skip)")
-    ap.add_argument("--jobs", type=cli.positive_int, default=2, help="worker processes for the bootstrap")
-    cli.deprecated_alias(ap, "--n-jobs", "jobs", "--jobs", type=cli.positive_int)
-    ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="bootstrap seed")
-    ap.add_argument("--budgets", type=cli.positive_float, nargs="+", help="compute budgets (FLOPs) for the CE-gain "
+    checks.add_out_dir(ap, "output directory for JSON, tables and plots", default="scaling_out")
+    ap.add_argument("--bootstrap", type=checks.nonneg_int, default=2000, help="cell-bootstrap draws (0 to skip)")
+    ap.add_argument("--jobs", type=checks.positive_int, default=2, help="worker processes for the bootstrap")
+    checks.deprecated_alias(ap, "--n-jobs", "jobs", "--jobs", type=checks.positive_int)
+    ap.add_argument("--seed", type=checks.nonneg_int, default=0, help="bootstrap seed")
+    ap.add_argument("--budgets", type=checks.positive_float, nargs="+", help="compute budgets (FLOPs) for the CE-gain "
                     "table; default: the data's compute window (its geometric midpoint and log-quartiles); TPP uses "
                     "the middle one; budgets outside the data are marked extrapolated")
     ap.add_argument("--include-dense", action="store_true",
@@ -653,9 +653,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (OSError, ValueError) as e:
         ap.error(f"--results {args.results}: {getattr(e, 'strerror', None) or e}")
     analyse(rows, args.out_dir, n_boot=args.bootstrap, n_jobs=args.jobs, seed=args.seed,
-                             include_dense=args.include_dense, budgets=args.budgets)
+            include_dense=args.include_dense, budgets=args.budgets)
     print(open(os.path.join(args.out_dir, "tables.md")).read())
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

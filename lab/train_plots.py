@@ -17,9 +17,9 @@ from lab import plots
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A run's hashed JSON-lines file (runfiles.read_jsonl: each row checked), or [] when absent."""
-    import runfiles
-    return runfiles.read_jsonl(path) if path.exists() else []
+    """A run's hashed JSON-lines file (checks.read_jsonl: each row checked), or [] when absent."""
+    import checks
+    return checks.read_jsonl(path) if path.exists() else []
 
 
 def ce_rows(ms: list[dict]) -> list[dict]:

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from lab import stats
-from runfiles import endpoint_id
+from checks import endpoint_id
 from lab.tasks import chance_of
 from eval import long_short_ratio, normalised_shape
 

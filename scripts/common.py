@@ -2,7 +2,7 @@
 
 Every script in scripts/ is a thin composition of the library modules; what they all need lives
 here and nowhere else:
-  * `parser(doc)`    the common CLI (cli.py): --preset {smoke,tiny,small}, --out-dir, --steps, --seed,
+  * `parser(doc)`    the common CLI (checks.py): --preset {smoke,tiny,small}, --out-dir, --steps, --seed,
                      --jobs, --threads; sizes from configs.SCRIPT_PRESETS / SWEEP_STEPS / SWEEP_EVAL_TOKENS.
   * `Experiment`     one script run: the preset's plan (configs.PLANS), its data, the TrainConfig of
                      one sweep point, preset Baselines (`base`, `dense_base`), `match`, `budgets`,
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import numpy as np  # noqa: E402
 
 import budget  # noqa: E402
-import cli  # noqa: E402
+import checks  # noqa: E402
 import configs  # noqa: E402
 import loop as looping  # noqa: E402
 from lab import plots  # noqa: E402
@@ -51,21 +51,21 @@ from model import ModelConfig  # noqa: E402
 def parser(doc: str, training: bool = True) -> argparse.ArgumentParser:
     """The arguments every script takes; scripts add their own. training=False leaves out the flags
     that only mean something to a script that trains (--steps, --seed, --jobs)."""
-    ap = cli.parser(doc)
+    ap = checks.parser(doc)
     ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS,
                     help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU"
                          + (" (a medium-length sweep: --preset small --steps N)" if training else ""))
-    cli.add_out_dir(ap, "output directory (default: runs/scripts/NAME_PRESET[_sSTEPS])")
+    checks.add_out_dir(ap, "output directory (default: runs/scripts/NAME_PRESET[_sSTEPS])")
     if training:
-        ap.add_argument("--steps", type=cli.positive_int, default=None,
+        ap.add_argument("--steps", type=checks.positive_int, default=None,
                         help="stable training steps per run (default: smoke 30, tiny 40, small 600)")
-        ap.add_argument("--seed", type=cli.nonneg_int, default=0, help="initialisation and data-order seed")
-        ap.add_argument("--jobs", type=cli.positive_int, default=None,
+        ap.add_argument("--seed", type=checks.nonneg_int, default=0, help="initialisation and data-order seed")
+        ap.add_argument("--jobs", type=checks.positive_int, default=None,
                         help="runs trained at once, one thread each (default: 2 on a CPU with >= 2 cores for tiny, "
                              "else 1; small runs on one CUDA device one at a time)")
     else:
         ap.set_defaults(steps=None, seed=0, jobs=None)
-    ap.add_argument("--threads", type=cli.positive_int, default=None,
+    ap.add_argument("--threads", type=checks.positive_int, default=None,
                     help="torch CPU threads (default: 1 for smoke, whose tiny matmuls only lose to thread "
                          "synchronisation, most of all on a shared CPU; torch's default otherwise)")
     return ap
@@ -89,7 +89,7 @@ class Experiment:
     def __post_init__(self):
         a = self.args
         if a.steps is not None and a.steps < 1:
-            raise cli.UserError(f"--steps must be >= 1, got {a.steps}")
+            raise checks.UserError(f"--steps must be >= 1, got {a.steps}")
         self.plan = configs.PLANS[a.preset]
         self.steps = a.steps or configs.SWEEP_STEPS[a.preset]
         suffix = f"_s{a.steps}" if a.steps else ""
@@ -141,7 +141,7 @@ class Experiment:
         for s, lab, c in cells:
             if s == scale and lab == label:
                 return s, lab, c
-        raise cli.UserError(f"no cell ({scale}, {label}) in preset {self.args.preset}: scales {scales}, labels {labels}")
+        raise checks.UserError(f"no cell ({scale}, {label}) in preset {self.args.preset}: scales {scales}, labels {labels}")
 
     def dense_base(self, scale: str | None = None) -> ModelConfig:
         """How-to-Loop's setting: a dense model. The preset scale (default the first, cheapest) with a dense
@@ -325,14 +325,14 @@ def pair_runs(exp: Experiment) -> tuple[Path, Path]:
     if a.runs:
         for run in a.runs:   # each run's model config, field by field, before any work
             if not (Path(run) / "config.json").is_file():
-                raise cli.UserError(f"--runs {run}: no config.json there: give a run directory train.py wrote")
-            cli.read_config(Path(run) / "config.json", ModelConfig, "--runs", key="model")
+                raise checks.UserError(f"--runs {run}: no config.json there: give a run directory train.py wrote")
+            checks.read_config(Path(run) / "config.json", ModelConfig, "--runs", key="model")
         return Path(a.runs[0]), Path(a.runs[1])
     if a.ladder:
         try:
             ladder = reproduce.read_ladder(a.ladder)
-        except (OSError, cli.BadFileError) as e:
-            raise cli.UserError(f"--ladder {a.ladder}: {getattr(e, 'strerror', None) or e}") from None
+        except (OSError, checks.BadFileError) as e:
+            raise checks.UserError(f"--ladder {a.ladder}: {getattr(e, 'strerror', None) or e}") from None
         (_, _, b), (_, _, s) = configs.run_dirs(Path(a.ladder), ladder[-1:])
         return b, s
     scale, label, base = exp.base()

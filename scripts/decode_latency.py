@@ -22,18 +22,18 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 from lab import bench
 from lab import bench_harness
 import budget
-import cli
+import checks
 
 LENGTHS = {"smoke": (8, 8), "tiny": (64, 64), "small": (128, 256)}   # (prompt, decoded tokens)
 
 
 def build_parser():
     ap = common.parser(__doc__, training=False)
-    ap.add_argument("--prompt", type=cli.positive_int, default=None,
+    ap.add_argument("--prompt", type=checks.positive_int, default=None,
                     help="prompt tokens (default: smoke 8, tiny 64, small 128)")
-    ap.add_argument("--new-tokens", type=cli.positive_int, default=None,
+    ap.add_argument("--new-tokens", type=checks.positive_int, default=None,
                     help="decoded tokens (default: smoke 8, tiny 64, small 256)")
-    cli.add_device(ap)
+    checks.add_device(ap)
     return ap
 
 
@@ -42,12 +42,12 @@ def main(argv=None) -> dict:
     exp = common.Experiment("decode_latency", args)
     prompt, new = LENGTHS[args.preset]
     prompt, new = args.prompt or prompt, args.new_tokens or new
-    device = torch.device(cli.resolve_device(args.device))
+    device = torch.device(checks.resolve_device(args.device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfgs = bench.decode_models()
     ctx = prompt + new
     if ctx > cfgs["unlooped"].block_size:
-        raise cli.UserError(f"prompt + tokens = {ctx} exceeds the bench models' block_size {cfgs['unlooped'].block_size}")
+        raise checks.UserError(f"prompt + tokens = {ctx} exceeds the bench models' block_size {cfgs['unlooped'].block_size}")
     timed = bench.bench_decode(device, dtype, prompt=prompt, new_tokens=new)
     timing = timed["skinny"]
     plt = cfgs["plt_2loop"]
@@ -71,4 +71,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -23,7 +23,7 @@ from dataclasses import replace
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
-import cli
+import checks
 from loop import LoopConfig
 from model import ModelConfig
 
@@ -60,7 +60,7 @@ def depth_pair(ref: ModelConfig, P: int, ctx: float, search: dict) -> tuple[Mode
 
 def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--depths", type=cli.positive_int, nargs="+", default=None,
+    ap.add_argument("--depths", type=checks.positive_int, nargs="+", default=None,
                     help="physical depths (default: the reference depth x 0.5/1/1.5 smoke, 2/3..4/3 tiny, "
                          "0.75..1.5 small)")
     ap.add_argument("--scale", default=None, help="preset scale of the reference (default: the deepest)")
@@ -98,4 +98,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import cli
+import checks
 from lab import downstream_claims
 import eval as ev
 from lab import evaluate
@@ -35,9 +35,9 @@ def build_parser():
     ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                     choices=["all", "real", "generated", *tasks.REAL_TASKS, *tasks.GENERATED_TASKS],
                     help="eval tasks or groups (default: the plan's)")
-    ap.add_argument("--shots", type=cli.nonneg_int, nargs="+", default=None, help="shot counts k (default: the plan's)")
-    ap.add_argument("--seeds", type=cli.positive_int, default=None, help="demonstration seeds (default: the plan's)")
-    ap.add_argument("--max-items", type=cli.positive_int, default=None, help="items per task (default: the plan's)")
+    ap.add_argument("--shots", type=checks.nonneg_int, nargs="+", default=None, help="shot counts k (default: the plan's)")
+    ap.add_argument("--seeds", type=checks.positive_int, default=None, help="demonstration seeds (default: the plan's)")
+    ap.add_argument("--max-items", type=checks.positive_int, default=None, help="items per task (default: the plan's)")
     return ap
 
 
@@ -95,4 +95,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

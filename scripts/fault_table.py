@@ -105,11 +105,11 @@ def table(cases: dict[str, dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    sys.path.insert(0, str(HERE.parent)) if str(HERE.parent) not in sys.path else None   # the repo's cli.py
-    import cli
-    ap = cli.parser(__doc__)
+    sys.path.insert(0, str(HERE.parent)) if str(HERE.parent) not in sys.path else None   # the repo's checks.py
+    import checks
+    ap = checks.parser(__doc__)
     ap.add_argument("--tests", default=str(HERE.parent / "tests"), help="test directory or file")
-    cli.add_out_dir(ap, "also write the table to DIR/faults.md (default: print only)", old=())
+    checks.add_out_dir(ap, "also write the table to DIR/faults.md (default: print only)", old=())
     return ap
 
 
@@ -130,6 +130,6 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parent))   # the repo root, for cli.py
-    import cli
-    cli.run_main(main)
+    sys.path.insert(0, str(HERE.parent))   # the repo root, for checks.py
+    import checks
+    checks.run_main(main)

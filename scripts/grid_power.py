@@ -23,7 +23,7 @@ import warnings
 import numpy as np
 
 import budget
-import cli
+import checks
 import configs
 from lab import report
 import reproduce
@@ -61,15 +61,15 @@ def analysed(F_span: float, grid: dict, noise: float, seed: int, n_boot: int) ->
 
 def build_parser():
     ap = common.parser(__doc__, training=False)
-    ap.add_argument("--noise", type=cli.positive_float, nargs="+", default=[0.002, 0.003, 0.005],
+    ap.add_argument("--noise", type=checks.positive_float, nargs="+", default=[0.002, 0.003, 0.005],
                     help="log-normal noise of each simulated loss")
-    ap.add_argument("--seeds", type=cli.positive_int, default=12, help="simulated datasets per noise level")
-    ap.add_argument("--boot", type=cli.nonneg_int, default=0, help="cell-bootstrap draws of the whole analysis (0: fits only)")
-    ap.add_argument("--n-scales", type=cli.positive_int, default=None, help="scales (default: the preset's fitted cells')")
-    ap.add_argument("--sparsities", type=cli.positive_float, nargs="+", default=None,
+    ap.add_argument("--seeds", type=checks.positive_int, default=12, help="simulated datasets per noise level")
+    ap.add_argument("--boot", type=checks.nonneg_int, default=0, help="cell-bootstrap draws of the whole analysis (0: fits only)")
+    ap.add_argument("--n-scales", type=checks.positive_int, default=None, help="scales (default: the preset's fitted cells')")
+    ap.add_argument("--sparsities", type=checks.positive_float, nargs="+", default=None,
                     help="sparse columns' S (default: the preset's)")
-    ap.add_argument("--F-span", type=cli.positive_float, default=None, help="largest / smallest F (default: the preset's)")
-    ap.add_argument("--horizons", type=cli.positive_float, nargs="+", default=None,
+    ap.add_argument("--F-span", type=checks.positive_float, default=None, help="largest / smallest F (default: the preset's)")
+    ap.add_argument("--horizons", type=checks.positive_float, nargs="+", default=None,
                     help="endpoints' D in any unit, divided by the largest (default: the plan's branch + decay steps)")
     return ap
 
@@ -77,7 +77,7 @@ def build_parser():
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if any(S >= 1 for S in args.sparsities or ()):
-        raise cli.UserError(f"--sparsities: each S must be below 1 (a fraction, 0.95 for S~95 %), got {args.sparsities}")
+        raise checks.UserError(f"--sparsities: each S must be below 1 (a fraction, 0.95 for S~95 %), got {args.sparsities}")
     exp = common.Experiment("grid_power", args)
     shape = preset_shape(args.preset)
     shape.update({k: getattr(args, k) for k in ("n_scales", "sparsities", "F_span", "horizons") if getattr(args, k)})
@@ -105,4 +105,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -24,7 +24,7 @@ from dataclasses import replace
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
-import cli
+import checks
 from loop import ADAPTERS
 
 LOOPS = {"smoke": [2, 4], "tiny": [2, 4], "small": [2, 4, 8]}
@@ -32,10 +32,10 @@ LOOPS = {"smoke": [2, 4], "tiny": [2, 4], "small": [2, 4, 8]}
 
 def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=None,
+    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=None,
                     help="loop counts (default: smoke and tiny 2 4, small 2 4 8; the paper: 2 4 8)")
     ap.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=list(ADAPTERS), help="adapter kinds")
-    ap.add_argument("--rank", type=cli.positive_int, default=None, help="adapter rank (default: the paper's 8 at d_model 1280 "
+    ap.add_argument("--rank", type=checks.positive_int, default=None, help="adapter rank (default: the paper's 8 at d_model 1280 "
                     "scaled to this width, at least 1, so the overhead stays near the paper's few per cent)")
     ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
     return ap
@@ -82,4 +82,4 @@ def configs(base, loops: list[int], kinds: list[str], rank: int) -> list[tuple[i
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

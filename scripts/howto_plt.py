@@ -25,7 +25,7 @@ import torch
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import cli
+import checks
 import probes
 from lab import stats
 from model import GPT
@@ -73,11 +73,11 @@ def state_ratio(model, data, block_size: int, batch_size: int, tokens_per_source
 
 def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=None, help="loop counts (default: 2; small 2 4)")
+    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=None, help="loop counts (default: 2; small 2 4)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="variants to run (no_loop, the reference of the fitted no-loop curve, always runs)")
-    ap.add_argument("--kv-window", type=cli.positive_int, default=None, help="KV-sharing window W (default: block_size / 4)")
-    ap.add_argument("--ratio-tokens", type=cli.positive_int, default=1024, help="held-out tokens per source for the RMS ratio")
+    ap.add_argument("--kv-window", type=checks.positive_int, default=None, help="KV-sharing window W (default: block_size / 4)")
+    ap.add_argument("--ratio-tokens", type=checks.positive_int, default=1024, help="held-out tokens per source for the RMS ratio")
     ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
     return ap
 
@@ -133,4 +133,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import cli
+import checks
 from loop import middle_third
 
 LOOPS = {"smoke": [2], "tiny": [2, 4], "small": [2, 4, 8]}
@@ -42,7 +42,7 @@ FLOPS_ONLY = dict(tolerances={"params": 1e9, "kv": 1e9}, d_range=(0.25, 1.0))
 
 def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=None, help="loop counts (default: smoke 2, tiny 2 4, "
+    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=None, help="loop counts (default: smoke 2, tiny 2 4, "
                     "small 2 4 8)")
     ap.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=list(DESIGNS), help="designs to run")
     ap.add_argument("--budgets", nargs="+", default=list(BUDGETS), choices=list(BUDGETS),
@@ -100,4 +100,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

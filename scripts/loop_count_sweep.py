@@ -12,12 +12,12 @@ from __future__ import annotations
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
-import cli
+import checks
 
 
 def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=cli.positive_int, nargs="+", default=[1, 2, 3, 4], help="visits of the span (1 = Baseline)")
+    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=[1, 2, 3, 4], help="visits of the span (1 = Baseline)")
     ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
     ap.add_argument("--sparsity", default=None, help="sparsity label (default: the ~85 %% column)")
     return ap
@@ -46,4 +46,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import cli
+import checks
 from lab import probe_pairs
 import reproduce
 from lab import probe_plots
@@ -39,11 +39,11 @@ def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
 def build_parser():
     ap = common.parser(__doc__)
     common.add_pair_args(ap)
-    ap.add_argument("--tokens", type=cli.positive_int, default=None, help="held-out tokens to probe (default: the plan's)")
-    ap.add_argument("--batch-size", type=cli.positive_int, default=8,
+    ap.add_argument("--tokens", type=checks.positive_int, default=None, help="held-out tokens to probe (default: the plan's)")
+    ap.add_argument("--batch-size", type=checks.positive_int, default=8,
                     help="probe batch (memory ~ visits x B x heads x T^2 x 4 bytes for attention maps)")
-    ap.add_argument("--dyck-items", type=cli.positive_int, default=8, help="Dyck query items, each at k = 1, 2, 4, 8")
-    ap.add_argument("--draws", type=cli.positive_int, default=1000, help="bootstrap draws per interval")
+    ap.add_argument("--dyck-items", type=checks.positive_int, default=8, help="Dyck query items, each at k = 1, 2, 4, 8")
+    ap.add_argument("--draws", type=checks.positive_int, default=1000, help="bootstrap draws per interval")
     return ap
 
 
@@ -68,4 +68,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

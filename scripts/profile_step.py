@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from lab import bench_harness  # noqa: E402
 import budget  # noqa: E402
-import cli  # noqa: E402
+import checks  # noqa: E402
 import configs  # noqa: E402
 import data as data_mod  # noqa: E402
 import train  # noqa: E402
@@ -38,16 +38,16 @@ from model import GPT, ModelConfig  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.parser(__doc__)
+    ap = checks.parser(__doc__)
     ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS, help="ladder, batch and data")
     ap.add_argument("--scale", help="ladder scale, e.g. t64 (default: the ladder's largest)")
     ap.add_argument("--sparsity-label", help="the cell's sparsity label, e.g. 'S=0%%' (default: the ladder's last)")
     ap.add_argument("--arch", default="smelt", choices=("baseline", "smelt"), help="which model of the pair")
-    ap.add_argument("--steps", type=cli.positive_int, default=10, help="profiled steps (after 18 timed ones)")
-    ap.add_argument("--top", type=cli.positive_int, default=20, help="operators listed")
+    ap.add_argument("--steps", type=checks.positive_int, default=10, help="profiled steps (after 18 timed ones)")
+    ap.add_argument("--top", type=checks.positive_int, default=20, help="operators listed")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                     help="fp32 (the CPU default) or bf16 autocast, as train.py's --dtype")
-    cli.add_out_dir(ap, "also write DIR/profile.json (default: print only)", old=())
+    checks.add_out_dir(ap, "also write DIR/profile.json (default: print only)", old=())
     return ap
 
 
@@ -109,4 +109,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import cli  # noqa: E402
+import checks  # noqa: E402
 
 NB_DIR = ROOT / "notebooks"
 RENDERED = NB_DIR / "rendered"
@@ -121,10 +121,10 @@ def render(path: Path, out_dir: Path = RENDERED) -> Path:
 
 
 def build_parser():
-    ap = cli.parser(__doc__)
+    ap = checks.parser(__doc__)
     ap.add_argument("names", nargs="*", metavar="NOTEBOOK",
                     help="notebooks to render, by file name or stem (default: every notebooks/*.ipynb)")
-    cli.add_out_dir(ap, "where the rendered copies go", default=str(RENDERED.relative_to(ROOT)), old=())
+    checks.add_out_dir(ap, "where the rendered copies go", default=str(RENDERED.relative_to(ROOT)), old=())
     ap.add_argument("--check", action="store_true",
                     help="execute nothing: list the copies that are missing or stale, exit 1 if any")
     return ap
@@ -168,4 +168,4 @@ def main(argv=None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -16,15 +16,15 @@ from dataclasses import replace
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import cli
+import checks
 import reproduce
 from lab import train_plots
 
 
 def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--scales", type=cli.positive_int, default=None, help="keep only the first K scales of the ladder (default: all)")
-    ap.add_argument("--bootstrap", type=cli.nonneg_int, default=None, help="cell-bootstrap draws (default: the plan's)")
+    ap.add_argument("--scales", type=checks.positive_int, default=None, help="keep only the first K scales of the ladder (default: all)")
+    ap.add_argument("--bootstrap", type=checks.nonneg_int, default=None, help="cell-bootstrap draws (default: the plan's)")
     return ap
 
 
@@ -68,4 +68,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
-import cli
+import checks
 import configs
 from loop import LoopConfig, middle_span
 
@@ -28,7 +28,7 @@ def build_parser():
     ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
     ap.add_argument("--sparsity", nargs="+", default=None,
                     help="sparsity labels, or 'all' (default: the preset's ~85 %% column)")
-    ap.add_argument("--loops", type=cli.positive_int, default=2, help="passes over the span (SMELT: 2)")
+    ap.add_argument("--loops", type=checks.positive_int, default=2, help="passes over the span (SMELT: 2)")
     return ap
 
 
@@ -71,4 +71,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    checks.run_main(main)

@@ -1,9 +1,9 @@
-"""One command-line convention across every entry point (cli.py), and bad values refused up front.
+"""One command-line convention across every entry point (checks.py), and bad values refused up front.
 
 Each entry point (reproduce.py, train.py, eval.py, scaling.py, budget.py, bench.py, probes.py,
 data.py and every scripts/*.py but common.py) exposes `build_parser()`; the tests build each parser
 in-process (no main, nothing runs, a few seconds for all of them) and check its --help against
-cli.py's rules: --out-dir for the output directory (old spellings hidden), --device defaulting to
+checks.py's rules: --out-dir for the output directory (old spellings hidden), --device defaulting to
 auto and checked when parsed, every default shown exactly once, the same preset names. A table of
 bad values must each be refused by argparse (exit status 2) with a message naming the option.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("scripts_importable")   # scripts/ on sys.path for this module only
@@ -53,7 +53,7 @@ def test_every_script_has_a_parser():
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_help_follows_the_convention(name):
     ap = parser_of(name)
-    assert issubclass(ap.formatter_class, cli.HelpFormatter), f"{name}: not cli.HelpFormatter"
+    assert issubclass(ap.formatter_class, checks.HelpFormatter), f"{name}: not checks.HelpFormatter"
     text = ap.format_help()
     opts = options(ap)
     # the output directory is --out-dir everywhere; old spellings are hidden
@@ -63,7 +63,7 @@ def test_help_follows_the_convention(name):
         assert old not in text, f"{name}: {old.strip()!r} shown in --help"
     # --device: one default, checked when parsed
     if "--device" in opts:
-        assert opts["--device"].default == "auto" and opts["--device"].type is cli.device, name
+        assert opts["--device"].default == "auto" and opts["--device"].type is checks.device, name
     # every default shown, never twice
     for flag, a in opts.items():
         block = help_block(ap, a).lower()
@@ -72,10 +72,10 @@ def test_help_follows_the_convention(name):
         if a.required or flag_like or flag in NO_DEFAULT_INPUTS:
             continue
         assert "default" in block, f"{name} {flag}: --help does not say its default\n{block}"
-    # counts are typed: no bare int options (cli.positive_int / nonneg_int / int_range instead)
+    # counts are typed: no bare int options (checks.positive_int / nonneg_int / int_range instead)
     for flag, a in opts.items():
         if name != "train":   # train.py's TrainConfig ints are checked by TrainConfig.validate in main
-            assert a.type is not int, f"{name} {flag}: a bare int (use cli.positive_int or cli.nonneg_int)"
+            assert a.type is not int, f"{name} {flag}: a bare int (use checks.positive_int or checks.nonneg_int)"
 
 
 def test_presets_are_one_set():
@@ -103,15 +103,15 @@ def test_old_out_spelling_still_works(name, argv, capsys):
 
 def test_device_values():
     for ok in ("auto", "cpu", "cuda", "cuda:1"):
-        assert cli.device(ok) == ok
+        assert checks.device(ok) == ok
     for bad in ("mps", "gpu", "cuda:x"):          # mps: untested here, and train.py's TrainConfig refuses it
         with pytest.raises(argparse.ArgumentTypeError, match="expected auto, cpu, cuda or cuda:N"):
-            cli.device(bad)
-    assert cli.resolve_device("cpu") == "cpu" and cli.resolve_device("auto") in ("cpu", "cuda")
+            checks.device(bad)
+    assert checks.resolve_device("cpu") == "cpu" and checks.resolve_device("auto") in ("cpu", "cuda")
 
 
 def test_help_formatter_shows_lists_and_percent():
-    ap = cli.parser("x")
+    ap = checks.parser("x")
     ap.add_argument("--a", type=int, nargs="+", default=[1, 8], help="sizes")
     ap.add_argument("--b", default="50%", help="a share")
     ap.add_argument("--c", nargs="*", default=[], help="stages")

@@ -17,7 +17,7 @@ from lab import calibration
 import eval as ev
 from lab import evaluate
 from lab import eval_plots
-import runfiles
+import checks
 from lab import tasks
 import eval as validation
 from lab import downstream_claims
@@ -653,7 +653,7 @@ def save_run(path, vocab_size=V, corrupt=False, block_size=64):
     if corrupt:
         (path / "ckpt.pt").write_bytes(b"not a checkpoint")
     else:
-        runfiles.atomic_save({"model": model.state_dict(), "step": 7}, path / "ckpt.pt")
+        checks.atomic_save({"model": model.state_dict(), "step": 7}, path / "ckpt.pt")
     return model
 
 
@@ -666,7 +666,7 @@ def test_load_model_round_trip_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ev.load_model(tmp_path / "missing")
     save_run(tmp_path / "bad", corrupt=True)
-    with pytest.raises(runfiles.CheckpointError, match="ckpt.pt has no valid content hash"):   # hash checked on load
+    with pytest.raises(checks.CheckpointError, match="ckpt.pt has no valid content hash"):   # hash checked on load
         ev.load_model(tmp_path / "bad")
     (tmp_path / "ok" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -745,7 +745,7 @@ def test_load_model_accepts_run_dir_endpoint_and_checkpoint(trained_run, tmp_pat
     ck = torch.load(end3, weights_only=True)
     full = trained_run / "ckpt" / "branch0000003_0000005.pt"
     full.parent.mkdir(exist_ok=True)
-    runfiles.atomic_save({"model": ck["model"], "optimizer": {}, "step": 5, "meta": ck["meta"]}, full)
+    checks.atomic_save({"model": ck["model"], "optimizer": {}, "step": 5, "meta": ck["meta"]}, full)
     m2, meta2 = ev.load_model(full)
     idx = torch.randint(0, V, (1, 12))
     torch.testing.assert_close(m2(idx)[0], model(idx)[0])
@@ -758,11 +758,11 @@ def test_load_model_accepts_run_dir_endpoint_and_checkpoint(trained_run, tmp_pat
     other = tmp_path / "other_run"
     (other / "endpoints").mkdir(parents=True)
     (other / "config.json").write_text((trained_run / "config.json").read_text())
-    runfiles.atomic_save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
+    checks.atomic_save({"model": ck["model"], "meta": json.dumps({"model": meta["model"]})},
                   other / "endpoints" / "branch_0000006.pt")
     assert ev.load_model(other / "endpoints" / "branch_0000006.pt")[1]["branch_step"] == 6
     # a lone file with no meta and no config.json beside it names what is missing
-    runfiles.atomic_save({"model": ck["model"]}, tmp_path / "lone.pt")
+    checks.atomic_save({"model": ck["model"]}, tmp_path / "lone.pt")
     with pytest.raises(ValueError, match="no model config"):
         ev.load_model(tmp_path / "lone.pt")
     with pytest.raises(FileNotFoundError, match="endpoint file"):
@@ -779,7 +779,7 @@ def test_run_endpoints_finds_every_branch(trained_run, tmp_path):
     run2.mkdir()
     rows[0]["endpoint"] = "endpoints/branch_0000003.pt"
     rows[1].pop("endpoint")
-    (run2 / "results.jsonl").write_text("".join(runfiles.jsonl_line(r) for r in rows))
+    (run2 / "results.jsonl").write_text("".join(checks.jsonl_line(r) for r in rows))
     with pytest.raises(FileNotFoundError, match="branch 3 finished"):
         ev.run_endpoints(run2)
     (run2 / "endpoints").mkdir()
@@ -809,7 +809,7 @@ def test_evaluate_endpoints_every_branch_with_progress(trained_run):
         assert sum(bk["gold_nll_by_item"]) == pytest.approx(bk["gold_nll_sum"], rel=1e-9)
         assert sum(bk["gold_tokens_by_item"]) == bk["gold_tokens"] and len(bk["gold_nll_by_item"]) == bk["n_items"]
     assert set(r["tasks"]["gen_copy"]["by_k"]) == {"0"} and r["forward_calls"] > 0
-    assert runfiles.endpoint_id(r) == "toy_smelt@3"
+    assert checks.endpoint_id(r) == "toy_smelt@3"
     # every progress line names its endpoint; one line per task
     assert all(m.startswith(("toy_smelt@3:", "toy_smelt@6:")) for m in logs)
     assert sum("task 2/2 gen_copy" in m for m in logs) == 2

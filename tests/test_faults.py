@@ -32,9 +32,9 @@ import torch
 import checkpoint
 import checks
 import data as data_mod
-import runfiles
 from checks import JSONFileError
 import train as T
+from lab import costs
 from toys import tiny_model, tiny_train
 from model import GPT, ModelConfig
 
@@ -237,10 +237,10 @@ def test_damaged_results_rows_are_named(finished, tmp_path, fault, msg):
         del r["sha256"]
         lines[0] = json.dumps(r) + "\n"
     else:
-        lines[0] = runfiles.jsonl_line({k: v for k, v in rows[0].items() if k not in ("config", "train")})
+        lines[0] = checks.jsonl_line({k: v for k, v in rows[0].items() if k not in ("config", "train")})
     (tmp_path / "results.jsonl").write_text("".join(lines))
-    with pytest.raises(runfiles.CheckpointError, match=msg):
-        runfiles.read_jsonl(tmp_path / "results.jsonl", keys=("branch_step", "config", "train"))
+    with pytest.raises(checks.CheckpointError, match=msg):
+        checks.read_jsonl(tmp_path / "results.jsonl", keys=("branch_step", "config", "train"))
 
 
 @pytest.mark.fault("kills")
@@ -257,7 +257,7 @@ def test_torn_last_rows_are_cut_and_recomputed(finished, tmp_path):
     again = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))
     drop = lambda rs: [{k: v for k, v in r.items() if k != "wall_s"} for r in rs]
     assert drop(again) == drop(rows)
-    assert len(runfiles.read_jsonl(copy / "metrics.jsonl")) == len(runfiles.read_jsonl(run / "metrics.jsonl"))
+    assert len(checks.read_jsonl(copy / "metrics.jsonl")) == len(checks.read_jsonl(run / "metrics.jsonl"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -274,19 +274,19 @@ def test_flipped_bytes_anywhere_in_a_checkpoint_are_caught(finished, tmp_path):
         b = bytearray(good)
         b[off] ^= 0xFF
         path.write_bytes(bytes(b))
-        with pytest.raises(runfiles.CheckpointError, match=str(path)):
-            runfiles.load_file(path)
-    for cut in (size - 1, size - runfiles._TRAILER_LEN, size // 2, 10):   # truncated
+        with pytest.raises(checks.CheckpointError, match=str(path)):
+            checks.load_file(path)
+    for cut in (size - 1, size - checks._TRAILER_LEN, size // 2, 10):   # truncated
         path.write_bytes(good[:cut])
-        with pytest.raises(runfiles.CheckpointError, match="truncated or corrupt"):
-            runfiles.load_file(path)
+        with pytest.raises(checks.CheckpointError, match="truncated or corrupt"):
+            checks.load_file(path)
     path.write_bytes(good)
-    assert runfiles.load_file(path)["model"].keys() == GPT(tiny_model()).state_dict().keys()
+    assert checks.load_file(path)["model"].keys() == GPT(tiny_model()).state_dict().keys()
     assert len(offsets) >= 100
     # a plain torch.save file (no hash) is refused; the trailer does not disturb plain torch.load
     torch.save({"model": {}, "meta": "{}"}, tmp_path / "plain.pt")
-    with pytest.raises(runfiles.CheckpointError, match="no valid content hash"):
-        runfiles.load_file(tmp_path / "plain.pt")
+    with pytest.raises(checks.CheckpointError, match="no valid content hash"):
+        checks.load_file(tmp_path / "plain.pt")
     assert torch.load(run / "ckpt.pt", weights_only=True)["model"].keys() == GPT(tiny_model()).state_dict().keys()
 
 
@@ -305,7 +305,7 @@ def test_corrupt_ckpt_pt_is_rebuilt_from_its_endpoint(finished, tmp_path):
         T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))   # and by re-running the run
         assert (copy / "ckpt.pt").read_bytes() == ep
     (copy / "endpoints" / "branch_0000006.pt").write_bytes(ep[:-5])  # the source itself damaged: named
-    with pytest.raises(runfiles.CheckpointError, match="branch_0000006.pt"):
+    with pytest.raises(checks.CheckpointError, match="branch_0000006.pt"):
         T.export_final(copy)
 
 
@@ -317,7 +317,7 @@ def test_stale_temp_files_are_removed_at_the_next_write(tmp_path):
     live = tmp_path / "y.pt.tmp1"                                    # pid 1 runs: another writer's, kept
     for p in (*stale, live):
         p.write_bytes(b"half a checkpoint")
-    runfiles.atomic_save({"model": {}, "meta": "{}"}, tmp_path / "x.pt")
+    checks.atomic_save({"model": {}, "meta": "{}"}, tmp_path / "x.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pt", "y.pt.tmp1"]
 
 
@@ -343,7 +343,7 @@ def test_non_finite_optimizer_state_is_never_saved(tmp_path, monkeypatch):
                                                 r".*stable_0000002\.pt"):
         T.train(tiny_model(), tiny_train(ckpt_interval=1), T.SyntheticData(64), str(tmp_path))
     assert os.listdir(tmp_path / "ckpt") == ["stable_0000002.pt"]
-    ck = runfiles.load_file(tmp_path / "ckpt" / "stable_0000002.pt")
+    ck = checks.load_file(tmp_path / "ckpt" / "stable_0000002.pt")
     assert not checkpoint._nonfinite(ck["model"]) and not checkpoint._nonfinite(ck["optimizer"])
 
 
@@ -369,19 +369,19 @@ def test_non_finite_weights_are_never_saved_as_an_endpoint(tmp_path, monkeypatch
 
 @pytest.mark.fault("concurrency")
 def test_second_writer_is_refused_and_the_lock_dies_with_its_holder(tmp_path):
-    with runfiles.run_lock(tmp_path):                                # another writer, same process
-        with pytest.raises(runfiles.RunLockedError, match=rf"{tmp_path} is in use by another trainer \(pid {os.getpid()}"):
+    with checks.run_lock(tmp_path):                                # another writer, same process
+        with pytest.raises(checks.RunLockedError, match=rf"{tmp_path} is in use by another trainer \(pid {os.getpid()}"):
             T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {ROOT!r})
-        import runfiles
-        with runfiles.run_lock({str(tmp_path)!r}):
+        import checks
+        with checks.run_lock({str(tmp_path)!r}):
             print("locked", flush=True)
             time.sleep(120)""")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(runfiles.RunLockedError, match=f"pid {holder.pid}"):
+        with pytest.raises(checks.RunLockedError, match=f"pid {holder.pid}"):
             T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(tmp_path))
         os.kill(holder.pid, signal.SIGKILL)                          # killed: the OS drops its lock
         holder.wait()
@@ -502,7 +502,7 @@ def test_crash_anywhere_resumes_bit_for_bit(finished, tmp_path, n):
 def test_disk_estimate_within_20_percent_of_a_real_run(tmp_path, monkeypatch):
     cfg, tc = tiny_model(), tiny_train(ckpt_interval=2)
     seen = []
-    write = runfiles._atomic_write
+    write = checks._atomic_write
 
     def du():
         return sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file() and f.name != ".lock")
@@ -511,30 +511,30 @@ def test_disk_estimate_within_20_percent_of_a_real_run(tmp_path, monkeypatch):
         write(path, fn)
         seen.append(du())
 
-    monkeypatch.setattr(runfiles, "_atomic_write", measured)
+    monkeypatch.setattr(checks, "_atomic_write", measured)
     T.train(cfg, tc, T.SyntheticData(64), str(tmp_path))
-    est = checkpoint.disk_estimate(cfg, tc)
+    est = costs.disk_estimate(cfg, tc)
     assert abs(est["final"] / du() - 1) < 0.2, (est, du())
     assert abs(est["peak"] / max(seen) - 1) < 0.2, (est, max(seen))
     assert abs(est["endpoint"] / (tmp_path / "ckpt.pt").stat().st_size - 1) < 0.05
     assert est["peak"] >= 2 * est["full_checkpoint"]       # a fork point + the next one being written
-    plan = checkpoint.plan_disk_estimate([cfg, cfg], tc, jobs=1)
+    plan = costs.plan_disk_estimate([cfg, cfg], tc, jobs=1)
     assert plan["final"] == 2 * est["final"] and plan["peak"] == 2 * est["final"] + est["peak"] - est["final"]
 
 
 @pytest.mark.fault("corruption")
 def test_hashed_json_refuses_edits_and_a_damaged_cache_is_recomputed(tmp_path, capsys):
     p = tmp_path / "stage.json"
-    runfiles.write_json(p, {"loss": 3.25, "rows": [1, 2]})
-    assert runfiles.read_json(p, ("loss",)) == {"loss": 3.25, "rows": [1, 2]}
+    checks.write_json(p, {"loss": 3.25, "rows": [1, 2]})
+    assert checks.read_hashed_json(p, ("loss",)) == {"loss": 3.25, "rows": [1, 2]}
     p.write_text(p.read_text().replace("3.25", "2.25"))      # still valid JSON, one value lowered
     with pytest.raises(JSONFileError, match="stage.json: content differs from its sha256"):
-        runfiles.read_json(p)
-    assert runfiles.read_cache(p) is None and "stage.json" in capsys.readouterr().out
+        checks.read_hashed_json(p)
+    assert checks.read_cache(p) is None and "stage.json" in capsys.readouterr().out
     p.write_text(p.read_text()[:20])                          # truncated
     with pytest.raises(JSONFileError, match="stage.json"):
-        runfiles.read_json(p)
-    assert runfiles.read_cache(tmp_path / "absent.json") is None
+        checks.read_hashed_json(p)
+    assert checks.read_cache(tmp_path / "absent.json") is None
 
 
 @pytest.mark.fault("corruption")
@@ -546,14 +546,14 @@ def test_a_json_file_that_is_not_an_object_or_not_text_is_named(tmp_path, capsys
                       ('"sha256"', "expected a JSON object, got str")]:
         p.write_text(text)
         with pytest.raises(JSONFileError, match=rf"stage\.json: {why}"):
-            runfiles.read_json(p)
-        assert runfiles.read_cache(p) is None
+            checks.read_hashed_json(p)
+        assert checks.read_cache(p) is None
         with pytest.raises(JSONFileError, match=rf"stage\.json: {why}"):
             checks.read_json(p, ("a",))
     p.write_bytes(b"\xff\xfe{\x00")
     with pytest.raises(JSONFileError, match=r"stage\.json: not a text file"):
         checks.read_json(p)
-    assert runfiles.read_cache(p) is None and "not a text file" in capsys.readouterr().out
+    assert checks.read_cache(p) is None and "not a text file" in capsys.readouterr().out
 
 
 @pytest.mark.fault("corruption")
@@ -562,19 +562,19 @@ def test_a_hashed_file_without_model_weights_is_refused(tmp_path):
     or no meta['model'] is not a checkpoint, and is refused naming the file before any caller reads it."""
     for name, obj in [("no_meta_model.pt", {"model": {}, "meta": "{}"}),
                       ("no_weights.pt", {"meta": json.dumps({"model": {}})})]:
-        runfiles.atomic_save(obj, tmp_path / name)
-        with pytest.raises(runfiles.CheckpointError, match=rf"{tmp_path / name} lacks 'model'"):
-            runfiles.load_file(tmp_path / name)
-    runfiles.atomic_save({"model": {"w": torch.ones(2)}, "meta": json.dumps({"model": {}})}, tmp_path / "ok.pt")
-    assert torch.equal(runfiles.load_file(tmp_path / "ok.pt")["model"]["w"], torch.ones(2))
+        checks.atomic_save(obj, tmp_path / name)
+        with pytest.raises(checks.CheckpointError, match=rf"{tmp_path / name} lacks 'model'"):
+            checks.load_file(tmp_path / name)
+    checks.atomic_save({"model": {"w": torch.ones(2)}, "meta": json.dumps({"model": {}})}, tmp_path / "ok.pt")
+    assert torch.equal(checks.load_file(tmp_path / "ok.pt")["model"]["w"], torch.ones(2))
 
 
 @pytest.mark.fault("corruption")
 def test_blank_lines_in_a_jsonl_file_are_skipped_not_an_end(tmp_path):
     """A blank line (an editor's, or a newline doubled) is skipped: every row after it is still read."""
     p = tmp_path / "results.jsonl"
-    p.write_text(runfiles.jsonl_line({"step": 1}) + "\n  \n" + runfiles.jsonl_line({"step": 2}))
-    assert runfiles.read_jsonl(p) == [{"step": 1}, {"step": 2}]
+    p.write_text(checks.jsonl_line({"step": 1}) + "\n  \n" + checks.jsonl_line({"step": 2}))
+    assert checks.read_jsonl(p) == [{"step": 1}, {"step": 2}]
 
 
 @pytest.mark.fault("corruption")
@@ -582,11 +582,11 @@ def test_hashed_json_missing_a_required_key_is_refused_and_recomputed(tmp_path, 
     """An intact, hashed JSON file that lacks a key the reader needs (written by an older version) is refused
     naming the key, so read_cache recomputes it instead of handing on a record without it."""
     p = tmp_path / "stage.json"
-    runfiles.write_json(p, {"loss": 3.25})
+    checks.write_json(p, {"loss": 3.25})
     with pytest.raises(JSONFileError, match=r"stage\.json: missing key\(s\) \['rows'\]"):
-        runfiles.read_json(p, ("loss", "rows"))
-    assert runfiles.read_cache(p, ("loss", "rows")) is None and "missing key(s) ['rows']" in capsys.readouterr().out
-    assert runfiles.read_cache(p, ("loss",)) == {"loss": 3.25}
+        checks.read_hashed_json(p, ("loss", "rows"))
+    assert checks.read_cache(p, ("loss", "rows")) is None and "missing key(s) ['rows']" in capsys.readouterr().out
+    assert checks.read_cache(p, ("loss",)) == {"loss": 3.25}
 
 
 @pytest.mark.fault("kills")
@@ -594,13 +594,13 @@ def test_a_torn_tail_is_cut_back_to_the_last_whole_row(tmp_path):
     """repair_torn_tail keeps every whole row with its newline, so the next append starts a line of its
     own; a file that ends in a newline is left as it is."""
     p = tmp_path / "results.jsonl"
-    whole = runfiles.jsonl_line({"branch_step": 3}) + runfiles.jsonl_line({"branch_step": 6})
+    whole = checks.jsonl_line({"branch_step": 3}) + checks.jsonl_line({"branch_step": 6})
     p.write_text(whole + '{"branch_step": 9, "va')
-    assert runfiles.repair_torn_tail(p) and p.read_text() == whole
+    assert checks.repair_torn_tail(p) and p.read_text() == whole
     with open(p, "a") as f:
-        f.write(runfiles.jsonl_line({"branch_step": 9}))
-    assert [r["branch_step"] for r in runfiles.read_jsonl(p)] == [3, 6, 9]
-    assert not runfiles.repair_torn_tail(p) and not runfiles.repair_torn_tail(tmp_path / "absent.jsonl")
+        f.write(checks.jsonl_line({"branch_step": 9}))
+    assert [r["branch_step"] for r in checks.read_jsonl(p)] == [3, 6, 9]
+    assert not checks.repair_torn_tail(p) and not checks.repair_torn_tail(tmp_path / "absent.jsonl")
 
 
 @pytest.mark.fault("concurrency")
@@ -608,7 +608,7 @@ def test_the_lock_file_names_only_the_current_holder(tmp_path):
     """The lock file is rewritten by each holder: a longer pid left by an earlier holder does not remain
     behind the current one (the second writer's message names the pid read from it)."""
     (tmp_path / ".lock").write_text("9" * 40 + "\n" + "stale\n")
-    with runfiles.run_lock(tmp_path):
+    with checks.run_lock(tmp_path):
         assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
 
 
@@ -713,7 +713,7 @@ def test_damaged_probes_json_is_named_and_recomputed(tmp_path, capsys, damage):
     elif damage == "figure_gone":
         fig.unlink()
     else:
-        runfiles.write_json(path, res)                               # hashed, but an absolute figure path
+        checks.write_json(path, res)                               # hashed, but an absolute figure path
     capsys.readouterr()
     assert probe_pairs.load_result(path) is None
     assert str(path) in capsys.readouterr().out

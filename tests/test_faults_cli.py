@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 import budget
-import cli
+import checks
 from lab import evaluate
 from data import FORMAT_VERSION
 from lab import probe_pairs
 import reproduce
-import runfiles
 import train as T
 from test_faults import _probe_run
 from toys import tiny_model
@@ -41,7 +40,7 @@ WORDS = {"malformed": ["not valid JSON", "fix the file"], "wrong_type": ["d_mode
 def refused(main, argv, prog, capsys, *words) -> str:
     """Run main as its `__main__` does; it must end with exit status 2 and one line holding every word."""
     with pytest.raises(SystemExit) as e:
-        cli.run_main(main, argv, prog=prog)
+        checks.run_main(main, argv, prog=prog)
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     # argparse names the program as sys.argv[0] (pytest's here), run_main as `prog`
@@ -142,7 +141,7 @@ def test_scaling_results_file(tmp_path, capsys, forbid, fault):
     row = {"malformed": None, "wrong_type": {**good, "F": "big"},
            "misspelt": {**{k: v for k, v in good.items() if k != "val_loss"}, "val_los": 4.0}}[fault]
     f = tmp_path / "results.jsonl"
-    f.write_text('{"arch": "Baseline",\n' if row is None else runfiles.jsonl_line(row))   # hashed as train.py writes
+    f.write_text('{"arch": "Baseline",\n' if row is None else checks.jsonl_line(row))   # hashed as train.py writes
     forbid(scaling_analysis, "analyse")
     words = {"malformed": ["not valid JSON"], "wrong_type": ["F = 'big' is not a finite number"],
              "misspelt": ["missing key(s) ['val_loss']"]}[fault]
@@ -162,7 +161,7 @@ def test_reproduce_data_dir_pack(tmp_path, capsys, forbid, fault, text, words):
     if fault == "malformed":
         (tmp_path / "pack" / "PACK.json").write_text(text)
     else:   # hashed, as data.py writes it: the fault is in a field, not a hand edit
-        runfiles.write_json(tmp_path / "pack" / "PACK.json", json.loads(text.replace("FORMAT", str(FORMAT_VERSION))))
+        checks.write_json(tmp_path / "pack" / "PACK.json", json.loads(text.replace("FORMAT", str(FORMAT_VERSION))))
     forbid(reproduce, "_pipeline")
     refused(reproduce.main, ["--preset", "smoke", "--data-dir", str(tmp_path / "pack"), "--out-dir",
                              str(tmp_path / "out")], "reproduce.py", capsys, "PACK.json", *words)
@@ -187,7 +186,7 @@ def test_a_locked_run_is_refused_naming_its_holder(tmp_path, capsys, monkeypatch
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = tmp_path / "run"
     run.mkdir()
-    with runfiles.run_lock(run):   # a second open file description conflicts with this one, as another process's
+    with checks.run_lock(run):   # a second open file description conflicts with this one, as another process's
         refused(T.main, ["--preset", "smoke-dense", "--data", "synthetic", "--out-dir", str(run)], "train.py",
                 capsys, f"pid {os.getpid()}", str(run / ".lock"), "wait for it to finish")
         refused(reproduce.main, ["--preset", "smoke", "--out-dir", str(run)], "reproduce.py", capsys,
@@ -208,7 +207,7 @@ def test_a_finished_run_says_it_trained_nothing(finished, capsys):
                  ("ckpt-interval", tc.ckpt_interval), ("flops-ctx", tc.flops_ctx), ("device", tc.device)):
         argv += [f"--{k}", str(v)]
     before = (run / "results.jsonl").read_text()
-    assert cli.run_main(T.main, [*argv, "--branch-steps", *map(str, tc.branch_steps)], prog="train.py") == rows
+    assert checks.run_main(T.main, [*argv, "--branch-steps", *map(str, tc.branch_steps)], prog="train.py") == rows
     out = capsys.readouterr().out
     assert f"{run}: every branch {tc.branch_steps} is already trained, so this command trained nothing" in out
     assert f"the rows are in {run / 'results.jsonl'}" in out
@@ -220,7 +219,7 @@ def test_a_bug_keeps_its_traceback_and_asks_for_a_report(capsys):
     def buggy(argv):
         raise KeyError("oops")
     with pytest.raises(SystemExit) as e:
-        cli.run_main(buggy, [], prog="x.py")
+        checks.run_main(buggy, [], prog="x.py")
     err = capsys.readouterr().err
     assert e.value.code == 1 and "Traceback" in err and "KeyError: 'oops'" in err
     assert err.rstrip().splitlines()[-1].startswith("x.py: this is a bug in looped-moe")
@@ -231,7 +230,7 @@ def test_a_full_disk_is_one_line(capsys):
     def full(argv):
         raise OSError(28, "No space left on device", "/tmp/out/ckpt.pt")
     with pytest.raises(SystemExit) as e:
-        cli.run_main(full, [], prog="x.py")
+        checks.run_main(full, [], prog="x.py")
     assert e.value.code == 2
     assert capsys.readouterr().err == ("x.py: error: no space left on the device: /tmp/out/ckpt.pt: free some "
                                        "space, or pass --out-dir on a disk with room\n")
@@ -256,4 +255,4 @@ ENTRY_POINTS = ["reproduce.py", "train.py", "lab/evaluate.py", "lab/probe_pairs.
 @pytest.mark.parametrize("path", ENTRY_POINTS)
 def test_every_entry_point_runs_through_run_main(path):
     tail = (ROOT / path).read_text().split('if __name__ == "__main__":')[-1]
-    assert "cli.run_main(main)" in tail, f"{path}: its __main__ must call cli.run_main(main)"
+    assert "checks.run_main(main)" in tail, f"{path}: its __main__ must call checks.run_main(main)"

@@ -7,7 +7,6 @@ import pytest
 
 import checks
 from lab import evaluate
-import runfiles
 from lab import tasks
 from test_eval import CharTok, Successor, save_run
 
@@ -99,7 +98,7 @@ def test_damaged_compare_files_are_named(tmp_path, capsys, monkeypatch):
         path.write_text(text)
         _refused(["--run", str(tmp_path / "run"), "--compare", str(path.parent)], capsys, str(path), words)
     obj = json.loads(good)
-    obj.pop(runfiles.ROW_HASH)
+    obj.pop(checks.ROW_HASH)
     obj["tasks"]["gen_copy"]["by_k"]["1"]["acc_by_seed"] = ["x"]      # an unhashed file: its fields are checked
     path.write_text(json.dumps(obj))
     _refused(["--run", str(tmp_path / "run"), "--compare", str(path.parent)], capsys, str(path),

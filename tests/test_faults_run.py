@@ -22,12 +22,11 @@ from pathlib import Path
 
 import pytest
 
-import cli
+import checks
 import configs
 import data as data_mod
 from lab import corpus
 import reproduce
-import runfiles
 from checks import JSONFileError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +52,7 @@ def _edit_manifest(d: Path, edit, rehash: bool = False) -> None:
     m = json.loads((d / "manifest.json").read_text())
     edit(m)
     if rehash:
-        runfiles.write_json(d / "manifest.json", m)
+        checks.write_json(d / "manifest.json", m)
     else:
         (d / "manifest.json").write_text(json.dumps(m, indent=1))
 
@@ -117,7 +116,7 @@ def test_an_old_unhashed_manifest_is_refused_and_the_cache_rebuilt(data_copy, ca
 def test_an_empty_corpus_is_refused_by_name(data_copy):
     (data_copy / "train.bin").write_bytes(b"")
     _edit_manifest(data_copy, lambda m: (m.update(train_tokens=0), m["files"]["train.bin"].update(
-        bytes=0, sha256=runfiles.sha256_of(data_copy / "train.bin"))), rehash=True)
+        bytes=0, sha256=checks.sha256_of(data_copy / "train.bin"))), rehash=True)
     with pytest.raises(JSONFileError, match=r"\['train.bin'\] empty \(an empty corpus\)"):
         data_mod.TokenData(data_copy)
 
@@ -136,7 +135,7 @@ def test_an_edited_pack_is_refused_naming_pack_json(tmp_path):
 def test_data_refuses_a_file_as_out_dir_and_leaves_no_temp_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(runfiles.OutDirError, match=rf"data dir {f} is a file"):
+    with pytest.raises(checks.OutDirError, match=rf"data dir {f} is a file"):
         corpus.prepare("smoke", out_dir=str(f))
     out = tmp_path / "d"
     (out / "train.bin").mkdir(parents=True)                    # the final rename fails mid-prepare
@@ -151,9 +150,9 @@ def test_out_dir_checks_name_the_path(tmp_path):
     f.write_text("x")
     for bad, why in [(f, "is a file"), (f / "sub", f"{f} is a file"), (Path("/sys/looped_moe_out"), "not writable"),
                      (tmp_path / "big", "needs 1048576.0 MiB")]:
-        with pytest.raises(runfiles.OutDirError, match=why):
-            runfiles.check_out_dir(bad, need_bytes=1 << 40 if bad.name == "big" else 0)
-    assert runfiles.check_out_dir(tmp_path / "a" / "b" / "c").is_dir()   # missing parents are made
+        with pytest.raises(checks.OutDirError, match=why):
+            checks.check_out_dir(bad, need_bytes=1 << 40 if bad.name == "big" else 0)
+    assert checks.check_out_dir(tmp_path / "a" / "b" / "c").is_dir()   # missing parents are made
 
 
 @pytest.mark.fault("disk")
@@ -167,7 +166,7 @@ def test_reproduce_refuses_a_bad_out_dir_before_any_work(tmp_path, bad, capsys, 
         raise AssertionError("the data stage started before the out dir was refused")
     monkeypatch.setattr(reproduce, "stage_data", no_work)
     with pytest.raises(SystemExit) as e:
-        cli.run_main(reproduce.main, ["--preset", "smoke", "--out-dir", str(out)], prog="reproduce.py")
+        checks.run_main(reproduce.main, ["--preset", "smoke", "--out-dir", str(out)], prog="reproduce.py")
     cap = capsys.readouterr()
     assert e.value.code == 2 and "ladder" not in cap.out
     assert re.fullmatch(rf"reproduce.py: error: out dir {out} (is a file|is not writable).*\n", cap.err)
@@ -178,8 +177,8 @@ def test_a_second_reproduce_on_one_out_dir_is_refused_naming_the_holder(tmp_path
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        import runfiles
-        with runfiles.run_lock({str(tmp_path)!r}, "reproduce.py"):
+        import checks
+        with checks.run_lock({str(tmp_path)!r}, "reproduce.py"):
             print("locked", flush=True)
             time.sleep(120)""")], stdout=subprocess.PIPE, text=True)
     try:
@@ -254,7 +253,7 @@ def test_an_eval_cache_lowered_by_one_is_recomputed(smoke, capsys):
     data = data_mod.TokenData(data_mod.default_data_dir("smoke"))
     summary = reproduce.stage_eval(plan, reproduce.read_ladder(smoke), data, smoke, 1)
     assert f"{cache}: content differs from its sha256" in capsys.readouterr().out
-    again = runfiles.read_json(cache)
+    again = checks.read_hashed_json(cache)
     assert again["val"]["loss"] == pytest.approx(rec["val"]["loss"], rel=1e-9)
     key = "@".join(cache.stem.rsplit("_b", 1))
     assert summary["runs"][key]["val_loss"] == again["val"]["loss"]

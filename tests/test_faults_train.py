@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import eval as ev
 from lab import evaluate
-import runfiles
+import checks
 import train as T
 import eval as validation
 from toys import tiny_model, tiny_train
@@ -81,7 +81,7 @@ def test_finite_blow_up_stops_with_no_results_row(tmp_path):
     assert "last good checkpoint" in str(e.value)
     assert not (tmp_path / "results.jsonl").exists() and not (tmp_path / "ckpt.pt").exists()
     for p in (tmp_path / "ckpt").glob("*.pt"):   # what is kept is finite and below the limit when it was written
-        assert not checkpoint._nonfinite(runfiles.load_file(p)["model"])
+        assert not checkpoint._nonfinite(checks.load_file(p)["model"])
 
 
 @pytest.mark.fault("numerical")
@@ -118,7 +118,7 @@ def test_row_is_written_before_its_checkpoint(tmp_path, monkeypatch):
     seen = []
     real = T.Trainer.save
     def save(self, branch, step):
-        rows = runfiles.read_jsonl(self.run_dir / "metrics.jsonl")
+        rows = checks.read_jsonl(self.run_dir / "metrics.jsonl")
         seen.append(any(r["step"] == step and r["branch"] == branch for r in rows))
         return real(self, branch, step)
     monkeypatch.setattr(T.Trainer, "save", save)
@@ -145,12 +145,12 @@ def test_damaged_metrics_rows_are_quarantined_not_lost(finished, tmp_path, damag
     again = T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(copy))   # resumes, no advice to follow
     assert [r["val_loss"] for r in again] == [r["val_loss"] for r in rows]
     out = capsys.readouterr().out
-    kept = runfiles.read_jsonl(path)
+    kept = checks.read_jsonl(path)
     assert (copy / "metrics.jsonl.damaged").exists() and "moved to metrics.jsonl.damaged" in out
     if damage == "flip":
         assert "line(s) [2]" in out and len(kept) == len(lines) - 2      # only the damaged row is set aside
     elif damage == "zeros_tail":
-        assert strip(kept) == strip(runfiles.read_jsonl(run / "metrics.jsonl"))
+        assert strip(kept) == strip(checks.read_jsonl(run / "metrics.jsonl"))
     else:
         assert (copy / "metrics.jsonl.damaged").read_bytes() == b"\x00" * len(raw) + b"\n"   # kept aside, not cut
 
@@ -158,9 +158,9 @@ def test_damaged_metrics_rows_are_quarantined_not_lost(finished, tmp_path, damag
 @pytest.mark.fault("corruption")
 def test_intact_last_row_without_newline_is_kept(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text(runfiles.jsonl_line({"a": 1}) + runfiles.jsonl_line({"a": 2}).rstrip("\n"))
+    path.write_text(checks.jsonl_line({"a": 1}) + checks.jsonl_line({"a": 2}).rstrip("\n"))
     assert checkpoint.quarantine_damaged_rows(path) == []
-    assert [r["a"] for r in runfiles.read_jsonl(path)] == [1, 2] and path.read_text().endswith("\n")
+    assert [r["a"] for r in checks.read_jsonl(path)] == [1, 2] and path.read_text().endswith("\n")
 
 
 # ---------------------------------------------------------------------------- values refused up front

@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-import cli
+import checks
 from lab import costs
 import reproduce
 
@@ -62,7 +62,7 @@ def test_choose_jobs_on_cuda_shares_the_cores_and_refuses_jobs_beyond_gpu_memory
         assert rt["jobs_from"].startswith("default_jobs") and "16 cores" in rt["jobs_from"]
         assert reproduce.choose_jobs(2, plan, ladder)[1]["threads_per_worker"] == 8
     with mock.patch.object(reproduce, "free_gpu_bytes", return_value=3 * per_run // 2):
-        with pytest.raises(cli.UserError, match="--jobs 3 on one GPU needs .* use --jobs 1"):
+        with pytest.raises(checks.UserError, match="--jobs 3 on one GPU needs .* use --jobs 1"):
             reproduce.choose_jobs(3, plan, ladder)
 
 

@@ -15,7 +15,7 @@ from lab import probe_pairs
 from lab import probe_claims
 from lab import probe_plots
 import probes
-import runfiles
+import checks
 from lab import stats
 from loop import LoopConfig
 from model import GPT, ModelConfig
@@ -637,7 +637,7 @@ def test_cli(tmp_path, monkeypatch):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"model": m.cfg.to_dict(), "data_dir": str(tmp_path / "data"),
                                                    "train": {"block_size": 32}}))
-        runfiles.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
+        checks.atomic_save({"model": m.state_dict()}, d / "ckpt.pt")
         runs[name] = str(d)
     fake = fake_data()
     fake.tokenizer()                                                  # built before data is swapped out
@@ -653,7 +653,7 @@ def test_cli(tmp_path, monkeypatch):
     assert dyck["skipped_k"] == [1, 2, 4, 8] and dyck["n_prompts"] == 0 and "error" in dyck
     assert {c["id"]: c["verdict"] for c in saved["claims"]}["dyck_demo_rises"] == "not resolved"
     assert all(os.path.exists(p) for p in report["figures"])
-    assert runfiles.read_json(out / "probes.json")["figures"] == [os.path.relpath(p, out) for p in report["figures"]]
+    assert checks.read_hashed_json(out / "probes.json")["figures"] == [os.path.relpath(p, out) for p in report["figures"]]
     moved = tmp_path / "moved"                                        # a copied out dir reads back from the copy
     shutil.copytree(out, moved)
     shutil.rmtree(out)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import cli
+import checks
 import configs
 import reproduce
-from lab import stats
+from lab import costs, stats
 
 
 @pytest.fixture(scope="module")
@@ -163,19 +163,18 @@ def test_disk_check_counts_what_earlier_invocations_wrote(tmp_path, monkeypatch)
     import shutil
     from collections import namedtuple
 
-    import checkpoint
     from toys import tiny_model
     cfg = tiny_model().to_dict()
     ladder = [{"scale": "m48", "sparsity_label": "S=0%", "baseline": cfg, "smelt": cfg}]
     est = {"runs": 2, "final": 800, "peak": 1000}
-    monkeypatch.setattr(checkpoint, "plan_disk_estimate", lambda cfgs, tc, jobs: est)
+    monkeypatch.setattr(costs, "plan_disk_estimate", lambda cfgs, tc, jobs: est)
     (tmp_path / "runs" / "a").mkdir(parents=True)
     (tmp_path / "runs" / "a" / "ckpt.pt").write_bytes(b"x" * 300)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 0, 750))
     assert reproduce.check_disk(configs.PLANS["smoke"], ladder, tmp_path, 1)["peak"] == 1000   # 700 more, 750 free
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 0, 650))
-    with pytest.raises(cli.UserError, match="not enough disk"):
+    with pytest.raises(checks.UserError, match="not enough disk"):
         reproduce.check_disk(configs.PLANS["smoke"], ladder, tmp_path, 1)
 
 
@@ -198,7 +197,7 @@ def test_damaged_json_during_the_pipeline_is_one_line(tmp_path, monkeypatch, cap
         raise JSONFileError(f"{out / 'ladder.json'}: content differs from its sha256 (edited or corrupt)")
     monkeypatch.setattr(reproduce, "_pipeline", damaged)
     with pytest.raises(SystemExit) as e:
-        cli.run_main(reproduce.main, ["--preset", "smoke", "--out-dir", str(tmp_path)], prog="reproduce.py")
+        checks.run_main(reproduce.main, ["--preset", "smoke", "--out-dir", str(tmp_path)], prog="reproduce.py")
     assert e.value.code == 2
     assert capsys.readouterr().err == f"reproduce.py: error: {tmp_path / 'ladder.json'}: content differs from its " \
                                       f"sha256 (edited or corrupt)\n"

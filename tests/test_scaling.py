@@ -696,11 +696,11 @@ def _write_results(path, with_bad_row=False):
     for r in rows:
         r["val_loss_by_domain"] = {"code": r["val_loss"] - 0.2, "web": r["val_loss"] + 0.1}
         del r["val_loss_by_source"]
-    import runfiles
+    import checks
     with open(path, "w") as f:
-        f.writelines(runfiles.jsonl_line(r) for r in rows)
+        f.writelines(checks.jsonl_line(r) for r in rows)
         if with_bad_row:
-            f.write(runfiles.jsonl_line({"arch": "smelt", "F": 1.0}))
+            f.write(checks.jsonl_line({"arch": "smelt", "F": 1.0}))
 
 
 def test_cli_writes_fits_tables_and_plots(tmp_path):

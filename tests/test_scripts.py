@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import budget
-import cli
+import checks
 from model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def test_grid_power_reads_the_preset_shape_and_the_fits_decide(tmp_path):
     boot = grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "boot"), "--noise", "0.002", "--seeds",
                             "1", "--boot", "12"])["rows"][0]
     assert (boot["reproduced"], boot["not_resolved"], boot["contradicted"]) == (1, 0, 0)   # seeded: decided
-    with pytest.raises(cli.UserError, match="below 1"):
+    with pytest.raises(checks.UserError, match="below 1"):
         grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "bad"), "--sparsities", "0.85", "95"])
 
 

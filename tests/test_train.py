@@ -18,7 +18,7 @@ import torch
 import budget
 import checkpoint
 import data as data_mod
-import runfiles
+import checks
 import train as T
 from toys import tiny_model, tiny_train
 from loop import LoopConfig
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_jsonl(path):
-    return runfiles.read_jsonl(path)   # each row checked against its sha256
+    return checks.read_jsonl(path)   # each row checked against its sha256
 
 
 def strip_timing(rows):
@@ -293,7 +293,7 @@ def test_a_run_directory_refuses_a_rebuilt_dataset(tmp_path):
     """config.json records the sha256 of the data's shards: resuming (or re-running) a run directory on data whose
     shards differ (a source skipped before is now present, say) is refused before any step, naming it."""
     import checkpoint
-    from runfiles import CheckpointError
+    from checks import CheckpointError
     run_dir = tmp_path / "r"
     T.Trainer(tiny_model(), tiny_train(stable_steps=2, branch_steps=[2], decay_steps=1), T.SyntheticData(64),
               run_dir).run()
@@ -339,10 +339,10 @@ def test_resume_after_crash_is_bit_for_bit(straight, tmp_path):
 def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
     _, run_dir, _ = straight
     src = run_dir / "endpoints" / "branch_0000003.pt"
-    with pytest.raises(runfiles.CheckpointError, match=r"model\.d_model: stored 32, this run 48") as e:
+    with pytest.raises(checks.CheckpointError, match=r"model\.d_model: stored 32, this run 48") as e:
         checkpoint.load_checkpoint(src, tiny_model(d_model=48), tiny_train())
     assert str(src) in str(e.value)
-    with pytest.raises(runfiles.CheckpointError, match=r"train\.lr: stored 0\.01, this run 0\.02"):
+    with pytest.raises(checks.CheckpointError, match=r"train\.lr: stored 0\.01, this run 0\.02"):
         checkpoint.load_checkpoint(src, tiny_model(), tiny_train(lr=0.02))
     # a run interrupted after branch 3, its one checkpoint (the fork branch 6 needs) then truncated:
     # resuming names that file
@@ -351,10 +351,10 @@ def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
         T.train(tiny_model(), tiny_train(), CrashingData(3, 64), str(run))
     bad = run / "ckpt" / "stable_0000003.pt"
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
-    with pytest.raises(runfiles.CheckpointError, match="truncated or corrupt") as e:
+    with pytest.raises(checks.CheckpointError, match="truncated or corrupt") as e:
         T.train(tiny_model(), tiny_train(), T.SyntheticData(64), str(run))
     assert str(bad) in str(e.value)
-    with pytest.raises(runfiles.CheckpointError, match=r"config\.json.*model\.n_layer: stored 4, this run 3"):
+    with pytest.raises(checks.CheckpointError, match=r"config\.json.*model\.n_layer: stored 4, this run 3"):
         T.train(tiny_model(n_layer=3, loop=LoopConfig(start=1, length=1, n_loops=2)), tiny_train(),
                 T.SyntheticData(64), str(run))
 
@@ -385,14 +385,14 @@ def test_every_trajectory_field_is_checked_on_resume(straight, field):
     _, run_dir, _ = straight
     src = run_dir / "endpoints" / "branch_0000003.pt"
     stored = getattr(tiny_train(), field)
-    with pytest.raises(runfiles.CheckpointError, match=rf"train\.{field}: stored {stored!r}, this run"):
+    with pytest.raises(checks.CheckpointError, match=rf"train\.{field}: stored {stored!r}, this run"):
         checkpoint.load_checkpoint(src, tiny_model(), tiny_train(**{field: OTHER_TRAJECTORY[field]},
                                                                  **({"branch_steps": [3, 8]} if field == "stable_steps" else {})))
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
     path = tmp_path / "c.pt"
-    runfiles.atomic_save({"x": torch.ones(3)}, path)
+    checks.atomic_save({"x": torch.ones(3)}, path)
 
     def dying_save(obj, f):
         f.write(b"PK\x03\x04 half a checkpoint")
@@ -400,7 +400,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(OSError, match="disk full"):
-        runfiles.atomic_save({"x": torch.zeros(3)}, path)
+        checks.atomic_save({"x": torch.zeros(3)}, path)
     monkeypatch.undo()
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(3))
     assert os.listdir(tmp_path) == ["c.pt"]
@@ -521,7 +521,7 @@ def test_torchrun_two_ranks_match_one_process(runs, mode):
     assert not (out / "ckpt").exists()                              # no resume checkpoint survives the run
     if mode == "fsdp":   # a 2-rank FSDP resume checkpoint (gathered full state) resumes in one process
         path = d / "fsdp-crashed" / "ckpt" / "stable_0000002.pt"
-        tc = T.TrainConfig.from_dict({**json.loads(runfiles.load_file(path)["meta"])["train"], "fsdp": False})
+        tc = T.TrainConfig.from_dict({**json.loads(checks.load_file(path)["meta"])["train"], "fsdp": False})
         trainer = T.Trainer(tiny_model(aux_loss_coef=0.0), tc, T.SyntheticData(64), d / f"{mode}-resume")
         assert trainer.load(path) == 2
         assert trainer.opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
