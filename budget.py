@@ -527,7 +527,7 @@ def preset_doc_length(preset: str, data=None) -> float:
         path = data_mod.default_data_dir(p["data"])
         if not os.path.exists(os.path.join(path, "manifest.json")):
             raise FileNotFoundError(f"preset {preset!r}: the ladder is matched at the document length of its data, "
-                                    f"and {path} is not prepared: run `python data.py --preset {p['data']}` "
+                                    f"and {path} is not prepared: run `python -m lab.corpus --preset {p['data']}` "
                                     f"(or pass ctx_len / --ctx-len explicitly)")
         data = data_mod.TokenData(path)
     return data_mod.measured_doc_length(data, p["block"])

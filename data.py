@@ -170,13 +170,13 @@ def read_manifest(data_dir: str | Path) -> dict:
     field by field; JSONFileError naming the file and what to do."""
     path = Path(data_dir) / "manifest.json"
     if not path.exists():
-        raise FileNotFoundError(f"no manifest.json in {path.parent}: prepare it with `python data.py --preset ... "
+        raise FileNotFoundError(f"no manifest.json in {path.parent}: prepare it with `python -m lab.corpus --preset ... "
                                 f"--out-dir {path.parent}`")
     try:
         m = read_hashed_json(path, MANIFEST_KEYS)
         _check_manifest(m)
     except JSONFileError as e:
-        raise JSONFileError(f"{e}; rebuild the dataset with `python data.py --force ...`") from None
+        raise JSONFileError(f"{e}; rebuild the dataset with `python -m lab.corpus --force ...`") from None
     return m
 
 
@@ -212,7 +212,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
         p = d / rel
         if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
             raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from manifest.json); "
-                                   f"re-run prepare with force=True (`python data.py --force ...`)")
+                                   f"re-run prepare with force=True (`python -m lab.corpus --force ...`)")
     return manifest
 
 

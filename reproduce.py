@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="tiny", choices=list(configs.PLANS), help="size of the reproduction")
     checks.add_out_dir(ap, "output directory (default: runs/reproduce_PRESET, runs/reproduce_PRESET_rR with --loops R)")
     ap.add_argument("--data-dir", default=None, metavar="DIR",
-                    help="read the data from a pack made by `python data.py --preset PRESET --pack DIR` "
+                    help="read the data from a pack made by `python -m lab.corpus --preset PRESET --pack DIR` "
                          "(for a machine without network: nothing is downloaded; default: prepare the preset's)")
     ap.add_argument("--jobs", type=checks.positive_int, default=None,
                     help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; on CUDA "
@@ -467,7 +467,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.plan_only and (args.skip or args.jobs):
         ap.error(f"--plan-only trains nothing: {'--skip' if args.skip else '--jobs'} has no effect with it")
     if args.data_dir and not Path(args.data_dir).is_dir():
-        ap.error(f"--data-dir {args.data_dir}: no such directory (make a pack with `python data.py --pack DIR`)")
+        ap.error(f"--data-dir {args.data_dir}: no such directory (make a pack with `python -m lab.corpus --pack DIR`)")
     if args.jobs and args.jobs > (os.cpu_count() or 1):
         log(f"warning: --jobs {args.jobs} is more than the {os.cpu_count()} CPU cores: the runs will share cores")
     return args

@@ -572,18 +572,18 @@ def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
     d = Path(pack_dir).resolve()
     if not (d / "PACK.json").exists():
         raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
-                                f"`python data.py --preset {preset or 'PRESET'} --pack {pack_dir}`")
+                                f"`python -m lab.corpus --preset {preset or 'PRESET'} --pack {pack_dir}`")
     try:
         info = checks.read_hashed_json(d / "PACK.json", ("format_version", "preset", "dataset", "files"))
     except JSONFileError as e:
-        raise JSONFileError(f"{e}; build the pack again with `python data.py --preset {preset or 'PRESET'} "
+        raise JSONFileError(f"{e}; build the pack again with `python -m lab.corpus --preset {preset or 'PRESET'} "
                             f"--pack DIR`") from None
     if preset is not None and info["preset"] != preset:
         raise BadFileError(f"data pack {d} holds preset {info['preset']!r}, this run needs {preset!r}: "
-                           f"build it with `python data.py --preset {preset} --pack DIR`")
+                           f"build it with `python -m lab.corpus --preset {preset} --pack DIR`")
     if info["format_version"] != FORMAT_VERSION:
         raise BadFileError(f"data pack {d} has format version {info['format_version']}, this code reads "
-                           f"{FORMAT_VERSION}: rebuild it with `python data.py --preset {info['preset']} --pack DIR`")
+                           f"{FORMAT_VERSION}: rebuild it with `python -m lab.corpus --preset {info['preset']} --pack DIR`")
     files = info["files"]
     if not (isinstance(files, dict) and all(isinstance(m, dict) and isinstance(m.get("bytes"), int) and
                                             isinstance(m.get("sha256"), str) for m in files.values())):

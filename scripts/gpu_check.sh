@@ -6,7 +6,7 @@
 #   OUT=some/dir bash scripts/gpu_check.sh      # the device tool provides $OUT
 #
 # Two cold processes (each compiles from cold; why the limits: docs/gpu.md):
-#   1. bench   one `python bench.py flex steps train decode --budget-s S`: each benchmark under a limit
+#   1. bench   one `python -m lab.bench flex steps train decode --budget-s S`: each benchmark under a limit
 #              computed from what is left (bench.LIMITS), partial figures merged into the JSON as they come:
 #      flex    flex attention vs SDPA on the document mask, forward AND backward, bf16 and fp32, and
 #              their times; the first (compiling) call timed apart

@@ -9,7 +9,7 @@ each operator's share of the step (--out-dir: also DIR/profile.json).
   python scripts/profile_step.py --scale t64 --sparsity-label "S=0%" --arch baseline --top 30
   python scripts/profile_step.py --dtype bf16                     # under bf16 autocast (train.py --dtype bf16)
 
-Needs the preset's data (`python data.py --preset P`). Read with bench.py's `cells` (the same step timed
+Needs the preset's data (`python -m lab.corpus --preset P`). Read with bench.py's `cells` (the same step timed
 side by side for every tiny cell); what the profile showed: README, "CPU speed".
 """
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_embedded_merges_match_gpt2_when_cached():
     """The 255 merges written in tokenizer.py equal GPT-2's own, and truncation keeps GPT-2 ids."""
     tk = data.cache_root() / "tiktoken"
     if not tk.exists() or len(list(tk.iterdir())) < 2:
-        pytest.skip("GPT-2 BPE files not cached (run `python data.py --preset tiny` once)")
+        pytest.skip("GPT-2 BPE files not cached (run `python -m lab.corpus --preset tiny` once)")
     full = data.get_tokenizer(None)
     assert full.n_vocab == 50257
     small, mid = data.get_tokenizer(512), data.get_tokenizer(4096)
