@@ -16,7 +16,7 @@
   partial last row. One writer per run directory (`run_lock`, else RunLockedError);
   `check_out_dir` checks an output folder before work starts.
 
-Why each rule, and the fuzz that found the gaps: docs/checks.md, docs/cli.md, docs/runfiles.md.
+Why each rule, and the fuzz that found the gaps: docs/checks.md.
 Read next: loop.py, model.py.
 """
 from __future__ import annotations
@@ -386,7 +386,7 @@ class RunLockedError(UserError, RuntimeError):
 # ----------------------------------------------------------------------------------------
 # Hashed torch files and atomic writes
 
-# torch.save's bytes + this trailer + their sha256 in hex (torch.load ignores it; why: docs/runfiles.md)
+# torch.save's bytes + this trailer + their sha256 in hex (torch.load ignores it; why: docs/checks.md)
 HASH_TRAILER = b"\nlooped-moe-sha256:"
 _TRAILER_LEN = len(HASH_TRAILER) + 64 + 1
 _TMP = re.compile(r".+\.tmp(\d+)")

@@ -17,7 +17,7 @@ held-out source, grouped into domains. lab/corpus.py builds the dataset (`prepar
   and every shard's sha256; `verify` names an edited manifest or a corrupt shard.
 - Measures: the effective document length SMELT's FLOPs use, the unigram floor.
 - `SyntheticData`: Zipf documents with TokenData's interface and no files (tests, benchmarks).
-Sizes, timings and measured figures: docs/data.md, docs/tokenizer.md.
+Sizes, timings and measured figures: docs/data.md.
 
 Read next: model.py (the decoder these batches feed); lab/corpus.py (how the dataset is built).
 """
@@ -218,7 +218,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
 
 # ----------------------------------------------------------------------------- reading batches
 class TokenData:
-    """A prepared dataset (hashes checked on open): deterministic training batches, per-source validation."""
+    """A prepared dataset (hashes checked on open): deterministic training batches, per-source eval."""
 
     def __init__(self, data_dir: str | Path, verify_hashes: bool = True):
         self.dir = Path(data_dir)

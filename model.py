@@ -526,7 +526,7 @@ def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="induct
     return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)
 
 
-# ---- CPU decoding: a few rows times a large matrix run as W @ x^T (docs/cpu_fast.md) ----
+# ---- CPU decoding: a few rows times a large matrix run as W @ x^T (docs/model.md) ----
 # Products with at most this many rows (batch-1 decoding; PLT's r stacked loops) run as
 # W @ x^T under `few_row_projections`. 0 turns the rule off (bench.py times both).
 SKINNY_ROWS = 16

@@ -8,7 +8,7 @@ SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stabl
              the learning rate to `min_lr_frac * lr` over `decay_steps` more steps (the same extra
              tokens for every branch). Decay step j of every branch reads training batch
              `stable_steps + j`: "fresh data not seen during the stable phase", the same for all branches.
-  results    each endpoint's validation report (validation.py: overall, source, domain, length) is appended to
+  results    each endpoint's validation report (eval.py: overall, source, domain, length) is appended to
              RUN_DIR/results.jsonl with D (tokens seen), F (budget.flops_per_token, no output head, at
              the measured document length), C = F*D, S (SMELT Eq. 1) and N: the points scaling.py fits
              L(F, S, D) to. "endpoint" names the branch's weights, endpoints/branch_XXXXXXX.pt.

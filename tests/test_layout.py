@@ -62,3 +62,21 @@ def test_every_root_module_is_named_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     missing = [p.name for p in MODULES if p.parent == ROOT and p.name != "conftest.py" and f"`{p.name}`" not in readme]
     assert not missing, f"modules the README never names: {missing}"
+
+
+def test_the_root_shows_the_concepts():
+    """At most 14 modules at the root (conftest.py aside); the machinery sits in lab/, flat (no sub-packages)."""
+    root = [p.name for p in ROOT.glob("*.py") if p.name != "conftest.py"]
+    assert len(root) <= 14, f"{len(root)} modules at the root: {sorted(root)}"
+    nested = [str(p.relative_to(ROOT)) for p in (ROOT / "lab").rglob("*.py") if p.parent != ROOT / "lab"]
+    assert not nested, f"lab/ is flat: {nested}"
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if p.parent == ROOT and p.name != "reproduce.py"], ids=lambda p: p.name)
+def test_root_modules_do_not_import_lab_at_module_level(path):
+    """Concepts never import the machinery at import time (a main() may); reproduce.py, the pipeline that
+    composes them with lab/, is the one root module exempt."""
+    found = [node.lineno for node in ast.parse(path.read_text()).body
+             if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "lab" for a in node.names))
+             or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lab")]
+    assert not found, f"{path.name} imports lab at module level, lines {found}"
