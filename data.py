@@ -218,7 +218,7 @@ def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
 
 # ----------------------------------------------------------------------------- reading batches
 class TokenData:
-    """A prepared dataset (hashes checked on open): deterministic training batches, per-source eval."""
+    """A prepared dataset (hashes checked on open): deterministic training batches, per-source validation."""
 
     def __init__(self, data_dir: str | Path, verify_hashes: bool = True):
         self.dir = Path(data_dir)
