@@ -39,7 +39,7 @@ import numpy as np
 import checks
 import configs
 import loop as looping
-from loop import LoopConfig, middle_span
+from loop import SMELT, LoopConfig, LoopSpec, add_loop_args, loop_spec
 from model import ModelConfig
 
 CONVENTIONS = ("smelt", "howtoloop")
@@ -541,12 +541,6 @@ def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
             for scale, d, L, nh, nkv, hd, ff in p["scales"] for label, E in p["pools"]]
 
 
-def smelt_loop(n_layer: int, n_loops: int = 2, span_fraction: float = 0.5) -> LoopConfig:
-    """SMELT's loop: the middle span (loop.middle_span's fraction of the stack: half), n_loops passes (2)."""
-    start, length = middle_span(n_layer, span_fraction)
-    return LoopConfig(start=start, length=length, n_loops=n_loops)
-
-
 def _row(scale, label, arch, cfg, ctx, control) -> dict:
     c, lc = count_params(cfg), cfg.loop
     return dict(scale=scale, sparsity=label, arch=arch, d_model=cfg.d_model, n_layer=cfg.n_layer,
@@ -558,22 +552,22 @@ def _row(scale, label, arch, cfg, ctx, control) -> dict:
                 kv_bytes=kv_bytes_per_token(cfg, 2, ctx))
 
 
-def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, n_loops: int = 2,
-                 span_fraction: float = 0.5, n_shared_experts: int = 0, **search) -> list[dict]:
+def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, spec: LoopSpec = SMELT,
+                 **search) -> list[dict]:
     """Every cell of a preset's grid: {"scale", "sparsity_label", "ctx_len", "baseline", "smelt" (ModelConfig
     dicts), "match" (budget.match's report, "source": "matched" | "published")}, SMELT matched to its Baseline
     at document length ctx_len, or the preset's published geometry (LADDERS "smelt", for r 2 and no shared).
 
     The one ladder builder: `ladder` (budget.py --ladder) and the main job (reproduce.py) both call it.
-    vocab_size: the data's (the head is not in F: the match does not depend on it). SMELT loops
-    smelt_loop(n_layer, n_loops, span_fraction); every Baseline (so its SMELT) gets n_shared_experts.
+    vocab_size: the data's (the head is not in F: the match does not depend on it). The looped model loops
+    spec.at(n_layer) (default SMELT's); every Baseline (so its looped model) gets spec.n_shared_experts.
     """
     cells = []
     for scale, label, base in preset_baselines(preset):
-        base = replace(base, vocab_size=vocab_size or base.vocab_size, n_shared_experts=n_shared_experts)
-        loop = smelt_loop(base.n_layer, n_loops, span_fraction)
+        base = replace(base, vocab_size=vocab_size or base.vocab_size, n_shared_experts=spec.n_shared_experts)
+        loop = spec.at(base.n_layer)
         fixed = configs.LADDERS[preset].get("smelt", {}).get((scale, label))
-        published = fixed is not None and loop == smelt_loop(base.n_layer) and not n_shared_experts  # r 2, no shared
+        published = fixed is not None and loop == SMELT.at(base.n_layer) and not spec.n_shared_experts
         opts = {**preset_search(preset), **search}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
@@ -585,19 +579,16 @@ def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, n_l
     return cells
 
 
-def ladder(preset: str, ctx_len: float | None = None, n_loops: int = 2, span_fraction: float = 0.5,
-           n_shared_experts: int = 0, **search) -> list[dict]:
+def ladder(preset: str, ctx_len: float | None = None, spec: LoopSpec = SMELT, **search) -> list[dict]:
     """Baseline and matched SMELT table rows for every cell of a preset's grid (scales x sparsities). ctx_len:
     document length for FLOPs (default: `preset_doc_length(preset)`, the measured document
     length of the preset's prepared data; the paper's configs.PAPER_DOC_LEN for the paper grid). FLOPs leave
-    the output head out (SMELT's convention); rows also give the head-inclusive count. n_loops,
-    span_fraction, n_shared_experts: as ladder_cells.
+    the output head out (SMELT's convention); rows also give the head-inclusive count. spec: as ladder_cells.
     """
     _ladder(preset)
     ctx = preset_doc_length(preset) if ctx_len is None else ctx_len
     rows = []
-    cells = ladder_cells(preset, ctx, n_loops=n_loops, span_fraction=span_fraction,
-                         n_shared_experts=n_shared_experts, **search)
+    cells = ladder_cells(preset, ctx, spec=spec, **search)
     for i, cell in enumerate(cells):
         base, cfg, rep = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"]), cell["match"]
         scale, label, control = cell["scale"], cell["sparsity_label"], dense_control(base)
@@ -636,12 +627,6 @@ def format_ladder(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _fraction(text: str) -> float:
-    if (x := checks.positive_float(text)) > 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
-    return x
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = checks.parser("Budget accounting and SMELT budget matching (see the module docstring).")
     ap.add_argument("--ladder", choices=list(configs.LADDERS), help="print the matched Baseline/SMELT grid of a preset")
@@ -649,13 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx-len", type=checks.positive_float, default=None, help="document length for attention FLOPs "
                     "(default: measured on the preset's prepared data, the paper's 833 for --ladder paper; "
                     "with --config, the config's block_size)")
-    ap.add_argument("--loops", type=checks.positive_int, default=2, help="SMELT's passes over its looped span (r)")
-    ap.add_argument("--span-fraction", type=_fraction, default=0.5, help="SMELT's looped share of the stack, "
-                    "placed in the middle (loop.middle_span)")
-    ap.add_argument("--shared-experts", type=checks.nonneg_int, default=0, help="shared experts per MoE layer, "
-                    "Baseline and SMELT alike")
-    checks.add_out_dir(ap, "also write the ladder rows to DIR/ladder_PRESET.json (default: print only)", old=())
-    checks.deprecated_alias(ap, "--json", "json", "--out-dir DIR (writes DIR/ladder_PRESET.json)")
+    add_loop_args(ap)   # how the looped model loops (default SMELT's: loop.LoopSpec)
+    checks.add_out_dir(ap, "also write the ladder rows to DIR/ladder_PRESET.json (default: print only)")
     return ap
 
 
@@ -672,8 +652,7 @@ def main(argv: list[str] | None = None) -> None:
                           "kv_bytes_per_token_bf16": kv_bytes_per_token(cfg, 2, ctx)}, indent=2))
     if args.ladder:
         t0 = time.perf_counter()
-        rows = ladder(args.ladder, args.ctx_len, n_loops=args.loops, span_fraction=args.span_fraction,
-                      n_shared_experts=args.shared_experts)
+        rows = ladder(args.ladder, args.ctx_len, spec=loop_spec(args))
         src = "given" if args.ctx_len else ("the paper's" if configs.LADDERS[args.ladder]["data"] is None
                                             else f"measured on the {configs.LADDERS[args.ladder]['data']} data")
         print(f"preset {args.ladder}: FLOPs per token without the output head at document length "
@@ -682,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
         n, ok = sum(r["arch"] == "SMELT" for r in rows), sum(r.get("within_tolerance", False) for r in rows)
         print(f"\n{ok}/{n} cells within tolerance (F +0..4 %, N 1 %, KV 4 %); "
               f"{time.perf_counter() - t0:.1f} s total. Ratios are SMELT / Baseline.")
-        path = os.path.join(args.out_dir, f"ladder_{args.ladder}.json") if args.out_dir else args.json
+        path = os.path.join(args.out_dir, f"ladder_{args.ladder}.json") if args.out_dir else None
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             with open(path, "w") as f:

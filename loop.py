@@ -1,12 +1,13 @@
 """Which layers run when: loop schedules, the 1/r residual scale, per-loop adapters, PLT inputs.
 
-A looped transformer runs some stored layers more than once per token. This file decides how a
-stack of physical layers is executed; model.py calls the layers in the order given here.
+A looped transformer runs some stored layers more than once per token; model.py runs them in this order.
 
   * `LoopConfig`: the span [start, start + length) that repeats, the number of passes r, the
     schedule, which sub-layer repeats, adapters and PLT options. `middle_span` is SMELT's
     placement (Appendix A: m = L * fraction layers, floor((L - m) / 2) before them);
     `middle_third` is How-to-Loop's Middle looping (M = B - 2 floor(B/3)).
+  * `LoopSpec`: how an experiment loops every model, whatever its depth (r, span fraction, placement,
+    part, adapters, shared experts): one object from the plan to ladder, runs and scripts; `SMELT.at(L)`.
   * `schedule` / `plan`: the execution order. "block" runs prelude, span x r, coda (SMELT;
     full-stack looping when the span is the whole stack); "per_layer" runs each span layer r
     times in a row (How-to-Loop's Per-Layer looping): the same evaluations in another order.
@@ -26,13 +27,13 @@ Read after model.py (it runs this plan); design choices (adapters on MoE blocks,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import check_fields
+from checks import check_fields, nonneg_int, positive_int, unit_fraction
 
 SCHEDULES = ("block", "per_layer")
 PARTS = ("both", "attn", "mlp")
@@ -124,6 +125,76 @@ def middle_third(n_layer: int) -> tuple[int, int]:
     """How-to-Loop's Middle looping: keep floor(B/3) unique blocks on each side, loop M = B - 2 floor(B/3)."""
     k = n_layer // 3
     return k, n_layer - 2 * k
+
+
+PLACEMENTS = ("middle", "first", "last")
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """How an experiment loops every looped model, whatever its depth: one object from the plan through the
+    ladder, the runs, the report and the scripts. `at(n_layer)` is the LoopConfig of one stack."""
+    n_loops: int = 2            # r: passes over the span
+    span_fraction: float = 0.5  # looped share of the stack (middle_span's rounding)
+    placement: str = "middle"   # "middle" (SMELT, Appendix A) | "first" | "last"
+    part: str = "both"          # which sub-layer repeats (LoopConfig.part)
+    adapter: str = "none"       # per-loop adapters (LoopConfig.adapter)
+    n_shared_experts: int = 0   # always-active experts beside the routed ones, Baseline and looped model alike
+
+    def __post_init__(self):
+        def number(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        for ok, rule in ((number(self.n_loops) and int(self.n_loops) == self.n_loops
+                          and 1 <= self.n_loops <= MAX_LOOPS, f"n_loops must be an int in [1, {MAX_LOOPS}]"),
+                         (number(self.span_fraction) and 0 < self.span_fraction <= 1,
+                          "span_fraction must lie in (0, 1]"),
+                         (self.placement in PLACEMENTS, f"placement must be one of {PLACEMENTS}"),
+                         (self.part in PARTS, f"part must be one of {PARTS}"),
+                         (self.adapter in ADAPTERS, f"adapter must be one of {ADAPTERS}"),
+                         (number(self.n_shared_experts) and int(self.n_shared_experts) == self.n_shared_experts
+                          and self.n_shared_experts >= 0, "n_shared_experts must be an int >= 0")):
+            if not ok:
+                raise ValueError(f"LoopSpec: {rule}, got {self}")
+
+    def span(self, n_layer: int) -> tuple[int, int]:
+        """(start, length) of the looped span in a stack of n_layer layers."""
+        start, m = middle_span(n_layer, self.span_fraction)
+        return {"middle": start, "first": 0, "last": n_layer - m}[self.placement], m
+
+    def at(self, n_layer: int) -> LoopConfig:
+        start, length = self.span(n_layer)
+        return LoopConfig(start=start, length=length, n_loops=int(self.n_loops), part=self.part, adapter=self.adapter)
+
+    def tag(self) -> str:
+        """A directory-name suffix of the fields that differ from SMELT's: "" for SMELT, "_r3_last" ..."""
+        short = {"n_loops": "r", "span_fraction": "span", "placement": "", "part": "", "adapter": "",
+                 "n_shared_experts": "shared"}
+        return "".join(f"_{short[k]}{getattr(self, k)}" for k in short if getattr(self, k) != getattr(SMELT, k))
+
+
+SMELT = LoopSpec()   # SMELT's loop: the middle half of the stack, twice (Sec. 3.1, Appendix A)
+
+
+def add_loop_args(ap, without: tuple = ()) -> None:
+    """A LoopSpec's fields as command-line options, but the fields `without` (those a script sweeps itself);
+    each defaults to None: `loop_spec` keeps the caller's spec where an option is not given."""
+    options = [("n_loops", "--loops", dict(type=positive_int, metavar="R", help="r: passes over the span")),
+               ("span_fraction", "--span-fraction", dict(type=unit_fraction, help="looped share of the stack")),
+               ("placement", "--placement", dict(choices=PLACEMENTS, help="where the span sits")),
+               ("part", "--part", dict(choices=PARTS, help="which sub-layer repeats")),
+               ("adapter", "--adapter", dict(choices=ADAPTERS, help="per-loop adapters")),
+               ("n_shared_experts", "--shared-experts", dict(type=nonneg_int, metavar="N", help="always-active "
+                                                             "experts per MoE layer, Baseline and looped model alike"))]
+    for name, flag, kw in options:
+        if name not in without:
+            kw["help"] += f" (default: SMELT's {getattr(SMELT, name)})"
+            ap.add_argument(flag, dest=name, default=None, **kw)
+
+
+def loop_spec(args, base: LoopSpec = SMELT) -> LoopSpec:
+    """`base` with the add_loop_args options that were given."""
+    return replace(base, **{f.name: getattr(args, f.name) for f in fields(LoopSpec)
+                            if getattr(args, f.name, None) is not None})
 
 
 @dataclass(frozen=True)

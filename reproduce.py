@@ -1,24 +1,17 @@
 """The main job: the reduced-scale SMELT reproduction, end to end, with a report.
 
-  python reproduce.py [--preset smoke|tiny|small|medium|paper] [--out-dir DIR] [--loops R]
+  python reproduce.py [--preset smoke|tiny|small|medium|paper] [--out-dir DIR] [--loops R] [--placement last] ...
 
 Stages (each reads the JSON the previous one wrote; finished work is skipped on re-run):
-  1. data      corpus.prepare(preset) (or a pack, --data-dir): the offline multi-domain corpus.
-  2. ladder    budget.ladder_cells at the data's measured document length: each SMELT matched to
-               its Baseline on FLOPs without the head, parameters and KV cache (SMELT 3.2), with the
-               plan's r, span and shared experts. ladder.json; the plan's cost is printed first.
-  3. train     train.train for every run of configs.plan_runs: WSD with decay branches (SMELT 3.1);
-               both models of a cell and seed see identical batches. One row per branch.
-  4. eval      evaluate.evaluate_endpoint on every branch endpoint, then downstream_claims.downstream_report (SMELT 5,
-               Appendix C, Eq. 6-7).
-  5. scaling   scaling_analysis.analyse: separate surfaces per architecture, CE gain and TPP (SMELT 4, 5.2).
-  6. probes    probe_pairs.probe_pairs on every matched pair, all domains held out (SMELT 6).
-  7. report    report.write_report: REPORT.md, every claim reproduced / contradicted / not resolved
-               by its interval; train_plots.plot_curves: the learning curves.
-This file holds the stages, the worker pool that runs them `--jobs` at a time, the plan's cost and
-disk check, and main. What each preset trains: configs.PLANS (configs.py); how long each takes: the
-README's Presets table; why the scheduling and run-folder rules: docs/reproduce.md.
-Read first: configs.py, budget.py, train.py; then report.py.
+  1. data      the offline multi-domain corpus (lab/corpus.py, or a pack: --data-dir).
+  2. ladder    budget.ladder_cells: each SMELT matched to its Baseline (SMELT 3.2) with the plan's loop.LoopSpec.
+  3. train     train.train for every run of configs.plan_runs: WSD with decay branches (SMELT 3.1).
+  4. eval      lab/evaluate.py on every branch endpoint, then lab/downstream_claims.py (SMELT 5, App. C, Eq. 6-7).
+  5. scaling   lab/scaling_analysis.py: surfaces per architecture, CE gain and TPP (SMELT 4, 5.2).
+  6. probes    lab/probe_pairs.py on every matched pair (SMELT 6).
+  7. report    lab/report.py: REPORT.md, each claim reproduced / contradicted / not resolved; the curves.
+Also here: the worker pool (`--jobs`), the plan's cost and disk check. The presets: configs.PLANS;
+why the scheduling and run-folder rules: docs/reproduce.md. Read first: configs.py, budget.py, train.py.
 """
 from __future__ import annotations
 
@@ -26,18 +19,22 @@ import argparse
 import json
 import os
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 import budget
+import checkpoint
 import checks
 import configs
+import data as data_mod
+import eval as ev
 import train
 from lab import costs
 from lab import report as reporting
 from lab import train_plots
+from loop import add_loop_args, executed_visits, loop_spec
 from model import ModelConfig
 
 
@@ -64,12 +61,11 @@ def fmt_time(seconds: float) -> str:
 # Stages
 
 def stage_data(plan: configs.Plan, data_dir: str | None = None):
-    import data
     from lab import corpus
     if data_dir is None:
         corpus.prepare(plan.data)
-        data_dir = data.default_data_dir(plan.data)
-    d = data.TokenData(data_dir)
+        data_dir = data_mod.default_data_dir(plan.data)
+    d = data_mod.TokenData(data_dir)
     log(f"data: {plan.data} preset ({d.dir}), vocab {d.vocab_size}, {len(d.sources)} sources, "
         f"domains {sorted(set(d.domains.values()))}")
     return d, d.manifest
@@ -86,16 +82,14 @@ def plan_cells(plan: configs.Plan, cells: list[dict]) -> list[dict]:
 
 
 def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
-    """Baseline and matched SMELT configs per cell (budget.ladder_cells, the function `python budget.py
-    --ladder` prints), at the data's vocabulary and measured document length. Writes ladder.json."""
+    """budget.ladder_cells (`python budget.py --ladder`) at the data's vocabulary and document length: ladder.json."""
     block = configs.LADDERS[plan.ladder]["block"]
     if plan.block_size != block:
         raise ValueError(f"Plan: block_size={plan.block_size} differs from configs.LADDERS[{plan.ladder!r}]'s "
                          f"{block}: the ladder is matched at that context")
     ctx = budget.preset_doc_length(plan.ladder, data)
-    cells = plan_cells(plan, budget.ladder_cells(plan.ladder, ctx, vocab_size=data.vocab_size, **loop_knobs(plan)))
-    log(f"ladder: {plan.ladder}, FLOPs without the head at the measured document length {ctx:.1f} "
-        f"(block {block})")
+    cells = plan_cells(plan, budget.ladder_cells(plan.ladder, ctx, vocab_size=data.vocab_size, spec=plan.loop))
+    log(f"ladder: {plan.ladder}, FLOPs without the head at the measured document length {ctx:.1f} (block {block})")
     for c in cells:
         m = c["match"]
         log(f"ladder {c['scale']} {c['sparsity_label']}: SMELT d_model {c['smelt']['d_model']}, "
@@ -105,26 +99,13 @@ def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
     return cells
 
 
-LOOP_KNOBS = ("n_loops", "span_fraction", "n_shared_experts")
-
-
-def loop_knobs(plan: configs.Plan) -> dict:
-    """The plan's loop knobs (r, span fraction, shared experts) that differ from SMELT's, as keyword
-    arguments of budget.ladder_cells: the default plan passes none and builds the SMELT ladder."""
-    default = {f.name: f.default for f in fields(configs.Plan)}
-    return {k: getattr(plan, k) for k in LOOP_KNOBS if getattr(plan, k) != default[k]}
-
-
-# a worker's GPU memory beyond its training step's floor: CUDA context, kernels, allocator slack (estimate)
-CUDA_WORKER_OVERHEAD_BYTES = 2 << 30
+CUDA_WORKER_OVERHEAD_BYTES = 2 << 30   # a worker's GPU memory beyond its step's floor (CUDA context, slack)
 CUDA_MAX_JOBS = 4        # runs sharing one GPU by default: their compiles overlap, their kernels take turns
 
 
 def default_jobs(device: str, cpus: int, gpu_free: int | None = None, gpu_per_run: int | None = None) -> int:
-    """Runs trained at once by default. CPU: min(2, cpus), one thread each. CUDA: the runs share the device
-    (compiling is host-CPU work that overlaps; narrow models leave the GPU idle between small kernels):
-    min(CUDA_MAX_JOBS, cpus // 4), so each worker keeps 4+ cores for inductor, at most the runs that fit
-    gpu_free at gpu_per_run bytes each (when both are known), and at least 1."""
+    """Runs trained at once by default. CPU: min(2, cpus), one thread each. CUDA: min(CUDA_MAX_JOBS, cpus // 4)
+    (4+ cores each for inductor), at most the runs that fit gpu_free at gpu_per_run bytes each, at least 1."""
     if device not in ("cpu", "cuda") or cpus < 1:
         raise ValueError(f"default_jobs: device must be 'cpu' or 'cuda' and cpus >= 1, got {device!r}, {cpus}")
     if device == "cpu":
@@ -136,22 +117,16 @@ def default_jobs(device: str, cpus: int, gpu_free: int | None = None, gpu_per_ru
 
 
 def gpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
-    """The GPU memory one worker needs at least: the largest run's training-step floor
-    (checkpoint.memory_floor: its batch and one micro-batch's fp32 logits with their gradient) plus
-    CUDA_WORKER_OVERHEAD_BYTES. A lower bound, used to cap the jobs sharing one GPU."""
-    import checkpoint
+    """A lower bound on one worker's GPU memory: the largest run's checkpoint.memory_floor + the overhead."""
     tc = train.train_config(plan)
     return CUDA_WORKER_OVERHEAD_BYTES + max(checkpoint.memory_floor(ModelConfig.from_dict(r.cell[r.arch]), tc)
                                             for r in configs.plan_runs(Path("."), ladder, plan))
 
 
 def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str, threads: int = 1) -> list:
-    """[fn(j) for j in jobs_list], `jobs` at a time in spawned worker processes (largest `cost` first, so
-    the workers finish together), calling on_done(k, job, result) as each finishes. Small models on a
-    CPU use one core each far better than two cores share one small matmul, so each worker runs with
-    `threads` intra-op threads (1 on CPU; on CUDA the cores shared out, for compiling). A worker that
-    dies (killed, out of memory) is a RuntimeError naming the unfinished jobs (`name(job)`); finished
-    ones are kept by their own files."""
+    """[fn(j) for j in jobs_list], `jobs` at a time in spawned workers with `threads` intra-op threads each,
+    largest `cost` first (so they finish together), calling on_done(k, job, result) as each finishes.
+    A worker that dies is a RuntimeError naming the unfinished jobs (`name(job)`)."""
     order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
     done: dict[int, object] = {}
     if jobs <= 1:
@@ -179,15 +154,9 @@ def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str, 
     return [done[i] for i in range(len(jobs_list))]
 
 
-def pool_map(fn, jobs_list: list, jobs: int, cost=None) -> list:
-    """pool_run without progress callbacks (kept for scripts)."""
-    return pool_run(fn, jobs_list, jobs, cost)
-
-
 def _worker_init(parent: int, threads: int = 1) -> None:
-    """pool_map's worker setup: `threads` intra-op threads, and die with the parent (a killed reproduce.py must not
-    leave workers writing its runs). Linux: PR_SET_PDEATHSIG = SIGKILL via prctl; elsewhere (and as a
-    backstop) a daemon thread that exits the worker once its parent pid changes (checked every second)."""
+    """pool_run's worker: `threads` intra-op threads, and die with the parent (Linux: PR_SET_PDEATHSIG; and a
+    thread that exits once the parent pid changes), so a killed reproduce.py leaves no workers writing its runs."""
     import signal
     import sys
     import threading
@@ -210,8 +179,7 @@ def _worker_init(parent: int, threads: int = 1) -> None:
 
 
 def _train_one(job: tuple) -> list[dict]:
-    """One run: (model config dict, train config dict, data dir, run dir, meta)."""
-    import data as data_mod
+    """(model config dict, train config dict, data dir, run dir, meta) -> train.train's rows."""
     cfg, tc, data_dir, run, meta = job
     return train.train(ModelConfig.from_dict(cfg), train.TrainConfig(**tc), data_mod.TokenData(data_dir), run, meta)
 
@@ -223,14 +191,12 @@ def run_tokens(plan: configs.Plan) -> int:
 
 
 def plan_cost(plan: configs.Plan, ladder: list[dict], train_tokens: int | None = None) -> dict:
-    """What the plan's training costs, from costs.run_cost: per run and in total (GPU minutes of its FLOPs on one
-    H200 at the cost model's MFU range; the CPU figures are measured, see the README)."""
-    rows = []
-    tokens = run_tokens(plan)
+    """The plan's training cost per run and in total (costs.run_cost: GPU minutes on one H200 at its MFU range)."""
+    rows, tokens = [], run_tokens(plan)
+    final = (max(plan.branch_steps) + plan.decay_steps) * plan.batch_size * plan.block_size
     for r in configs.plan_runs(Path("."), ladder, plan):
         cfg = ModelConfig.from_dict(r.cell[r.arch])
         c = costs.run_cost(cfg, r.cell["ctx_len"], tokens)
-        final = (max(plan.branch_steps) + plan.decay_steps) * plan.batch_size * plan.block_size
         rows.append({"run": r.name, **c, "tpp_final": final / (c["F"] / 6),
                      "tokens_per_param_final": final / budget.count_params(cfg)["blocks"]})
     return {"runs": rows, "tokens_per_run": tokens, "train_tokens": train_tokens,
@@ -256,11 +222,8 @@ def log_plan_cost(cost: dict) -> None:
 
 
 def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, refuse: bool = True) -> dict:
-    """Print what training will keep on disk (costs.plan_disk_estimate) and refuse (unless `refuse` is False:
-    --plan-only), before any training, when the free space at `out` (plus what earlier invocations already wrote
-    to out/runs) cannot hold it."""
+    """Print what training keeps on disk (costs.plan_disk_estimate); refuse (`refuse`) when `out` cannot hold it."""
     import shutil
-    import checkpoint
     cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(out, ladder, plan)]
     est = costs.plan_disk_estimate(cfgs, train.train_config(plan), jobs)
     done = sum(f.stat().st_size for f in (out / "runs").rglob("*") if f.is_file()) if (out / "runs").exists() else 0
@@ -275,19 +238,15 @@ def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, ref
 
 
 def run_time_proxy(cfg: ModelConfig, ctx: float) -> float:
-    """A run's relative training time, to start the longest runs first (the workers then finish together)
-    and for the ETA: FLOPs per token (head included: the hardware runs it) times 1 + (executed / stored
-    layers - 1) / 2, the work FLOP counts leave out (norms, residual adds, RoPE, the MoE gather and
-    scatter), which grows with layer visits (measured: docs/reproduce.md)."""
-    import loop as looping
-    attn, _ = looping.executed_visits(cfg.n_layer, cfg.loop)
+    """A run's relative training time (longest first; the ETA): FLOPs per token with the head, times
+    1 + (executed / stored layers - 1) / 2 for the work FLOPs leave out (measured: docs/reproduce.md)."""
+    attn, _ = executed_visits(cfg.n_layer, cfg.loop)
     return budget.flops_per_token(cfg, ctx, include_head=True) * (1 + (attn / cfg.n_layer - 1) / 2)
 
 
 def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1) -> list[dict]:
-    runs = configs.plan_runs(out, ladder, plan)
     todo = []
-    for r in runs:
+    for r in configs.plan_runs(out, ladder, plan):
         meta = {"arch": r.arch, "scale": r.cell["scale"], "sparsity_label": r.cell["sparsity_label"],
                 "seed": r.seed, "run": r.name,
                 "control": budget.dense_control(ModelConfig.from_dict(r.cell["baseline"])).to_dict()}
@@ -317,9 +276,7 @@ EVAL_KEYS = ("run", "arch", "scale", "sparsity_label", "branch_step", "val", "su
 
 
 def _eval_one(job: tuple) -> dict:
-    """Evaluate one endpoint and cache it as OUT/eval/ID.json: (endpoint path, data dir, plan, cache path, tag,
-    run dir relative to the out dir: stored as the record's "run", so the out dir can move)."""
-    import data as data_mod
+    """(endpoint, data dir, plan, cache path, tag, run dir relative to OUT) -> the record, cached at the path."""
     from lab import evaluate
     path, data_dir, plan, cache, tag, run = job
     rec = evaluate.evaluate_endpoint(path, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
@@ -331,11 +288,7 @@ def _eval_one(job: tuple) -> dict:
 
 
 def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1) -> dict:
-    """SMELT 5 on every branch endpoint of every run: validation by source / domain / length, the few-shot
-    sweep; then the grid analysis (downstream_claims.downstream_report: win counts, Appendix C's above-chance averages
-    and one-sided permutation tests over seeds, Section 5.3's three length families, the Eq. 6 calibration
-    on every Baseline endpoint, the downstream claims with intervals) and its figures."""
-    import eval as ev
+    """SMELT 5 on every branch endpoint, then downstream_claims.downstream_report (App. C, 5.3, Eq. 6), figures."""
     from lab import eval_plots
     from lab import downstream_claims
     (out / "eval").mkdir(exist_ok=True)
@@ -375,6 +328,7 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
 
 
 def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
+    """SMELT 4 (scaling_analysis.analyse); {"error": ...} when the fits fail."""
     from lab import scaling_analysis
     try:
         return scaling_analysis.analyse(rows, str(out / "scaling"), n_boot=plan.bootstrap, n_jobs=2,
@@ -415,14 +369,12 @@ def probe_verdicts(prb: dict) -> list[dict]:
 # Command line
 
 def free_gpu_bytes() -> int:
-    import checkpoint
     return checkpoint.available_memory(torch.device("cuda"))
 
 
 def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tuple[int, dict]:
-    """(jobs, the run summary's runtime entries): --jobs, else default_jobs for this machine. On CUDA each
-    worker gets cores // jobs intra-op threads, and a --jobs whose runs cannot fit the free GPU memory at
-    gpu_bytes_per_run each is refused (SystemExit naming both) before any training."""
+    """(jobs, the runtime entries): --jobs, else default_jobs; on CUDA, cores // jobs threads each, and a --jobs
+    whose runs cannot fit the free GPU memory (gpu_bytes_per_run each) is refused before any training."""
     cpus = os.cpu_count() or 1
     if not torch.cuda.is_available():
         jobs = asked or default_jobs("cpu", cpus)
@@ -443,7 +395,8 @@ def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tu
 def build_parser() -> argparse.ArgumentParser:
     ap = checks.parser(__doc__)
     ap.add_argument("--preset", default="tiny", choices=list(configs.PLANS), help="size of the reproduction")
-    checks.add_out_dir(ap, "output directory (default: runs/reproduce_PRESET, runs/reproduce_PRESET_rR with --loops R)")
+    checks.add_out_dir(ap, "output directory (default: runs/reproduce_PRESET, plus the loop options that differ "
+                           "from the plan's, e.g. runs/reproduce_tiny_r3_last)")
     ap.add_argument("--data-dir", default=None, metavar="DIR",
                     help="read the data from a pack made by `python -m lab.corpus --preset PRESET --pack DIR` "
                          "(for a machine without network: nothing is downloaded; default: prepare the preset's)")
@@ -452,9 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "min(4, cores // 4) sharing the GPU, capped by GPU memory: reproduce.default_jobs)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
-    ap.add_argument("--loops", type=checks.positive_int, default=None, metavar="R",
-                    help="r: passes of every SMELT over its looped span, matched again to the same Baselines "
-                         "(default: the preset's plan, 2 as in SMELT)")
+    add_loop_args(ap)   # how every looped model loops, matched again to the same Baselines (default: the plan's)
     ap.add_argument("--plan-only", action="store_true",
                     help="print the ladder and what training it costs (tokens, TPP, FLOPs, GPU minutes), then stop")
     return ap
@@ -476,10 +427,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> Path:
     args = parse_args(argv)
     plan = configs.PLANS[args.preset]
-    if args.loops is not None and args.loops != plan.n_loops:
-        plan = replace(plan, n_loops=args.loops)
-    r = f"_r{plan.n_loops}" if plan.n_loops != configs.PLANS[args.preset].n_loops else ""
-    out = checks.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{r}")   # before any work
+    plan = replace(plan, loop=loop_spec(args, plan.loop))
+    out = checks.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{plan.loop.tag()}")   # before any work
     with checks.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
         if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
             from lab import corpus
@@ -513,15 +462,13 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
         costs.report(plan, ladder, data, cost, log, jobs)   # the GPU cost model per stage
         check_disk(plan, ladder, out, jobs, refuse=False)
         return out / "plan.json"
-    import data as data_mod
     entropy = data_mod.unigram_entropy(data)
     unigram_val = data_mod.unigram_val_loss(data, plan.block_size, plan.eval_tokens)
     log(f"data: unigram entropy of the training stream {entropy:.3f} nats (the target: every model "
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
     ms = train.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
-    runtime.update(cpus=ms["cpus"], amx_bf16=ms["amx_bf16"], avx512_bf16=ms["avx512_bf16"],
-                   cpu_dtype=ms["cpu_dtype"],
+    runtime.update({k: ms[k] for k in ("cpus", "amx_bf16", "avx512_bf16", "cpu_dtype")},
                    malloc="per worker: " + ("environment" if ms["malloc"] == "environment" else
                                             f"mmap threshold {train.MALLOC_MMAP_BYTES >> 20} MiB, "
                                             f"trim {train.MALLOC_TRIM_BYTES >> 20} MiB")

@@ -1,25 +1,18 @@
 """Scaling laws (SMELT Section 4): the loss surface, its robust fit, the compute-optimal frontier.
 
-* `loss`: SMELT Eq. 2, L(F, S, D) = E + A (1 - S)^b / F^a + K / D^c, with F = per-token training
-  FLOPs, S = compute-equivalent sparsity (a fraction, Eq. 1 in budget.py) and D = tokens.
-* `fit` / `fit_result`: Chinchilla's Approach 3 as the paper runs it (Section 4.3): Huber loss
-  (delta 1e-3) on log-loss residuals, L-BFGS-B from a grid of starts, in log-sum-exp form on
-  centred log-features; `fit_result` adds the RMSE, standard errors and the data's ranges.
-* `identify` / `Rules`: whether a fit means anything (enough points, spans of C, F, D and 1 - S,
-  exponents inside bounds, c / a sane, a and c two standard errors from 0); nothing downstream
-  derives a number from a fit that is not identified.  `calibrate_rules` is the measurement
-  behind the thresholds, on paper-shaped grids (`paper_shaped_points`).
-* The frontier for a budget C = F D, in closed form: F* (Eq. 3), L*(C, S) (Eq. 4, gamma =
-  ac/(a+c)), `compute_for_loss` (Eq. 4 inverted), the CE gain of a target over a reference
-  (Eq. 5) and tokens per dense-equivalent parameter `tpp` = D* / (F*/6).
-* Rows -> points: `read_results` / `check_rows` (train.py's rows, each bad one named),
-  `seed_means` (a repeated cell weighs as one), `split_control` (the S = 0 controls left out,
-  SMELT 4.3), `to_points` / `subset_points` (whole validation, or per source / domain).
-* `PAPER_*`: Table 4.3's printed coefficients.
+* `loss`: SMELT Eq. 2, L(F, S, D) = E + A (1 - S)^b / F^a + K / D^c (F training FLOPs/token, S the
+  compute-equivalent sparsity as a fraction, Eq. 1 in budget.py, D tokens).
+* `fit` / `fit_result`: Chinchilla's Approach 3 as the paper runs it (4.3): Huber (delta 1e-3) on
+  log-loss residuals, L-BFGS-B from a grid of starts on centred log-features.  `identify` / `Rules`:
+  whether a fit means anything (nothing downstream uses one that is not); `calibrate_rules` measures them.
+* The frontier for a budget C = F D: F* (Eq. 3), L*(C, S) (Eq. 4, gamma = ac/(a+c)), `compute_for_loss`
+  (Eq. 4 inverted), `ce_gain` (Eq. 5) and tokens per dense-equivalent parameter `tpp` = D* / (F*/6).
+* Rows -> points: `read_results` / `check_rows`, `seed_means` (a repeated cell weighs as one),
+  `split_control` (the S = 0 controls left out, SMELT 4.3), `to_points` / `subset_points`.
+  `PAPER_*`: Table 4.3's printed coefficients.
 
-Read first: budget.py (F and S).  Read next: lab/scaling_analysis.py (fits, cell bootstrap, CE gain / TPP
-with intervals, per-subset gains, and the CLI `python -m lab.scaling_analysis --results results.jsonl`
-or `--paper`), lab/scaling_report.py (tables.md, figures).  The rules and choices: docs/scaling.md.
+Read first: budget.py (F and S).  Read next: lab/scaling_analysis.py (cell bootstrap, CE gain / TPP tables,
+the CLI), lab/scaling_report.py (tables.md, figures).  The rules and choices: docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -93,28 +86,22 @@ def loss(co: Coeffs, F, S, D) -> np.ndarray:
     return co.E + co.A * (1.0 - S) ** co.b / F ** co.a + co.K / D ** co.c
 
 
-def _vector(x, name: str) -> np.ndarray:
-    try:
-        a = np.asarray(x, dtype=float)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name} must be a sequence of numbers ({e})") from None
-    return a.ravel()
-
-
 def check_points(F, S, D, L) -> tuple[np.ndarray, ...]:
     """Validate fit inputs: non-empty, equal-length, finite, F, D, L > 0, 0 <= S < 1.  Float arrays."""
-    arrs = [_vector(x, n) for x, n in zip((F, S, D, L), "FSDL")]
-    for name, x in zip("FSDL", arrs):
+    arrs = []
+    for name, x in zip("FSDL", (F, S, D, L)):
+        try:
+            x = np.asarray(x, dtype=float).ravel()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name} must be a sequence of numbers ({e})") from None
+        arrs.append(x)
         if x.size == 0:
             raise ValueError(f"{name} is empty: a fit needs points")
-    n = len(arrs[0])
-    for name, x in zip("FSDL", arrs):
-        if len(x) != n:
-            raise ValueError(f"F, S, D, L must have equal lengths; {name} has {len(x)}, F has {n}")
+        if len(x) != len(arrs[0]):
+            raise ValueError(f"F, S, D, L must have equal lengths; {name} has {len(x)}, F has {len(arrs[0])}")
         if not np.all(np.isfinite(x)):
             raise ValueError(f"{name} contains NaN or inf at index {int(np.flatnonzero(~np.isfinite(x))[0])}")
-    for name, x in zip("FDL", (arrs[0], arrs[2], arrs[3])):
-        if np.any(x <= 0):
+        if name != "S" and np.any(x <= 0):
             raise ValueError(f"{name} must be positive; got {x.min()} at index {int(np.argmin(x))}")
     S = arrs[1]
     if np.any(S < -S_ROUNDING):
@@ -155,9 +142,7 @@ def short_num(x: float) -> str:
 
 
 def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
-    """Reasons (one "key: detail" string per failed check, see `Rules`) why `res` is
-    not identified; an empty list means identified.  Uses only res's data ranges, coefficients,
-    standard errors, pinned coefficients and convergence flag."""
+    """Reasons (one "key: detail" string per failed check of `Rules`) why `res` is not identified; [] if it is."""
     why = []
     co, rg, fixed = res.coeffs, res.ranges, res.fixed
     n_free = 6 - len(fixed)
@@ -176,10 +161,9 @@ def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
                    f"(< {rules.min_one_minus_S_ratio:g}x)")
     if not res.converged:
         why.append("not converged: L-BFGS-B stopped away from a stationary point")
-    for k in ("a", "c"):                                     # rule names and thresholds only: the estimates
+    free_ac = [k for k in ("a", "c") if k not in fixed]
+    for k in free_ac:                                        # rule names and thresholds only: the estimates
         v = getattr(co, k)                                   # of a fit that is not identified are not printed
-        if k in fixed:
-            continue
         if v <= 0:
             why.append(f"exponent sign: {k} is not > 0")
         elif v < rules.exp_min:
@@ -196,12 +180,12 @@ def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
         if not lo <= co.c / co.a <= hi:
             why.append(f"exponent ratio: c / a outside [{lo:g}, {hi:g}] (so the F* exponent c / (a + c) is outside "
                        f"[{lo / (1 + lo):.2g}, {hi / (1 + hi):.2g}])")
-    for k in ("a", "c"):
+    for k in free_ac:
         v, se = getattr(co, k), res.se.get(k, 0.0)
-        if k not in fixed and v > 0 and math.isinf(se):
+        if v > 0 and math.isinf(se):
             why.append(f"design singular: the data cannot separate {k} from the other coefficients "
                        f"(no finite standard error)")
-        elif k not in fixed and v > 0 and not v >= rules.min_t * se:
+        elif v > 0 and not v >= rules.min_t * se:
             why.append(f"exponent uncertain: {k} < {rules.min_t:g} standard errors from 0")
     return why
 
@@ -237,17 +221,15 @@ class _Design:
 
 
 def _gauss_newton_se(J_NP: np.ndarray, r_N: np.ndarray, max_cond: float, n_distinct: int | None = None) -> np.ndarray:
-    """Standard errors (P,) from the Gauss-Newton covariance s^2 (J^T J)^-1, s^2 = RSS / (n - P) with n the
-    distinct points (default N). Exact for a design repeated m times (J^T J and RSS both scale by m); with
-    unequal repeats (a bootstrap draw) it weighs a repeated point as more precise, an approximation.
-    inf for all when n <= P or J^T J (columns scaled to unit norm) has condition number > max_cond."""
+    """Standard errors (P,) from s^2 (J^T J)^-1, s^2 = RSS / (n - P), n the distinct points (default N): exact
+    for a design repeated m times.  All inf when n <= P or cond(J^T J), columns unit-norm, > max_cond."""
     N, p = J_NP.shape
     n = N if n_distinct is None else n_distinct
     norms = np.linalg.norm(J_NP, axis=0)
     if n <= p or np.any(norms == 0):
         return np.full(p, np.inf)
     Js = J_NP / norms
-    M = Js.T @ Js
+    M = Js.T @ Js                                     # one array: numpy's syrk, bit-stable
     if not np.isfinite(M).all() or np.linalg.cond(M) > max_cond:
         return np.full(p, np.inf)
     s2 = float(r_N @ r_N) / (n - p)
@@ -287,41 +269,29 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
     if "b" not in fixed and np.ptp(np.log1p(-S)) == 0:
         warnings.warn("all points share one sparsity S: b is unidentifiable, fixing b = 0", stacklevel=2)
         fixed["b"] = 0.0
-    n_free = 6 - len(fixed)
-    if len(L) < n_free:
-        raise ValueError(f"{len(L)} points cannot determine {n_free} free coefficients")
-    for name, x in (("F", F), ("D", D)):
-        if np.ptp(x) == 0 and not {"a" if name == "F" else "c"} <= set(fixed):
+    if len(L) < 6 - len(fixed):
+        raise ValueError(f"{len(L)} points cannot determine {6 - len(fixed)} free coefficients")
+    for name, x, k in (("F", F, "a"), ("D", D, "c")):
+        if np.ptp(x) == 0 and k not in fixed:
             raise ValueError(f"all points share one {name}: its exponent is unidentifiable")
-
     n_distinct = len(np.unique(np.stack([F, S, D], axis=1), axis=0))    # exact repeats (a cell drawn twice) count once
     des = _Design(F, S, D, L)
-    names = ["e", "alpha", "kappa", "a", "b", "c"]
-    free = np.array([n not in fixed and not (n == "e" and "E" in fixed) for n in names])
-
-    def pin(th: np.ndarray) -> np.ndarray:            # put the fixed values into a centred vector
-        th = th.copy()
-        for i, n in enumerate(names[3:], start=3):
-            if n in fixed:
-                th[i] = fixed[n]
-        if "E" in fixed:
-            th[0] = math.log(fixed["E"])
-        return th
+    names = ["E", "alpha", "kappa", "a", "b", "c"]                    # the centred vector holds e = log E
+    free = np.array([n not in fixed for n in names])
+    pinned = np.array([math.log(fixed.get("E", 1.0)), 0.0, 0.0, *(fixed.get(n, 0.0) for n in EXPONENTS)])
 
     def f_and_g(u: np.ndarray, th0: np.ndarray) -> tuple[float, np.ndarray]:
         th = th0.copy(); th[free] = u
         logLhat, jac = des.log_model(th)
         r = logLhat - des.logL                                        # (N,) log-loss residuals
-        obj = _huber(r, delta).sum() / delta ** 2
-        return float(obj), jac[:, free].T @ (np.clip(r, -delta, delta) / delta ** 2)
+        return float(_huber(r, delta).sum() / delta ** 2), jac[:, free].T @ (np.clip(r, -delta, delta) / delta ** 2)
 
-    bounds = [(None, None)] * 3 + [BOUNDS[n] for n in EXPONENTS]
-    bounds = [bd for bd, f in zip(bounds, free) if f]
-    starts = [pin(th) for th in _starts(des, L, "b" not in fixed)]
+    bounds = [bd for bd, f in zip([(None, None)] * 3 + [BOUNDS[n] for n in EXPONENTS], free) if f]
+    starts = [np.where(free, th, pinned) for th in _starts(des, L, "b" not in fixed)]
     if n_starts is not None:                          # score every grid start cheaply, keep the best
         scores = [f_and_g(th[free], th)[0] for th in starts]
         starts = [starts[i] for i in np.argsort(scores)[:n_starts]]
-    starts = [pin(des.to_theta(co)) for co in init] + starts
+    starts = [np.where(free, des.to_theta(co), pinned) for co in init] + starts
     best = None
     one_thread = threadpool_limits(1) if threadpool_limits is not None else nullcontext()
     with np.errstate(over="ignore", under="ignore"), one_thread:
@@ -341,8 +311,7 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
         se_free = _gauss_newton_se(jac[:, free], logLhat - des.logL, rules.max_cond, n_distinct)
     # not converged: stopped by the iteration limit (status 1) with a projected gradient that is not small
     g = np.asarray(res.jac, dtype=float).copy()
-    lo = np.array([-np.inf if bd[0] is None else bd[0] for bd in bounds])
-    hi = np.array([np.inf if bd[1] is None else bd[1] for bd in bounds])
+    lo, hi = np.array([(-np.inf, np.inf) if bd[0] is None else bd for bd in bounds], dtype=float).T
     g[((res.x <= lo) & (g > 0)) | ((res.x >= hi) & (g < 0))] = 0.0        # pressing on a bound is fine
     # a stalled line search (status 2) is a minimum here: the Huber kinks at |r| = delta (docs/scaling.md)
     converged = bool(res.success or res.status == 2 or np.abs(g).max() <= 1e-5 * max(1.0, abs(res.fun)))
@@ -357,13 +326,8 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
 
 
 def fit(F, S, D, L, **opts) -> Coeffs:
-    """Fit SMELT Eq. 2 to points (F FLOPs/token, S fraction, D tokens, L nats); all 1-D, same length.
-
-    Huber (delta 1e-3) on log-loss, L-BFGS-B from a grid of starts; returns the best Coeffs.
-    opts: fixed={"b": 0.0} pins coefficients (E, a, b, c); delta; init=[Coeffs, ...] extra starts;
-    n_starts (grid starts that get a full L-BFGS-B run; None = all); maxiter; rules.
-    Use `fit_result` for the RMSE (nats), objective, convergence and whether the fit is identified.
-    """
+    """Fit SMELT Eq. 2 to points (F FLOPs/token, S fraction, D tokens, L nats): `fit_result`'s coefficients.
+    opts: fixed={"b": 0.0} pins coefficients; init=[Coeffs] extra starts; n_starts (None = all); delta."""
     return fit_result(F, S, D, L, **opts).coeffs
 
 
@@ -389,10 +353,7 @@ def optimal_flops_per_token(co: Coeffs, C, S) -> float | np.ndarray:
 
 
 def frontier_loss(co: Coeffs, C, S) -> float | np.ndarray:
-    """Eq. 4: L*(C, S) = E + prefactor * C^-gamma, gamma = ac/(a+c).
-
-    At F* the data term equals (a/c) times the capacity term, so L* = E + (1 + a/c) A (1-S)^b F*^-a.
-    """
+    """Eq. 4: L*(C, S) = E + (1 + a/c) A (1-S)^b F*^-a (at F* the data term is a/c times the capacity term)."""
     F = optimal_flops_per_token(co, C, S)
     return (co.E + (1 + co.a / co.c) * co.A * (1 - np.asarray(S, dtype=float)) ** co.b / F ** co.a)[()]
 
@@ -407,9 +368,8 @@ def compute_for_loss(co: Coeffs, L, S) -> float | np.ndarray:
 
 
 def ce_gain(target: Coeffs, ref: Coeffs, C, S) -> float | np.ndarray:
-    """Eq. 5: 1 - C / C_ref, C_ref the budget at which the reference frontier reaches the target's
-    frontier loss at C.  A fraction (0.18 = 18 %); 1.0 (with a warning) where the target's loss is
-    below the reference's floor E, which the reference never reaches."""
+    """Eq. 5: 1 - C / C_ref, C_ref the budget at which the reference frontier reaches the target's frontier
+    loss at C.  A fraction (0.18 = 18 %); 1.0 (with a warning) below the reference's floor E."""
     C_ref = compute_for_loss(ref, frontier_loss(target, C, S), S)
     if np.any(np.isinf(C_ref)):
         warnings.warn("target frontier is below the reference floor E: CE gain -> 1", stacklevel=2)
@@ -436,9 +396,8 @@ class Points:
 def paper_shaped_points(co: Coeffs, F_span: float, D_span: float, noise: float, seed: int = 0,
                         n_scales: int = 4, sparsities: Sequence[float] = PAPER_SPARSITIES,
                         n_horizons: int = 6, horizons: Sequence[float] | None = None) -> Points:
-    """A grid shaped like SMELT's (n_scales scales x sparsities x n_horizons decay horizons) drawn from
-    `co`: F from 6.6e8 up by F_span, D up to 3.2e11 and down by D_span, log-normal noise `noise`.
-    `horizons` (fractions of the longest D, e.g. a plan's endpoints) replaces D_span / n_horizons."""
+    """SMELT's grid shape (scales x sparsities x decay horizons) drawn from `co`: F from 6.6e8 up by F_span, D up
+    to 3.2e11 and down by D_span (or at `horizons`, fractions of the longest), log-normal noise `noise`."""
     rng = np.random.default_rng(seed)
     fr = D_span ** np.linspace(-1, 0, n_horizons) if horizons is None else np.asarray(horizons, float)
     Fs = 6.6e8 * F_span ** np.linspace(0, 1, n_scales)
@@ -457,18 +416,14 @@ def paper_pair(F_span: float, D_span: float, noise: float, seed: int = 0, grid: 
 
 def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=(0.003, 0.01, 0.03),
                     seeds: int = 5, rules: Rules = RULES, n_starts: int = 8, grid: dict | None = None) -> list[dict]:
-    """The measurement behind `Rules`: on paper-shaped grids drawn from SMELT's two Table 4.3
-    surfaces, fit both and record whether both fits are identified, the exponent errors and the
-    error of the CE gain at S = 0.95 at the data's geometric-midpoint budget.  One dict per
-    (F_span, D_span, noise, seed).  `grid`: paper_shaped_points' n_scales / sparsities / horizons
-    (a preset's shape: scripts/grid_power.py; with horizons, D_span only labels the rows).  Timings: docs/scaling.md."""
-    out = []
+    """The measurement behind `Rules`: per (F_span, D_span, noise, seed), fit `paper_pair`'s two surfaces and
+    record whether both are identified, the exponent errors and the CE gain's error at S = 0.95 at the data's
+    midpoint budget.  `grid`: paper_shaped_points' shape options (scripts/grid_power.py)."""
+    out, truths = [], (("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE))
     for Fs, Ds, noise, seed in product(F_spans, D_spans, noises, range(seeds)):
-        res = {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for name, p in paper_pair(Fs, Ds, noise, seed, grid).items():
-                res[name] = fit_result(p.F, p.S, p.D, p.L, n_starts=n_starts, rules=rules)
+        with warnings.catch_warnings(action="ignore"):
+            res = {name: fit_result(p.F, p.S, p.D, p.L, n_starts=n_starts, rules=rules)
+                   for name, p in paper_pair(Fs, Ds, noise, seed, grid).items()}
             C = math.sqrt(res["baseline"].ranges["C"][0] * res["baseline"].ranges["C"][1])
             try:
                 g = float(ce_gain(res["smelt"].coeffs, res["baseline"].coeffs, C, 0.95))
@@ -478,8 +433,8 @@ def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=
         out.append({"F_span": Fs, "D_span": Ds, "noise": noise, "seed": seed,
                     "identified": all(r.identified for r in res.values()),
                     "why": sorted({w.split(":")[0] for r in res.values() for w in r.why}),
-                    "a_err": max(abs(res[n].coeffs.a - co.a) for n, co in (("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE))),
-                    "c_err": max(abs(res[n].coeffs.c - co.c) for n, co in (("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE))),
+                    **{f"{k}_err": max(abs(getattr(res[n].coeffs, k) - getattr(co, k)) for n, co in truths)
+                       for k in "ac"},
                     "gain": g, "gain_true": truth, "gain_err_pp": 100 * abs(g - truth)})
     return out
 
@@ -499,25 +454,22 @@ def read_results(path: str) -> list[dict]:
 
 
 def check_rows(rows: Sequence[dict]) -> None:
-    """Every row a dict with REQUIRED_KEYS, F, D, val_loss finite and > 0, S finite in [0, 1) (control
-    cells: [-0.5, 1));
-    the error names the row (index, arch, scale, sparsity label) and the field."""
+    """Every row a dict with REQUIRED_KEYS, F, D, val_loss > 0, S in [0, 1) (control cells: [-0.5, 1)); the
+    error names the row and the field."""
     if not isinstance(rows, (list, tuple)) or not rows:
         raise ValueError("rows must be a non-empty list of results rows (dicts)")
     for i, r in enumerate(rows):
         if not isinstance(r, dict):
             raise ValueError(f"rows[{i}] is not a dict: {type(r).__name__}")
-        missing = [k for k in REQUIRED_KEYS if k not in r]
-        if missing:
+        if missing := [k for k in REQUIRED_KEYS if k not in r]:
             raise ValueError(f"rows[{i}] misses keys {missing}")
         where = f"rows[{i}] ({r['arch']} {r['scale']} {r['sparsity_label']})"
         for k in ("F", "S", "D", "val_loss"):
             v = r[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"{where}: {k} = {v!r} is not a finite number")
-        for k in ("F", "D", "val_loss"):
-            if r[k] <= 0:
-                raise ValueError(f"{where}: {k} = {r[k]!r} must be > 0")
+            if k != "S" and v <= 0:
+                raise ValueError(f"{where}: {k} = {v!r} must be > 0")
         # a control cell's looped model may measure S slightly below 0 (matching moves its FLOPs by up to
         # 4 %); control rows are fitted only with include_dense, at S clipped to 0 (split_control)
         lo = -0.5 if r["sparsity_label"] == CONTROL_LABEL else -S_ROUNDING
@@ -532,9 +484,7 @@ def cell_id(row: dict) -> str:
 def to_points(rows: Sequence[dict], losses: Sequence[float] | None = None) -> Points:
     """Rows -> Points; `losses` overrides row["val_loss"] (per-subset fits)."""
     L = [r["val_loss"] for r in rows] if losses is None else losses
-    cell = np.array([cell_id(r) for r in rows])
-    F, S, D, L = check_points([r["F"] for r in rows], [r["S"] for r in rows], [r["D"] for r in rows], L)
-    return Points(F, S, D, L, cell)
+    return Points(*check_points(*([r[k] for r in rows] for k in "FSD"), L), np.array([cell_id(r) for r in rows]))
 
 
 def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
@@ -547,10 +497,8 @@ def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
 
 
 def seed_means(rows: Sequence[dict]) -> list[dict]:
-    """One row per (arch, cell, D): replicates (rows of one cell and endpoint, e.g. the repeated cell's
-    training seeds) averaged: val_loss and every "val_loss_by_*" subset loss; "n_seeds" / "seeds" say
-    what was averaged.  Replicates must share F and S (the same model) and report the same subsets; a row
-    alone passes unchanged."""
+    """One row per (arch, cell, D): replicates (e.g. a repeated cell's seeds, same F and S, same subsets)
+    averaged, val_loss and every "val_loss_by_*"; "n_seeds" / "seeds" say what was averaged."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["arch"], cell_id(r), float(r["D"]))].append(r)
@@ -577,9 +525,8 @@ def seed_means(rows: Sequence[dict]) -> list[dict]:
 
 
 def split_control(rows: Sequence[dict], include_dense: bool = False) -> tuple[list[dict], list[dict]]:
-    """(rows to fit, control rows left out): the control is every row whose sparsity_label is
-    CONTROL_LABEL, for both architectures, whatever S it measures (SMELT 4.3).  include_dense
-    keeps them in the fit (and returns no control rows), a looped control's S below 0 clipped to 0."""
+    """(rows to fit, control rows left out): the control is every CONTROL_LABEL row, whatever S it measures
+    (SMELT 4.3).  include_dense keeps them in the fit, a looped control's S below 0 clipped to 0."""
     control = [r for r in rows if r["sparsity_label"] == CONTROL_LABEL]
     if include_dense:
         return [{**r, "S": max(float(r["S"]), 0.0)} if r["sparsity_label"] == CONTROL_LABEL else r for r in rows], []

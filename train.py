@@ -55,7 +55,7 @@ from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, e
                         save_kind)
 from checks import check_fields, from_dict
 from data import SyntheticData   # a corpus-free stand-in with TokenData's interface (tests, benchmarks)
-from loop import LoopConfig, middle_span
+from loop import LoopConfig, LoopSpec
 from model import GPT, ModelConfig, compile_model
 from checks import run_lock
 from eval import token_nll, val_loss_by
@@ -154,21 +154,21 @@ class TrainConfig:
         def bad(msg):
             raise ValueError(f"TrainConfig: {msg}")
         check_fields(self, "TrainConfig")   # ints are ints (not bools or 2.5), floats finite, bools bools
-        for name in ("lr", "stable_steps", "decay_steps", "batch_size", "grad_accum", "log_interval", "eval_tokens",
-                     "eps"):
-            if not getattr(self, name) > 0:
-                bad(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("warmup_steps", "block_size", "weight_decay", "grad_clip", "eval_interval", "ckpt_interval",
-                     "flops_ctx", "seed"):
-            if getattr(self, name) < 0:
-                bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        rules = [*((n, lambda x: x > 0, "must be > 0") for n in POSITIVE),
+                 *((n, lambda x: x >= 0, "must be >= 0") for n in NON_NEGATIVE),
+                 ("min_lr_frac", lambda x: 0.0 <= x <= 1.0, "must lie in [0, 1]"),
+                 ("beta1", lambda x: 0.0 <= x < 1.0, "must lie in [0, 1)"),
+                 ("beta2", lambda x: 0.0 <= x < 1.0, "must lie in [0, 1)"),
+                 ("seed", lambda x: x <= 2**32 - 1, "must lie in [0, 2**32 - 1]"),   # numpy's seed range
+                 ("dtype", lambda x: x in ("auto", "bf16", "fp32"), "must be auto|bf16|fp32"),
+                 ("device", lambda x: re.fullmatch(r"auto|cpu|cuda(:\d+)?", x), "must be auto|cpu|cuda|cuda:N"),
+                 ("dist_backend", lambda x: x in DIST_BACKENDS, f"must be {'|'.join(DIST_BACKENDS)}"),
+                 ("out_dir", bool, "must be a non-empty path")]
+        for name, ok, rule in rules:
+            if not ok(getattr(self, name)):
+                bad(f"{name} {rule}, got {getattr(self, name)!r}")
         if self.block_size and self.flops_ctx > self.block_size:   # 0: the model's; Trainer checks it then
             bad(f"flops_ctx must be <= block_size ({self.block_size}), got {self.flops_ctx}")
-        if not 0.0 <= self.min_lr_frac <= 1.0:
-            bad(f"min_lr_frac must lie in [0, 1], got {self.min_lr_frac}")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                bad(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         for b in self.branch_steps:
             if not 1 <= b <= self.stable_steps:
                 bad(f"branch_steps must lie in [1, stable_steps={self.stable_steps}], got {b}")
@@ -178,17 +178,11 @@ class TrainConfig:
         if self.batch_size % (world_size * self.grad_accum):
             bad(f"batch_size={self.batch_size} must be divisible by world_size x grad_accum = "
                 f"{world_size} x {self.grad_accum}")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            bad(f"dtype must be auto|bf16|fp32, got {self.dtype!r}")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            bad(f"device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
-        if self.dist_backend not in DIST_BACKENDS:
-            bad(f"dist_backend must be {'|'.join(DIST_BACKENDS)}, got {self.dist_backend!r}")
-        if not self.out_dir:
-            bad("out_dir must be a non-empty path")
-        if self.seed > 2**32 - 1:   # numpy's seed range
-            bad(f"seed must lie in [0, 2**32 - 1], got {self.seed}")
 
+
+POSITIVE = ("lr", "stable_steps", "decay_steps", "batch_size", "grad_accum", "log_interval", "eval_tokens", "eps")
+NON_NEGATIVE = ("warmup_steps", "block_size", "weight_decay", "grad_clip", "eval_interval", "ckpt_interval",
+                "flops_ctx", "seed")
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,6 +238,42 @@ class Objective(nn.Module):
         load = (torch.stack([s.tokens_per_expert for _, s in out.router]) if out.router
                 else logits.new_zeros(0, 0))
         return ce_sum, (targets != -1).sum(), out.aux_loss, out.z_loss, load
+
+
+def forward_backward(model, cfg: ModelConfig, idx, tgt, doc, scale, accum: int = 1, sync=None,
+                     autocast=contextlib.nullcontext):
+    """Forward and backward of one optimizer step over `accum` micro-batches of the rows: loss = CE sum x
+    scale (world / the global batch's target count) + the router losses / accum. sync(last_micro): DDP's
+    gradient-sync context. Returns (CE sum, aux, z) as a tensor, tokens per expert (layers, E) or None, and
+    the loss summed over the micro-batches (detached)."""
+    micro = idx.shape[0] // accum
+    stats, load, total = torch.zeros(3, device=idx.device), None, 0.0
+    for m in range(accum):
+        rows = slice(m * micro, (m + 1) * micro)
+        with sync(m == accum - 1) if sync else contextlib.nullcontext(), autocast():
+            ce_sum, _, aux, z, tpe = model(idx[rows], tgt[rows], None if doc is None else doc[rows])
+            loss = ce_sum * scale + (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z) / accum
+        loss.backward()
+        total = total + loss.detach()
+        stats += torch.stack([ce_sum.detach().float(), aux.detach().float() / accum, z.detach().float() / accum])
+        if tpe is not None and tpe.numel():   # (MoE layers, E) tokens per expert, summed over micro-batches
+            load = tpe.float() if load is None else load + tpe.float()
+    return stats, load, total
+
+
+def update(gpt: nn.Module, opt, grad_clip: float, check=None):
+    """Clip the global gradient norm (0: no clip), then the optimizer step. check(grad norm), when given, runs
+    before the step (the Trainer's metrics row and divergence guard); its value is returned."""
+    gn = torch.nn.utils.clip_grad_norm_(gpt.parameters(), grad_clip or float("inf"))
+    out = check(gn.full_tensor() if hasattr(gn, "full_tensor") else gn) if check else None
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def step_scale(tgt: Tensor) -> Tensor:
+    """forward_backward's scale in one process: 1 / the batch's target count."""
+    return 1 / (tgt != -1).sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -384,19 +414,15 @@ class Trainer(Checkpoints):
         if d.world > 1:
             dist.all_reduce(n_global)
         scale = d.world / n_global.clamp(min=1)    # DDP / FSDP average gradients over ranks
-        cfg, A = self.model_cfg, tc.grad_accum
-        stats, load = torch.zeros(3, device=self.device), None
-        for m in range(A):
-            rows = slice(m * self.micro, (m + 1) * self.micro)
-            with self._sync_context(m == A - 1), self.autocast():
-                ce_sum, _, aux, z, tpe = self.model(idx[rows], tgt[rows], None if doc is None else doc[rows])
-                loss = ce_sum * scale + (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z) / A
-            loss.backward()
-            stats += torch.stack([ce_sum.detach().float(), aux.detach().float() / A, z.detach().float() / A])
-            if tpe is not None and tpe.numel():   # (MoE layers, E) tokens per expert, summed over micro-batches
-                load = tpe.float() if load is None else load + tpe.float()
-        gn = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), tc.grad_clip or float("inf"))
-        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        stats, load, _ = forward_backward(self.model, self.model_cfg, idx, tgt, doc, scale, tc.grad_accum,
+                                          self._sync_context, self.autocast)
+        return update(self.gpt, self.opt, tc.grad_clip, lambda gn: self._check_step(step, lr, stats, load, gn,
+                                                                                     n_global))
+
+    def _check_step(self, step, lr, stats, load, gn, n_global) -> dict:
+        """The step's metrics row from the whole batch (all ranks), and its guard: a non-finite loss or gradient
+        norm raises DivergenceError before the update."""
+        cfg, d = self.model_cfg, self.d
         if d.world > 1:
             dist.all_reduce(stats)
             if load is not None:
@@ -415,8 +441,6 @@ class Trainer(Checkpoints):
             raise DivergenceError(f"non-finite loss {row['loss']} / grad norm {row['grad_norm']} at optimizer step "
                                   f"{step + 1} (lr {lr:.3g}); nothing was saved after it: the last good checkpoint "
                                   f"is {self._last_good()}")
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
         if load is not None:
             row["load_max"] = lm   # worst expert vs mean over the global batch (1 = balanced)
         return row
@@ -592,7 +616,7 @@ def preset_model(name: str, vocab_size: int) -> ModelConfig:
         raise ValueError(f"--preset must be one of {PRESETS}, got {name!r}")
     kw = {"vocab_size": vocab_size, **configs.SMOKE_MODEL_BASE, **configs.SMOKE_MODELS[name]}
     r = kw.pop("n_loops", 1)
-    return ModelConfig(**kw, loop=LoopConfig(*middle_span(kw["n_layer"]), n_loops=r) if r > 1 else LoopConfig())
+    return ModelConfig(**kw, loop=LoopSpec(n_loops=r).at(kw["n_layer"]) if r > 1 else LoopConfig())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,7 @@ import os
 import statistics
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 import attention
 import checks
 from lab.bench_harness import clock_for, interleaved, machine, run_benchmarks, sync, threads, update_json
-from loop import LoopConfig, middle_span
+from loop import SMELT, LoopConfig
 from model import GPT, ModelConfig, compile_model
 from moe import MoE, compute_dtype
 
@@ -119,9 +120,11 @@ def tiny_cells() -> list[dict]:
     """The tiny preset's ladder cells as reproduce.py builds them (budget.ladder_cells at the prepared
     tiny data's vocabulary and measured document length)."""
     import budget
+    import configs
     import data as data_mod
     d = data_mod.TokenData(data_mod.default_data_dir("tiny"))
-    return budget.ladder_cells("tiny", budget.preset_doc_length("tiny", d), vocab_size=d.vocab_size)
+    return budget.ladder_cells("tiny", budget.preset_doc_length("tiny", d), vocab_size=d.vocab_size,
+                               spec=configs.PLANS["tiny"].loop)
 
 
 def bench_moe_shapes(device) -> dict:
@@ -185,16 +188,12 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
         for i in range(2 + steps):                         # two warm-up rounds
             idx, tgt, doc = (t.to(device) for t in d.train_batch(i, batch_size, T, seed=0))
             for key, (gpt, obj, opt) in runs.items():
-                cfg = gpt.cfg
                 sync(device)
                 t0 = clock()
-                ce, n, aux, z, _ = obj(idx, tgt, doc)
-                (ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z).backward()
+                train.forward_backward(obj, gpt.cfg, idx, tgt, doc, train.step_scale(tgt))
                 sync(device)
                 t1 = clock()
-                torch.nn.utils.clip_grad_norm_(gpt.parameters(), tc.grad_clip or float("inf"))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                train.update(gpt, opt, tc.grad_clip)
                 sync(device)
                 if i >= 2:
                     times.setdefault(key, []).append((t1 - t0, clock() - t1))
@@ -252,13 +251,13 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
 
 
 def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
-    s, m = middle_span(n_layer)
+    span = SMELT.at(n_layer)
     base = dict(vocab_size=vocab, block_size=512, n_layer=n_layer, d_model=d_model, n_head=n_head,
                 n_kv_head=n_head // 4, d_ff=d_ff)
     return {
         "unlooped": ModelConfig(**base),
-        "sequential_2loop": ModelConfig(**base, loop=LoopConfig(start=s, length=m, n_loops=2)),
-        "plt_2loop": ModelConfig(**base, loop=LoopConfig(start=s, length=m, n_loops=2, parallel=True)),
+        "sequential_2loop": ModelConfig(**base, loop=span),
+        "plt_2loop": ModelConfig(**base, loop=replace(span, parallel=True)),
     }
 
 
@@ -343,9 +342,8 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, sav
     cells = budget.preset_baselines(preset)
     scales = list(dict.fromkeys(sc for sc, _, _ in cells))
     scale, label, base_cfg = next(c for c in cells if c[0] == scales[len(scales) // 2] and c[1] == "S~85%")
-    s, m = middle_span(base_cfg.n_layer)
     ctx = base_cfg.block_size
-    smelt_cfg, report = budget.match(base_cfg, LoopConfig(start=s, length=m, n_loops=2), ctx,
+    smelt_cfg, report = budget.match(base_cfg, SMELT.at(base_cfg.n_layer), ctx,
                                      **configs.LADDERS[preset].get("search", {}))
     cuda = device.type == "cuda"
     doc = packed_doc_ids(batch_size, ctx, mean_doc).to(device) if cuda else None
@@ -355,20 +353,19 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, sav
     steps_of, save = {}, save or (lambda _res: None)
     save(res)
     cfgs = {"baseline": base_cfg, "smelt": smelt_cfg}
+    tc = train.TrainConfig()
     for name, cfg in cfgs.items():
         torch.manual_seed(0)
-        model = GPT(cfg).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gpt = GPT(cfg).to(device)
+        model, opt = train.Objective(gpt), train.make_optimizer(gpt, tc)
         idx = torch.randint(0, cfg.vocab_size, (batch_size, ctx), device=device)
         if cuda:            # as train.py runs it (the warm-up steps absorb compiling)
-            model = torch.compile(model, dynamic=False)
+            model = torch.compile(model, dynamic=False)   # not compile_model: its reset would drop the other's
 
-        def step(model=model, opt=opt, idx=idx):
-            with _autocast(device):
-                loss = model(idx, idx, doc)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        def step(gpt=gpt, model=model, opt=opt, idx=idx):   # train.py's step: forward, backward, clip, AdamW
+            train.forward_backward(model, gpt.cfg, idx, idx, doc, train.step_scale(idx),
+                                   autocast=lambda: _autocast(device))
+            train.update(gpt, opt, tc.grad_clip)
         steps_of[name] = step
         res[name] = {"first_step_s": interleaved({name: step}, device, warmup=0, iters=1)[name]}   # CUDA: compile
         save(res)
@@ -515,12 +512,9 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None, deadline=
         counters.clear()
         compiled = compile_model(obj, fullgraph=True)
 
-        def step(fn=compiled):
-            with _autocast(device):
-                ce, n, aux, z, _ = fn(idx, idx, doc)
-                loss = ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
-            loss.backward()
-            return loss.detach()
+        def step(fn=compiled):   # train.py's forward and backward, without the update
+            return train.forward_backward(fn, cfg, idx, idx, doc, train.step_scale(idx),
+                                          autocast=lambda: _autocast(device))[2]
 
         t0 = time.perf_counter()
         loss_c = step()
@@ -565,9 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="preset for the train benchmark (default: tiny on CPU, small on CUDA)")
     ap.add_argument("--train-batch", type=checks.positive_int, default=None,
                     help="sequences per step in the train benchmark (default: 8 on CPU, 32 on CUDA)")
-    checks.add_out_dir(ap, "merge the measured figures into DIR/bench.json, after each benchmark (default: print only)",
-                    old=())
-    checks.deprecated_alias(ap, "--json", "json", "--out-dir DIR (merges into DIR/bench.json)")
+    checks.add_out_dir(ap, "merge the measured figures into DIR/bench.json, after each benchmark (default: print only)")
     ap.add_argument("--budget-s", type=checks.positive_float, default=None, metavar="S",
                     help="seconds for all the benchmarks: each runs under a limit from what is left "
                          "(bench.LIMITS; default: no limit)")
@@ -577,9 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.json = os.path.join(args.out_dir, "bench.json") if args.out_dir else None
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
-        args.json = os.path.join(args.out_dir, "bench.json")
     device = torch.device(checks.resolve_device(args.device))
     cuda = device.type == "cuda"
     which = args.which or ([*BENCHMARKS] if cuda else ["moe", "decode", "train"])

@@ -1,12 +1,6 @@
-"""How bench.py measures: side-by-side timing, thread and time limits, and the budgeted runner.
-
-- `interleaved`: the things compared take turns (ABCABC...), warm-up rounds first, then the median of
-  the timed rounds, so the machine's drift hits all alike (why turns matter on a shared CPU: docs/bench.md).
-- `clock_for`: thread CPU time on one CPU thread (other tenants' load does not count), else wall time.
-- `threads`, `time_limit`: torch's intra-op threads, and a SIGALRM limit, each for one block.
-- `run_benchmarks`: each benchmark under a limit from what is left of a budget, every figure merged
-  into one JSON as soon as it exists, so a timeout or a kill keeps what was measured (docs/gpu.md).
-Machinery, not a concept: read bench.py for what is measured.
+"""How bench.py measures: `interleaved` timing (turns, so drift hits all alike: docs/bench.md), `clock_for`,
+`threads` and `time_limit` for one block, and `run_benchmarks`, the budgeted runner that merges every figure
+into one JSON as soon as it exists (docs/gpu.md). Machinery: read bench.py for what is measured.
 """
 from __future__ import annotations
 
@@ -18,6 +12,7 @@ import signal
 import statistics
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -50,14 +45,13 @@ def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8, clock=time.p
 
 
 def clock_for(device):
-    """time.thread_time on one CPU thread (the work all runs on it, and other tenants' load does not count),
-    else wall time."""
+    """time.thread_time on one CPU thread (other tenants' load does not count), else wall time."""
     return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
 @contextlib.contextmanager
 def threads(n: int):
-    """torch intra-op threads set to n within the block, restored after (bench and scripts/profile_step.py)."""
+    """torch intra-op threads set to n within the block, restored after."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -90,31 +84,20 @@ def time_limit(seconds: float | None):
 
 def update_json(path: str, key: str, value) -> None:
     """Merge {key: value} into the JSON file at path (created if absent), atomically."""
-    old = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+    old = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
     old[key] = value
     atomic_write_text(path, json.dumps(old, indent=2, default=str))
 
 
 def run_benchmarks(runs: dict, which: list[str], json_path: str | None, limits: dict,
                    budget_s: float | None = None) -> list[str]:
-    """runs[name](save, deadline) for each name of which, in order; returns the names that failed.
-
-    Every figure reaches json_path as soon as it exists: a benchmark's save(partial) merges its partial
-    result at once, its result when it returns, so a kill keeps what was measured. With budget_s, each
-    benchmark runs under time_limit(min(cap, left - floors of the later ones)), limits[name] = (cap, floor)
-    (deadline: when that ends, for benchmarks that skip what would not finish); a timeout keeps the partial
-    figures.
-    """
-    t_start, failed = time.monotonic(), []
+    """runs[name](save, deadline) for each name of which, in order; returns the names that failed. save(res)
+    merges a result into json_path at once. With budget_s, each runs under time_limit(min(cap, left - the
+    later ones' floors)), limits[name] = (cap, floor); a timeout or a crash keeps the partial figures."""
+    t_start, failed, saved = time.monotonic(), [], {}
     for i, name in enumerate(which):
-        partial: dict = {}
-
-        def save(res, name=name, partial=partial):
-            partial.clear()
-            partial.update(res)
+        def save(res, name=name):
+            saved[name] = dict(res)
             if json_path:
                 update_json(json_path, name, res)
         limit = None
@@ -132,7 +115,7 @@ def run_benchmarks(runs: dict, which: list[str], json_path: str | None, limits: 
                 out = runs[name](save, None if limit is None else time.monotonic() + limit)
         except Exception as e:   # record it and go on: the other figures still count
             traceback.print_exc()
-            out = {**partial, "error": f"{type(e).__name__}: {e}"}
+            out = {**saved.get(name, {}), "error": f"{type(e).__name__}: {e}"}
             failed.append(name)
         if isinstance(out, dict):
             out["bench_seconds"] = time.perf_counter() - t0

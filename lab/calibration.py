@@ -1,20 +1,11 @@
 """Calibration: how much better a model scores than a Baseline of the same validation loss (SMELT Eq. 6-7).
 
-What this file implements (SMELT Section 5.1, Fig. 16)
-* `sigmoid4`: Eq. 6, the monotone four-parameter sigmoid from validation loss to a metric,
-  b + a / (1 + exp(-d alpha (loss - tau))); `fit_sigmoid` fits it by least squares from a grid of
-  starts and reports R^2.
-* `calibrate`: the fit on the Baseline endpoints, and each other model's residual (Eq. 7,
-  positive = better than its loss predicts) with a t-interval over those models.
-* Identifiability: a fit is *identified* only when the Baseline points can place it
-  (`calibration_problem`: >= 5 points, varying losses and scores, not all at chance; then
-  R^2 >= 0.5 and no step across a gap in the data); otherwise the result is "not identified
-  (why)" with no parameters, residuals or plot.
-* `calibration_report`: every DCLM metric of CALIBRATION_METRICS (Core, Completion, over the real
-  and the generated tasks) and every task, residuals averaged by task category.
-
-Read before: tasks.py (centred accuracy), eval.py (the endpoint evaluations this consumes).
-Read next: downstream_claims.py (the grid claims that use these residuals). Notes: docs/calibration.md.
+SMELT Section 5.1, Fig. 16: `sigmoid4` (Eq. 6) maps validation loss to a metric; `calibrate` fits it on the
+Baseline endpoints (`fit_sigmoid`) and gives each other model's residual (Eq. 7, positive = better than its
+loss predicts). A fit is *identified* only when the Baseline points can place it (`calibration_problem`,
+then R^2 and no step across a gap); otherwise "not identified (why)", with no numbers or plot.
+`calibration_report` does every metric of CALIBRATION_METRICS and every task.
+Read before: tasks.py, eval.py. Read next: downstream_claims.py. Notes: docs/calibration.md.
 """
 from __future__ import annotations
 
@@ -24,7 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
+from lab import stats
 from lab.tasks import centred_accuracy, chance_of
+
 
 def sigmoid4(loss, a: float, b: float, alpha: float, tau: float, d: int):
     """SMELT Eq. 6: b + a / (1 + exp(-d alpha (loss - tau))), a, alpha > 0; d = +1 increasing, -1 decreasing."""
@@ -61,11 +54,8 @@ CALIBRATION_MAX_JUMP = 0.5       # share of the fitted curve's rise between two 
 
 
 def calibration_problem(losses: Sequence[float], scores: Sequence[float], chance: float | None = None) -> str | None:
-    """Why Eq. 6 cannot be identified from these Baseline points before fitting (None: try the fit).
-
-    Refused: fewer than CALIBRATION_MIN_POINTS points; all losses equal; constant scores; every
-    score at or below `chance` (a score metric whose Baseline never leaves the chance floor).
-    """
+    """Why Eq. 6 cannot be identified from these Baseline points before fitting (None: try the fit): too few
+    points, all losses equal, constant scores, or every score at or below `chance`."""
     x, y = np.asarray(losses, dtype=float), np.asarray(scores, dtype=float)
     if len(x) < CALIBRATION_MIN_POINTS:
         return (f"{len(x)} Baseline endpoint{'s' if len(x) != 1 else ''}; the 4-parameter sigmoid needs at least "
@@ -83,21 +73,10 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
               other_scores: Sequence[float], higher_is_better: bool = True,
               other_groups: Sequence | None = None, chance: float | None = None,
               min_r2: float = CALIBRATION_MIN_R2) -> dict:
-    """SMELT Eq. 6-7: fit loss -> metric on the Baseline, residual delta = s (y - y_hat) for the others.
-
-    d = -1 and s = +1 for a score (higher is better), d = +1 and s = -1 for a loss, so a positive
-    residual always means better than a Baseline of the same validation loss.
-    The fit is *identified* only when calibration_problem finds nothing, R^2 is finite and at least
-    min_r2, and the curve is not a step: between no two neighbouring Baseline losses does it rise
-    by more than CALIBRATION_MAX_JUMP of its rise over all of them (a sigmoid that jumps across a gap
-    in the data puts its transition anywhere in the gap: two clusters of points fit it perfectly).
-    Returns {"identified": False, "why", "n_base"} when it is not (no parameters, no residuals),
-    else {"identified": True, "why": None, "n_base", "params": {a, b, alpha, tau, d, r2}, "residuals",
-    "predicted", "inside" (per other: its loss within the Baseline loss range), "extrapolated" (how many
-    are not), and over the inside others only: "mean_residual", "residual_interval" (stats.mean_interval,
-    a dict; None when none is inside), "by_group"}.
-    """
-    from lab import stats
+    """SMELT Eq. 6-7: fit loss -> metric on the Baseline, residual s (y - y_hat) for the others (d = -1, s = +1
+    for a score; d = +1, s = -1 for a loss: a positive residual is better than a Baseline of that loss). Not
+    identified -> {"identified": False, "why", "n_base"}; else also "params", "residuals", "predicted",
+    "inside" (loss within the Baseline range) and, over the inside ones, "mean_residual", "residual_interval"."""
     bl, bs = np.asarray(base_losses, dtype=float), np.asarray(base_scores, dtype=float)
     ol, os_ = np.asarray(other_losses, dtype=float), np.asarray(other_scores, dtype=float)
     for name, a, b in (("Baseline", bl, bs), ("other", ol, os_)):
@@ -143,17 +122,9 @@ CALIBRATION_METRICS = (("core", "real", "core", True, 0.0), ("completion", "real
 
 
 def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: float = CALIBRATION_MIN_R2) -> dict:
-    """Calibrate endpoint evaluations (SMELT 5.1): every metric of CALIBRATION_METRICS, then every task.
-
-    base: the Baseline endpoints (the paper: all 96); others: the SMELT endpoints. Each needs "val"
-    and "summary" (evaluate_endpoint output); "scale" labels the residual groups (default: the run).
-    "core" / "completion" are the real (BIG-bench) tasks' DCLM metrics, "generated ..." the same over
-    the generated tasks. Per-task fits use centred accuracy at the task's headline k; residuals of
-    identified task fits (inside the Baseline loss range) are averaged within each task category, per
-    scale and pooled ("all").
-    Returns {"metrics": {name: calibrate(...) + "higher_is_better"}, "identified": [names],
-    "not_identified": {name: why}, "by_category": {category: {scale: mean residual}}}.
-    """
+    """SMELT 5.1 on evaluate_endpoint records: base the Baseline endpoints, others the SMELT ones. Per-task fits
+    use centred accuracy at the headline k; their residuals are averaged per task category, per scale and
+    pooled ("all"). Returns {"metrics", "identified", "not_identified", "by_category"}."""
     missing = [e.get("run", "?") for e in [*base, *others] if not e.get("val")]
     if missing:
         raise ValueError(f"calibration needs each endpoint's validation loss; none in {missing} "

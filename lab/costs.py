@@ -1,24 +1,13 @@
-"""The main job's cost model on one GPU: FLOPs, compiles, forward calls and host reads per stage, and wall time.
+"""The main job's cost model on one GPU (FLOPs, compiles, forward calls, host reads, wall time per stage)
+and the disk a run keeps.
 
-  stage_costs(plan, ladder, data, plan_cost) -> {"stages": {"train", "validation", "eval", "probes"}, "total",
-                                                 "assumptions"}; format_costs(...) -> the table reproduce.py prints.
-FLOPs come from reproduce.plan_cost (run_cost: training FLOPs with the head); a forward is a third of
-a training step's FLOPs (budget's 6N convention: 2N forward, 4N backward). Counted exactly from the plan:
-  train       optimizer steps per run (one compiled forward+backward each, one host read: train.Trainer),
-  validation  checkpoint.logged's validations plus one per branch end, each over data.val_batches,
-  eval        per endpoint: the few-shot scoring on CUDA, counted from the batches tasks.score_continuations
-              would run (tasks.scoring_batches; forward calls, rows, padded tokens, logit positions, one
-              host read per batch), no model run; the validation report is the branch end's, reused
-              (eval.stored_report),
-  probes      every matched pair's two models over plan.probe_tokens (the Dyck case study not counted).
-Compiles: a training graph per run, and one eager flex kernel per run's validation (document ids, one
-shape); scoring (SDPA is_causal) and probes (math) compile nothing (attention.attention_kernel).
-Wall time = FLOPs / (peak x MFU) + compiles x compile seconds / jobs + eager forward calls x launch
-overhead + host reads x sync cost, at both ends of each range in ASSUMED: estimates, not measurements
-(why each range: docs/gpu.md). `jobs` runs share the GPU (reproduce.default_jobs): their compiles
-(host-CPU work) overlap, their GPU work, launches and syncs are counted as if serial. Not yet run on a GPU.
-Disk: `disk_estimate` replays checkpoint.py's save / prune rules to size a run before it starts
-(`plan_disk_estimate`: every run of a plan, `jobs` at a time); the sizes are measured: docs/checkpoint.md.
+`stage_costs` counts each stage from the plan: train (optimizer steps), validation (checkpoint.logged's
+plus one per branch end), eval (few-shot scoring on CUDA, from tasks.scoring_batches: no model runs) and
+probes (every matched pair over plan.probe_tokens). FLOPs: reproduce.plan_cost; a forward is a third of a
+training step (budget's 6N). Compiles: a training graph and an eager flex kernel per run; scoring and
+probes compile nothing. Wall time = FLOPs / (peak x MFU) + compiles x compile s / jobs + eager calls x
+launch overhead + host reads x sync cost, at both ends of ASSUMED: estimates, never run on a GPU.
+`disk_estimate` replays checkpoint.py's save / prune rules (sizes measured: docs/checkpoint.md).
 Read next: reproduce.py (which prints it), docs/gpu.md.
 """
 from __future__ import annotations
@@ -32,7 +21,6 @@ from pathlib import Path
 import torch
 
 import budget
-import checkpoint
 import checks
 import configs
 from checkpoint import logged, needed_checkpoints, save_kind
@@ -45,9 +33,7 @@ ASSUMED = {"mfu": (0.15, 0.05),               # narrow models (d 96-192): launch
            "flex_compile_s": (3.0, 20.0),     # eager flex kernel + block mask per run's validation (low: cached)
            "eager_call_s": (2e-3, 10e-3),     # one uncompiled forward of a looped MoE model (launch-bound)
            "host_read_s": (2e-5, 2e-4)}       # one device-to-host scalar read (a sync; pipeline drained)
-# With `jobs` runs on one GPU only the compiles are divided by jobs (each worker compiles on its own cores);
-# FLOPs time, eager calls and host reads stay serial: the workers' kernels take turns on the one device
-# (no MPS), so sharing it is assumed to add no GPU throughput (an assumption on the safe side).
+# `jobs` runs on one GPU divide only the compiles (host CPU); their kernels take turns on the device (no MPS)
 GPU_HOST = {"cpus": 16, "gpu_bytes": 139 << 30}   # the lent H200 machine: --plan-only's jobs off a GPU
 PEAK_FLOPS = budget.PEAK_BF16_FLOPS["H200"]
 VAL_READS_PER_BATCH = 4        # validation.val_loss_report (train.evaluate): float, int, two bincount .cpu()
@@ -56,10 +42,8 @@ PROBE_BATCH = 8                # probe_pairs.probe_pairs' batch_size default
 
 
 def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float) -> dict:
-    """What training `cfg` on `tokens` tokens costs: {"tokens", "F" (SMELT F, no head), "F_with_head",
-    "flops" (F x D: SMELT's C), "flops_with_head" (what the hardware runs), "tpp" (tokens per dense-
-    equivalent parameter, D / (F/6), SMELT 4.3), "tokens_per_param" (D / total non-embedding params),
-    "gpu_minutes" (flops_with_head on one H200 at ASSUMED's MFU: (best, worst))}."""
+    """What training `cfg` on `tokens` tokens costs: F (SMELT's, no head) and F x D, with the head, the tpp
+    (D / (F/6), SMELT 4.3), tokens per non-embedding parameter, and GPU minutes at ASSUMED's MFU (best, worst)."""
     if not tokens > 0 or not math.isfinite(tokens):
         raise ValueError(f"run_cost: tokens must be a finite number > 0, got {tokens!r}")
     F, Fh = budget.flops_per_token(cfg, ctx_len), budget.flops_per_token(cfg, ctx_len, include_head=True)
@@ -69,11 +53,8 @@ def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float) -> dict:
 
 
 def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
-    """One endpoint's few-shot scoring on CUDA (the same for every model of the plan): forward calls, rows,
-    padded tokens, logit positions and host reads, from the batches tasks.score_continuations would run
-    (tasks.scoring_batches at BATCH_TOKENS["cuda"]) for every task and k eval.evaluate_endpoint scores
-    (tasks.demos_available): no model runs. One host read per batch (its scores, read once).
-    tests/test_gpu_path.py checks it against evaluate_task run on a stand-in model."""
+    """One endpoint's few-shot scoring on CUDA (any model of the plan): forward calls, rows, padded tokens,
+    logit positions and host reads (one per batch) of the batches tasks.scoring_batches plans; no model runs."""
     from lab import tasks as tasks_mod
     n = Counter()
     for name in tasks_mod.resolve_tasks(plan.tasks):
@@ -102,67 +83,59 @@ def run_steps(plan: configs.Plan) -> tuple[int, int]:
     tc = train_config(plan)
     segments = [(0, tc.stable_steps)] + [(b, b + tc.decay_steps) for b in tc.branches]
     steps = sum(end - start for start, end in segments)
-    vals = sum(checkpoint.logged(tc, done, end)[1] for start, end in segments for done in range(start + 1, end + 1))
+    vals = sum(logged(tc, done, end)[1] for start, end in segments for done in range(start + 1, end + 1))
     return steps, vals + len(tc.branches)
 
 
 def _stage(flops, compiles, calls, reads, eager_calls, compile_key="flex_compile_s", overlap: int = 1) -> dict:
-    """One stage's counts and wall seconds (best, worst); its compiles overlap `overlap` at a time,
-    "compile_seconds" is what they take one after another."""
-    lo = {k: v[0] for k, v in ASSUMED.items()}
-    hi = {k: v[1] for k, v in ASSUMED.items()}
-    serial = [compiles * a[compile_key] for a in (lo, hi)]
+    """One stage's counts and wall seconds (best, worst), compiles `overlap` at a time (compile_seconds: in series)."""
+    ends = [{k: v[i] for k, v in ASSUMED.items()} for i in (0, 1)]
+    serial = [compiles * a[compile_key] for a in ends]
     secs = [flops / (PEAK_FLOPS * a["mfu"]) + c / overlap + eager_calls * a["eager_call_s"]
-            + reads * a["host_read_s"] for a, c in zip((lo, hi), serial)]
+            + reads * a["host_read_s"] for a, c in zip(ends, serial)]
     return {"flops": flops, "compiles": compiles, "forward_calls": calls, "host_reads": reads,
             "eager_calls": eager_calls, "seconds": secs, "compile_seconds": serial, "overlap": overlap}
 
 
 def stage_costs(plan: configs.Plan, ladder: list[dict], data, cost: dict, jobs: int = 1) -> dict:
-    """The cost model of the plan (see the module docstring); cost: reproduce.plan_cost(plan, ladder, ...);
-    jobs: runs sharing the GPU (train and validation compile in the workers, min(jobs, runs) at once)."""
+    """The plan's cost model; cost: reproduce.plan_cost(plan, ladder, ...); jobs: runs sharing the GPU."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"stage_costs: jobs must be an int >= 1, got {jobs!r}")
     runs = configs.plan_runs(Path("."), ladder, plan)
     if len(runs) != len(cost["runs"]):
         raise ValueError(f"stage_costs: plan_cost has {len(cost['runs'])} runs, the plan {len(runs)}")
-    cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in runs]
-    ctx = [r.cell["ctx_len"] for r in runs]
-    fwd = [budget.flops_per_token(c, x, include_head=False) / 3 for c, x in zip(cfgs, ctx)]     # forward, no head
-    head = [budget.flops_per_token(c, x, include_head=True) / 3 - f for c, x, f in zip(cfgs, ctx, fwd)]
+    n, cfgs = len(runs), [(ModelConfig.from_dict(r.cell[r.arch]), r.cell["ctx_len"]) for r in runs]
+    fwd = [budget.flops_per_token(c, x, include_head=False) / 3 for c, x in cfgs]     # forward, no head
+    head = [budget.flops_per_token(c, x, include_head=True) / 3 - f for (c, x), f in zip(cfgs, fwd)]
     steps, vals = run_steps(plan)
-    n_branches = len(train_config(plan).branches)
-    overlap = min(jobs, len(runs))
-    train = _stage(cost["total_flops"], len(runs), steps * len(runs), TRAIN_READS_PER_STEP * steps * len(runs), 0,
-                   "compile_s", overlap)
+    n_branches, overlap = len(train_config(plan).branches), min(jobs, n)
+    train = _stage(cost["total_flops"], n, steps * n, TRAIN_READS_PER_STEP * steps * n, 0, "compile_s", overlap)
     v = val_counts(data, plan.batch_size, plan.block_size, plan.eval_tokens)
-    validation = _stage(sum(vals * v["tokens"] * (f + h) for f, h in zip(fwd, head)), len(runs),
-                        vals * v["calls"] * len(runs), VAL_READS_PER_BATCH * vals * v["calls"] * len(runs),
-                        vals * v["calls"] * len(runs), overlap=overlap)
+    vc = vals * v["calls"] * n
+    validation = _stage(sum(vals * v["tokens"] * (f + h) for f, h in zip(fwd, head)), n, vc,
+                        VAL_READS_PER_BATCH * vc, vc, overlap=overlap)
     sc = scoring_counts(plan, data.vocab_size, data.tokenizer())
     eval_flops = n_branches * sum(sc["tokens"] * f + sc["positions"] * h for f, h in zip(fwd, head))
-    n_ep = n_branches * len(runs)
+    n_ep = n_branches * n
     evals = _stage(eval_flops, 0, sc["calls"] * n_ep, sc["host_reads"] * n_ep, sc["calls"] * n_ep)
     contexts = max(1, plan.probe_tokens // plan.block_size)
-    probe_calls = math.ceil(contexts / PROBE_BATCH) * len(runs)
-    probes = _stage(sum(contexts * plan.block_size * (f + h) for f, h in zip(fwd, head)), 0,
-                    probe_calls, 0, probe_calls)
+    probe_calls = math.ceil(contexts / PROBE_BATCH) * n
+    probes = _stage(sum(contexts * plan.block_size * (f + h) for f, h in zip(fwd, head)), 0, probe_calls, 0,
+                    probe_calls)
     stages = {"train": train, "validation": validation, "eval": evals, "probes": probes}
-    total = {k: sum(s[k] for s in stages.values()) for k in ("flops", "compiles", "forward_calls", "host_reads",
-                                                                "eager_calls")}
-    for key in ("seconds", "compile_seconds"):
-        total[key] = [sum(s[key][i] for s in stages.values()) for i in (0, 1)]
-    total["seconds_one_job"] = [sum(s["seconds"][i] + s["compile_seconds"][i] * (1 - 1 / s["overlap"])
-                                    for s in stages.values()) for i in (0, 1)]
+    S = list(stages.values())
+    total = {k: sum(s[k] for s in S) for k in ("flops", "compiles", "forward_calls", "host_reads", "eager_calls")}
+    total.update({k: [sum(s[k][i] for s in S) for i in (0, 1)] for k in ("seconds", "compile_seconds")})
+    total["seconds_one_job"] = [sum(s["seconds"][i] + s["compile_seconds"][i] * (1 - 1 / s["overlap"]) for s in S)
+                                for i in (0, 1)]
     return {"stages": stages, "total": total, "assumptions": ASSUMED, "peak_flops": PEAK_FLOPS,
-            "scoring_per_endpoint": sc, "endpoints": n_ep, "runs": len(runs), "jobs": jobs}
+            "scoring_per_endpoint": sc, "endpoints": n_ep, "runs": n, "jobs": jobs}
 
 
 def format_costs(c: dict) -> str:
     a = c["assumptions"]
     lines = [f"cost model on one GPU ({c['runs']} runs, {c['endpoints']} endpoints, {c['jobs']} at a time; "
-             f"estimates at MFU "
-             f"{a['mfu'][1]:.0%}-{a['mfu'][0]:.0%} of {c['peak_flops'] / 1e12:.0f} TFLOP/s, "
+             f"estimates at MFU {a['mfu'][1]:.0%}-{a['mfu'][0]:.0%} of {c['peak_flops'] / 1e12:.0f} TFLOP/s, "
              f"{a['compile_s'][0]:.0f}-{a['compile_s'][1]:.0f} s per training compile, "
              f"{a['flex_compile_s'][0]:.0f}-{a['flex_compile_s'][1]:.0f} s per eager flex compile, "
              f"{a['eager_call_s'][0] * 1e3:.0f}-{a['eager_call_s'][1] * 1e3:.0f} ms per eager call):",
@@ -191,21 +164,14 @@ def report(plan: configs.Plan, ladder: list[dict], data, cost: dict, log=print, 
 # ---------------------------------------------------------------------------------------- disk: what a run writes
 # A torch file's bytes beyond its tensors' data (zip headers, alignment, pickle; docs/checkpoint.md)
 _FILE_BYTES = 1261 + checks._TRAILER_LEN
-
-
 _TENSOR_BYTES = 280
-
-
 _RNG_BYTES = 5056 + 625 * 8 * 2 + 3 * _TENSOR_BYTES   # torch, numpy and python generator states
-
-
 _METRICS_ROW_BYTES = 420   # one metrics.jsonl row with its hash
 
 
 def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]:
-    """(full resume checkpoint, weights-only endpoint) file sizes for this model: fp32 weights, AdamW's two
-    fp32 moments + a step per parameter, RNG states, JSON meta. The parameter list comes from a GPT
-    built on the meta device (no memory allocated)."""
+    """(full resume checkpoint, weights-only endpoint) bytes: fp32 weights, AdamW's two moments and step per
+    parameter, RNG states, JSON meta; the parameters of a GPT on the meta device."""
     with torch.device("meta"):
         gpt = GPT(model_cfg)
     params = list(gpt.named_parameters())
@@ -218,9 +184,8 @@ def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]
 
 
 def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
-    """Bytes one train() run keeps on disk, replaying the Trainer's save / prune rules (save_kind,
-    needed_checkpoints, logged): "peak" (the most at any moment), "final" (after the run: endpoints, ckpt.pt,
-    logs), "written" (all bytes written, deleted files included), and the per-file sizes."""
+    """Bytes one train() run keeps, replaying save_kind / needed_checkpoints / logged: "peak" (at any moment),
+    "final" (endpoints, ckpt.pt, logs), "written" (deleted files included) and the per-file sizes."""
     tc = type(tc).from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
     full, endpoint = checkpoint_bytes(model_cfg, tc)
     row = len(json.dumps({"config": model_cfg.to_dict(), "train": asdict(tc)})) + len(json.dumps(
@@ -244,8 +209,8 @@ def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
         for key in set(ckpts) - needed_checkpoints(ckpts, pending):
             del ckpts[key]
 
-    pending, s = list(tc.branches), 0
-    for b in tc.branches:
+    pending = list(tc.branches)
+    for s, b in zip([0, *tc.branches], tc.branches):   # s: where the stable segment before branch b starts
         for branch, start, end in ((None, s, b), (b, b, b + tc.decay_steps)):
             for done in range(start + 1, end + 1):
                 if any(logged(tc, done, end)):
@@ -256,7 +221,6 @@ def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
                 elif kind == "full":
                     write(full, (branch, done))
                     prune(pending)
-        s = b
         write(row)
         pending.remove(b)
         prune(pending)
@@ -266,9 +230,8 @@ def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
 
 
 def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int = 1) -> dict:
-    """disk_estimate over a set of runs trained `jobs` at a time: "final" is the sum of the runs' final
-    bytes; "peak" adds the `jobs` largest in-run surpluses (peak - final) on top of it, an upper bound
-    (it assumes every other run has already finished)."""
+    """disk_estimate over runs trained `jobs` at a time: "final" sums the runs'; "peak" adds the `jobs` largest
+    in-run surpluses (peak - final), an upper bound."""
     ests = [disk_estimate(c, tc) for c in model_cfgs]
     final = sum(e["final"] for e in ests)
     surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]

@@ -1,27 +1,346 @@
-"""The grid's downstream claims: each an interval with a verdict (SMELT Sections 5.1, 5.3, Appendix C).
+"""The grid: SMELT against its matched Baseline over many endpoints, each claim an interval with a verdict.
 
-From wins.py's pieces (matched pairs, the shot sweep, length families) and calibration.py's residuals:
-* `downstream_claims`: SMELT - Baseline gold-completion loss and centred accuracy per task origin, a
-  paired difference over run pairs whose noise includes the item sample (`_item_noise`: items
-  resampled, the same draw for every endpoint); the calibration residuals (Eq. 7) and their growth
-  with scale; the length tilt; the shot-sweep claims (`icl_claims`) at the k that prompts fit.
-* `downstream_report`: everything Section 5 reports from a grid's endpoint evaluations.
-Interval verdicts come from `stats.verdict`; counts and refusals set theirs. Why each unit and rule: docs/wins.md.
-Read before: wins.py, calibration.py, stats.py. Read next: report.py (how the claims are printed).
+SMELT Sections 5.1, 5.3 and Appendix C, from endpoint evaluations (evaluate.evaluate_endpoint outputs):
+* `matched_pairs` (same cell, training seed, branch step) and `win_counts` (Sec. 5.1's "Completion 96/96");
+* `icl_sweep`: Appendix C's shot sweep over the cells above chance, with the paired permutation test over
+  demonstration seeds at the largest k;
+* `length_families`: Sec. 5.3 / Fig. 20a's normalised gain by document length and its long/short ratio;
+* `downstream_claims`: the SMELT - Baseline differences per task origin (run pairs, with the item sample's
+  noise: `_item_noise`), the calibration residuals (Eq. 7) and their growth with scale, the length tilt
+  and the shot-sweep claims (`icl_claims`); `downstream_report` runs all of the above.
+Interval verdicts come from `stats.verdict`; counts and refusals set theirs. Why each unit and rule:
+docs/wins.md. Read before: eval.py (the records), tasks.py, calibration.py, stats.py. Read next: report.py;
+the figures: eval_plots.plot_downstream.
 """
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from typing import Sequence
 
 import numpy as np
 
 from lab import stats
+from checks import endpoint_id
 from lab.calibration import calibration_report
-from lab.tasks import centred_accuracy
-from lab.wins import (WIN_METRICS, check_grid, icl_sweep, length_families, matched_pairs, metric_value, scale_rank,
-                  win_counts)
+from lab.tasks import centred_accuracy, chance_of
+from eval import long_short_ratio, normalised_shape
+
+ARMS = ("baseline", "smelt")
+
+
+def check_grid(records: Sequence[dict]) -> None:
+    """Refuse, naming the endpoint, a record without the arch / scale / sparsity_label the grid is keyed by."""
+    for r in records:
+        missing = [k for k in ("arch", "scale", "sparsity_label") if r.get(k) is None]
+        if missing:
+            raise ValueError(f"endpoint {endpoint_id(r)} has no {', '.join(missing)}: the grid analysis needs each "
+                             f"run's arch, scale and sparsity_label (train.py's meta / config.json 'meta')")
+
+
+def matched_pairs(records: Sequence[dict]) -> list[dict]:
+    """[{"cell", "scale", "sparsity_label", "seed", "branch_step", "baseline", "smelt"}], sorted: SMELT's matched
+    pairs. Records of other archs are ignored; two endpoints with the same key are an error."""
+    check_grid(records)
+    by_key: dict = {}
+    for r in records:
+        if r["arch"] not in ARMS:
+            continue
+        key = (r["scale"], r["sparsity_label"], r.get("seed"), r.get("branch_step"), r["arch"])
+        if key in by_key:
+            raise ValueError(f"two endpoints for {key}: {endpoint_id(by_key[key])} and {endpoint_id(r)}")
+        by_key[key] = r
+    pairs = []
+    for (sc, lab, seed, b, arch), r in by_key.items():
+        if arch == "baseline" and (sc, lab, seed, b, "smelt") in by_key:
+            pairs.append({"cell": f"{sc} {lab}", "scale": sc, "sparsity_label": lab, "seed": seed, "branch_step": b,
+                          "baseline": r, "smelt": by_key[(sc, lab, seed, b, "smelt")]})
+    return sorted(pairs, key=lambda p: (p["cell"], str(p["seed"]), p["branch_step"] or 0))
+
+
+def metric_value(rec: dict, metric: str) -> float | None:
+    """'val_loss', or '<origin> core' / '<origin> completion' (origin: real | generated) of one endpoint."""
+    if metric == "val_loss":
+        return rec["val"]["loss"] if rec.get("val") else None
+    origin, key = metric.split(" ")
+    v = rec.get("summary", {}).get(origin, {}).get(key)
+    return None if v is None or not np.isfinite(v) else float(v)
+
+
+def _metric_pairs(pairs: list[dict], metric: str):
+    """(pair, Baseline value, SMELT value) for each pair whose two endpoints have `metric`."""
+    for p in pairs:
+        b, s = metric_value(p["baseline"], metric), metric_value(p["smelt"], metric)
+        if b is not None and s is not None:
+            yield p, b, s
+
+
+# (metric, what, lower is better, the paper's count)
+WIN_METRICS = (("val_loss", "validation loss", True,
+                "\"At comparable measured compute, SMELT reaches lower loss in every cell\" (Sec. 4.1, Fig. 8)"),
+               ("real completion", "gold-completion loss, BIG-bench tasks (DCLM Completion)", True,
+                "96 / 96: \"SMELT wins on DCLM Completion in 96 of 96 matched pairs\" (Sec. 5.1)"),
+               ("real core", "centred accuracy, BIG-bench tasks (DCLM Core)", False,
+                "83 / 96: \"on DCLM Core in 83 of 96\" (Sec. 5.1)"),
+               ("generated completion", "gold-completion loss, generated tasks", True, None),
+               ("generated core", "centred accuracy, generated tasks", False, None))
+
+
+def win_counts(records: Sequence[dict]) -> dict:
+    """SMELT 5.1's win counts: of the matched endpoint pairs, how many SMELT is better on, per metric (ties are not
+    wins); "by_cell" and "by_endpoint" ("delta" = SMELT - Baseline) break each count down."""
+    pairs = matched_pairs(records)
+    out: dict = {"n_pairs": len(pairs), "metrics": {}}
+    for metric, what, lower, paper in WIN_METRICS:
+        rows, cells = [], defaultdict(lambda: {"wins": 0, "ties": 0, "n": 0})
+        for p, b, s in _metric_pairs(pairs, metric):
+            win = s < b if lower else s > b
+            rows.append({"cell": p["cell"], "seed": p["seed"], "branch_step": p["branch_step"], "baseline": b,
+                         "smelt": s, "delta": s - b, "win": win})
+            c = cells[p["cell"]]
+            c["wins"], c["ties"], c["n"] = c["wins"] + win, c["ties"] + (s == b), c["n"] + 1
+        if rows:
+            out["metrics"][metric] = {"what": what, "lower_is_better": lower, "paper": paper,
+                                      "wins": sum(r["win"] for r in rows), "ties": sum(r["delta"] == 0 for r in rows),
+                                      "n": len(rows), "by_cell": dict(cells), "by_endpoint": rows}
+    return out
+
+
+def _by_item(pairs: list[dict], name: str, k: int, among: list) -> tuple | None:
+    """(baseline, SMELT) per-item accuracy of task `name` at k (mean over seeds, each cell's pairs, then the cells
+    `among`), or None when the endpoints did not score the same items."""
+    rs = [p[a]["tasks"][name]["by_k"][str(k)] for p in pairs if p["cell"] in among for a in ARMS]
+    if any(r.get("items") != rs[0].get("items") or r.get("per_item") is None for r in rs):
+        return None
+    return tuple(np.mean([np.mean([p[a]["tasks"][name]["by_k"][str(k)]["per_item"] for p in pairs if p["cell"] == c],
+                                  axis=0) for c in among], axis=0).tolist() for a in ARMS)
+
+
+def _cell_seeds(pairs: list[dict], cells: list[str], name: str, k: int) -> dict:
+    """{cell: (Baseline per-seed accuracy, SMELT per-seed accuracy)}, averaged over the cell's pairs."""
+    got = {}
+    for c in cells:
+        arr = {a: [p[a]["tasks"][name]["by_k"][str(k)]["acc_by_seed"] for p in pairs if p["cell"] == c] for a in ARMS}
+        n = min(len(x) for v in arr.values() for x in v)
+        got[c] = tuple(np.mean([x[:n] for x in arr[a]], axis=0) for a in ARMS)
+    return got
+
+
+def _demos_kept(pairs: list[dict], name: str, k: int) -> dict:
+    """The endpoints' mean of eval.py's per-(task, k) FIT_FIELDS (task record "fit"); None where an endpoint lacks
+    them (an older eval.json). "k_counts": False when most prompts hold fewer than k demonstrations."""
+    got = {}
+    for f in ("demos_kept", "share_short", "share_cut"):
+        v = [p[a]["tasks"][name].get("fit", {}).get(str(k), {}).get(f) for p in pairs for a in ARMS]
+        got[f] = float(np.mean(v)) if v and all(x is not None for x in v) else None
+    got["k_counts"] = got["share_short"] is None or got["share_short"] <= 0.5
+    return got
+
+
+def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000) -> dict:
+    """SMELT Appendix C: per task and k, accuracy averaged within each cell (its matched pairs, per demonstration
+    seed), then over the cells where both models beat chance by more than `margin` (None where none does;
+    "*_all_cells": every cell, for tables). "test": the one-sided paired permutation test over seeds at the
+    largest shared k, pooled over those cells ("by_cell": per cell); n seeds cannot give p below 2^-n."""
+    pairs = matched_pairs(records)
+    if not pairs:
+        return {}
+    names = [n for n in pairs[0]["baseline"]["tasks"] if all(n in p[a]["tasks"] for p in pairs for a in ARMS)]
+    cells = sorted({p["cell"] for p in pairs})
+    out = {}
+    for name in names:
+        t0 = pairs[0]["baseline"]["tasks"][name]
+        chance = chance_of(t0)
+        above = lambda b, s: b.mean() > chance + margin and s.mean() > chance + margin
+        ks = sorted(set.intersection(*(set(int(k) for k in p[a]["tasks"][name]["by_k"]) for p in pairs for a in ARMS)))
+        seeds = {k: _cell_seeds(pairs, cells, name, k) for k in ks}
+        entry = {"origin": t0["origin"], "kind": t0["kind"], "chance": chance, "ks": ks, "by_k": {}}
+        for k, cs in seeds.items():
+            up = [c for c, (b, s) in cs.items() if above(b, s)]
+            row = {"cells_above": len(up), "cells": len(cells), "baseline": None, "smelt": None, "gain": None,
+                   "gain_by_cell": {c: float(cs[c][1].mean() - cs[c][0].mean()) for c in up},
+                   **_demos_kept(pairs, name, k),
+                   "baseline_by_seed": None, "smelt_by_seed": None, "baseline_by_item": None, "smelt_by_item": None,
+                   "baseline_all_cells": float(np.mean([b.mean() for b, _ in cs.values()])),
+                   "smelt_all_cells": float(np.mean([s.mean() for _, s in cs.values()]))}
+            if up:
+                n = min(len(cs[c][0]) for c in up)
+                b, s = (np.mean([cs[c][i][:n] for c in up], axis=0) for i in (0, 1))
+                row.update(baseline=float(b.mean()), smelt=float(s.mean()), gain=float(s.mean() - b.mean()),
+                           baseline_by_seed=b.tolist(), smelt_by_seed=s.tolist())
+                row["baseline_by_item"], row["smelt_by_item"] = _by_item(pairs, name, k, up) or (None, None)
+            entry["by_k"][str(k)] = row
+        K = entry["max_k"] = max(ks) if ks else None
+        test = {"k": K, "p": None, "p_min": None, "seeds": 0, "gain": None, "cells_above": 0, "why": None}
+        entry["by_cell"] = {}
+        if K is not None:
+            top = entry["by_k"][str(K)]
+            for c, (b, s) in seeds[K].items():
+                entry["by_cell"][c] = {"above": bool(above(b, s)), "baseline": float(b.mean()),
+                                       "smelt": float(s.mean()), "gain": float(s.mean() - b.mean()),
+                                       "p": stats.permutation_test(s, b, n_perm, alternative="greater")
+                                       if len(b) > 1 else None}
+            test.update(cells_above=top["cells_above"], gain=top["gain"])
+            if top["baseline_by_seed"] is None:
+                test["why"] = f"no cell has both models above chance ({chance:.3g}) at k={K}"
+            elif len(top["baseline_by_seed"]) < 2:
+                test["why"] = f"one seed at k={K}: a paired test over seeds needs at least 2"
+            else:
+                n = len(top["baseline_by_seed"])
+                test.update(seeds=n, p_min=2.0 ** -n if n <= 16 else 1 / (n_perm + 1),
+                            p=stats.permutation_test(top["smelt_by_seed"], top["baseline_by_seed"], n_perm,
+                                                     alternative="greater"))
+        entry["test"] = test
+        if not any(r["cells_above"] for r in entry["by_k"].values()):
+            entry["note"] = (f"{name}: no cell has both models above chance ({chance:.3g}) at any k "
+                             f"({', '.join(map(str, ks))}); nothing to average or draw")
+        out[name] = entry
+    return out
+
+
+def label_percent(label: str) -> float:
+    """The percentage a sparsity label names ('S~85%' -> 85.0), else nan."""
+    m = re.search(r"(\d+(?:\.\d+)?)\s*%", str(label))
+    return float(m.group(1)) if m else float("nan")
+
+
+def scale_rank(records: Sequence[dict]) -> dict[str, float]:
+    """Each scale's rank by its Baselines' active parameters (budget.count_params); by name when unknown."""
+    import budget
+    from model import ModelConfig
+    act = defaultdict(list)
+    for r in records:
+        if r["arch"] == "baseline" and isinstance(r.get("model"), dict):
+            act[r["scale"]].append(budget.count_params(ModelConfig.from_dict(r["model"]))["active"])
+    scales = {r["scale"] for r in records}
+    if all(act.get(s) for s in scales):
+        return {s: float(np.median(act[s])) for s in scales}
+    natural = lambda s: tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(s)))
+    return {s: i for i, s in enumerate(sorted(scales, key=natural))}
+
+
+def _sparsity_rank(records: Sequence[dict]) -> dict[str, float]:
+    """Each sparsity label's rank: the percentage it names ('S=0%' -> 0, 'S~85%' -> 85), else its experts."""
+    labels = {r["sparsity_label"] for r in records}
+    if all(math.isfinite(label_percent(lab)) for lab in labels):
+        return {lab: label_percent(lab) for lab in labels}
+    experts = defaultdict(list)
+    for r in records:
+        experts[r["sparsity_label"]].append((r.get("model") or {}).get("n_experts", 0))
+    return {lab: float(np.median(experts[lab])) for lab in labels}
+
+
+# the long/short ratio of each family in SMELT Fig. 20a
+PAPER_LONG_SHORT = {"SMELT vs Baseline": 1.52, "more experts": 0.88, "more parameters": 0.98}
+
+
+def _runs_and_contrasts(recs: Sequence[dict]) -> tuple[dict, dict]:
+    """The runs of the grid ({(arch, scale, sparsity label, seed): endpoints by branch step}) and each
+    family's contrasts [(ref run key, new run key)], in PAPER_LONG_SHORT's order."""
+    runs: dict = defaultdict(list)
+    for r in recs:
+        runs[(r["arch"], r["scale"], r["sparsity_label"], r.get("seed"))].append(r)
+    for v in runs.values():
+        v.sort(key=lambda r: r.get("branch_step") or 0)
+    scale_rk, sparse_rk = (scale_rank(recs), _sparsity_rank(recs)) if recs else ({}, {})
+    base = {k: v for k, v in runs.items() if k[0] == "baseline"}
+    contrasts: dict = {f: [] for f in PAPER_LONG_SHORT}
+    for (arch, sc, lab, sd) in base:
+        if ("smelt", sc, lab, sd) in runs:
+            contrasts["SMELT vs Baseline"].append((("baseline", sc, lab, sd), ("smelt", sc, lab, sd)))
+    for fam, group_of, rank in (("more experts", lambda k: (k[1], k[3]), lambda k: sparse_rk[k[2]]),
+                                ("more parameters", lambda k: (k[2], k[3]), lambda k: scale_rk[k[1]])):
+        groups = defaultdict(list)
+        for k in base:
+            groups[group_of(k)].append(k)
+        for g, ks in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            ks = sorted(ks, key=rank)
+            contrasts[fam] += list(zip(ks[:-1], ks[1:]))
+    return runs, contrasts
+
+
+def _kept(r: dict, other: dict, min_tokens: int, dropped: dict) -> dict[int, float]:
+    """r's loss by bucket over the buckets with >= min_tokens tokens in both endpoints (the others
+    go into `dropped`: {bucket: tokens})."""
+    tok = lambda e: {int(b): int(n) for b, n in (e["val"].get("tokens_by_length") or {}).items()}
+    ta, tb = tok(r), tok(other)
+    out = {}
+    for b, v in r["val"]["by_length"].items():
+        n = min(ta.get(int(b), min_tokens), tb.get(int(b), min_tokens))
+        if n >= min_tokens:
+            out[int(b)] = float(v)
+        else:
+            dropped[int(b)] = n
+    return out
+
+
+def _mean_shape(shapes: list[dict], buckets: list | None = None) -> dict:
+    """The mean of shapes ({bucket: value}) over `buckets` (default: the buckets they all have, sorted)."""
+    if buckets is None:
+        buckets = sorted(set.intersection(*(set(x) for x in shapes)))
+    return {b: float(np.mean([x[b] for x in shapes])) for b in buckets}
+
+
+def _family(fam: str, cons: list, runs: dict, n_boot: int, seed: int, min_tokens: int) -> dict:
+    """One family of length_families: its contrasts' mean shapes, their mean and the bootstrapped ratio."""
+    dropped: dict = {}
+    run_id = lambda k: f"{k[0]} {k[1]} {k[2]}" + (f" seed {k[3]}" if k[3] is not None else "")
+    shapes, rows, n_pairs, n_bad, n_neg = [], [], 0, 0, 0
+    for ref_k, new_k in cons:
+        ref, new = runs[ref_k], runs[new_k]
+        if len(ref) == len(new):
+            eps = list(zip(ref, new))
+        else:
+            nb = {r.get("branch_step"): r for r in new}
+            eps = [(r, nb[r.get("branch_step")]) for r in ref if r.get("branch_step") in nb]
+        losses = [(_kept(a, b, min_tokens, dropped), _kept(b, a, min_tokens, dropped)) for a, b in eps]
+        sh = [normalised_shape(la, lb) for la, lb in losses]
+        good = [x for x in sh if x and all(np.isfinite(v) for v in x.values())]
+        n_pairs, n_bad = n_pairs + len(good), n_bad + len(sh) - len(good)
+        gain = float(np.mean([np.mean([la[k] - lb[k] for k in set(la) & set(lb)]) for la, lb in losses]))
+        if not good:
+            continue
+        mean = _mean_shape(good)
+        shapes.append(mean)
+        n_neg += gain < 0
+        rows.append({"ref": run_id(ref_k), "new": run_id(new_k), "long_short": long_short_ratio(mean),
+                     "mean_gain": gain, "n_pairs": len(good)})
+    entry = {"paper": PAPER_LONG_SHORT[fam], "shape": {}, "long_short": None, "n_contrasts": len(shapes),
+             "n_endpoint_pairs": n_pairs, "n_degenerate": n_bad, "n_negative": n_neg,
+             "buckets_dropped": dict(sorted(dropped.items())), "contrasts": rows, "why": None}
+    if not shapes:
+        entry["why"] = ("no contrast in the grid" if not cons else
+                        "every contrast's mean gain is zero: no shape")
+        return entry
+    entry["shape"] = _mean_shape(shapes)
+    buckets = list(entry["shape"])
+    ratio = lambda ix: long_short_ratio(_mean_shape([shapes[int(i)] for i in ix], buckets))
+    if len(buckets) < 2:
+        entry["why"] = f"{len(buckets)} document-length bucket in common: no long/short ratio"
+    elif not math.isfinite(ratio(range(len(shapes)))):
+        entry["why"] = "the shorter buckets' mean gain is zero: no long/short ratio"
+    else:
+        iv = stats.bootstrap_interval(np.arange(len(shapes)), ratio, n_boot, seed=seed)
+        if not (math.isfinite(iv.lo) and math.isfinite(iv.hi)) and len(shapes) > 1:
+            iv = stats.Interval(iv.mean, math.nan, math.nan, iv.n, iv.level, iv.method)
+            entry["why"] = "a resampled long/short ratio is undefined: no interval"
+        entry["long_short"] = iv.to_dict()
+        if len(shapes) < 2:
+            entry["why"] = "one contrast: no interval"
+    return entry
+
+
+def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0, min_tokens: int = 1000) -> dict:
+    """SMELT 5.3 / Fig. 20a: three families of contrasts (ref run -> new run, same seed) in loss by document length:
+    SMELT vs its matched Baseline; consecutive sparsity levels of the Baseline at one scale ("more experts");
+    consecutive scales of the Baseline at one sparsity label ("more parameters"). A contrast averages its
+    endpoint pairs' normalised gains by bucket (normalised_shape); a family averages its contrasts' shapes and
+    bootstraps its long/short ratio over them. Buckets under `min_tokens` tokens are left out (docs/wins.md)."""
+    recs = [r for r in records if r.get("val") and r["val"].get("by_length")]
+    check_grid(recs)
+    runs, contrasts = _runs_and_contrasts(recs)
+    return {fam: _family(fam, cons, runs, n_boot, seed, min_tokens) for fam, cons in contrasts.items()}
 
 
 # the paper's words for the shot-sweep claims (Sec. 5.3) and the calibration growth (Sec. 5.1)
@@ -29,16 +348,16 @@ PAPER_ICL_GAP = "\"0.9 pp at k=0 and widens to 1.9 pp once demonstrations are pr
 PAPER_DYCK = "\"SMELT reaches 29.8% at k=32 vs. the Baseline’s 26.4%\" (Sec. 5.3, Fig. 20c)"
 PAPER_SIGNIFICANT = ("\"the 14 of these 16 tasks where SMELT’s max-shot gain is significant (p<0.05, paired "
                      "permutation test)\" (Sec. 5.3, App. C)")
-PAPER_RESIDUAL_POSITIVE = "\"The mean residual \\bar{\\delta} is positive on every benchmark at every scale\" (Sec. 5.1, Fig. 16)"
+PAPER_RESIDUAL_POSITIVE = ("\"The mean residual \\bar{\\delta} is positive on every benchmark at every scale\" "
+                           "(Sec. 5.1, Fig. 16)")
 PAPER_RESIDUAL_GROWS = ("\"\\bar{\\delta} increases monotonically with model scale on DCLM Completion and DCLM Core\" "
                         "(Sec. 5.1, Fig. 16)")
 
 
 def icl_claims(icl: dict, claim) -> None:
-    """SMELT 5.3's shot-sweep claims over the real (BIG-bench) tasks, counting only a k at which most prompts
-    keep k demonstrations (`_demos_kept`): the gap grows from k = 0 to the smallest such k > 0 (per task over
-    the cells above chance at both k; t-interval over tasks), SMELT ahead on dyck_languages at its largest such
-    k (t-interval over items, paired), and the share of tasks whose max-shot permutation test gives p < 0.05."""
+    """SMELT 5.3's shot-sweep claims over the real (BIG-bench) tasks, at the k's most prompts fit (`_demos_kept`):
+    the gap grows from k = 0 to the smallest such k > 0 (t-interval over tasks), SMELT ahead on dyck_languages at
+    its largest such k (paired over items), and most tasks' max-shot permutation test at p < 0.05."""
     real = {n: t for n, t in icl.items() if t["origin"] == "bigbench"}
     grow, no_shared, sig, tested, p_min = [], [], 0, 0, []
     for n, t in real.items():
@@ -47,7 +366,7 @@ def icl_claims(icl: dict, claim) -> None:
             rows = [t["by_k"][str(k)] for k in (0, min(k for k in ks if k > 0))]
             if any("gain_by_cell" not in r for r in rows):
                 raise ValueError(f"icl_claims: task {n}'s shot sweep has no gain_by_cell (an icl_sweep result from "
-                                 f"before 2026-12-03): run wins.icl_sweep on its records again")
+                                 f"before 2026-12-03): run downstream_claims.icl_sweep on its records again")
             g0, g1 = (r["gain_by_cell"] for r in rows)
             if both := sorted(set(g0) & set(g1)):
                 grow.append(float(np.mean([g1[c] - g0[c] for c in both])))
@@ -63,25 +382,22 @@ def icl_claims(icl: dict, claim) -> None:
           ">", 0.0, iv, len(grow), "task", "; ".join(filter(None, [
               None if grow else "no real task above chance in one cell at both k = 0 and a k > 0 that most prompts fit",
               f"left out, no cell above chance at both k: {', '.join(no_shared)}" if no_shared else None])) or None)
-    d = real.get("dyck_languages")
-    ks = [int(k) for k, r in (d or {}).get("by_k", {}).items() if r["k_counts"] and r["baseline_by_seed"]]
-    unit = "paired item"   # each item's accuracy averaged over demonstration seeds and matched pairs
-    if ks:   # a benchmark difference: its noise is the items' (the paper's 29.8 vs 26.4 % is over its test items)
-        r = d["by_k"][str(max(ks))]
-        b, s = r.get("baseline_by_item"), r.get("smelt_by_item")
-        claim("dyck gain", f"SMELT - Baseline accuracy on dyck_languages at k = {max(ks)} > 0 (each item averaged "
-              f"over demonstration seeds and matched pairs)", PAPER_DYCK, ">", 0.0,
-              stats.paired_difference(b, s) if b else None, len(b or []), unit,
-              None if b else "the endpoints scored different dyck_languages items: no paired interval")
-    else:
-        claim("dyck gain", "SMELT - Baseline accuracy on dyck_languages > 0", PAPER_DYCK, ">", 0.0, None, 0,
-              unit, "dyck_languages not above chance (or cut) at any k in this run")
+    # a benchmark difference: its noise is the items' (the paper's 29.8 vs 26.4 % is over its test items)
+    by_k = real.get("dyck_languages", {}).get("by_k", {})
+    ks = [int(k) for k, r in by_k.items() if r["k_counts"] and r["baseline_by_seed"]]
+    r = by_k[str(max(ks))] if ks else {}
+    b, s = r.get("baseline_by_item"), r.get("smelt_by_item")
+    why = ("the endpoints scored different dyck_languages items: no paired interval" if ks else
+           "dyck_languages not above chance (or cut) at any k in this run")
+    claim("dyck gain", f"SMELT - Baseline accuracy on dyck_languages at k = {max(ks)} > 0 (each item averaged over "
+          f"demonstration seeds and matched pairs)" if ks else "SMELT - Baseline accuracy on dyck_languages > 0",
+          PAPER_DYCK, ">", 0.0, stats.paired_difference(b, s) if b else None, len(b or []), "paired item",
+          None if b else why)
     floor = min(p_min, default=1.0)
     why = (f"{sig} of {tested} tasks significant" + (f"; with these seeds p cannot go below {floor:.3g}"
                                                       if floor >= 0.05 else "") if tested else
            "no real task tested at a k most of its prompts hold")
-    # a count, not an interval: reproduced when most tested tasks are significant; too few seeds (or no
-    # significant majority) leaves it not resolved, since a test that cannot reject is no evidence against
+    # a count, not an interval: a test that cannot reject (too few seeds) is no evidence against
     claim("icl significant", "most tasks' max-shot gain significant (p < 0.05)", PAPER_SIGNIFICANT, ">", 0.5, None,
           tested, "task", why, verdict="reproduced" if tested and 2 * sig > tested else "not resolved")
 
@@ -90,7 +406,8 @@ def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int)
     """Each endpoint's summary `key` of `origin` (eval.summarise: "core" or "completion" at each task's headline k)
     recomputed on items resampled with replacement, the same draw of every task's items for every endpoint:
     (draws x endpoints, the fewest items of a task; row 0 the items as scored), or why there is none."""
-    src, field = ("bigbench" if origin == "real" else "generated"), ("per_item" if key == "core" else "gold_nll_by_item")
+    src = "bigbench" if origin == "real" else "generated"
+    field = "per_item" if key == "core" else "gold_nll_by_item"
     rng, parts, n_min = np.random.default_rng(seed), [], None
     names = sorted({n for r in recs for n, t in r.get("tasks", {}).items() if t["origin"] == src})
     for name in names:
@@ -112,17 +429,17 @@ def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int)
                           np.array([b["gold_tokens_by_item"] for b in by_k])[:, idx].sum(-1).T))
     if not parts:
         return f"no {origin} task with per-item results"
-    out = np.mean(parts, axis=0) if key == "core" else sum(p[0] for p in parts) / np.maximum(sum(p[1] for p in parts), 1)
-    return out, n_min
+    if key == "core":
+        return np.mean(parts, axis=0), n_min
+    return sum(p[0] for p in parts) / np.maximum(sum(p[1] for p in parts), 1), n_min
 
 
 def _item_noise(units: list[list[tuple]], origin: str, key: str, iv: stats.Interval, n_boot: int = 1000,
                 seed: int = 0) -> dict:
-    """The item sample's noise in a paired difference whose t-interval `iv` is over run pairs (every pair scores
-    the same items, so `iv` holds training noise only). Items are resampled (models fixed; each unit's endpoint
-    pairs averaged, then the units): "items", the percentile interval; "both", `iv` widened by the draws'
-    variance (t quantile over the units, the two noises added), which decides the claim. {"why"} without
-    per-item results; "inconsistent" when the items as scored do not give the records' summaries."""
+    """The item sample's noise in a paired difference whose t-interval `iv` over run pairs holds training noise
+    only (every pair scores the same items): "items", the percentile interval over item resamples (models fixed);
+    "both", `iv` widened by the draws' variance, which decides the claim. {"why"} without per-item results;
+    "inconsistent" when the items as scored do not give the records' summaries (docs/wins.md)."""
     if n_boot < 2:
         return {"items": None, "both": None, "why": f"n_boot = {n_boot}: no item bootstrap"}
     flat = [p for u in units for p in u]
@@ -164,23 +481,11 @@ def _noise_verdict(noise: dict, direction: str, why: str | None) -> tuple[str | 
 
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
                       unit: str = "run", icl: dict | None = None, n_boot: int = 1000) -> list[dict]:
-    """The main job's downstream claims, each an interval decided by stats.verdict (SMELT 5.1, 5.3).
-
-    For each origin (real BIG-bench tasks, generated tasks): SMELT - Baseline gold-completion loss
-    (claim < 0) and centred accuracy (claim > 0), as stats.paired_difference over the matched pairs.
-    unit="run" (default) first averages each run pair's endpoints (cell, seed), so the units are
-    independent trainings; unit="endpoint" pairs every matched endpoint (cell, seed, branch), whose
-    interval counts the endpoints of one run (one trajectory) as if they were independent. Every pair scores
-    the same items, so that interval holds training noise only; where the records carry per-item results
-    (tasks.evaluate_task), _item_noise adds "items_interval" (n_boot item resamples) and "both_interval"
-    (the two noises added), which gives the verdict; without them "why" says so.
-    calibration (calibration_report): the mean Eq. 7 residual of every identified metric, with its
-    t-interval over SMELT runs (each run's endpoints averaged: they share a trajectory; claim > 0); a
-    metric whose fit is not identified is listed with verdict "not resolved" and why. families
-    (length_families): SMELT's long/short ratio > 1 (not resolved below stats.MIN_BOOTSTRAP_UNITS contrasts).
-    Returns [{"id", "claim", "paper", "direction", "value", "interval" (Interval dict | None),
-    "verdict", "n", "unit", "why"}], the differences also "items_interval" and "both_interval" (dict | None).
-    """
+    """The main job's downstream claims (SMELT 5.1, 5.3), each {"id", "claim", "paper", "direction", "value",
+    "interval", "verdict", "n", "unit", "why"}: per task origin, SMELT - Baseline gold-completion loss (< 0) and
+    centred accuracy (> 0) paired over run pairs (unit="run": the independent trainings) or every matched
+    endpoint (unit="endpoint"), with _item_noise's "items_interval" / "both_interval"; from `calibration` the
+    Eq. 7 residuals (> 0) and their growth with scale; from `families` the length tilt; from `icl` icl_claims."""
     if unit not in ("endpoint", "run"):
         raise ValueError(f"unit must be 'endpoint' or 'run', got {unit!r}")
     pairs = matched_pairs(records)
@@ -196,43 +501,40 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                                             ("core", ">", "centred accuracy", WIN_METRICS[2][3])):
             paper = paper if origin == "real" else None          # the paper has no generated tasks
             metric = f"{origin} {key}"
-            units = defaultdict(list)
-            for p in pairs:
-                if metric_value(p["baseline"], metric) is not None and metric_value(p["smelt"], metric) is not None:
-                    units[(p["cell"], p["seed"]) if unit == "run" else len(units)].append((p["baseline"], p["smelt"]))
+            units, vals = defaultdict(list), defaultdict(list)
+            for p, b, s in _metric_pairs(pairs, metric):
+                u = (p["cell"], p["seed"]) if unit == "run" else len(units)
+                units[u].append((p["baseline"], p["smelt"]))
+                vals[u].append((b, s))
             if not units:
                 continue
-            b = [float(np.mean([metric_value(x, metric) for x, _ in u])) for u in units.values()]
-            s = [float(np.mean([metric_value(y, metric) for _, y in u])) for u in units.values()]
+            b, s = ([float(np.mean([x[i] for x in v])) for v in vals.values()] for i in (0, 1))
             iv = stats.paired_difference(b, s)
-            why, verdict = (None if iv.resolved else f"{len(b)} pair(s) without spread: no interval"), None
             noise = _item_noise(list(units.values()), origin, key, iv, n_boot)
-            why, verdict = _noise_verdict(noise, direction, why)
+            why, verdict = _noise_verdict(noise, direction,
+                                          None if iv.resolved else f"{len(b)} pair(s) without spread: no interval")
             if key == "core" and max(b + s) <= 0:   # centred accuracies below chance rank nothing
                 why, verdict = "both models at or below chance (centred accuracy <= 0) in every pair", "not resolved"
             claim(f"{metric} difference", f"SMELT - Baseline {what}, {src} {direction} 0", paper, direction, 0.0, iv,
                   len(b), "matched endpoint pair" if unit == "endpoint" else "matched run pair", why, verdict)
             claims[-1].update({f"{k}_interval": noise[k].to_dict() if noise[k] is not None else None
                                for k in ("items", "both")})
-    if calibration is not None and calibration.get("error"):
-        claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0",
-              PAPER_RESIDUAL_POSITIVE, ">", 0.0, None, 0, "SMELT endpoint",
-              f"calibration not available: {calibration['error']}")
     if calibration is not None:
+        if calibration.get("error"):
+            claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0",
+                  PAPER_RESIDUAL_POSITIVE, ">", 0.0, None, 0, "SMELT endpoint",
+                  f"calibration not available: {calibration['error']}")
         for name, c in calibration.get("metrics", {}).items():
             if name.startswith("task/"):
                 continue
-            text = f"calibration residual (Eq. 7) of SMELT on {name} > 0"
-            paper = PAPER_RESIDUAL_POSITIVE
-            if not c.get("identified"):
-                claim(f"{name} residual", text, paper, ">", 0.0, None, 0, "SMELT endpoint",
-                      f"calibration not identified: {c.get('why')}")
-                continue
-            runs = _run_means(records, c["residuals"], c.get("inside"))
-            iv = stats.mean_interval([v for _, v in runs.values()]) if runs else None
-            claim(f"{name} residual", text, paper, ">", 0.0, iv, len(runs), "SMELT run",
-                  _residual_why(c, iv, "too few SMELT runs for an interval"))
-    if calibration is not None:
+            if c.get("identified"):
+                runs = [v for _, v in _run_means(records, c["residuals"], c.get("inside")).values()]
+                iv = stats.mean_interval(runs) if runs else None
+                got = (iv, len(runs), "SMELT run", _residual_why(c, iv, "too few SMELT runs for an interval"))
+            else:
+                got = (None, 0, "SMELT endpoint", f"calibration not identified: {c.get('why')}")
+            claim(f"{name} residual", f"calibration residual (Eq. 7) of SMELT on {name} > 0", PAPER_RESIDUAL_POSITIVE,
+                  ">", 0.0, *got)
         _residual_growth(records, calibration, claim)
     if icl is not None:
         icl_claims(icl, claim)
@@ -243,13 +545,13 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
         if iv is not None and f.get("n_negative", 0) * 2 > f["n_contrasts"]:
             # SMELT worse on average: the ratio then describes a deficit, not a gain (docs/wins.md): no verdict
             why, iv = (f"SMELT's mean gain is negative in {f['n_negative']} of {f['n_contrasts']} contrasts: the "
-                       f"normalised shape describes a loss, not a gain (ratio {stats.Interval(**f['long_short']).fmt(2)})"), None
+                       f"normalised shape describes a loss, not a gain (ratio {iv.fmt(2)})"), None
         if iv is not None and iv.resolved and iv.few_units:   # not resolved (stats.verdict); the interval is kept
             why = (f"{iv.n} contrasts: a percentile bootstrap over fewer than {stats.MIN_BOOTSTRAP_UNITS} units "
                    f"covers the truth less often than it says (docs/wins.md)")
         claim("length tilt", "SMELT's gain tilts to long documents: long/short ratio > 1",
-              "1.52: \"SMELT’s gain on the four longest buckets is 1.52× its gain on the four shortest; the two controls "
-              "stay flat (0.98 and 0.88)\" (Sec. 5.3, Fig. 20a)", ">", 1.0, iv, f["n_contrasts"],
+              "1.52: \"SMELT’s gain on the four longest buckets is 1.52× its gain on the four shortest; the two "
+              "controls stay flat (0.98 and 0.88)\" (Sec. 5.3, Fig. 20a)", ">", 1.0, iv, f["n_contrasts"],
               "SMELT/Baseline run pair", why)
     return claims
 
@@ -257,8 +559,8 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
 def _run_means(records: Sequence[dict], residuals: Sequence[float], inside: Sequence[bool] | None = None) -> dict:
     """{(scale, sparsity label, seed): (scale, mean residual)}: the SMELT endpoints' Eq. 7 residuals (in the order of
     the SMELT endpoints in `records`, as downstream_report hands them to calibration_report) averaged per run, the
-    independent unit: the branches of one run share its stable phase.  `inside` (calibrate's): only endpoints
-    within the Baseline loss range count; beyond it the residual measures the sigmoid's extrapolation."""
+    independent unit. `inside` (calibrate's): only endpoints within the Baseline loss range count; beyond it
+    the residual measures the sigmoid's extrapolation."""
     smelt = [r for r in records if r["arch"] == "smelt"]
     by = defaultdict(list)
     for r, v, keep in zip(smelt, residuals, inside if inside is not None else [True] * len(residuals)):
@@ -279,14 +581,14 @@ def _residual_why(c: dict, iv: stats.Interval | None, too_few: str) -> str | Non
 def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
     """SMELT 5.1: the mean Eq. 7 residual grows with scale, per identified real metric: the largest scale's
     SMELT runs' mean residuals minus the smallest's (Welch interval over runs; claim > 0)."""
-    groups = [str(r.get("scale") or r.get("run", "?")) for r in records if r["arch"] == "smelt"]
+    groups = {str(r.get("scale") or r.get("run", "?")) for r in records if r["arch"] == "smelt"}
     rank = scale_rank(records)
+    scales = sorted(groups, key=lambda g: rank.get(g, 0))
     for name in ("completion", "core"):
         c = calibration.get("metrics", {}).get(name)
         if c is None:
             continue
         text = f"calibration residual of SMELT on {name}: largest scale minus smallest > 0"
-        scales = sorted(set(groups), key=lambda g: rank.get(g, 0))
         if not c.get("identified") or len(scales) < 2:
             claim(f"{name} residual growth", text, PAPER_RESIDUAL_GROWS, ">", 0.0, None, 0, "SMELT endpoint",
                   f"calibration not identified: {c.get('why')}" if not c.get("identified") else "one scale")
@@ -294,26 +596,21 @@ def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
         by = defaultdict(list)
         for g, v in _run_means(records, c["residuals"], c.get("inside")).values():
             by[g].append(v)
-        n = len(by[scales[0]]) + len(by[scales[-1]])
-        iv = stats.welch_difference(by[scales[0]], by[scales[-1]]) if by[scales[0]] and by[scales[-1]] else None
+        lo, hi = by[scales[0]], by[scales[-1]]
+        iv = stats.welch_difference(lo, hi) if lo and hi else None
         claim(f"{name} residual growth", f"{text} ({scales[-1]} vs {scales[0]})", PAPER_RESIDUAL_GROWS, ">", 0.0,
-              iv, n, "SMELT run", _residual_why(c, iv, "too few SMELT runs per scale for an interval"))
+              iv, len(lo) + len(hi), "SMELT run", _residual_why(c, iv, "too few SMELT runs per scale for an interval"))
 
 
 def downstream_report(records: Sequence[dict], margin: float = 0.0, n_boot: int = 2000, n_perm: int = 10000,
                       unit: str = "run") -> dict:
-    """Everything SMELT Section 5 reports from a grid's endpoint evaluations (evaluate_endpoint outputs).
-
-    Returns {"n_endpoints", "n_pairs", "wins" (win_counts), "icl" (icl_sweep), "families"
-    (length_families), "calibration" (calibration_report on every Baseline endpoint against every
-    SMELT endpoint; {"error"} when the endpoints lack validation), "claims" (downstream_claims)}.
-    """
+    """Everything SMELT Section 5 reports from a grid's endpoint evaluations: {"n_endpoints", "n_pairs", "wins"
+    (win_counts), "icl" (icl_sweep), "families" (length_families), "calibration" (calibration_report of every
+    Baseline endpoint against every SMELT endpoint; {"error"} without validation), "claims" (downstream_claims)}."""
     recs = list(records)
     check_grid(recs)
-    base = [r for r in recs if r["arch"] == "baseline"]
-    smelt = [r for r in recs if r["arch"] == "smelt"]
     try:
-        cal = calibration_report(base, smelt)
+        cal = calibration_report(*([r for r in recs if r["arch"] == a] for a in ARMS))
     except ValueError as e:
         cal = {"error": str(e), "metrics": {}}
     fams = length_families(recs, n_boot)

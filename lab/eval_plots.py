@@ -1,14 +1,8 @@
-"""The figures of the downstream evaluation (SMELT Section 5, Appendix C): what eval.py and wins.py draw.
-
-* `plot_shot_sweep`: accuracy vs k per task for one endpoint (and a compared one), SMELT Fig. 20b-c.
-* `plot_icl_sweep`: Fig. 51: Baseline and SMELT accuracy vs k over the cells above chance.
-* `plot_calibration`: metric vs validation loss with the Eq. 6 fit (identified fits only).
-* `plot_length_families`: Fig. 20a: each family's normalised gain by document length.
-* `plot_downstream`: the three grid figures of downstream_claims.downstream_report into one folder.
-Nothing is drawn for at-chance tasks or unidentified fits: each function returns a sentence
-saying what it left out, and writes no file when nothing is left.
-
-Read before: tasks.py, calibration.py, wins.py. Plumbing (headless pyplot, save): plots.py.
+"""The figures of the downstream evaluation (SMELT Section 5, Appendix C): shot sweeps (Fig. 20b-c for one
+endpoint, Fig. 51 over the grid), the Eq. 6 calibration and the gain by document length (Fig. 20a).
+Nothing is drawn for at-chance tasks or unidentified fits: each function returns a sentence saying what
+it left out, and writes no file when nothing is left.
+Read before: tasks.py, calibration.py, downstream_claims.py. Plumbing (headless pyplot, save): plots.py.
 """
 from __future__ import annotations
 
@@ -22,17 +16,15 @@ from lab import plots
 from lab.calibration import sigmoid4
 from lab.tasks import chance_of
 
+
 def _above_chance(task: dict) -> bool:
     """Some k of this task entry has accuracy above its chance rate."""
     return any(r["acc"] > chance_of(task) + 1e-12 for r in task["by_k"].values())
 
 
 def plot_shot_sweep(result: dict, path: str | Path, other: dict | None = None) -> str:
-    """Accuracy vs k per task (mean +- s.e. over seeds) of one endpoint (and a compared one, dashed).
-
-    Tasks whose accuracy never exceeds chance (in either endpoint) are not drawn, and a panel with
-    no task left is dropped; the returned text names them. Nothing is written when nothing is left.
-    """
+    """Accuracy vs k per task (mean +- s.e. over seeds) of one endpoint (and a compared one, dashed); tasks
+    never above chance in either are left out."""
     results = [result] + ([other] if other else [])
     drawn = {o: [n for n, t in result["tasks"].items() if t["origin"] == o
                  and any(n in r["tasks"] and _above_chance(r["tasks"][n]) for r in results)]
@@ -64,10 +56,8 @@ def plot_shot_sweep(result: dict, path: str | Path, other: dict | None = None) -
 
 
 def plot_icl_sweep(sweep: dict, path: str | Path) -> str:
-    """SMELT Fig. 51 from icl_sweep: per task, Baseline (dashed) and SMELT (solid) accuracy vs k averaged
-    over the cells where both are above chance (bars: standard error over demonstration seeds); tasks
-    with no such cell at any k are left out (named in the returned text); nothing is written when no
-    task is left."""
+    """SMELT Fig. 51 from icl_sweep: per task, Baseline (dashed) and SMELT (solid) accuracy vs k averaged over
+    the cells where both are above chance (bars: standard error over demonstration seeds)."""
     drawn = [n for n, t in sweep.items() if any(r["cells_above"] for r in t["by_k"].values())]
     left = [n for n in sweep if n not in drawn]
     note = (f"No cell has both models above chance at any k for: {', '.join(left)} (not drawn)." if left else "")
@@ -102,10 +92,7 @@ def plot_icl_sweep(sweep: dict, path: str | Path) -> str:
 
 
 def plot_calibration(base: Sequence[dict], others: Sequence[dict], report: dict, path: str | Path) -> str:
-    """Metric vs validation loss for every identified Eq. 6 fit: Baseline endpoints, the curve, the others.
-
-    Metrics whose fit is not identified are not drawn (the returned text says why); nothing is
-    written when none is identified."""
+    """Metric vs validation loss for every identified Eq. 6 fit: Baseline endpoints, the curve, the others."""
     metrics = [m for m in ("core", "completion", "generated core", "generated completion")
                if report.get("metrics", {}).get(m, {}).get("identified")]
     skipped = {m: c["why"] for m, c in report.get("metrics", {}).items()
@@ -171,13 +158,11 @@ def plot_length_families(families: dict, path: str | Path) -> str:
 
 
 def plot_downstream(report: dict, records: Sequence[dict], out_dir: str | Path) -> dict:
-    """The Section 5 figures of downstream_report into out_dir: shot_sweep.png (Appendix C average),
-    calibration.png (identified fits only), length_families.png. Returns {"figures": {name: path or
-    None}, "notes": [text for what was not drawn]}."""
+    """downstream_report's figures into out_dir (shot_sweep, calibration, length_families .png):
+    {"figures": {name: path or None}, "notes": [what was not drawn]}."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base = [r for r in records if r["arch"] == "baseline"]
-    smelt = [r for r in records if r["arch"] == "smelt"]
+    base, smelt = ([r for r in records if r["arch"] == a] for a in ("baseline", "smelt"))
     figures, notes = {}, []
     for name, draw in (("shot_sweep", lambda p: plot_icl_sweep(report["icl"], p)),
                        ("calibration", lambda p: plot_calibration(base, smelt, report["calibration"], p)

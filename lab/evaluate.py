@@ -1,25 +1,18 @@
 """The downstream evaluation of one endpoint: the shot sweep over every task, comparisons, the CLI.
 
-What this file implements (SMELT Sections 5.1, 5.3 and Appendices C, E)
-* `evaluate_endpoint`: eval.py's validation report (stored at the branch end or run here), then
-  every task of tasks.py at every k of the shot sweep (SHOTS, SMELT Fig. 20b-c; a k most prompts
-  cannot hold is left out, `fit_label`) and `summarise` (DCLM Core and Completion, real and
-  generated tasks apart, the demonstrations that fit); `evaluate_endpoints` does all of a run's.
-* `compare`: one endpoint against another (per task and k, the one-sided permutation test over
-  demonstration seeds, App. C, and the length shape of the gain, eval.normalised_shape).
-* The CLI, `python -m lab.evaluate --run RUN [--compare RUN2] [--baselines RUN ...]`, writes
-  eval.json and plots (--baselines: the loss-to-score calibration of calibration.py); every path it
-  reads or writes is checked first (`check_out_dir`, `read_eval`, `check_eval_record`).
-
-Read before: eval.py, tasks.py. Read next: calibration.py, wins.py (the grid of endpoints).
-Design choices and measurements: docs/eval.md.
+SMELT Sections 5.1, 5.3 and Appendices C, E:
+* `evaluate_endpoint`: eval.py's validation report, then every task of tasks.py at every k of the
+  shot sweep (SHOTS, Fig. 20b-c) and `summarise` (DCLM Core and Completion, real and generated apart).
+* `compare`: one endpoint against another (the one-sided permutation test over demonstration seeds,
+  App. C, and the length shape of the gain).
+* The CLI, `python -m lab.evaluate --run RUN [--compare RUN2] [--baselines RUN ...]`, writes eval.json
+  and plots; every path it reads or writes is checked first.
+Read before: eval.py, tasks.py. Read next: calibration.py, downstream_claims.py. Notes: docs/eval.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,13 +23,12 @@ import torch
 
 import checks
 import data as data_mod
-from checks import JSONFileError
+from checks import JSONFileError, check_out_dir, endpoint_id
 from eval import load_model, long_short_ratio, normalised_shape, run_endpoints, stored_report, val_loss_report
 from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
 from lab.eval_plots import plot_calibration, plot_shot_sweep
 from lab.tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, get_task,
                        resolve_tasks)
-from checks import endpoint_id
 
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -51,11 +43,9 @@ def fit_label(k: int, demos_kept: float) -> str:
 
 
 def summarise(tasks: dict) -> dict:
-    """Per origin ("real", "generated"): "core" = mean centred accuracy over the tasks (for real tasks, the
-    DCLM Core average over the subset present), "completion" = micro gold-completion loss over the
-    generation tasks; per k and at each task's headline k (its DCLM k if evaluated, else the largest).
-    "fit": per task and k, the demonstrations that fit (FIT_FIELDS, its label, whether by_k reports it);
-    "not_reported": the (task, k) left out because most of their prompts hold fewer than k demonstrations."""
+    """Per origin: "core" (mean centred accuracy), "completion" (micro gold-completion loss of the generation
+    tasks), per k and at each task's headline k; "fit" per task and k (FIT_FIELDS, label, reported);
+    "not_reported": the (task, k) whose prompts mostly hold fewer than k demonstrations."""
     out = {}
     for origin in ("real", "generated"):
         ts = {n: t for n, t in tasks.items() if t["origin"] == ("bigbench" if origin == "real" else "generated")}
@@ -83,17 +73,10 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
                       seeds: int = 10, max_items: int | None = 100, val: bool | dict = True,
                       val_tokens_per_source: int | None = 1 << 16, batch_size: int = 8, device: str | None = None,
                       enc=None, data=None, log=print) -> dict:
-    """Evaluate one endpoint: validation report (when data or its run's data_dir is readable), shot sweep.
-
-    path: a run directory (its ckpt.pt: the longest branch), an endpoint file or a training
-    checkpoint (see load_model). enc / data: a tokenizer and a TokenData to use instead of the ones
-    the run names. val: True (val_loss_report here), False (none), or a val_loss_report dict made
-    elsewhere for this endpoint (e.g. at the branch end, on the same tokens; why: docs/eval.md).
-    log: called with one compact progress line per stage and task, each naming the endpoint
-    ("RUN@BRANCH"); the main job passes its own in worker processes (log=lambda m: None: quiet).
-    Returns {"run", "name", "endpoint", "branch_step", "step", "tokens", "arch", "scale",
-    "sparsity_label", "seed", "model", "settings", "val", "tasks", "summary", "seconds"}.
-    """
+    """Evaluate one endpoint (a path load_model reads): validation report (when data or the run's data_dir is
+    readable), then the shot sweep. val: True (run here), False, or a val_loss_report dict made elsewhere
+    for this endpoint (docs/eval.md); enc / data replace the run's tokenizer / TokenData; log gets one
+    progress line per stage and task."""
     t0 = time.perf_counter()
     for name, v, lo, none_ok in (("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
                                  ("batch_size", batch_size, 1, False),
@@ -134,8 +117,7 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     if result["val"] and given is None:
         log(f"{label}: val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens "
             f"({time.perf_counter() - t0:.1f} s)")
-    if enc is None:
-        enc = data_mod.get_tokenizer(model.cfg.vocab_size)
+    enc = data_mod.get_tokenizer(model.cfg.vocab_size) if enc is None else enc
     result["tasks"], counts = {}, Counter()
     for i, name in enumerate(names, 1):
         t1 = time.perf_counter()
@@ -169,9 +151,7 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     return result
 
 
-def evaluate_run(run_dir: str | Path, *args, **kw) -> dict:
-    """evaluate_endpoint on a run directory: its longest branch's endpoint (RUN_DIR/ckpt.pt)."""
-    return evaluate_endpoint(run_dir, *args, **kw)
+evaluate_run = evaluate_endpoint   # given a run directory: its longest branch's endpoint (RUN_DIR/ckpt.pt)
 
 
 def evaluate_endpoints(run_dir: str | Path, branches: Sequence[int] | None = None, **kw) -> list[dict]:
@@ -187,9 +167,8 @@ def evaluate_endpoints(run_dir: str | Path, branches: Sequence[int] | None = Non
 
 
 def compare(a: dict, b: dict, n: int = 10000) -> dict:
-    """Model b vs model a (two endpoint evaluations): per task and k, acc(b) - acc(a) and the one-sided
-    paired permutation p-value of b > a over demonstration seeds (SMELT App. C; None with one seed);
-    the length shape of b's gain and its long/short ratio."""
+    """Endpoint evaluation b vs a: per task and k, acc(b) - acc(a) and the one-sided paired permutation p of b > a
+    over demonstration seeds (SMELT App. C; None with one seed); the length shape of b's gain."""
     from lab import stats
     out: dict = {"tasks": {}}
     for name, ta in a["tasks"].items():
@@ -243,22 +222,6 @@ def read_eval(path: str | Path) -> dict:
     return check_eval_record(obj, str(p))
 
 
-def check_out_dir(out: Path, need_bytes: int = 16 << 20) -> None:
-    """Refuse an output directory that is a file, cannot be created or written, or lacks need_bytes free:
-    a ValueError naming it, before any work (a probe file is written and removed: root ignores mode bits)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file, not a directory: give another --out-dir")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".eval_probe"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{out} is not a writable directory ({e.strerror}): give another --out-dir") from None
-    free = shutil.disk_usage(out).free
-    if free < need_bytes:
-        raise ValueError(f"{out} has {free >> 20} MiB free, eval.json and its plots need {need_bytes >> 20} MiB")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = checks.parser("Evaluate a run: validation loss by source/domain/length, "
                     "few-shot shot sweep, optional comparison and loss-to-score calibration.")
@@ -275,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=checks.positive_int, default=8, help="validation batch size (rows of block_size)")
     checks.add_device(ap)
     checks.add_out_dir(ap, "where eval.json (for an endpoint file: NAME.eval.json) and the plots go (default: beside "
-                    "--run, where reproduce.py and --compare / --baselines look for them)", old=())
+                    "--run, where reproduce.py and --compare / --baselines look for them)")
     ap.add_argument("--compare", default=None, help="another run dir with eval.json: permutation tests and length shape vs it")
     ap.add_argument("--baselines", nargs="+", default=None,
                     help=f"Baseline run dirs with eval.json (>= {CALIBRATION_MIN_POINTS}): calibrate this run "
@@ -293,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error(f"--run {src} not found: give a run directory (config.json + ckpt.pt) or an endpoint file")
     out = Path(args.out_dir) if args.out_dir else (src if src.is_dir() else src.parent)
     try:   # every location read or written, checked before the evaluation
-        check_out_dir(out)
+        check_out_dir(out, 16 << 20)   # eval.json and its plots
         if (src / "config.json").is_file():   # the run's model config, field by field
             from model import ModelConfig
             checks.read_config(src / "config.json", ModelConfig, "--run", key="model")

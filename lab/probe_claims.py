@@ -1,20 +1,13 @@
 """Section 6's claims from probe results: one registry of quantities, their intervals and verdicts.
 
-`QUANTITIES` is the single place a probe quantity is registered: which per-unit sums of
-`probes.ProbeAccumulator` it reads, how it is formed from their means, the paper claim it tests
-(if any) and its Fig. 23 panel (if any). The claims (`claimed`), the Fig. 23 panels (`panels`) and
-the per-pair intervals are all derived from it, so a new probe (say a logit lens) needs its sums in
-the accumulator and one row here.
-
-  Sec. 6.1, Fig. 21     experts shared between visits against random routing (k^2 / n).
-  Sec. 6.2, Fig. 23-24  update norm ratios (visit v+1 / visit v) and same-layer update cosines.
-  Sec. 6.3, Fig. 25-26  Q and K against V and the input X; top-8 attended-token overlap against the control.
-  Sec. 6.4, Fig. 27-30  sink mass falls on the next visit; the Dyck head's BOS and demonstration mass.
-
-Every interval is a percentile bootstrap over held-out document groups (`stats.bootstrap_interval`),
-the same draws for every pair; the Dyck claims resample prompts. `claims` gives each claim with its
-`stats.verdict`. Works from the probes.json dict alone (no model). Read probes.py first; the figures
-are in probe_plots.py; the reasoning behind each choice is in docs/probe_claims.md.
+`QUANTITIES` registers each probe quantity once: the per-unit sums of `probes.ProbeAccumulator` it reads,
+how it is formed from their means, its paper claim and its Fig. 23 panel (if any); the claims, the panels and
+the per-pair intervals all derive from it. Sec. 6.1 (Fig. 21): experts shared between visits; 6.2 (Fig. 23-24):
+update norm ratios and cosines; 6.3 (Fig. 25-26): Q, K, V cosines and attended-token overlap; 6.4 (Fig. 27-30):
+sink mass and the Dyck head (`DYCK_CLAIMS`, over prompts). Every interval is a percentile bootstrap over
+held-out document groups, the same draws for every pair; `claims` gives each with its `stats.verdict`.
+Works from the probes.json dict alone. Read probes.py first; figures: probe_plots.py; the reasoning:
+docs/probe_claims.md.
 """
 from __future__ import annotations
 
@@ -62,7 +55,7 @@ class Quantity:
 
 
 def _ratio(m) -> float:
-    """Mean over cross-visit pairs (layer, v -> v+1) of visit v+1 / visit v token-averaged norm: m (pairs, 2)."""
+    """Mean over cross-visit pairs (layer, v -> v+1) of visit v+1 / visit v norm: m (pairs, 2)."""
     return float((m[:, 1] / m[:, 0]).sum()) / len(m)
 
 
@@ -101,9 +94,9 @@ def _ratio_claim(cid: str, letter: str, what: str, title: str, paper: str = RATI
 
 def _cos_gap(a: str, b: str, cid: str, direction: str, paper: str) -> Quantity:
     """Fig. 25: the cross-visit cosine of stage a minus that of stage b, a claim of every cell."""
-    b_name = "the input X" if b == "X" else b
-    return _gap(f"cos_{a}", f"cos_{b}", claim=Claim(cid, direction, 0.0, "Fig. 25", f"cross-visit cosine of {a} minus "
-                                                    f"that of {b_name}", paper, (f"cos_{a}", f"cos_{b}"), every_cell=True))
+    what = f"cross-visit cosine of {a} minus that of {'the input X' if b == 'X' else b}"
+    parts = (f"cos_{a}", f"cos_{b}")
+    return _gap(*parts, claim=Claim(cid, direction, 0.0, "Fig. 25", what, paper, parts, every_cell=True))
 
 
 _CONTROL = "other-head control"
@@ -168,23 +161,23 @@ DYCK_CLAIMS = [
     ("dyck_bos_falls", "bos", "<", 0.0, "Fig. 27", "Dyck head's BOS mass at the targets, visit 2 minus visit 1",
      "\"the second visit cuts BOS mass from 0.60 to 0.02\" (Sec. 6.4, Fig. 27)"),
     ("dyck_demo_rises", "demo", ">", 0.0, "Fig. 27",
-     "Dyck head's demonstration-answer mass at the targets, visit 2 minus visit 1", "\"lifts demonstration-answer mass from 0.24 to 0.85\" (Sec. 6.4, Fig. 27)"),
+     "Dyck head's demonstration-answer mass at the targets, visit 2 minus visit 1",
+     "\"lifts demonstration-answer mass from 0.24 to 0.85\" (Sec. 6.4, Fig. 27)"),
 ]
 
 
 def claimed() -> list[tuple[str, Claim]]:
-    """(quantity, claim) for every registered quantity with a claim, in registry order."""
     return [(n, q.claim) for n, q in QUANTITIES.items() if q.claim is not None]
 
 
 def panels() -> list[tuple[str, Panel]]:
-    """(quantity, panel) of Fig. 23, in panel-letter order."""
+    """(quantity, panel) of Fig. 23, by letter."""
     return sorted(((n, q.panel) for n, q in QUANTITIES.items() if q.panel is not None), key=lambda x: x[1].letter)
 
 
 def visit_words(n_visits: int) -> dict[str, str]:
-    """How a label names the visits a cross-visit quantity compares: 1 and 2 at r = 2; v and v+1 (every
-    consecutive pair of a layer's visits, averaged) at r > 2. Keys: a, b (numbers), va, vb (short forms)."""
+    """How a label names the visits a cross-visit quantity compares: 1 and 2 at r = 2, else v and v+1 (every
+    consecutive pair, averaged). Keys: a, b, and the short forms va, vb."""
     if n_visits <= 2:
         return {"a": "1", "b": "2", "va": "v1", "vb": "v2"}
     return {"a": "v", "b": "v+1", "va": "v", "vb": "v+1"}
@@ -230,11 +223,11 @@ class _Cell:
             self.cols[name] = (np.concatenate([s.reshape(len(order), -1), count], 1), s.shape[1:])
         cfg = res.get("config", {})
         self.meta = {"top_k": cfg.get("top_k", 0) if cfg.get("n_experts") else 0, "n_experts": cfg.get("n_experts", 0)}
-        self._memo: dict = {}   # every bootstrap uses the same seed, hence the same draws: compute each once
+        self._memo: dict = {}   # every bootstrap draws the same units (one seed): compute each value once
 
     def value(self, name: str, w: np.ndarray | None = None) -> float | None:
-        """Quantity `name` on units weighted by w (bootstrap multiplicities; None: every unit once);
-        None when the model does not have it (no experts, one head, no loop)."""
+        """Quantity `name` on units weighted by w (bootstrap multiplicities; None: each once), or None when the
+        model lacks it (no experts, one head, no loop)."""
         key = (name, None if w is None else w.tobytes())
         if key in self._memo:
             return self._memo[key]
@@ -297,18 +290,11 @@ def _verdict(d: dict, direction: str, value: float) -> str:
 
 
 def claims(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | None = None) -> list[dict]:
-    """Section 6's claims on a `probe_pairs.probe_pairs` result, each a paired quantity with intervals.
-
-    Each dict: id, figure, what, paper, direction ('>' | '<') and value (the claim is "quantity
-    direction value"), interval (stats.Interval of the quantity averaged over pairs, bootstrap over
-    held-out document groups resampled jointly for all pairs; prompts for Dyck), per_pair
-    {name: Interval}, weakest (Interval of the least favourable pair: "in every cell"),
-    across_pairs (t-interval over the pairs' point estimates), parts (the two sides, averaged over
-    pairs), unit, and verdict: stats.verdict of `interval` (held-out sampling) where the across-pairs
-    interval (training noise, seed replicates included) gives the same verdict, else not resolved; a
-    claim the paper makes of every cell (Claim.every_cell) is reproduced only if `weakest` is too.
-    Quantities no pair has (a dense pair has no expert overlap) give interval None: not resolved.
-    """
+    """Section 6's claims on a `probe_pairs.probe_pairs` result: "quantity direction value", with its
+    held-out intervals (`_bootstraps`: units resampled jointly for all pairs; prompts for Dyck), "across_pairs"
+    (t-interval over the pairs' point estimates: training noise) and "parts" (the two sides). The verdict is the
+    held-out interval's where the across-pairs one agrees; a claim of every cell (Claim.every_cell) also needs
+    "weakest". A quantity no pair has (a dense pair has no expert overlap) gives interval None."""
     names, cells = _cells_of or _cells(result)
     U = len(cells[0].keys) if cells else 0
     words = visit_words(max_visits(result))

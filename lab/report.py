@@ -1,23 +1,21 @@
 """REPORT.md: the reproduction's claims, verdict tables and markdown, read from the run's JSON.
 
 reproduce.py runs the stages and hands their JSON here; nothing in this file trains or measures.
-  * training_summary   did every model learn (validation loss vs the corpus's unigram entropy), and
-                       SMELT - Baseline final validation loss per cell with its seed noise (SMELT 4.1).
-  * _section_probes    the rows of probe_claims.claims (from reproduce.probe_verdicts), each verdict
-                       needing both of its intervals (SMELT 6).
-  * _claim_rows        every claim of the paper as reproduced / contradicted / not resolved by its
-                       95 % interval (stats.verdict): training, CE gain (Eq. 5), probes, downstream.
-  * write_report       the sections in order: run summary, plan, ladder (SMELT 3.2), training,
-                       scaling fits (SMELT 4), downstream (SMELT 5), probes (SMELT 6), claims.
-  * run_summary        where and when the report was made (commit, machine, minutes per stage).
-Labels come from the run configs: the loop count r of the matched SMELTs names the probed visits.
+`training_summary`: did every model learn, and SMELT - Baseline loss per cell with its seed noise (SMELT 4.1).
+`_claim_rows`: every claim of the paper as reproduced / contradicted / not resolved by its 95 % interval.
+`write_report`: run summary, plan, ladder (SMELT 3.2), training, scaling (4), downstream (5), probes (6),
+claims. `run_summary`: where and when the report was made.
 Read first: reproduce.py (the stages), stats.py (intervals and verdicts).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import platform
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,10 +23,10 @@ import numpy as np
 import torch
 
 import configs
+from lab import probe_claims, stats
 
 
-# ----------------------------------------------------------------------------------------
-# Claims: the training summary, the probe verdicts, the claims table
+# -------------------------------------------------------- claims: training summary, probe verdicts, claims table
 
 def finals(rows: list[dict]) -> dict[str, dict]:
     """{run name: its longest branch's results row}."""
@@ -44,7 +42,6 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
     """The training claims, with their noise: did every model learn (each endpoint's validation loss vs the
     corpus's unigram entropy); SMELT - Baseline final validation loss, paired over seeds in the repeated
     cell (t-interval) and per cell at seed 0 with the seed noise measured in the repeated cell."""
-    from lab import stats
     fin = finals(rows)
     learned = {"entropy": entropy, "required_margin": 1.5, "endpoints": len(rows),
                "min_margin": min((entropy - r["val_loss"] for r in rows), default=None),
@@ -117,8 +114,7 @@ ABLATIONS = (
 )
 
 
-def _short(why: str, n: int = 160) -> str:
-    """A reason cut to n characters for the claims table (the full text is in the stage's JSON)."""
+def _short(why: str, n: int = 160) -> str:   # the claims table's reasons; the full text is in the stage's JSON
     return why if len(why) < n else why[:n - 3] + "..."
 
 
@@ -160,18 +156,15 @@ def _derived_text(d: dict | None, nd: int = 3, scale: float = 1.0) -> str:
     fail = f" ({100 * d['failed_share']:.1f} % of draws failed)" if d.get("failed_share") is not None else ""
     if iv is None:
         return f"{d['point'] * scale:+.{nd}f} (no interval: {d.get('interval_why') or 'no bootstrap'})"
-    from lab import stats
     return stats.Interval(**iv).fmt(nd, scale) + fail
 
 
 def _scaling_claims(scal: dict) -> list[list[str]]:
     """SMELT 4.3 / 5.2's further claims from scaling_analysis's `derived` entries and per-domain gains."""
-    from lab import stats
     der = scal.get("derived") or {} if isinstance(scal, dict) else {}
     why = "not resolved at this scale: " + _short(scal.get("error") or "; ".join(scal.get("gains", {}).get("why", []))
                                                   or "no pair bootstrap (two identified surfaces and n_boot > 0)")
-    verdict = lambda d, direction, value=0.0: stats.verdict(stats.Interval(**d["interval"]) if d.get("interval")
-                                                             else None, direction, value)
+    verdict = lambda d, direction, value=0.0: stats.verdict(_interval(d.get("interval")), direction, value)
     rows = []
     parts = [(k, der.get(f"{k}_diff")) for k in ("gamma", "a", "c")]
     rows.append(["gamma_SMELT > gamma_Baseline, with both a and c larger (Sec. 4.3)", PAPER["gamma"],
@@ -207,8 +200,6 @@ def _code_claim(scal: dict) -> str:
 
 def _overlap_claim(prb: dict) -> list[str]:
     """SMELT 6.1: expert overlap / k at the largest pool minus the smallest, per scale (probe_claims)."""
-    from lab import probe_claims
-    from lab import stats
     o = probe_claims.overlap_by_sparsity(prb)
     iv = o["interval"]
     return ["expert overlap falls as sparsity rises: overlap / k at the largest pool minus the smallest, mean over "
@@ -219,16 +210,13 @@ def _overlap_claim(prb: dict) -> list[str]:
 def _ablation_claims(out: Path | None) -> list[list[str]]:
     """Tables 3.3-3.5's winners as the sweep scripts found them, read from OUT/<script>/results.json;
     one run per configuration (as in the paper), so a winner is a point, stated as such."""
-    import json
     rows = []
     for name, what, paper, won in ABLATIONS:
-        path = None if out is None else Path(out) / name / "results.json"
-        if path is None or not path.exists():
+        if out is None or not (path := Path(out) / name / "results.json").exists():
             rows.append([what, paper, f"not resolved: run `python scripts/{name}.py --out-dir OUT/{name}` "
                                       "(not part of reproduce.py)", "not resolved"])
             continue
-        r = json.loads(path.read_text())
-        ok = won(r)
+        ok = won(json.loads(path.read_text()))
         rows.append([what, paper, f"{'same' if ok else 'another'} winner in {name}/results.json (one run per "
                                   "configuration: no interval)", "reproduced" if ok else "contradicted"])
     return rows
@@ -237,7 +225,6 @@ def _ablation_claims(out: Path | None) -> list[list[str]]:
 def _ce_gain_claim(scal: dict) -> list[str]:
     """CE gain > 0 at budgets inside the data: reproduced when every non-extrapolated cell's bootstrap interval
     is above 0, contradicted when one is wholly below, else not resolved (also: no identified fit)."""
-    from lab import stats
     claim, paper = "CE gain of SMELT over Baseline > 0 at the in-window budgets (Sec. 4.3)", PAPER["ce_gain"]
     g = scal.get("gains", {}) if isinstance(scal, dict) else {}
     if "error" in scal or not g.get("available"):
@@ -246,7 +233,7 @@ def _ce_gain_claim(scal: dict) -> list[str]:
     inside = [c for c in g.get("cells", []) if not c.get("extrapolated")]
     if not inside:
         return [claim, paper, "every budget extrapolated (see the scaling tables)", "not resolved"]
-    ivs = [stats.Interval(**c["interval"]) if c.get("interval") else None for c in inside]
+    ivs = [_interval(c.get("interval")) for c in inside]
     text = "; ".join(f"{c['sparsity_label']} at {c['budget']:.2g}: {c['text']}" for c in inside)
     few = next((iv.n for iv in ivs if iv is not None and iv.few_units), None)
     text += (f"; a cell bootstrap over {few} cells decides nothing (fewer than {stats.MIN_BOOTSTRAP_UNITS} units: "
@@ -255,8 +242,7 @@ def _ce_gain_claim(scal: dict) -> list[str]:
             stats.all_of([stats.verdict(iv, ">", 0.0) for iv in ivs])]
 
 
-# ----------------------------------------------------------------------------------------
-# Markdown
+# ---------------------------------------------------------------------------------------- markdown
 
 def _md_table(header: list[str], rows: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
@@ -269,16 +255,16 @@ def _sci(x: float) -> str:
     return f"{m}e{int(e)}"
 
 
+def _interval(d: dict | None) -> stats.Interval | None:
+    return stats.Interval(**d) if d else None
+
+
 def _iv(d: dict | None, nd: int = 3) -> str:
-    """An Interval dict as 'mean [lo, hi]' (or 'mean (no interval)')."""
-    if not d:
-        return "n/a"
-    from lab import stats
-    return stats.Interval(**d).fmt(nd)
+    """An Interval dict as 'mean [lo, hi]' (or 'mean (no interval)'; 'n/a' for none)."""
+    return stats.Interval(**d).fmt(nd) if d else "n/a"
 
 
-# ----------------------------------------------------------------------------------------
-# The sections of REPORT.md
+# ---------------------------------------------------------------------------------------- REPORT.md's sections
 
 def _section_summary(plan_name: str, summary: dict) -> list[str]:
     st = ", ".join(f"{k} {v:.1f}" for k, v in summary["stage_minutes"].items())
@@ -316,6 +302,10 @@ def _section_plan(plan: configs.Plan, ladder: list[dict], rows: list[dict], cost
          + (f"{_sci(D[0])}-{_sci(D[-1])} tokens" if D else "no tokens")
          + "; the paper's hold 1e8-5e10 parameters and saw 1e10-2e11 tokens. A claim not reproduced here "
          "is not evidence against the paper, and one reproduced here is weak evidence for it.", ""]
+    from loop import SMELT
+    if plan.loop != SMELT:   # a researcher's variant: every "SMELT" below is this looped model
+        changed = ", ".join(f"{k} {v}" for k, v in vars(plan.loop).items() if getattr(SMELT, k) != v)
+        L += [f"Loop: not SMELT's ({changed}; loop.LoopSpec): every SMELT column below is this looped model.", ""]
     return L
 
 
@@ -349,15 +339,12 @@ def _section_training(ts: dict, rows: list[dict], ladder: list[dict]) -> list[st
          f"{lr['min_margin']:.3f})."
          + (f" On this validation set (the same tokens every model is scored on) the unigram model fitted on the "
             f"training stream scores {lr['unigram_val_loss']:.3f}." if lr.get("unigram_val_loss") else ""), ""]
-    trows = []
-    def rank(kv):   # ladder order, then seed, then arch
-        r = kv[1]
-        return order.get(configs.cell_key(r["scale"], r["sparsity_label"]), 99), r.get("seed", 0), r["arch"]
-    for name, r in sorted(fin.items(), key=rank):
-        trows.append([name, f"{r['D'] / 1e6:.2f}M", f"{r['val_loss']:.3f}", f"{lr['entropy'] - r['val_loss']:.2f}"])
+    rank = lambda r: (order.get(configs.cell_key(r["scale"], r["sparsity_label"]), 99), r.get("seed", 0), r["arch"])
+    trows = [[name, f"{r['D'] / 1e6:.2f}M", f"{r['val_loss']:.3f}", f"{lr['entropy'] - r['val_loss']:.2f}"]
+             for name, r in sorted(fin.items(), key=lambda kv: rank(kv[1]))]   # ladder order, then seed, then arch
     L += _md_table(["run", "tokens", "final val loss", "below entropy by"], trows) + [""]
-    L += ["![learning curves](figures/curves.png)", ""]
-    L += ["## SMELT vs its matched Baseline: validation loss (SMELT 4.1)", ""]
+    L += ["![learning curves](figures/curves.png)", "",
+          "## SMELT vs its matched Baseline: validation loss (SMELT 4.1)", ""]
     rep = ts.get("repeat")
     if rep:
         L += [f"**Noise first.** The cell {rep['cell']} was trained over {rep['seeds']} seeds (both models of a seed "
@@ -421,8 +408,7 @@ def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
                        [[m["what"], f"{m['wins']} / {m['n']}" + (f" ({m['ties']} ties)" if m["ties"] else ""),
                          ", ".join(f"{c} {v['wins']}/{v['n']}" for c, v in m["by_cell"].items()),
                          m["paper"] or "none: the paper has no generated tasks"]
-                        for m in wins.values()])
-        L += [""]
+                        for m in wins.values()]) + [""]
     icl = rep.get("icl", {})
     if icl.get("note"):
         L += [f"**Shot sweep (Appendix C).** {icl['note']}", ""]
@@ -433,8 +419,7 @@ def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
               "contrasts:", ""]
         L += _md_table(["family", "contrasts", "long / short", "paper"],
                        [[name, f['n_contrasts'], _iv(f.get("long_short"), 2) if f.get("long_short") else
-                         f"n/a ({f.get('why') or 'no contrast'})", f.get("paper")] for name, f in fams.items()])
-        L += [""]
+                         f"n/a ({f.get('why') or 'no contrast'})", f.get("paper")] for name, f in fams.items()]) + [""]
     cal = rep.get("calibration", {})
     if cal.get("error"):
         L += [f"**Calibration (Eq. 6-7):** not identified ({cal['error']}).", ""]
@@ -476,14 +461,9 @@ def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> 
           "with a bootstrap interval over held-out document groups, and a t-interval over the pairs (the "
           "training noise: seeds and cells). A verdict needs both intervals to agree; a claim the paper makes of "
           "every cell is reproduced only when its weakest pair is too.", ""]
-    rows = []
-    for c in cl:
-        if c["interval"] is None:
-            rows.append([f"{c['what']} ({c['figure']})", "n/a", "n/a", "n/a", c["paper"], c["verdict"]])
-            continue
-        rows.append([f"{c['what']} ({c['figure']})", c["interval"].fmt(3),
-                     c["across_pairs"].fmt(3) if c.get("across_pairs") else "n/a",
-                     c["weakest"].fmt(3) if c.get("weakest") else "n/a", c["paper"], c["verdict"]])
+    na = lambda iv: iv.fmt(3) if iv else "n/a"   # no interval: no across-pairs or weakest-pair column either
+    rows = [[f"{c['what']} ({c['figure']})", na(c["interval"]), na(c["interval"] and c.get("across_pairs")),
+             na(c["interval"] and c.get("weakest")), c["paper"], c["verdict"]] for c in cl]
     L += _md_table(["quantity", "mean over pairs [held-out interval]", "over pairs [t-interval]", "weakest pair",
                     "paper", "verdict"], rows) + [""]
     for p in prb.get("figures", []):
@@ -504,17 +484,15 @@ def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev
     L += _section_scaling(scal, out)
     L += _section_downstream(ev_sum, out)
     L += _section_probes(prb, pclaims, out, loop_count(ladder))
-    L += ["## Claims: reproduced, contradicted or not resolved", ""]
-    L += _md_table(["paper claim", "paper (its words, section)", "this run (95 % interval)", "verdict"],
-                   _claim_rows(ts, scal, pclaims, ev_sum, prb, out))
-    L += [""]
+    L += ["## Claims: reproduced, contradicted or not resolved", "",
+          *_md_table(["paper claim", "paper (its words, section)", "this run (95 % interval)", "verdict"],
+                     _claim_rows(ts, scal, pclaims, ev_sum, prb, out)), ""]
     path = out / "REPORT.md"
     path.write_text("\n".join(L))
     return path
 
 
-# ----------------------------------------------------------------------------------------
-# Where and when
+# ---------------------------------------------------------------------------------------- where and when
 
 def budget_machine() -> str:
     if torch.cuda.is_available():
@@ -524,9 +502,6 @@ def budget_machine() -> str:
 
 def run_summary(preset: str, stage_s: dict, wall: float) -> dict:
     """Where and when this report was made: the block the README quotes."""
-    import platform
-    import subprocess
-    import sys
     root = Path(__file__).resolve().parents[1]
 
     def git(*a):

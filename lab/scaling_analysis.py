@@ -1,21 +1,15 @@
 """From train.py's results rows to the scaling report (SMELT Sections 4.3 and 5.2).
 
-`analyse` is the pipeline's scaling stage (reproduce.stage_scaling, and the CLI below):
-* rows -> fit data (scaling.py's rows readers): checked, seed replicates averaged, the S = 0 control cells
-  left out of the fits as in SMELT 4.3; CE gains compare only the cells both architectures have.
-* one Eq. 2 surface per architecture (`scaling.fit_result`), and nothing derived from a fit that
-  is not identified (`scaling.identify`): it is reported as "not identified (why)".
-* budgets (`preset_budgets`): Table 4.3's 1e20-1e22 for the paper ladder, else the data's compute
-  window's log-quartiles; a gain or TPP whose frontier point leaves the data is flagged extrapolated
-  (`frontier_extrapolation`, `gain_cell`).
-* `cell_bootstrap`: the paper's brackets; resample grid cells, refit both surfaces; a failed draw
-  (refit not identified) counts as -inf / +inf in the 2.5 / 97.5 percentiles (`_derived`: a, c, gamma).
-* SMELT 5.2: per-domain / per-source intercept fits with the aggregate exponents (`fit_subsets`),
-  their CE gains, and the gain by Baseline-loss quartile (`quartile_gains`).
-It writes coeffs.json, tables.json, tables.md and the figures (scaling_report.py). The CLI:
+`analyse` is the pipeline's scaling stage (reproduce.stage_scaling, and the CLI below): rows checked, seed
+replicates averaged, the S = 0 controls left out (SMELT 4.3), only cells both architectures have compared;
+one Eq. 2 surface per architecture, nothing derived from one that is not identified (`scaling.identify`);
+CE gain and TPP at `preset_budgets` (Table 4.3's, or the data's compute window), flagged where the frontier
+leaves the data (`gain_cell`); `cell_bootstrap`, the paper's brackets (a failed draw counts as -inf / +inf);
+SMELT 5.2's per-subset intercept fits (`fit_subsets`) and Baseline-loss quartiles (`quartile_gains`).
+It writes coeffs.json, tables.json, tables.md and the figures (scaling_report.py).  The CLI:
 `python -m lab.scaling_analysis --results results.jsonl` (or `--paper`: Table 4.3 recomputed).
 
-Read first: scaling.py.  Why the budgets, flags and interval rules are as they are: docs/scaling.md.
+Read first: scaling.py.  The report's keys, and why the budgets, flags and intervals are so: docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -33,7 +27,7 @@ import numpy as np
 
 import checks
 from lab import scaling_report, stats
-from lab.scaling_report import failed_text, format_table, markdown, paper_tables, pct_text, tpp_text, why_text
+from lab.scaling_report import cell_text, format_table, markdown, paper_tables, pct_text, tpp_text, why_text
 from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain, cell_id,
                      check_budget, check_rows, data_ranges, fit, fit_result, optimal_flops_per_token, read_results,
                      seed_means, short_num, split_control, subset_points, to_points, tpp)
@@ -63,27 +57,21 @@ def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
     """Worker: refit every surface on each resample in `draws` (each a list of cell ids); a draw
     fails if a refit raises, is not identified (`identify`) or gives a non-finite gain / TPP."""
     surfaces, names, draws, C, S, tpp_C, init, fit_opts = args
-    index = [defaultdict(list) for _ in surfaces]            # cell id -> point indices, per surface
-    for idx, p in zip(index, surfaces):
-        for i, c in enumerate(p.cell):
-            idx[c].append(i)
+    index = [{c: np.flatnonzero(p.cell == c) for c in set(p.cell)} for p in surfaces]   # cell id -> point indices
     gains, tpps, coefs, failed = [], [], [], Counter()
     for cells in draws:
         fits, reason = [], None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")                   # a weak resample is expected, not news
+        with warnings.catch_warnings(action="ignore"):       # a weak resample is expected, not news
             for p, idx, co, name in zip(surfaces, index, init, names):
                 q = p.take(np.concatenate([idx[c] for c in cells]))
                 try:
                     r = fit_result(q.F, q.S, q.D, q.L, init=[co], **fit_opts)
+                    pinned = set(r.fixed) != set(fit_opts.get("fixed", {}))     # b pinned: the resample has one S
+                    reason = r.why[0].split(":")[0] if r.why else "sparsity range" if pinned else None
                 except ValueError as e:
-                    reason = f"{name}: refit impossible ({str(e).split(':')[0]})"
-                    break
-                if r.why:
-                    reason = f"{name}: {r.why[0].split(':')[0]}"
-                    break
-                if set(r.fixed) != set(fit_opts.get("fixed", {})):     # b pinned: the resample has one S
-                    reason = f"{name}: sparsity range"
+                    reason = f"refit impossible ({str(e).split(':')[0]})"
+                if reason is not None:
+                    reason = f"{name}: {reason}"
                     break
                 fits.append(r.coeffs)
             if reason is None:
@@ -102,13 +90,9 @@ def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
 def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1e21, n_draws: int = 2000,
                    seed: int = 0, n_jobs: int = 2, init: tuple | None = None,
                    names: tuple[str, str] = ("target", "reference"), **fit_opts) -> Bootstrap:
-    """SMELT 4.3 brackets: resample grid cells (all of a cell's points move together) with
-    replacement, the same cells for both surfaces, refit both, and record the CE gain at every
-    (C, S) and both surfaces' TPP at (tpp_C, S).  ref=None bootstraps one surface (TPP only).
-    Each refit starts from `init` (default: the full-data fits) plus the best `n_starts` (default 4)
-    grid starts.  A draw whose refit raises or is not identified is counted in n_failed (by reason
-    in `failures`); intervals count it as -inf / +inf (Bootstrap.interval).  Draws are generated up
-    front: the result does not depend on n_jobs."""
+    """SMELT 4.3 brackets: resample grid cells with replacement (the same cells for both surfaces), refit,
+    record the CE gain at every (C, S) and the TPP at (tpp_C, S); ref=None: one surface, TPP only.  Refits
+    start from `init` (default the full-data fits); draws are made up front, so n_jobs changes nothing."""
     if n_draws < 1:
         raise ValueError(f"n_draws must be >= 1; got {n_draws}")
     surfaces = [target] if ref is None else [target, ref]
@@ -130,9 +114,7 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
             parts = list(pool.map(_bootstrap_chunk, args))
     else:
         parts = [_bootstrap_chunk(a) for a in args]
-    gains = [g for p in parts for g in p[0]]
-    tpps = [t for p in parts for t in p[1]]
-    coefs = [c for p in parts for c in p[2]]
+    gains, tpps, coefs = ([x for p in parts for x in p[i]] for i in range(3))
     failures = sum((p[3] for p in parts), Counter())
     n_failed = sum(failures.values())
     if n_failed:
@@ -146,11 +128,14 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
 
 # ----------------------------------------------------------------------------- per-subset fits (SMELT 5.2)
 def fit_subsets(subsets: Mapping[str, Points], shared: Coeffs, **opts) -> dict[str, Coeffs]:
-    """Per subset (domain or source), fit only (E, A, K); the exponents (a, b, c) stay those of
-    the aggregate fit `shared`, since one subset is too little data for all six."""
-    pinned = {"a": shared.a, "b": shared.b, "c": shared.c}
+    """Per subset (domain or source), fit only (E, A, K) with the aggregate fit's exponents (one subset is too
+    little data for all six)."""
+    return {name: _intercept_fit(p, shared, **opts).coeffs for name, p in subsets.items()}
+
+
+def _intercept_fit(p: Points, shared: Coeffs, **opts) -> FitResult:
     opts.setdefault("n_starts", 4)                    # three free intercepts, started from `shared`: easy
-    return {name: fit(p.F, p.S, p.D, p.L, fixed=pinned, init=[shared], **opts) for name, p in subsets.items()}
+    return fit_result(p.F, p.S, p.D, p.L, fixed={"a": shared.a, "b": shared.b, "c": shared.c}, init=[shared], **opts)
 
 
 def subset_ce_gains(target: Mapping[str, Coeffs], ref: Mapping[str, Coeffs], C: float,
@@ -158,20 +143,18 @@ def subset_ce_gains(target: Mapping[str, Coeffs], ref: Mapping[str, Coeffs], C: 
     """CE gain (Eq. 5) per subset present in both fits (SMELT uses C = 1e21, S ~ 95 %); a subset whose
     intercept fit is degenerate (A or K at 0: no frontier) is left out with a warning."""
     out = {}
-    for k in target:
-        if k in ref:
-            try:
-                out[k] = float(ce_gain(target[k], ref[k], C, S))
-            except ValueError as e:
-                warnings.warn(f"CE gain for subset {k!r} left out: {e}")
+    for k in (k for k in target if k in ref):
+        try:
+            out[k] = float(ce_gain(target[k], ref[k], C, S))
+        except ValueError as e:
+            warnings.warn(f"CE gain for subset {k!r} left out: {e}")
     return out
 
 
 def quartile_gains(gain: Mapping[str, float], baseline_losses: Sequence[Mapping[str, float]],
                    n_groups: int = 4) -> np.ndarray:
-    """SMELT 5.2 'by Baseline loss': in each matched pair (one dict source -> Baseline loss), rank the
-    sources by loss and split them into n_groups near-equal groups (39 -> 10, 10, 10, 9; Q1 = lowest
-    loss); average the per-source gains within each group, then over pairs.  -> (n_groups,)"""
+    """SMELT 5.2 'by Baseline loss': in each pair (source -> Baseline loss) the sources ranked by loss fall into
+    n_groups near-equal groups (39 -> 10, 10, 10, 9; Q1 lowest); gains averaged per group, then over pairs."""
     per_pair = []
     for losses in baseline_losses:
         names = sorted((s for s in losses if s in gain), key=lambda s: losses[s])
@@ -185,9 +168,8 @@ def quartile_gains(gain: Mapping[str, float], baseline_losses: Sequence[Mapping[
 
 # ----------------------------------------------------------------------------- extrapolation flags and intervals
 def frontier_extrapolation(co: Coeffs, C: float, S: float, ranges: Mapping, who: str) -> list[str]:
-    """Why the frontier point of `co` at budget C is an extrapolation of its data (`ranges` from
-    FitResult.ranges): C outside the data's compute, or the compute-optimal F* or D* = C / F*
-    outside the data's F or D.  [] when inside."""
+    """Why `co`'s frontier point at budget C extrapolates its data (FitResult.ranges): C, F* or D* = C / F*
+    outside the data's C, F or D.  [] when inside."""
     out = []
     F = float(optimal_flops_per_token(co, C, S))
     for k, v, name in (("C", C, "budget C"), ("F", F, "optimal F*"), ("D", C / F, "optimal D*")):
@@ -201,8 +183,7 @@ def gain_cell(target: Coeffs, ref: Coeffs, C: float, S: float, rt: Mapping, rr: 
               names: tuple[str, str]) -> dict:
     """One CE gain (Eq. 5) with its extrapolation flags: {"gain" (fraction or None below GAIN_FLOOR),
     "pct" (percent or None), "C_ref", "extrapolated", "extrapolation" [reasons]}."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(action="ignore"):
         g = float(ce_gain(target, ref, C, S))
     C_ref = C / (1 - g) if g < 1 else math.inf
     why = frontier_extrapolation(target, C, S, rt, names[0])
@@ -218,9 +199,8 @@ def gain_cell(target: Coeffs, ref: Coeffs, C: float, S: float, rt: Mapping, rr: 
 
 def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: int, rules: Rules,
               fraction: bool = True) -> dict:
-    """Bootstrap fields for one cell: {"interval": stats.Interval dict or None, "interval_why",
-    "n_draws", "n_failed", "failed_share"}.  Percentiles over every draw, a failed one counted as -inf
-    for the lower bound and +inf for the upper (Bootstrap.interval): never conditional on success."""
+    """Bootstrap fields for one cell: {"interval": stats.Interval dict or None, "interval_why", "n_draws",
+    "n_failed", "failed_share"}; percentiles over every draw, failed ones included (Bootstrap.interval)."""
     out = {"interval": None, "interval_why": None, "n_draws": bs.n_draws, "n_failed": bs.n_failed,
            "failed_share": bs.failed_share}
     n_ok = len(draws)
@@ -245,8 +225,7 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
 
 # ----------------------------------------------------------------------------- analyse
 def _fit_entry(res: FitResult | None, p: Points | None, why: list[str], cells: list[str]) -> dict:
-    """What the report may print about one architecture: data facts always, coefficients only when
-    identified."""
+    """What the report may print about one architecture: data facts always, coefficients only when identified."""
     e = {"identified": res is not None and not why, "why": list(why),
          "n_points": res.n_points if res is not None else 0 if p is None else len(p.L),
          "cells": cells}
@@ -254,17 +233,14 @@ def _fit_entry(res: FitResult | None, p: Points | None, why: list[str], cells: l
         e["ranges"] = {k: list(v) for k, v in data_ranges(p.F, p.S, p.D).items()}
     if e["identified"]:
         co = res.coeffs
-        e.update(asdict(co))
-        e.update(se={k: v for k, v in res.se.items()}, gamma=co.a * co.c / (co.a + co.c), rmse_nats=res.rmse,
+        e.update(asdict(co), se=dict(res.se), gamma=co.a * co.c / (co.a + co.c), rmse_nats=res.rmse,
                  objective=res.objective, converged=res.converged, fixed=dict(res.fixed))
     return e
 
 
 def _subset_report(by_arch, fits, cols, C, target, ref, rules, ref_rows) -> tuple[dict, dict, list[str]]:
-    """SMELT 5.2 on the rows' per-domain and per-source losses: intercept fits with the aggregate
-    exponents (each must pass `identify`), CE gain at budget C for every sparsity column with
-    extrapolation flags, and the Baseline-loss quartiles at the middle sparsity column, the sources
-    ranked in every row of `ref_rows` (all of ref's cells, the S = 0 control included)."""
+    """SMELT 5.2: identified intercept fits per domain / source, their CE gain at budget C per sparsity column,
+    and the Baseline-loss quartiles at the middle column, sources ranked in every row of `ref_rows`."""
     report, md = {}, []
     quart = {"available": False, "why": ["no per-source losses in the rows"]}
     labs = list(cols)
@@ -277,11 +253,8 @@ def _subset_report(by_arch, fits, cols, C, target, ref, rules, ref_rows) -> tupl
         for name in names:
             try:
                 for a in (target, ref):
-                    p, sh = sub[a][name], fits[a]
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        r = fit_result(p.F, p.S, p.D, p.L, fixed={"a": sh.a, "b": sh.b, "c": sh.c},
-                                       init=[sh], n_starts=4, rules=rules)
+                    with warnings.catch_warnings(action="ignore"):
+                        r = _intercept_fit(sub[a][name], fits[a], rules=rules)
                     if r.why:
                         raise ValueError(f"{a}: " + "; ".join(r.why))
                     sf[a][name], rg[a][name] = r.coeffs, r.ranges
@@ -294,8 +267,8 @@ def _subset_report(by_arch, fits, cols, C, target, ref, rules, ref_rows) -> tupl
         what = key.removeprefix("val_loss_by_")
         if ok:
             md.append(format_table(f"CE gain (%) of {target} over {ref} by {what} at C = {C:.2e}", ok, labs,
-                                   [[pct_text(gains[n][lab]["gain"]) + ("†" if gains[n][lab]["extrapolated"] else "")
-                                     for lab in labs] for n in ok]))
+                                   [[cell_text(pct_text, gains[n][lab]["gain"], gains[n][lab]) for lab in labs]
+                                    for n in ok]))
         if not_fitted:
             md.append(f"Not fitted ({what}): " + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()) + "\n")
         if key == "val_loss_by_source":
@@ -317,7 +290,7 @@ def _subset_report(by_arch, fits, cols, C, target, ref, rules, ref_rows) -> tupl
                              extrapolated=any(gains[n][lab]["extrapolated"] for n in ok))
                 md.append(format_table(f"CE gain (%) by Baseline-loss quartile ({lab}, C = {C:.2e})", ["CE gain"],
                                        [f"Q{i + 1}" for i in range(len(q))],
-                                       [[pct_text(x) + ("†" if quart["extrapolated"] else "") for x in q]]))
+                                       [[cell_text(pct_text, x, quart) for x in q]]))
     return report, quart, md
 
 
@@ -372,8 +345,7 @@ def _fit_all(g: _Grid, target: str, ref: str, rules: Rules) -> tuple[dict, dict]
             continue
         fixed = {"b": 0.0} if len({r["sparsity_label"] for r in g.by_arch[a]}) == 1 else {}
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(action="ignore"):
                 results[a] = fit_result(p.F, p.S, p.D, p.L, fixed=fixed, rules=rules)
             why[a] = results[a].why
         except ValueError as e:
@@ -396,12 +368,9 @@ BUDGET_RULES = {"data": "in-window: the 25 / 50 / 75 % points of log C over the 
 def _budgets(g: _Grid, budgets: Sequence[float] | None, target: str, ref: str) -> dict:
     """The CE-gain budgets: given, or the data's compute window (overlap of the two architectures'
     C ranges) at its geometric midpoint and log-quartiles; TPP at the middle one.  `budget_rule` says which."""
-    span_archs = [a for a in ((target, ref) if g.pair else g.archs) if a in g.pts]
-    window = None
-    if span_archs:
-        lo = max(float((g.pts[a].F * g.pts[a].D).min()) for a in span_archs)
-        hi = min(float((g.pts[a].F * g.pts[a].D).max()) for a in span_archs)
-        window = (lo, hi) if lo <= hi else None
+    Cs = [g.pts[a].F * g.pts[a].D for a in ((target, ref) if g.pair else g.archs) if a in g.pts]
+    lo, hi = max((float(C.min()) for C in Cs), default=math.inf), min((float(C.max()) for C in Cs), default=0.0)
+    window = (lo, hi) if lo <= hi else None
     if budgets is None:
         source = "data"
         budgets = [] if window is None else [window[0] ** 0.75 * window[1] ** 0.25, math.sqrt(window[0] * window[1]),
@@ -419,20 +388,18 @@ def _budgets(g: _Grid, budgets: Sequence[float] | None, target: str, ref: str) -
 
 def _bootstraps(g: _Grid, fits: dict, results: dict, budgets: list, Cgrid: np.ndarray, tpp_C: float | None,
                 both: bool, n_boot: int, seed: int, n_jobs: int, target: str, ref: str, rules: Rules) -> dict:
-    """name -> (Bootstrap, surfaces): both surfaces ("pair") when both are identified, else each
-    identified one alone (TPP only)."""
+    """name -> (Bootstrap, surfaces): "pair" when both surfaces are identified, else each identified one alone."""
     boots: dict[str, tuple] = {}
     if n_boot > 0 and budgets and g.cols:
         Cb = np.concatenate([budgets, Cgrid])
+        kw = dict(tpp_C=tpp_C, n_draws=n_boot, seed=seed, n_jobs=n_jobs, rules=rules)
         if both:
-            boots["pair"] = (cell_bootstrap(g.pts[target], g.pts[ref], Cb, g.S, tpp_C=tpp_C, n_draws=n_boot, seed=seed,
-                                            n_jobs=n_jobs, init=(fits[target], fits[ref]), names=(target, ref),
-                                            fixed=results[target].fixed, rules=rules), (target, ref))
+            boots["pair"] = (cell_bootstrap(g.pts[target], g.pts[ref], Cb, g.S, init=(fits[target], fits[ref]),
+                                            names=(target, ref), fixed=results[target].fixed, **kw), (target, ref))
         for a in sorted(fits):
             if not (both and a in (target, ref)):
-                boots[a] = (cell_bootstrap(g.pts[a], None, Cb, g.S, tpp_C=tpp_C, n_draws=n_boot, seed=seed,
-                                           n_jobs=n_jobs, init=(fits[a],), names=(a, ""), fixed=results[a].fixed,
-                                           rules=rules), (a,))
+                boots[a] = (cell_bootstrap(g.pts[a], None, Cb, g.S, init=(fits[a],), names=(a, ""),
+                                           fixed=results[a].fixed, **kw), (a,))
     return boots
 
 
@@ -456,16 +423,13 @@ def _gain_cells(g: _Grid, fits: dict, ranges: dict, why: dict, budgets: list, bo
                 cell.update(no_boot if bs is None else
                             _interval(cell["gain"], bs.gain[:, i, j], bs,
                                       len(set(g.pts[target].cell)), rules))
-                iv = cell["interval"]
-                cell["text"] = (pct_text(cell["gain"]) + (f" [{pct_text(iv['lo'])}, {pct_text(iv['hi'])}]" if iv
-                                                          else "") + ("†" if cell["extrapolated"] else "")
-                                + failed_text(cell["failed_share"]))
+                cell["text"] = cell_text(pct_text, cell["gain"], cell)
                 gains["cells"].append(cell)
     return gains
 
 
 def _tpp_cells(g: _Grid, a: str, fits: dict, ranges: dict, why: dict, tpp_C: float | None, boots: dict,
-               both: bool, no_boot: dict, target: str, ref: str, rules: Rules) -> dict:
+               no_boot: dict, target: str, ref: str, rules: Rules) -> dict:
     """report["tpp"][a]: TPP of one architecture at the middle budget, per sparsity column."""
     t = {"available": False, "why": [], "budget": tpp_C, "cells": []}
     if a not in fits:
@@ -474,12 +438,8 @@ def _tpp_cells(g: _Grid, a: str, fits: dict, ranges: dict, why: dict, tpp_C: flo
         t["why"] = ["no budget inside the data"]
     else:
         t["available"] = True
-        if both and a in (target, ref) and "pair" in boots:
-            bs, k = boots["pair"][0], (target, ref).index(a)
-        elif a in boots:
-            bs, k = boots[a][0], 0
-        else:
-            bs = k = None
+        in_pair = "pair" in boots and a in (target, ref)         # else its own bootstrap, or none
+        bs, k = (boots["pair"][0], (target, ref).index(a)) if in_pair else (boots.get(a, (None,))[0], 0)
         for j, (lab, s) in enumerate(g.cols.items()):
             v = float(tpp(fits[a], tpp_C, s))
             cell = {"sparsity_label": lab, "S": s, "tpp": v,
@@ -487,9 +447,7 @@ def _tpp_cells(g: _Grid, a: str, fits: dict, ranges: dict, why: dict, tpp_C: flo
             cell["extrapolated"] = bool(cell["extrapolation"])
             cell.update(no_boot if bs is None else _interval(v, bs.tpp[:, k, j], bs, len(set(g.pts[a].cell)),
                                                              rules, fraction=False))
-            iv = cell["interval"]
-            cell["text"] = (tpp_text(v) + (f" [{tpp_text(iv['lo'])}, {tpp_text(iv['hi'])}]" if iv else "")
-                            + ("†" if cell["extrapolated"] else "") + failed_text(cell["failed_share"]))
+            cell["text"] = cell_text(tpp_text, v, cell)
             t["cells"].append(cell)
     return t
 
@@ -544,29 +502,9 @@ def _derived(g: _Grid, fits: dict, gains: dict, budgets: list, tpp_C, boots: dic
 def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int = 2, seed: int = 0,
             include_dense: bool = False, budgets: Sequence[float] | None = None,
             target: str = "smelt", ref: str = "baseline", rules: Rules = RULES) -> dict:
-    """Fit every architecture in `rows` (train.py's results rows), decide whether each fit is
-    identified, and only from identified fits derive CE gains (target over ref), TPP, bootstrap
-    intervals, per-subset gains and quartiles.  Writes coeffs.json, tables.json, tables.md and the
-    plots to `out`, and returns (the report prints from it without further checks):
-
-      control_label, include_dense, n_rows, n_control_rows, unmatched_cells   (which rows were fitted)
-      seed_means     {"arch cell": n seeds} of the cells whose replicates were averaged (scaling.seed_means)
-      fits[arch]     identified, why, n_points, cells, ranges {F, D, C, one_minus_S: [lo, hi]};
-                     only when identified: E A K a b c, se {a, b, c}, gamma, rmse_nats, objective,
-                     converged, fixed
-      sparsity       {label: mean measured S} (the columns), budgets, budget_source ("data" | "given"),
-                     compute_window [lo, hi] (both archs' C overlap) or None, tpp_budget
-      gains          {available, why, target, ref, cells: [{budget, sparsity_label, S, gain, pct, C_ref,
-                     extrapolated, extrapolation, interval (stats.Interval dict) | None, interval_why,
-                     n_draws, n_failed, failed_share, text}]}
-      tpp[arch]      {available, why, budget, cells: [{sparsity_label, S, tpp, extrapolated,
-                     extrapolation, interval, interval_why, n_draws, n_failed, failed_share, text}]}
-      bootstrap      {n_draws, n_failed, failed_share, failures {reason: count}} per bootstrap run
-                     ("pair" for target+ref, or an arch name), {} when none ran
-      derived        {a_diff, c_diff, gamma_diff, growth/<label> (pp per decade), tpp_ratio/<label>
-                     (TPP_target / TPP_ref)}: {point, interval, interval_why, ...} from the pair bootstrap
-      subsets, quartiles, figures, tables_md
-    """
+    """Fit every architecture in `rows` (train.py's results rows) and, only from identified fits, derive CE
+    gains (target over ref), TPP, bootstrap intervals, per-subset gains and quartiles.  Writes coeffs.json,
+    tables.json, tables.md and the plots to `out`; returns the report (its keys: docs/scaling.md)."""
     check_rows(rows)
     if target == ref:
         raise ValueError(f"target and ref must differ; both are {target!r}")
@@ -583,9 +521,7 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
                                            sorted({cell_id(r) for r in g.by_arch[a]})) for a in g.archs},
                     "sparsity": g.cols}
     report.update(_budgets(g, budgets, target, ref))
-    budgets, tpp_C = report["budgets"], report["tpp_budget"]
-    window = report["compute_window"]
-
+    budgets, tpp_C, window = report["budgets"], report["tpp_budget"], report["compute_window"]
     both = g.pair and target in fits and ref in fits
     Cgrid = np.geomspace(window[0], window[1], 40) if (both and window is not None) else np.empty(0)
     boots = _bootstraps(g, fits, results, budgets, Cgrid, tpp_C, both, n_boot, seed, n_jobs, target, ref, rules)
@@ -594,10 +530,9 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     no_boot = {"interval": None, "interval_why": "no bootstrap (n_boot = 0)" if n_boot <= 0 else "no bootstrap",
                "n_draws": 0, "n_failed": 0, "failed_share": None}
     gains = report["gains"] = _gain_cells(g, fits, ranges, why, budgets, boots, both, no_boot, target, ref, rules)
-    report["tpp"] = {a: _tpp_cells(g, a, fits, ranges, why, tpp_C, boots, both, no_boot, target, ref, rules)
+    report["tpp"] = {a: _tpp_cells(g, a, fits, ranges, why, tpp_C, boots, no_boot, target, ref, rules)
                      for a in g.archs}
     report["derived"] = _derived(g, fits, gains, budgets, tpp_C, boots, target, ref, rules)
-
     md_sub = []                      # per-subset gains and quartiles (SMELT 5.2): only from two identified surfaces
     if gains["available"]:
         report["subsets"], report["quartiles"], md_sub = _subset_report(g.by_arch, fits, g.cols, tpp_C, target, ref,
@@ -608,15 +543,12 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     gain_plot = (_gain_curve(g, fits, ranges, Cgrid, boots, len(budgets), target, ref, rules)
                  if gains["available"] and len(Cgrid) else None)
     report["figures"] = scaling_report.figures(out, g.pts, g.control, fits, why, g.cols, gain_plot, (target, ref))
-
     md = markdown(report, g.cols, md_sub, target, ref)
     report["tables_md"] = "tables.md"
-    with open(os.path.join(out, "coeffs.json"), "w") as f:
-        json.dump(report["fits"], f, indent=2)
-    with open(os.path.join(out, "tables.json"), "w") as f:
-        json.dump(report, f, indent=2, default=float)
-    with open(os.path.join(out, "tables.md"), "w") as f:
-        f.write(md)
+    for name, text in (("coeffs.json", json.dumps(report["fits"], indent=2)),
+                       ("tables.json", json.dumps(report, indent=2, default=float)), ("tables.md", md)):
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
     return report
 
 
@@ -628,7 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
     checks.add_out_dir(ap, "output directory for JSON, tables and plots", default="scaling_out")
     ap.add_argument("--bootstrap", type=checks.nonneg_int, default=2000, help="cell-bootstrap draws (0 to skip)")
     ap.add_argument("--jobs", type=checks.positive_int, default=2, help="worker processes for the bootstrap")
-    checks.deprecated_alias(ap, "--n-jobs", "jobs", "--jobs", type=checks.positive_int)
     ap.add_argument("--seed", type=checks.nonneg_int, default=0, help="bootstrap seed")
     ap.add_argument("--budgets", type=checks.positive_float, nargs="+", help="compute budgets (FLOPs) for the CE-gain "
                     "table; default: the data's compute window (its geometric midpoint and log-quartiles); TPP uses "

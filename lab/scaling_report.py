@@ -1,16 +1,11 @@
 """What the scaling analysis shows: its figures, tables.md, and SMELT's Table 4.3 recomputed.
 
-* loss_vs_compute.png: validation loss against training compute C = F D per architecture, each
-  identified Eq. 2 fit drawn along every cell's own D range, the S = 0 control cells hollow.
-* reducible_loss.png: SMELT Fig. 9, L - E per sparsity column with each fit's frontier L* - E
-  (Eq. 4), identified fits only.
-* ce_gain.png: the CE gain (Eq. 5) over both fits' common compute range, dotted where
-  extrapolated, with the cell-bootstrap band.
-Axes span the data, never the paper's budgets.  `figures` draws all three (scaling_analysis.analyse
-calls it); plots.py gives the headless pyplot and the one way to save.
-* `markdown`: tables.md from the report: the coefficient table (numbers only for identified fits,
-  else "not identified (why)"), the CE-gain (Table 4.3, Eq. 5) and TPP tables with their
-  cell-bootstrap brackets, extrapolation marks (†) and the per-subset tables (SMELT 5.2).
+* `figures`: loss_vs_compute.png (loss against C = F D, each identified fit along every cell's own D range,
+  the S = 0 controls hollow), reducible_loss.png (SMELT Fig. 9: L - E per sparsity column with each fit's
+  frontier L* - E, Eq. 4) and ce_gain.png (Eq. 5 over both fits' common compute range, dotted where
+  extrapolated, with the cell-bootstrap band).  Axes span the data, never the paper's budgets.
+* `markdown`: tables.md (coefficients only for identified fits, else "not identified (why)"; CE gain and TPP
+  with cell-bootstrap brackets and † where extrapolated; the per-subset tables of SMELT 5.2).
 * `paper_tables`: SMELT's CE-gain and TPP tables recomputed from the printed coefficients.
 
 Read first: scaling.py (loss, frontier_loss) and scaling_analysis.py (what it passes here).
@@ -41,11 +36,6 @@ def _lin_limits(x: np.ndarray, pad: float = 0.08) -> tuple[float, float]:
     return lo - d, hi + d
 
 
-def _reason_title(head: str, why: Sequence[str], width: int = 60) -> str:
-    body = "; ".join(why[:2]) + (f"; +{len(why) - 2} more" if len(why) > 2 else "")
-    return head + "\n" + "\n".join(textwrap.wrap(body, width))
-
-
 def _cell_curves(co: Coeffs, p: Points):
     """Per cell: (C, L_hat) along the cell's own D range at its mean F and S (the fit on the data)."""
     for c in sorted(set(p.cell)):
@@ -55,11 +45,6 @@ def _cell_curves(co: Coeffs, p: Points):
         yield c, F * D, loss(co, F, S, D)
 
 
-def fits_range(p: Points) -> tuple[float, float]:
-    C = p.F * p.D
-    return float(C.min()), float(C.max())
-
-
 def _labels(p: Points) -> np.ndarray:
     """The sparsity label of every point (its cell id is "scale/label")."""
     return np.array([c.split("/", 1)[1] for c in p.cell])
@@ -67,9 +52,7 @@ def _labels(p: Points) -> np.ndarray:
 
 def figures(out: str, pts: dict, control: dict, fits: dict, why: dict, cols: dict,
             gain_plot: dict | None, names: tuple[str, str]) -> list[str]:
-    """loss_vs_compute.png (data, and each identified fit along every cell's own D range),
-    reducible_loss.png (SMELT Fig. 9, identified fits only) and ce_gain.png (both identified).
-    Axes span the data, never the paper's budgets.  Returns the file names written."""
+    """Draws the three figures (module docstring) that the data allow; returns the file names written."""
     plt = plots.pyplot()
     colours = dict(zip(cols, plt.cm.viridis(np.linspace(0, 0.85, max(len(cols), 1)))))
     allC = np.concatenate([p.F * p.D for d in (pts, control) for p in d.values()])
@@ -86,7 +69,6 @@ def figures(out: str, pts: dict, control: dict, fits: dict, why: dict, cols: dic
 
 def _loss_vs_compute(out: str, pts: dict, control: dict, fits: dict, why: dict, cols: dict, colours: dict,
                      xlim: tuple, ylim: tuple) -> str:
-    """loss_vs_compute.png: the data of every architecture, and each identified fit along every cell's D."""
     plt = plots.pyplot()
     archs = sorted(set(pts) | set(control))
     fig, axes = plt.subplots(1, len(archs), figsize=(5.8 * len(archs), 4.6), squeeze=False)
@@ -108,7 +90,9 @@ def _loss_vs_compute(out: str, pts: dict, control: dict, fits: dict, why: dict, 
         elif p is None:
             title = f"{arch}: control cells only (nothing fitted)"
         else:
-            title = _reason_title(f"{arch}: data only, fit not identified", why.get(arch, []))
+            w = why.get(arch, [])
+            body = "; ".join(w[:2]) + (f"; +{len(w) - 2} more" if len(w) > 2 else "")
+            title = f"{arch}: data only, fit not identified\n" + "\n".join(textwrap.wrap(body, 60))
         ax.set(xscale="log", xlim=xlim, ylim=ylim, xlabel="training compute C = F D (FLOPs)",
                ylabel="validation loss (nats)")
         ax.set_title(title, fontsize=9)
@@ -118,8 +102,6 @@ def _loss_vs_compute(out: str, pts: dict, control: dict, fits: dict, why: dict, 
 
 
 def _reducible_loss(out: str, pts: dict, fits: dict, ident: list, cols: dict, xlim: tuple) -> str:
-    """reducible_loss.png (SMELT Fig. 9): L - E on the sparse grid, one panel per sparsity column,
-    identified fits only, with each fit's frontier L* - E."""
     plt = plots.pyplot()
     fig, axes = plt.subplots(1, len(cols), figsize=(4.8 * len(cols), 4.2), squeeze=False)
     for ax, (lab, s) in zip(axes[0], cols.items()):
@@ -135,7 +117,7 @@ def _reducible_loss(out: str, pts: dict, fits: dict, ident: list, cols: dict, xl
             ys.append(r[ok])
             for cell, C, Lh in _cell_curves(co, p.take(np.flatnonzero(m))):
                 ax.plot(C, Lh - co.E, color=col, lw=1, alpha=0.8)
-            Cg = np.geomspace(*fits_range(p), 30)
+            Cg = np.geomspace(float((p.F * p.D).min()), float((p.F * p.D).max()), 30)
             fr = frontier_loss(co, Cg, s) - co.E
             ax.plot(Cg, fr, color=col, ls="--", lw=1, label=f"{arch} frontier L* - E")
             ys.append(fr)
@@ -154,8 +136,6 @@ def _reducible_loss(out: str, pts: dict, fits: dict, ident: list, cols: dict, xl
 
 
 def _ce_gain(out: str, gain_plot: dict, cols: dict, colours: dict, names: tuple[str, str]) -> str:
-    """ce_gain.png: the CE gain of names[0] over names[1] along the common compute range, per sparsity
-    column, dotted where extrapolated, with the cell-bootstrap band when there is one."""
     plt = plots.pyplot()
     Cg, g, ext, band = gain_plot["C"], gain_plot["pct"], gain_plot["extrapolated"], gain_plot.get("band")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -208,6 +188,13 @@ def failed_text(share: float | None) -> str:
     return "" if share is None else f" ({100 * share:.1f} % of draws failed)"
 
 
+def cell_text(fmt, value, cell: dict) -> str:
+    """A table cell: `value` in `fmt`, its bootstrap bracket, † when extrapolated, its failed share."""
+    iv = cell.get("interval")
+    return (fmt(value) + (f" [{fmt(iv['lo'])}, {fmt(iv['hi'])}]" if iv else "") + ("†" if cell["extrapolated"] else "")
+            + failed_text(cell.get("failed_share")))
+
+
 def tpp_text(x: float) -> str:
     """TPP as an integer between 10 and 1e6, else 3 significant digits (never a long number)."""
     return f"{x:.0f}" if 10 <= x < 1e6 else f"{x:.3g}"
@@ -237,8 +224,7 @@ def paper_tables() -> str:
 
 
 def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str) -> str:
-    """tables.md: fits (coefficients only when identified), CE gain, TPP, subsets.  No number a
-    degenerate fit produced; every number has at most 8 digits."""
+    """tables.md: fits (coefficients only when identified), CE gain, TPP, subsets; no number over 8 digits."""
     labs = list(cols)
     md = ["## Scaling-law fits (SMELT Eq. 2)\n"]
     ctl = (f"The {report['n_control_rows']} rows of the `{CONTROL_LABEL}` control cells are left out of the fits "
@@ -249,11 +235,10 @@ def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str)
                      if report["unmatched_cells"] else "")
               + (" Seed replicates are averaged into one point per endpoint before fitting: "
                  + ", ".join(f"{k} ({n} seeds)" for k, n in reps.items()) + "." if reps else "") + "\n")
-    rows, cells = [], []
+    cells = []
     for a, e in report["fits"].items():
         rg = e.get("ranges")
         data = [str(e["n_points"]), "–" if rg is None else f"{rg['C'][0]:.2e} to {rg['C'][1]:.2e}"]
-        rows.append(a)
         if e["identified"]:
             se = e["se"]
             exp = [f"{e[k]:.4f}" + (f" ± {se[k]:.3f}" if k in se and math.isfinite(se[k]) else
@@ -262,30 +247,26 @@ def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str)
                           f"{e['gamma']:.3f}", f"{e['rmse_nats']:.4f}", *data])
         else:
             cells.append([why_text(e["why"]), *["–"] * 8, *data])
-    md.append(format_table("Coefficients (± Gauss-Newton standard error)", rows,
+    md.append(format_table("Coefficients (± Gauss-Newton standard error)", list(report["fits"]),
                            ["status", "E", "A", "K", "a", "b", "c", "gamma", "RMSE (nats)", "points", "C range (FLOPs)"],
                            cells))
     short = {a: f"{a} {why_short(e['why'])}" for a, e in report["fits"].items() if not e["identified"]}
-    g = report["gains"]
-    budgets = report["budgets"]
+    g, budgets = report["gains"], report["budgets"]
     g_why = [short[a] for a in (target, ref) if a in short] or g["why"]
-    where = report["budget_rule"]
     if g["available"]:
         by = {(c["budget"], c["sparsity_label"]): c["text"] for c in g["cells"]}
-        md.append(format_table(f"CE gain of {target} over {ref} (%, at {where})",
+        md.append(format_table(f"CE gain of {target} over {ref} (%, at {report['budget_rule']})",
                                [f"C = {C:.2e}" for C in budgets], [f"{l} (S = {cols[l]:.2f})" for l in labs],
                                [[by[(C, l)] for l in labs] for C in budgets]))
     else:
         md.append(f"### CE gain of {target} over {ref}\n\nNot computed: {'; '.join(g_why)}.\n")
-    tp_rows, tp_cells = [], []
-    for a, t in report["tpp"].items():
-        tp_rows.append(a)
-        tp_cells.append([c["text"] for c in t["cells"]] if t["available"] else
-                        [short[a].removeprefix(a + " ") if a in short else "; ".join(t["why"])] + ["–"] * (len(labs) - 1))
-    if tp_rows and labs:
+    tp_cells = [[c["text"] for c in t["cells"]] if t["available"] else
+                [short[a].removeprefix(a + " ") if a in short else "; ".join(t["why"])] + ["–"] * (len(labs) - 1)
+                for a, t in report["tpp"].items()]
+    if tp_cells and labs:
         C = report["tpp_budget"]
         md.append(format_table("Compute-optimal tokens per parameter, TPP" + (f" at C = {C:.2e}" if C else ""),
-                               tp_rows, labs, tp_cells))
+                               list(report["tpp"]), labs, tp_cells))
     notes = []
     for name, b in report["bootstrap"].items():
         fails = ", ".join(f"{k} ({v})" for k, v in sorted(b["failures"].items(), key=lambda kv: -kv[1]))

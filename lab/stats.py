@@ -1,27 +1,15 @@
 """Numbers a reader can trust: intervals, paired differences, permutation tests, three-state verdicts.
 
-Every comparison this project reports (a loss over seeds, a probe over tokens, a gain over items)
-goes through this file, so the rules are written once:
-
-  * `Interval`: a point estimate with a two-sided interval, the number of units it rests on and
-    how the interval was made. `mean_interval` is the Student-t interval of a mean (the default
-    for a handful of seeds: with 3 seeds a normal interval would be 2.2x too narrow);
-    `bootstrap_interval` resamples units (tokens, documents, cells) with replacement and reports
-    percentiles; `paired_difference` is the t-interval of the per-unit differences b - a (units
-    paired: the same seed / batch / item on both sides), which removes the shared noise.
-  * `verdict`: a claim "quantity > value" (or "<") is **reproduced** when the whole interval lies
-    on the claimed side, **contradicted** when the whole interval lies on the other side, and
-    **not resolved** otherwise, including when there is no interval at all (one seed) and when a
-    percentile bootstrap rests on fewer than MIN_BOOTSTRAP_UNITS units (then too narrow). A point
-    estimate's sign never decides a verdict.
-  * `permutation_test`: the paired sign-flip test (SMELT Appendix C: "paired permutation test over
-    the 10 random seeds"), one- or two-sided. With n pairs there are 2^n sign patterns; for n <= 16
-    they are enumerated exactly, beyond that sampled.
-  * `percentiles_with_failures` (a bootstrap's failed draws count as -inf / +inf, never dropped),
-    `welch_difference` (two independent samples), `all_of` (one verdict from a claim's parts).
-
-Pure functions on numpy arrays; no torch. Tested against hand-computed cases (tests/test_stats.py).
-Read next: scaling.py.
+Every comparison this project reports (a loss over seeds, a probe over tokens, a gain over items) goes
+through this file, so the rules are written once:
+  * `Interval`: a point estimate, a two-sided interval, its units and method. `mean_interval` (Student t:
+    with 3 seeds a normal interval would be 2.2x too narrow), `bootstrap_interval` (percentiles over units
+    resampled), `paired_difference` (the t-interval of per-unit b - a: the shared noise cancels).
+  * `verdict`: "reproduced" when the whole interval lies on the claimed side, "contradicted" when it lies
+    on the other, else "not resolved" (no interval, or a percentile bootstrap over fewer than
+    MIN_BOOTSTRAP_UNITS units). A point estimate's sign never decides.
+  * `permutation_test`: the paired sign-flip test of SMELT Appendix C, exact for up to 16 pairs.
+Pure numpy functions; hand-computed cases in tests/test_stats.py. Read next: scaling.py.
 """
 from __future__ import annotations
 
@@ -48,7 +36,6 @@ class Interval:
 
     @property
     def resolved(self) -> bool:
-        """True when both bounds are finite numbers (an interval exists)."""
         return math.isfinite(self.lo) and math.isfinite(self.hi)
 
     @property
@@ -83,7 +70,6 @@ def _check_level(level: float) -> None:
 
 
 def t_quantile(p: float, dof: int) -> float:
-    """Quantile of Student's t with `dof` degrees of freedom (scipy)."""
     from scipy.stats import t
     return float(t.ppf(p, dof))
 
@@ -109,14 +95,12 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.9
 
 
 def welch_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
-    """Interval of mean(b) - mean(a) over independent samples (Welch's t, unequal variances); no
-    interval (bounds nan) unless both have 2 values and some spread."""
+    """Interval of mean(b) - mean(a) over independent samples (Welch's t); none (bounds nan) unless both
+    have 2 values and some spread."""
     _check_level(level)
     va, vb = _vector(a, "a"), _vector(b, "b")
     d, n = float(vb.mean() - va.mean()), va.size + vb.size
-    if va.size < 2 or vb.size < 2:
-        return Interval(d, math.nan, math.nan, n, level, "welch")
-    qa, qb = va.var(ddof=1) / va.size, vb.var(ddof=1) / vb.size
+    qa, qb = (va.var(ddof=1) / va.size, vb.var(ddof=1) / vb.size) if va.size > 1 and vb.size > 1 else (0, 0)
     if qa + qb == 0:
         return Interval(d, math.nan, math.nan, n, level, "welch")
     dof = (qa + qb) ** 2 / (qa ** 2 / (va.size - 1) + qb ** 2 / (vb.size - 1))
@@ -147,23 +131,14 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], n_draws: int = 20
     if vn.shape != vd.shape:
         raise ValueError(f"ratio_interval: num and den must pair up, got {vn.size} and {vd.size} values")
     both = np.stack([vn, vd], 1)
-    rng = np.random.default_rng(seed)
-    _check_level(level)
-    point = float(vn.sum() / vd.sum())
-    if vn.size < 2:
-        return Interval(point, math.nan, math.nan, vn.size, level, "bootstrap")
-    draws = []
-    for _ in range(n_draws):
-        s = both[rng.integers(0, vn.size, vn.size)].sum(0)
-        draws.append(s[0] / s[1])
-    lo, hi = np.percentile(draws, [50 * (1 - level), 50 * (1 + level)])
-    return Interval(point, float(lo), float(hi), vn.size, level, "bootstrap")
+    iv = bootstrap_interval(np.arange(vn.size), lambda ix: (lambda s: s[0] / s[1])(both[ix.astype(int)].sum(0)),
+                            n_draws, level, seed)
+    return Interval(float(vn.sum() / vd.sum()), iv.lo, iv.hi, iv.n, level, "bootstrap")
 
 
 def percentiles_with_failures(ok: np.ndarray, n_failed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
-    """The level interval's percentiles over len(ok) + n_failed draws along axis 0, each failed draw
-    counted as -inf for the lower bound and +inf for the upper (so the interval does not condition on
-    success): a bound is +/-inf once the failures reach its percentile.  n_failed = 0: np.percentile."""
+    """The level interval's percentiles over len(ok) + n_failed draws along axis 0, each failed draw counted as
+    -inf for the lower bound and +inf for the upper (the interval does not condition on success)."""
     _check_level(level)
     ok = np.asarray(ok, dtype=float)
     if n_failed < 0 or (len(ok) == 0 and n_failed == 0):
@@ -184,12 +159,8 @@ def percentiles_with_failures(ok: np.ndarray, n_failed: int, level: float = 0.95
 
 
 def verdict(iv: Interval | None, claim: str, value: float = 0.0) -> str:
-    """Three-state verdict of the paper's claim "quantity `claim` value" (claim '>' or '<').
-
-    reproduced: the whole interval is on the claimed side; contradicted: the whole interval is on
-    the other side; not resolved: it straddles `value`, there is no interval, or it is a percentile
-    bootstrap over too few units (Interval.few_units; simulated coverage in docs/wins.md).
-    """
+    """Three-state verdict of the claim "quantity `claim` value" (claim '>' or '<'); a percentile bootstrap over
+    too few units is not resolved (Interval.few_units; simulated coverage in docs/wins.md)."""
     if claim not in (">", "<"):
         raise ValueError(f"claim must be '>' or '<', got {claim!r}")
     if iv is None or not iv.resolved or iv.few_units:
@@ -210,17 +181,9 @@ def all_of(verdicts: Sequence[str]) -> str:
 
 def permutation_test(a: Sequence[float], b: Sequence[float], n: int = 10000, seed: int = 0,
                      alternative: str = "two-sided") -> float:
-    """Paired sign-flip permutation test of mean(a - b) = 0.
-
-    alternative: "two-sided", "greater" (a > b) or "less" (a < b). Exact over all 2^m sign patterns
-    for m <= 16 pairs (p counts the observed pattern itself), else `n` random patterns with
-    p = (1 + hits) / (n + 1). Identical inputs give p = 1.
-    """
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
-    if d.ndim != 1 or len(d) == 0:
-        raise ValueError(f"a and b must be equal-length non-empty 1-D sequences, got shape {d.shape}")
-    if not np.isfinite(d).all():
-        raise ValueError("permutation_test: a and b must be finite")
+    """Paired sign-flip permutation test of mean(a - b) = 0, alternative "two-sided", "greater" (a > b) or "less":
+    exact over all 2^m sign patterns for m <= 16 pairs, else p = (1 + hits) / (n + 1) over `n` random ones."""
+    d = _vector(np.asarray(a, dtype=float) - np.asarray(b, dtype=float), "permutation_test's a - b")
     if alternative not in ("two-sided", "greater", "less"):
         raise ValueError(f"alternative must be 'two-sided', 'greater' or 'less', got {alternative!r}")
     stat = {"two-sided": lambda m: np.abs(m), "greater": lambda m: m, "less": lambda m: -m}[alternative]

@@ -1,27 +1,23 @@
 """Few-shot tasks and their scoring: how DCLM and lm-eval turn a language model into accuracies.
 
-What this file implements (SMELT Section 3.1 "Evaluation", 5.1 and Appendix E)
-* Tasks, offline: six of DCLM Core's 22 tasks from BIG-bench 1.0.0 (`load_bigbench`; tasks/bigbench/,
-  see its README) and procedurally generated tasks that tiny models can learn in context
-  (`generate_task`: Dyck closing at a set depth, copy, reverse, key-value retrieval, modular
-  addition), each from a seeded generator with a known chance rate; `get_task`, `resolve_tasks`.
+SMELT Section 3.1 "Evaluation", 5.1 and Appendix E:
+* Tasks, offline: six of DCLM Core's 22 tasks from BIG-bench 1.0.0 (`load_bigbench`; tasks/bigbench/)
+  and seeded generated tasks with a known chance rate that tiny models can learn in context
+  (`generate_task`: Dyck closing, copy, reverse, key-value retrieval, modular addition).
 * Prompts: `build_prompt` lays out k demonstrations of the same (sub)task in BIG-bench's format;
-  `fit_prompt` keeps as many whole demonstrations as fit the block (dropped from the left), and
-  only then `truncate_left` cuts on the left, keeping BOS (SMELT App. E).
-* Scoring: `score_continuations` (batches by padded tokens and answer-position logits, `plan_batches`;
-  the head at the answer positions only; one host read per batch; tested equal to the per-request
-  `score_continuations_reference`) and `score_options` (a multiple-choice context prefilled once,
-  its KV cache repeated per option; tested equal to `score_continuations`).
-* `evaluate_task` (prompts from `task_requests`): one task at k shots over demonstration seeds, the
-  demonstrations kept and the prompts cut. Multiple choice by each option's log-likelihood (DCLM's
-  per-token mean, lm-eval's per-character acc_norm, or the raw sum);
-  generation by exact match (every gold token the argmax, as llm-foundry / DCLM) and gold-completion
-  loss; mean and SE over seeds. An item's demonstrations never hold it or its duplicates.
-* `centred_accuracy` (DCLM Core, SMELT Eq. 11: (a - rho) / (1 - rho), DCLM v2's random baselines)
-  and `chance_of` (a task's exact chance rate).
+  `fit_prompt` drops whole demonstrations from the left until the prompt fits the block, and only
+  then `truncate_left` cuts on the left, keeping BOS (SMELT App. E).
+* Scoring: `score_continuations` (batched by `plan_batches`; the head at the answer positions only;
+  one host read per batch) and `score_options` (a multiple-choice context prefilled once, its KV
+  cache repeated per option; tested equal to `score_continuations`).
+* `evaluate_task`: one task at k shots over demonstration seeds (prompts from `task_requests`; an item's
+  demonstrations never hold it or its duplicates). Multiple choice by each option's log-likelihood
+  (DCLM's per-token mean, lm-eval's per-character acc_norm, or the sum); generation by exact match
+  (llm-foundry / DCLM) and gold-completion loss; mean and SE over seeds.
+* `centred_accuracy` (DCLM Core, SMELT Eq. 11, DCLM v2's random baselines) and `chance_of`.
 
-Design choices and measured speed-ups: docs/tasks.md. Read next: eval.py (one endpoint: validation
-loss and the shot sweep), calibration.py (loss to score, Eq. 6-7), wins.py (the grid of pairs).
+Design choices and measured speed-ups: docs/tasks.md. Read next: eval.py (validation loss and the shot
+sweep), lab/calibration.py (loss to score, Eq. 6-7), lab/downstream_claims.py (the grid of pairs).
 """
 from __future__ import annotations
 
@@ -55,19 +51,11 @@ GENERATED_TASKS = ("gen_dyck", "gen_copy", "gen_reverse", "gen_kv", "gen_modadd"
 
 
 # ================================================================ forwards
-
-
 @contextlib.contextmanager
 def _head_at(model: nn.Module, pos_BM: torch.Tensor | None):
-    """Within the block, the model's output head runs only at positions pos_BM (B, M) of each row.
-
-    The head (final norm + vocabulary projection) is position-wise, so selecting the positions of
-    the final norm's output before the projection gives exactly the logits at those positions:
-    (B, M, V) instead of (B, T, V). Few-shot scoring needs the logits of the answer tokens only
-    (what that saves: docs/tasks.md). Yields True when the model has a `norm_f` module to hook
-    (GPT), else False (the caller selects from the full logits). Tested equal to the full-logit
-    path (tests/test_eval.py).
-    """
+    """Within the block, the output head runs only at positions pos_BM (B, M): the final norm's output is
+    gathered there before the (position-wise) projection, so the logits are (B, M, V), exact (docs/tasks.md).
+    Yields whether the model has a `norm_f` to hook; if not, the caller selects from the full logits."""
     norm = getattr(model, "norm_f", None)
     if pos_BM is None or not isinstance(norm, nn.Module):
         yield False
@@ -82,15 +70,7 @@ def _head_at(model: nn.Module, pos_BM: torch.Tensor | None):
         handle.remove()
 
 
-def _logits_at(model: nn.Module, idx_BT: torch.Tensor, pos_BM: torch.Tensor) -> torch.Tensor:
-    """Logits (B, M, V) at positions pos_BM of each row (the head runs there only, when it can)."""
-    with _head_at(model, pos_BM) as hooked:
-        logits = forward_logits(model, idx_BT)
-    return logits if hooked else logits.gather(1, pos_BM[..., None].expand(-1, -1, logits.shape[-1]))
-
-
 # ================================================================ tasks
-
 @dataclass
 class Item:
     query: str                      # the formatted input; the answer follows it directly
@@ -233,19 +213,17 @@ def get_task(name: str) -> Task:
 
 def resolve_tasks(names: Iterable[str]) -> list[str]:
     """Expand the groups "real", "generated" and "all"; check every name."""
+    known = list(REAL_TASKS) + list(GENERATED_TASKS)
     out = []
     for n in names:
-        group = {"real": list(REAL_TASKS), "generated": list(GENERATED_TASKS),
-                 "all": list(REAL_TASKS) + list(GENERATED_TASKS)}.get(n, [n])
-        for g in group:
-            if g not in REAL_TASKS and g not in GENERATED_TASKS:
-                raise KeyError(f"unknown task {g!r}; known: {list(REAL_TASKS) + list(GENERATED_TASKS)}")
+        for g in {"real": list(REAL_TASKS), "generated": list(GENERATED_TASKS), "all": known}.get(n, [n]):
+            if g not in known:
+                raise KeyError(f"unknown task {g!r}; known: {known}")
             out += [g] if g not in out else []
     return out
 
 
 # ================================================================ prompts and batched scoring
-
 def build_prompt(item: Item, demos: Sequence[Item]) -> tuple[str, list[str]]:
     """(context, continuations): BIG-bench layout; the context's trailing spaces open each continuation."""
     ctx = item.prefix + "".join(d.query + d.answer + item.sep for d in demos) + item.query
@@ -262,9 +240,8 @@ def truncate_left(tokens: list[int], block_size: int) -> list[int]:
 def fit_prompt(item: Item, demos: Sequence[Item], encode, bos: int, block_size: int):
     """(head, tails, kept, cut): [bos] + the context's tokens with as many of `demos` as fit, each option's tokens.
 
-    Whole demonstrations are dropped from the left (the farthest from the query) until BOS, the context
-    and the longest option fit block_size (the most that fit, by bisection over the count kept); when not
-    even the query fits, the context is cut on the left after BOS (truncate_left) and cut is True.
+    Whole demonstrations are dropped from the left until BOS, the context and the longest option fit
+    block_size (bisection over the count kept); when not even the query fits, truncate_left, cut True.
     """
     def at(n: int):
         ctx, conts = build_prompt(item, demos[len(demos) - n:])
@@ -339,11 +316,8 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
                         counts: Counter | None = None) -> list[tuple[float, int, bool]]:
     """Each (tokens, n_cont) -> (sum of -log p over the last n_cont tokens, n_cont, all of them the argmax).
 
-    Sequences are truncated on the left (BOS kept), sorted by length and right-padded into batches
-    (plan_batches: by the padded tokens and the logits at the M answer positions); the head runs at
-    the answer positions only, and each batch is read to the host once. counts, when given, adds
-    "forward_calls", "sequences", "tokens", "padded_tokens" and "host_reads". Tested equal to
-    score_continuations_reference.
+    Sequences are truncated on the left (BOS kept) and right-padded into plan_batches' batches, each read
+    to the host once. counts adds "forward_calls", "sequences", "tokens", "padded_tokens", "host_reads".
     """
     model.eval()
     dev = model_device(model)
@@ -361,7 +335,10 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
         pos = (lens[:, None] - M - 1 + m).clamp(min=0).to(dev)                                  # (rows, M)
         mine = (m >= M - n[:, None]).to(dev)                                                    # (rows, M)
         tgt = x.gather(1, pos + 1)
-        logits = _logits_at(model, x, pos)                                                      # (rows, M, V)
+        with _head_at(model, pos) as head_hooked:
+            logits = forward_logits(model, x)
+        if not head_hooked:
+            logits = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))         # (rows, M, V)
         nll = -torch.log_softmax(logits, -1).gather(-1, tgt[..., None])[..., 0]
         nll = torch.where(mine, nll, 0).sum(1)
         hit = ((logits.argmax(-1) == tgt) | ~mine).all(1)
@@ -374,31 +351,13 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
 
 
 @torch.no_grad()
-def score_continuations_reference(model: nn.Module, requests: Sequence[tuple[list[int], int]], block_size: int
-                                  ) -> list[tuple[float, int, bool]]:
-    """The slow obvious score_continuations: one sequence per forward, the logits at every position."""
-    model.eval()
-    dev = model_device(model)
-    out = []
-    for toks, n in requests:
-        seq = truncate_left(toks, block_size)
-        _check_requests([seq], [n])
-        logits = forward_logits(model, torch.tensor([seq], device=dev))[0]                      # (L, V)
-        lg, tgt = logits[len(seq) - n - 1:len(seq) - 1], torch.tensor(seq[len(seq) - n:], device=dev)
-        out.append((float(F.cross_entropy(lg, tgt, reduction="sum")), n, bool((lg.argmax(-1) == tgt).all())))
-    return out
-
-
-@torch.no_grad()
 def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]], block_size: int,
                   pad_id: int = 0, counts: Counter | None = None) -> list[tuple[float, int, bool]]:
     """score_continuations for several continuations of one context, prefilling the context once.
 
-    The context runs once into a KV cache (model.new_cache / forward_step), the cache is repeated
-    once per option (Cache.repeat), and all options run together as one right-padded batch:
-    the context's positions are computed once instead of once per option (11 times for
-    language_identification). The context is cut on the left once, to fit the longest option,
-    so every option is scored after the same context. Same return as score_continuations.
+    The context runs once into a KV cache (model.new_cache / forward_step), repeated per option
+    (Cache.repeat) for one right-padded batch of all options. The context is cut on the left once, to
+    fit the longest option, so every option follows the same context. Same return as score_continuations.
     """
     if not tails or min(len(t) for t in tails) < 1:
         raise ValueError("score_options: every option needs at least one token")
@@ -510,7 +469,6 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
 
     enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding). counts: adds
     score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device).
-    Generation tasks also give the gold-completion loss (sum nll / answer tokens over all items and seeds).
     """
     for name, v, lo, none_ok in (("k", k, 0, False), ("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
                                  ("block_size", block_size, 3, True), ("batch_tokens", batch_tokens, 1, True)):
@@ -539,12 +497,9 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
         res = scores[start:start + m]
         if task.kind == "mc":
             item = task.items[used[u]]
-            if task.norm == "token":
-                crit = [nll / nt for nll, nt, _ in res]
-            elif task.norm == "char":
-                crit = [nll / max(1, len(o)) for (nll, _, _), o in zip(res, item.options)]   # lm-eval: characters
-            else:
-                crit = [nll for nll, _, _ in res]
+            per = {"token": [nt for _, nt, _ in res], "char": [max(1, len(o)) for o in item.options],   # lm-eval: chars
+                   "none": [1] * len(res)}[task.norm]
+            crit = [nll / d for (nll, _, _), d in zip(res, per)]
             correct[s, u] = float(item.options[int(np.argmin(crit))] == item.answer)
         else:
             correct[s, u] = float(res[0][2])

@@ -1,10 +1,8 @@
-"""Learning curves of a reproduction's runs: train CE, decay branches, validation, branch endpoints.
+"""Learning curves of a reproduction's runs (reproduce.py and scripts/scaling_ladder.py, after training).
 
-plot_curves draws one panel per ladder cell from each seed-0 run's metrics.jsonl (the stable run's
-train CE as a solid line, every WSD decay branch (SMELT 3.1) thinner from its fork point, validation
-during training dashed) and results.jsonl (each branch endpoint's validation loss a marker), with
-the corpus's unigram entropy and the 1.5-nat target beside them. reproduce.py and
-scripts/scaling_ladder.py call it after training. Figures are drawn with plots.py's helpers.
+plot_curves draws one panel per ladder cell from each seed-0 run's metrics.jsonl (the stable run's train
+CE solid, every WSD decay branch (SMELT 3.1) thinner from its fork point, validation dashed) and
+results.jsonl (branch endpoints as markers), beside the unigram entropy and the 1.5-nat target.
 Read first: train.py (what metrics.jsonl and results.jsonl hold), configs.plan_runs (the run dirs).
 """
 from __future__ import annotations
@@ -12,13 +10,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import checks
 import configs
 from lab import plots
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A run's hashed JSON-lines file (checks.read_jsonl: each row checked), or [] when absent."""
-    import checks
+    """A run's hashed JSON-lines file (each row checked), or [] when absent."""
     return checks.read_jsonl(path) if path.exists() else []
 
 
@@ -34,9 +32,7 @@ def ce_rows(ms: list[dict]) -> list[dict]:
 
 
 def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, plan: configs.Plan | None = None) -> Path:
-    """Learning curves from each seed-0 run's metrics.jsonl and results rows: the stable run's train CE
-    (mean over each logging window) solid, every decay branch thinner from its fork point, validation loss
-    during training dashed, each branch endpoint's validation loss a marker; one panel per cell, one legend."""
+    """The learning curves (module docstring) into OUT/figures/curves.png; train CE is each logging window's mean."""
     plt = plots.pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
@@ -55,8 +51,7 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
                 pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms_ce if m["branch"] == branch]
                 if branch is not None:   # start the branch at its fork point on the stable curve
                     before = [m for m in ms_ce if m["branch"] is None and m["step"] <= branch]
-                    fork = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in before[-1:]]
-                    pts = fork + pts
+                    pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in before[-1:]] + pts
                 if pts:
                     ax.plot(*zip(*pts), color=c, lw=1.4 if branch is None else 0.9, alpha=1.0 if branch is None
                             else 0.75)

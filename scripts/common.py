@@ -1,22 +1,14 @@
 """Shared plumbing of the experiment scripts: CLI, data, training one config, tables, JSON, plots.
 
-Every script in scripts/ is a thin composition of the library modules; what they all need lives
-here and nowhere else:
-  * `parser(doc)`    the common CLI (checks.py): --preset {smoke,tiny,small}, --out-dir, --steps, --seed,
-                     --jobs, --threads; sizes from configs.SCRIPT_PRESETS / SWEEP_STEPS / SWEEP_EVAL_TOKENS.
-  * `Experiment`     one script run: the preset's plan (configs.PLANS), its data, the TrainConfig of
-                     one sweep point, preset Baselines (`base`, `dense_base`), `match`, `budgets`,
-                     `train_all` (`jobs` at a time) and `finish` (results.json + table.md + print).
+  * `parser(doc)`    the common CLI: --preset {smoke,tiny,small}, --out-dir, --steps, --seed, --jobs, --threads.
+  * `Experiment`     one script run: the preset's plan (configs.PLANS) and data, one sweep point's TrainConfig,
+                     preset Baselines, `match`, `budgets`, `train_all` and `finish` (results.json + table.md).
   * `pair_runs`, `load_trained`  the (Baseline, looped) runs that downstream.py / probe_runs.py read.
-  * How to Loop (the howto_* scripts): `howto_loop` (no 1/r residual scale), `howto_flops` (its FLOP
-                     accounting, head included), the fixed-compute plan (`compute_share_steps`), the
-                     no-loop reference curve (`fit_noloop_curve`, `tokens_to_reach`, `efficiency`), bits
-                     per byte (`val_bytes_per_token`, `bits_per_byte`) and `howto_report`.
+  * How to Loop (the howto_* scripts): `howto_loop`, `howto_flops`, `compute_share_steps`, the no-loop
+                     reference curve (`fit_noloop_curve`, `efficiency`), bits per byte and `howto_report`.
   * `format_table`, `plot_lines`, `plot_bars`, `plot_compute_axis`  tables and figures (plots.py).
-A sweep point trains SWEEP_STEPS stable steps (shorter than reproduce.py's stable phase) with one
-decay branch at its end; every config of a script sees identical batches (same seed and step).
-Why the sizes are what they are, and each helper in full: docs/scripts.md. Read first: reproduce.py
-(the stages the scripts reuse) and the script of the experiment you care about.
+A sweep point trains SWEEP_STEPS stable steps and one decay branch; every config of a script sees identical
+batches. Each helper in full: docs/scripts.md. Read first: reproduce.py (the stages the scripts reuse).
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,23 +26,21 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-
 import numpy as np  # noqa: E402
 
 import budget  # noqa: E402
 import checks  # noqa: E402
 import configs  # noqa: E402
-import loop as looping  # noqa: E402
-from lab import plots  # noqa: E402
+from lab import plots, stats  # noqa: E402
 import reproduce  # noqa: E402
-from lab import stats  # noqa: E402
 import train as trainer  # noqa: E402
-from loop import LoopConfig  # noqa: E402
+from loop import SMELT, LoopConfig, plan as loop_plan  # noqa: E402
 from model import ModelConfig  # noqa: E402
+from reproduce import log  # noqa: E402
+
 
 def parser(doc: str, training: bool = True) -> argparse.ArgumentParser:
-    """The arguments every script takes; scripts add their own. training=False leaves out the flags
-    that only mean something to a script that trains (--steps, --seed, --jobs)."""
+    """The arguments every script takes; training=False leaves out --steps, --seed and --jobs."""
     ap = checks.parser(doc)
     ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS,
                     help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU"
@@ -71,25 +61,12 @@ def parser(doc: str, training: bool = True) -> argparse.ArgumentParser:
     return ap
 
 
-def log(msg: str) -> None:
-    reproduce.log(msg)
-
-
-@dataclass
 class Experiment:
-    name: str
-    args: argparse.Namespace
-    out: Path = field(init=False)
-    plan: configs.Plan = field(init=False)
-    steps: int = field(init=False)
-    data: object = field(init=False, default=None)
-    tc: trainer.TrainConfig = field(init=False)
-    t0: float = field(default_factory=time.time)
+    """One script run: its out dir, plan, data, TrainConfig and jobs (see the module docstring)."""
 
-    def __post_init__(self):
-        a = self.args
-        if a.steps is not None and a.steps < 1:
-            raise checks.UserError(f"--steps must be >= 1, got {a.steps}")
+    def __init__(self, name: str, args: argparse.Namespace):
+        self.name, self.args, self.t0, self.data, self._ctx = name, args, time.time(), None, None
+        a = args
         self.plan = configs.PLANS[a.preset]
         self.steps = a.steps or configs.SWEEP_STEPS[a.preset]
         suffix = f"_s{a.steps}" if a.steps else ""
@@ -100,7 +77,7 @@ class Experiment:
             lr=p.lr, warmup_steps=max(1, round(p.warmup_steps * frac)), stable_steps=self.steps,
             decay_steps=max(1, round(p.decay_steps * frac)), batch_size=p.batch_size, block_size=p.block_size,
             eval_tokens=configs.SWEEP_EVAL_TOKENS[a.preset], log_interval=max(1, self.steps // 4), seed=a.seed)
-        cpus = 1 if torch.cuda.is_available() else min(2, os.cpu_count() or 1)
+        cpus = 1 if torch.cuda.is_available() else reproduce.default_jobs("cpu", os.cpu_count() or 1)
         self.jobs = a.jobs or (cpus if a.preset == "tiny" else 1)
         threads = a.threads or (1 if a.preset == "smoke" else None)
         if threads:
@@ -117,9 +94,8 @@ class Experiment:
 
     @property
     def ctx(self) -> float:
-        """Document length for SMELT FLOPs in matching: the measured document length of the prepared data
-        at the plan's context (budget.preset_doc_length), as reproduce.stage_ladder uses."""
-        if getattr(self, "_ctx", None) is None:
+        """The document length matches count FLOPs at (budget.preset_doc_length, as reproduce.stage_ladder)."""
+        if self._ctx is None:
             self._ctx = budget.preset_doc_length(self.plan.ladder, self.load_data())
         return self._ctx
 
@@ -129,8 +105,7 @@ class Experiment:
                 for s, lab, c in budget.preset_baselines(self.plan.ladder)]
 
     def base(self, scale: str | None = None, label: str | None = None) -> tuple[str, str, ModelConfig]:
-        """A preset Baseline: default the deepest scale (most span/depth points) at S~85 % (the paper's
-        ablation sparsity) or the first sparsity label when the preset has no 85 % column."""
+        """A preset Baseline: default the deepest scale at S~85 % (the paper's ablation sparsity) or the first label."""
         cells = self.cells()
         scales = list(dict.fromkeys(s for s, _, _ in cells))
         labels = list(dict.fromkeys(lab for _, lab, _ in cells))
@@ -144,17 +119,14 @@ class Experiment:
         raise checks.UserError(f"no cell ({scale}, {label}) in preset {self.args.preset}: scales {scales}, labels {labels}")
 
     def dense_base(self, scale: str | None = None) -> ModelConfig:
-        """How-to-Loop's setting: a dense model. The preset scale (default the first, cheapest) with a dense
-        SwiGLU of the MoE's active width top_k * d_ff, unlooped (its LoopConfig is `howto_loop()`: no
-        1/r residual scale, so every config derived from it with replace(loop=...) starts from the same)."""
+        """How-to-Loop's dense model: the preset scale (default the first) with a dense SwiGLU of the MoE's active
+        width top_k * d_ff, unlooped with `howto_loop()` (no 1/r residual scale)."""
         scale = scale or self.cells()[0][0]
         _, _, c = self.base(scale, self.cells()[0][1])
         return replace(c, n_experts=0, d_ff=c.top_k * c.d_ff, loop=howto_loop())
 
     def match(self, base: ModelConfig, loop, **search) -> tuple[ModelConfig, dict]:
-        """budget.match at the training context with the preset ladder's search options (budget.preset_search;
-        `search` adds or overrides), so a script's SMELT is the ladder's; the report (not a warning) says
-        when tolerance is missed."""
+        """budget.match with the ladder's search options (`search` overrides): a script's SMELT is the ladder's."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             return budget.match(base, loop, self.ctx, **{**budget.preset_search(self.plan.ladder), **search})
@@ -166,7 +138,7 @@ class Experiment:
                "flops_h2l": howto_flops(cfg, self.plan.block_size),
                "kv_bytes": budget.kv_bytes_per_token(cfg, 2, self.ctx), "d_model": cfg.d_model,
                "n_layer": cfg.n_layer, "n_experts": cfg.n_experts, "d_ff": cfg.d_ff,
-               "effective_layers": len(looping.plan(cfg.n_layer, cfg.loop)),
+               "effective_layers": len(loop_plan(cfg.n_layer, cfg.loop)),
                "residual_scale": bool(cfg.loop.residual_scale and cfg.loop.active)}
         if ref is not None:
             r = self.budgets(ref)
@@ -176,50 +148,38 @@ class Experiment:
 
     # -- How-to-Loop training plans ------------------------------------------------------
     def curve_tc(self) -> trainer.TrainConfig:
-        """The no-loop reference run's TrainConfig: decay branches at CURVE_FRACTIONS of the stable phase, so
-        one run gives the (tokens, loss) points of the fitted no-loop curve; its last branch is the plain run."""
-        return replace(self.tc, branch_steps=curve_branches(self.steps))
+        """The no-loop reference run: decay branches at CURVE_FRACTIONS of the stable phase (the curve's points)."""
+        return replace(self.tc, branch_steps=sorted({max(1, round(f * self.steps)) for f in CURVE_FRACTIONS}))
 
     def compute_tc(self, cfg: ModelConfig, ref: ModelConfig) -> trainer.TrainConfig:
-        """How-to-Loop's fixed training compute: cfg (same model, looped) trained on the token share
-        howto_flops(ref) / howto_flops(cfg) of ref's run (compute_share_steps), decay branch unchanged."""
-        # How-to-Loop counts attention at the full context (its convention), not at the document length
+        """How-to-Loop's fixed training compute (compute_share_steps), attention counted at the full context."""
         stable = compute_share_steps(self.steps, self.tc.decay_steps, howto_flops(ref, self.plan.block_size),
                                      howto_flops(cfg, self.plan.block_size))
         return replace(self.tc, stable_steps=stable, branch_steps=[])
 
     # -- training ------------------------------------------------------------------------
-    def train(self, name: str, cfg: ModelConfig, **meta) -> dict:
-        """Train one config; see train_all."""
-        return self.train_all([(name, cfg, meta)])[0]
-
     def train_all(self, specs: list[tuple]) -> list[dict]:
-        """Train every (name, config, meta[, TrainConfig]) (stable phase + its decay branches; default the
-        script's TrainConfig: one branch) in OUT/runs/NAME, `jobs` at a time; return each run's final numbers
-        (its longest branch) in order, with every branch's (tokens, loss) under "branches". meta goes into
-        train.py's results rows ("arch", "scale", "sparsity_label", "control": the ModelConfig S is measured
-        against). A finished run is not retrained (train.train returns its rows), so a script can be re-run
-        on the same OUT."""
+        """Train every (name, config, meta[, TrainConfig]) in OUT/runs/NAME, `jobs` at a time (a finished run is
+        not retrained); each run's longest branch's numbers, in order, with every branch under "branches"."""
         data = self.load_data()
-        jobs = [(spec[1].to_dict(), spec[3] if len(spec) > 3 else self.tc, str(data.dir),
-                 str(self.out / "runs" / spec[0]), {"arch": spec[0], **spec[2]}, 1 if self.jobs > 1 else 0)
-                for spec in specs]
+        jobs = [(spec[1].to_dict(), asdict(spec[3] if len(spec) > 3 else self.tc), str(data.dir),
+                 str(self.out / "runs" / spec[0]), {"arch": spec[0], **spec[2]}) for spec in specs]
         t0 = time.time()
-        if self.jobs > 1 and len(jobs) > 1:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
+        if self.jobs > 1 and len(jobs) > 1:   # reproduce's worker pool, one thread per worker
             log(f"training {len(jobs)} runs, {self.jobs} at a time")
-            with ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn")) as pool:
-                per_run = list(pool.map(_train_job, jobs))
+            per_run = reproduce.pool_run(reproduce._train_one, jobs, self.jobs, name=lambda j: j[3])
         else:
-            per_run = [_train_job(job, data) for job in jobs]
+            if self.jobs > 1:
+                torch.set_num_threads(1)
+            per_run = [trainer.train(ModelConfig.from_dict(j[0]), trainer.TrainConfig(**j[1]), data, j[3], j[4])
+                       for j in jobs]
         out = []
         for spec, job, rows in zip(specs, jobs, per_run):
             name, last = spec[0], max(rows, key=lambda r: r["D"])
             log(f"{name}: val loss {last['val_loss']:.4f}")
             out.append({"run": name, "run_dir": job[3], "val_loss": last["val_loss"], "tokens": last["D"],
                         "F": last["F"], "S": last["S"], "N": last["N"], "wall_s": last["wall_s"],
-                        "val_tokens": last.get("val_tokens"), "stable_steps": job[1].stable_steps,
+                        "val_tokens": last.get("val_tokens"), "stable_steps": job[1]["stable_steps"],
                         "val_loss_by_domain": last["val_loss_by_domain"],
                         "branches": [{"branch_step": r["branch_step"], "tokens": r["D"], "val_loss": r["val_loss"]}
                                      for r in sorted(rows, key=lambda r: r["D"])]})
@@ -243,17 +203,6 @@ class Experiment:
               + f")\n{table}\n")
         log(f"wrote {self.out / 'results.json'} in {result['wall_s']:.1f} s")
         return result
-
-
-def _train_job(job: tuple, data=None) -> list[dict]:
-    """One run (in this process or a spawned worker): train.train's results rows."""
-    cfg, tc, data_dir, run, meta, threads = job
-    if threads:
-        torch.set_num_threads(threads)
-    if data is None:
-        import data as data_mod
-        data = data_mod.TokenData(data_dir)
-    return trainer.train(ModelConfig.from_dict(cfg), tc, data, run, meta)
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -336,7 +285,7 @@ def pair_runs(exp: Experiment) -> tuple[Path, Path]:
         (_, _, b), (_, _, s) = configs.run_dirs(Path(a.ladder), ladder[-1:])
         return b, s
     scale, label, base = exp.base()
-    smelt, _ = exp.match(base, budget.smelt_loop(base.n_layer))
+    smelt, _ = exp.match(base, SMELT.at(base.n_layer))
     cell = {"scale": scale, "sparsity_label": label, "control": budget.dense_control(base)}
     b, s = exp.train_all([("baseline", base, {**cell, "arch": "baseline"}),
                           ("smelt", smelt, {**cell, "arch": "smelt"})])
@@ -355,33 +304,21 @@ ALPHA_BOUNDS = (0.02, 3.0)             # data exponent search range of the no-lo
 
 
 def howto_loop(**fields) -> LoopConfig:
-    """A How-to-Loop LoopConfig. The paper has no 1/r residual scale (that is SMELT's Eq. 8-9), so every
-    schedule / adapter / PLT config of the howto_* scripts is built here with residual_scale=False."""
+    """A How-to-Loop LoopConfig: residual_scale=False, as the paper has no 1/r scale (SMELT's Eq. 8-9)."""
     if "residual_scale" in fields:
         raise ValueError("howto_loop: residual_scale is fixed to False (How-to-Loop has no 1/r scale)")
     return LoopConfig(residual_scale=False, **fields)
 
 
 def howto_flops(cfg: ModelConfig, ctx: float) -> float:
-    """Training FLOPs per token as How-to-Loop counts them (its Fig. 1): budget's "howtoloop" convention with
-    the output head, which runs once per token whatever the loop count (two loops cost 1.45-1.8x, not 2x)."""
+    """Training FLOPs per token as How-to-Loop counts them (its Fig. 1), with the head, run once per token."""
     return budget.flops_per_token(cfg, ctx, convention="howtoloop", include_head=True)
 
 
-def curve_branches(stable_steps: int) -> list[int]:
-    """Decay-branch steps of the no-loop reference run: CURVE_FRACTIONS of the stable phase (distinct, >= 1)."""
-    return sorted({max(1, round(f * stable_steps)) for f in CURVE_FRACTIONS})
-
-
 def compute_share_steps(stable_steps: int, decay_steps: int, flops_ref: float, flops_run: float) -> int:
-    """Stable steps of How-to-Loop's fixed-compute run: the same model looped (flops_run FLOPs per token)
-    trained on the token share flops_ref / flops_run of a reference run (flops_ref per token, stable_steps +
-    decay_steps steps of the same batch), so both spend the same training compute ("two loops on half the
-    tokens"; with the head charged once, a bit more than half). The decay branch keeps its length; the total
-    is rounded to whole steps, so compute matches to within half a step's FLOPs."""
-    for name, v in (("stable_steps", stable_steps), ("decay_steps", decay_steps)):
-        if not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"compute_share_steps: {name} must be an int >= 1, got {v!r}")
+    """Stable steps of the looped run (flops_run per token) that spend the training compute of a reference run
+    (flops_ref, stable_steps + decay_steps steps): "two loops on half the tokens", to within half a step."""
+    checks.positive_ints("compute_share_steps", stable_steps=stable_steps, decay_steps=decay_steps)
     for name, v in (("flops_ref", flops_ref), ("flops_run", flops_run)):
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"compute_share_steps: {name} must be a positive number, got {v!r}")
@@ -393,31 +330,19 @@ def compute_share_steps(stable_steps: int, decay_steps: int, flops_ref: float, f
     return stable
 
 
-def token_byte_lengths(tokenizer, vocab_size: int, eot: int) -> np.ndarray:
-    """(vocab_size,) UTF-8 bytes of each token id's text; <|endoftext|> is a separator, not text: 0 bytes."""
-    lens = np.array([len(tokenizer.decode_single_token_bytes(i)) for i in range(vocab_size)], dtype=np.int64)
-    lens[eot] = 0
-    return lens
-
-
 def val_bytes_per_token(data, block_size: int, max_tokens: int) -> dict:
-    """Bytes per token of exactly the held-out targets train.evaluate scores (data.val_batches of every source,
-    capped at max_tokens per source, targets != -1): {"bytes_per_token", "bytes", "tokens", "by_domain"}.
-
-    corpus.measure_bytes_per_token reports the whole validation text per domain re-tokenised at other
-    vocabularies (a tokenizer study); bits per byte needs the bytes of the very tokens the loss averages.
-    Predicting <|endoftext|> costs loss but covers no text (0 bytes), as in the usual bpb convention.
-    """
-    lens = token_byte_lengths(data.tokenizer(), data.vocab_size, data.eot)
+    """UTF-8 bytes per token of exactly the held-out targets the validation loss averages (<|endoftext|>: 0
+    bytes, a separator): {"bytes_per_token", "bytes", "tokens", "by_domain"}."""
+    tok = data.tokenizer()
+    lens = np.array([len(tok.decode_single_token_bytes(i)) for i in range(data.vocab_size)], dtype=np.int64)
+    lens[data.eot] = 0
     per: dict[str, list[int]] = {}
     for src in data.sources:
-        b = n = 0
+        acc = per.setdefault(data.domains[src], [0, 0])
         for _, tgt, _ in data.val_batches(src, 64, block_size, max_tokens):
             t = tgt[tgt != -1].numpy()
-            b, n = b + int(lens[t].sum()), n + t.size
-        acc = per.setdefault(data.domains[src], [0, 0])
-        acc[0] += b
-        acc[1] += n
+            acc[0] += int(lens[t].sum())
+            acc[1] += t.size
     B, N = sum(b for b, _ in per.values()), sum(n for _, n in per.values())
     if B == 0 or N == 0:
         raise ValueError(f"val_bytes_per_token: the validation text holds {N} target tokens and {B} bytes "
@@ -438,18 +363,9 @@ def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
 
 def fit_noloop_curve(tokens, losses, min_points: int = 4, min_span: float = 2.0,
                      alpha_bounds: tuple[float, float] = ALPHA_BOUNDS) -> dict:
-    """L(D) = E + A (D / D_ref)^-alpha fitted to the no-loop runs (D_ref = the largest D), least squares.
-
-    For each alpha (a log grid over alpha_bounds, then a bounded refinement) E and A are linear least
-    squares with E >= 0; alpha minimises the squared error. The fit is *identified* only if these stated
-    checks pass (the project's rule for fits: point count, the data's range, exponents off their bounds and
-    of the right sign); otherwise "why" says which failed and no coefficients are returned:
-      * at least `min_points` distinct token counts (more points than the 3 coefficients);
-      * the largest D at least `min_span` times the smallest;
-      * loss strictly falls as D grows (a non-monotone set has no decreasing curve to invert);
-      * A > 0 and alpha > 0, with alpha not within 2 % (in log) of either bound.
-    Returns {"identified", "why", "E", "A", "alpha", "D_ref", "D_min", "D_max", "n", "rmse"}.
-    """
+    """L(D) = E + A (D / D_ref)^-alpha (D_ref: the largest D) by least squares over alpha (E >= 0). Identified
+    only with >= min_points distinct D spanning >= min_span x, a strictly falling loss, A > 0 and alpha > 0 off
+    its bounds; else "why" says which check failed and no coefficients are returned."""
     D, L = np.asarray(tokens, dtype=float), np.asarray(losses, dtype=float)
     if D.shape != L.shape or D.ndim != 1:
         raise ValueError(f"fit_noloop_curve: tokens and losses must be equal-length 1-D, got {D.shape}, {L.shape}")
@@ -507,8 +423,8 @@ def fit_noloop_curve(tokens, losses, min_points: int = 4, min_span: float = 2.0,
 
 
 def tokens_to_reach(fit: dict, loss: float) -> tuple[float | None, str | None]:
-    """(D, None): the tokens the fitted no-loop curve needs to reach `loss`, D = D_ref (A / (loss - E))^(1/alpha);
-    or (None, "not identified (why)") when the fit is not identified or the loss lies at or below its floor E."""
+    """(D, None): the tokens the fitted no-loop curve needs to reach `loss`; (None, "not identified (why)")
+    when the fit is not identified or the loss lies at or below its floor E."""
     if not fit.get("identified"):
         return None, f"not identified ({fit.get('why')})"
     E, A, alpha, ref = fit["E"], fit["A"], fit["alpha"], fit["D_ref"]
@@ -518,15 +434,8 @@ def tokens_to_reach(fit: dict, loss: float) -> tuple[float | None, str | None]:
 
 
 def efficiency(fit: dict, loss: float, tokens: float, flops_run: float, flops_noloop: float) -> dict:
-    """How-to-Loop's efficiency multipliers of one looped run against the fitted no-loop curve.
-
-    tokens_multiplier = D_noloop(loss) / tokens (the paper: a no-loop 1B model needs 1.3-3.3x the tokens of
-    two loops); flops_multiplier = flops_noloop * D_noloop(loss) / (flops_run * tokens), the no-loop
-    compute that reaches the same loss over the run's compute (the paper: 1.06-1.37 for two loops on half
-    the tokens). With one no-loop width the loss-vs-FLOPs curve is the loss-vs-tokens curve with its axis
-    scaled by flops_noloop, so one fit serves both. "note" says when D_noloop lies outside the fitted data
-    (extrapolated) or, with no multipliers, why ("not identified (why)").
-    """
+    """How-to-Loop's multipliers of one looped run against the no-loop curve: tokens D_noloop(loss) / tokens and
+    FLOPs flops_noloop D_noloop / (flops_run tokens); "note": extrapolated, or why there are none."""
     D, why = tokens_to_reach(fit, loss)
     if D is None:
         return {"noloop_tokens": None, "tokens_multiplier": None, "flops_multiplier": None,
@@ -542,8 +451,7 @@ def efficiency(fit: dict, loss: float, tokens: float, flops_run: float, flops_no
 
 
 def range_verdict(iv: stats.Interval, lo: float, hi: float) -> str:
-    """The claim "lo < quantity < hi" by stats.verdict on both sides: reproduced when the interval lies inside,
-    contradicted when it lies wholly outside on either side, not resolved otherwise."""
+    """The claim "lo < quantity < hi": stats.verdict on both sides."""
     v = (stats.verdict(iv, ">", lo), stats.verdict(iv, "<", hi))
     if "contradicted" in v:
         return "contradicted"
@@ -551,13 +459,8 @@ def range_verdict(iv: stats.Interval, lo: float, hi: float) -> str:
 
 
 def howto_report(exp: Experiment, rows: list[dict], noloop: dict) -> dict:
-    """Bits per byte and efficiency multipliers for every row of a How-to-Loop script (in place).
-
-    noloop: the no-loop reference row, trained with exp.curve_tc() (several decay branches). Every row gets
-    "bpb" (bits_per_byte of its val_loss on the held-out text's bytes per token) and "compute" (How-to-Loop
-    FLOPs per token x tokens, and its ratio to the no-loop run's); every looped row the multipliers of
-    `efficiency`. Returns the summary {"bytes_per_token", "noloop_curve": fit + its points, "paper_ranges"}.
-    """
+    """"bpb", "compute" (and its ratio to noloop's: the exp.curve_tc() row) and every looped row's `efficiency`,
+    in place; returns {"bytes_per_token", "noloop_curve": the fit and its points, "paper_ranges"}."""
     data = exp.load_data()
     bpt = val_bytes_per_token(data, exp.tc.block_size, exp.tc.eval_tokens)
     if noloop.get("val_tokens") not in (None, bpt["tokens"]):
@@ -585,8 +488,7 @@ def howto_report(exp: Experiment, rows: list[dict], noloop: dict) -> dict:
 
 
 def plot_compute_axis(path: Path, curve: dict, runs: dict[str, tuple[list, list]], title: str) -> str:
-    """Validation loss against training FLOPs: the no-loop runs (points), their fitted curve (a line, when
-    identified) and each looped series {label: (compute, loss)} (markers)."""
+    """Validation loss against training FLOPs: the no-loop points and fit, each looped series {label: (xs, ys)}."""
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     pts = curve["points"]

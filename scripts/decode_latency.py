@@ -2,14 +2,9 @@
 
   python scripts/decode_latency.py --preset smoke|tiny|small [--prompt P] [--new-tokens N] [--device D]
 
-Timing is bench.bench_decode (its fixed models, bench.decode_models: d_model 512, 8 layers, a
-2-loop middle span; median of 7 timed decodes after a warm-up, fp32 on CPU, bf16 on CUDA; the
-table uses the default projection layout, and on CPU the ratios with plain F.linear are kept too).
-The preset sets the prompt and the number of decoded tokens (smoke 8 + 8: seconds; tiny 64 + 64;
-small 128 + 256); --prompt and --new-tokens override them (this script trains nothing). KV bytes per
-token (bf16) are budget.kv_bytes_per_token of the same configs at the decode length, plus PLT
-with KV sharing (a window of a quarter of the context), which bench.py does not time.
-Writes results.json and a table.
+Times bench.bench_decode's fixed models (bench.decode_models); KV bytes per token (bf16) are
+budget.kv_bytes_per_token at the decode length, plus PLT with KV sharing (untimed). Trains nothing;
+writes results.json and a table. In full: docs/scripts.md, "Measurement scripts".
 """
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ import torch
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-from lab import bench
-from lab import bench_harness
+from lab import bench, bench_harness
 import budget
 import checks
 
@@ -29,9 +23,8 @@ LENGTHS = {"smoke": (8, 8), "tiny": (64, 64), "small": (128, 256)}   # (prompt, 
 
 def build_parser():
     ap = common.parser(__doc__, training=False)
-    ap.add_argument("--prompt", type=checks.positive_int, default=None,
-                    help="prompt tokens (default: smoke 8, tiny 64, small 128)")
-    ap.add_argument("--new-tokens", type=checks.positive_int, default=None,
+    ap.add_argument("--prompt", type=checks.positive_int, help="prompt tokens (default: smoke 8, tiny 64, small 128)")
+    ap.add_argument("--new-tokens", type=checks.positive_int,
                     help="decoded tokens (default: smoke 8, tiny 64, small 256)")
     checks.add_device(ap)
     return ap
@@ -40,17 +33,14 @@ def build_parser():
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     exp = common.Experiment("decode_latency", args)
-    prompt, new = LENGTHS[args.preset]
-    prompt, new = args.prompt or prompt, args.new_tokens or new
+    prompt, new = args.prompt or LENGTHS[args.preset][0], args.new_tokens or LENGTHS[args.preset][1]
     device = torch.device(checks.resolve_device(args.device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfgs = bench.decode_models()
-    ctx = prompt + new
+    cfgs, ctx = bench.decode_models(), prompt + new
     if ctx > cfgs["unlooped"].block_size:
         raise checks.UserError(f"prompt + tokens = {ctx} exceeds the bench models' block_size {cfgs['unlooped'].block_size}")
     timed = bench.bench_decode(device, dtype, prompt=prompt, new_tokens=new)
-    timing = timed["skinny"]
-    plt = cfgs["plt_2loop"]
+    timing, plt = timed["skinny"], cfgs["plt_2loop"]
     cfgs["plt_2loop_kv_shared"] = replace(plt, loop=replace(plt.loop, kv_window=max(1, ctx // 4)))
     base_kv = budget.kv_bytes_per_token(cfgs["unlooped"], 2, ctx)
     rows = []

@@ -24,7 +24,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
 import checks
-from loop import LoopConfig
+from loop import SMELT, LoopConfig
 from model import ModelConfig
 
 DEPTH_FACTORS = {"smoke": (0.5, 1.0, 1.5), "tiny": (2 / 3, 1.0, 4 / 3), "small": (0.75, 1.0, 1.25, 1.5)}
@@ -53,9 +53,9 @@ def depth_pair(ref: ModelConfig, P: int, ctx: float, search: dict) -> tuple[Mode
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)   # the table's "matched" column says it
         if P == ref.n_layer:
-            return ref, budget.match(ref, budget.smelt_loop(P), ctx, **search)[0]
+            return ref, budget.match(ref, SMELT.at(P), ctx, **search)[0]
         base = at_depth(ref, P, ctx, **search)
-        return base, budget.match(base, budget.smelt_loop(P), ctx, target=ref, **{**search, **heads_search(ref)})[0]
+        return base, budget.match(base, SMELT.at(P), ctx, target=ref, **{**search, **heads_search(ref)})[0]
 
 
 def build_parser():

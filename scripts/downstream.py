@@ -2,31 +2,19 @@
 
   python scripts/downstream.py --preset smoke|tiny|small [--runs BASELINE LOOPED | --ladder DIR] [--steps N]
 
-The pair: two run directories (--runs), the last cell of a scaling_ladder.py / reproduce.py output
-(--ladder), or, by default, the preset's Baseline and its matched SMELT trained here. Every finished
-decay branch of each run (eval.run_endpoints) goes through evaluate.evaluate_endpoint: validation loss
-overall, per source, per domain and per document-length bucket on the run's own data; the few-shot
-shot sweep (tasks / shots / seeds / items from configs.PLANS). downstream_claims.downstream_report then pairs
-the endpoints branch by branch: win counts (SMELT 5.1), the shot sweep averaged over the pair where
-both models are above chance with the one-sided permutation test over demonstration seeds at the
-largest k (Appendix C), the normalised length shape of the loss gain and its long/short ratio
-(SMELT 5.3), and the claims as intervals with a verdict. With one pair of runs there are no control
-families (more experts / parameters need a grid: reproduce.py) and too few Baseline endpoints for
-the Eq. 6 calibration, which says so. Writes eval_endpoints.json, results.json, table.md and the
-figures that have something to show.
+The pair (common.pair_runs): --runs, --ladder's last cell, or the preset's Baseline and matched SMELT
+trained here. Every decay branch is scored by evaluate.evaluate_endpoint and the endpoints are paired by
+downstream_claims.downstream_report: wins (5.1), the shot sweep (Appendix C), the loss gain by length (5.3)
+and the claims. Writes eval_endpoints.json, results.json, table.md and figures. In full: docs/scripts.md.
 """
 from __future__ import annotations
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import checks
-from lab import downstream_claims
 import eval as ev
-from lab import evaluate
-from lab import eval_plots
 import reproduce
-from lab import stats
-from lab import tasks
+from lab import downstream_claims, eval_plots, evaluate, stats, tasks
 
 
 def build_parser():
@@ -52,8 +40,7 @@ def main(argv=None) -> dict:
     for arch, run in runs.items():
         eps = ev.run_endpoints(run) if (run / "results.jsonl").is_file() else [{"path": run}]
         common.log(f"evaluate {arch}: {run} ({len(eps)} endpoints)")
-        for e in eps:
-            recs.append({**evaluate.evaluate_endpoint(e["path"], **kw), "arch": arch})
+        recs += [{**evaluate.evaluate_endpoint(e["path"], **kw), "arch": arch} for e in eps]
     # the two runs are the pair by construction: give them one cell and seed if their metadata differ
     for key, default in (("scale", "pair"), ("sparsity_label", "-"), ("seed", None)):
         if len({str(r.get(key)) for r in recs}) != 1 or recs[0].get(key) is None:

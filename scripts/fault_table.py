@@ -2,13 +2,9 @@
 
   python scripts/fault_table.py [--tests DIR] [-- PYTEST_ARGS ...]
 
-Runs `python -m pytest -m fault DIR` (default tests/, every file) with this module as a plugin
-(`-p fault_table`), which records each selected item's fault class and outcome in a JSON file, then
-prints a markdown table: class | tried | good | bad. A case is one test item (each parametrization
-counts); good = passed; bad = failed (in setup, call or teardown) or xfailed (a known-bad case is
-marked xfail(strict=True); one that passes then fails as XPASS(strict)). Skipped cases are not tried
-and are listed under the table, as is every bad case. A fault marker without a class, or with a
-class outside CLASSES, stops the run at collection with a line naming the test.
+Runs `python -m pytest -m fault DIR` with this module as a plugin (`-p fault_table`) that records each
+item's fault class and outcome, then prints class | tried | good | bad (bad: failed in any phase, or
+xfailed), and the skipped and bad cases by name. The rules: docs/faults.md, "The table".
 """
 from __future__ import annotations
 
@@ -24,10 +20,11 @@ import pytest
 
 CLASSES = ("kills", "corruption", "disk", "cli", "api", "numerical", "concurrency")
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:   # the repo root, for checks.py (imported by the script, not the plugin)
+    sys.path.insert(0, str(HERE.parent))
 
 
-# ----------------------------------------------------------------------------------------
-# The plugin (loaded inside the pytest run with -p fault_table)
+# ---------------------------------------------------------------- the plugin (loaded in pytest with -p fault_table)
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--fault-table-json", default=None, help="write each fault case's class and outcome here")
@@ -68,8 +65,7 @@ class Recorder:
         Path(self.path).write_text(json.dumps(self.cases, indent=1))
 
 
-# ----------------------------------------------------------------------------------------
-# Running the campaign and the table
+# ---------------------------------------------------------------- running the campaign and the table
 
 def run_campaign(tests: str | Path, pytest_args: list[str] = ()) -> dict[str, dict]:
     """{nodeid: {"class", "outcome"}} of every fault case under `tests` (a pytest run in a subprocess)."""
@@ -90,14 +86,11 @@ def run_campaign(tests: str | Path, pytest_args: list[str] = ()) -> dict[str, di
 
 def table(cases: dict[str, dict]) -> str:
     """The markdown table, per class and in all, then the skipped and the bad cases by name."""
-    rows = ["| class | tried | good | bad |", "|---|---|---|---|"]
-    total = [0, 0, 0]
-    for cls in CLASSES:
-        got = [c["outcome"] for c in cases.values() if c["class"] == cls and c["outcome"] != "skipped"]
-        n = [len(got), got.count("passed"), len(got) - got.count("passed")]
-        total = [a + b for a, b in zip(total, n)]
-        rows.append(f"| {cls} | {n[0]} | {n[1]} | {n[2]} |")
-    rows.append(f"| all | {total[0]} | {total[1]} | {total[2]} |")
+    tried = {k: [c["outcome"] for c in cases.values() if c["class"] == k and c["outcome"] != "skipped"]
+             for k in CLASSES}
+    tried["all"] = [o for got in tried.values() for o in got]
+    rows = ["| class | tried | good | bad |", "|---|---|---|---|"] + [
+        f"| {k} | {len(got)} | {got.count('passed')} | {len(got) - got.count('passed')} |" for k, got in tried.items()]
     skipped = sorted(k for k, c in cases.items() if c["outcome"] == "skipped")
     bad = sorted((k, c["outcome"]) for k, c in cases.items() if c["outcome"] in ("failed", "xfailed"))
     rows += [""] + [f"skipped (not tried): {k}" for k in skipped] + [f"bad ({o}): {k}" for k, o in bad]
@@ -105,20 +98,18 @@ def table(cases: dict[str, dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    sys.path.insert(0, str(HERE.parent)) if str(HERE.parent) not in sys.path else None   # the repo's checks.py
     import checks
     ap = checks.parser(__doc__)
     ap.add_argument("--tests", default=str(HERE.parent / "tests"), help="test directory or file")
-    checks.add_out_dir(ap, "also write the table to DIR/faults.md (default: print only)", old=())
+    checks.add_out_dir(ap, "also write the table to DIR/faults.md (default: print only)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    ap = build_parser()
-    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    cases = run_campaign(args.tests, extra)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:cut])
+    cases = run_campaign(args.tests, argv[cut + 1:])
     if not cases:
         raise SystemExit(f"fault_table: no @pytest.mark.fault cases under {args.tests}")
     text = table(cases)
@@ -130,6 +121,5 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parent))   # the repo root, for checks.py
     import checks
     checks.run_main(main)

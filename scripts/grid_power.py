@@ -29,7 +29,7 @@ from lab import report
 import reproduce
 import scaling
 from lab import scaling_analysis
-from lab import wins
+from lab import downstream_claims
 from budget import flops_per_token
 from model import ModelConfig
 
@@ -38,12 +38,12 @@ def preset_shape(preset: str) -> dict:
     """n_scales, sparsities, F_span, horizons of `preset`'s fitted cells and endpoints."""
     plan = configs.PLANS[preset]
     cells = [c for c in reproduce.plan_cells(plan, budget.ladder_cells(plan.ladder, float(plan.block_size),
-                                                                   **reproduce.loop_knobs(plan)))
+                                                                   spec=plan.loop))
              if c["sparsity_label"] != configs.CONTROL_LABEL]
     F = [flops_per_token(ModelConfig.from_dict(c[a]), float(plan.block_size)) for c in cells for a in ("baseline", "smelt")]
     ends = [b + plan.decay_steps for b in plan.branch_steps]
     return dict(n_scales=len({c["scale"] for c in cells}), F_span=max(F) / min(F), horizons=[e / ends[-1] for e in ends],
-                sparsities=sorted({wins.label_percent(c["sparsity_label"]) / 100 for c in cells}))
+                sparsities=sorted({downstream_claims.label_percent(c["sparsity_label"]) / 100 for c in cells}))
 
 
 def analysed(F_span: float, grid: dict, noise: float, seed: int, n_boot: int) -> str:

@@ -2,20 +2,9 @@
 
   python scripts/howto_adapters.py --preset smoke|tiny|small [--loops 2 4 8] [--adapters ...] [--rank R]
 
-For every loop count r: full-stack looping (the whole stack r times, same stored base) with
-adapter "none" (exact weight sharing), "lora" (Loop LoRA: a low-rank pair per loop), "matrix"
-(Loop Matrix: loop l mixes all r pairs with a learned M, identity at init) and "softmax" (Loop
-Softmax: rows of M through a softmax), on all seven projections of every block, rank R (the
-paper: 8 at d_model 1280; by default scaled to the base's width, at least 1). Parameter
-overhead from budget.count_params: added weights over the shared model's blocks + output head
-(the paper's "weights": non-embedding counts with the untied head) and over blocks alone.
-Plus the unlooped base for reference. Writes results.json, a table and howto_adapters.png
-(validation loss against loops per adapter).
-
-How-to-Loop has no 1/r residual scale: every looped config is built with common.howto_loop
-(residual_scale=False). The unlooped base is trained with decay branches (common.curve_tc) and its
-fitted no-loop curve gives each looped run's token and FLOPs multipliers (common.efficiency, or "not
-identified (why)"); every loss is also given in bits per byte (common.bits_per_byte).
+Full-stack looping (common.howto_loop: no 1/r residual scale) with each adapter of loop.ADAPTERS on every
+projection at rank R, its parameter overhead, and multipliers from the no-loop curve (common.howto_report).
+Writes results.json, a table and howto_adapters.png. In full: docs/scripts.md, "howto_adapters.py".
 """
 from __future__ import annotations
 

@@ -2,20 +2,10 @@
 
   python scripts/howto_plt.py --preset smoke|tiny|small [--loops 2] [--variants ...] [--kv-window W]
 
-Dense base, full-stack span, r loops, the same stored weights throughout (PLT gates excepted):
-  no_loop         the base unlooped
-  sequential      ordinary full-stack looping
-  unshifted       the paper's unshifted control: loop l >= 2 takes e_n + h^(l-1)_n (sequential decode)
-  plt_add         original PLT, raw shift: e_n + h^(l-1)_(n-1)
-  plt_add_kv      plt_add with KV sharing: later loops read loop 1's cache + a gated window of W
-  plt_norm_half   RMSNorm(e) and RMSNorm(h) mixed 1/2-1/2
-  plt_norm_gate   the paper's fix: separate RMSNorms and the low-rank sigmoid gate
-Every looped config is common.howto_loop (no 1/r residual scale, as in the paper's runs).
-After training: the state-to-embedding RMS ratio per loop on held-out data, r_n = RMS(h^(l)_n) / RMS(e_n)
-(h^(l): the span's output on loop l), its mean over tokens with a t-interval, the claim "10 < r < 600"
-(common.range_verdict) and the same ratio of the untrained model; bits per byte and each looped run's
-token / FLOPs multipliers against the fitted no-loop curve (common.howto_report). Writes results.json,
-a table, howto_plt.png and howto_plt_rms_ratio.png. How the ratio is captured: docs/scripts.md.
+Each variant of VARIANTS over the full stack (common.howto_loop: no 1/r residual scale); after training
+the state-to-embedding ratio RMS(h^(l)_n) / RMS(e_n) per loop on held-out data, against the paper's
+10-600x, and multipliers from the no-loop curve (common.howto_report). Writes results.json, a table,
+howto_plt.png and howto_plt_rms_ratio.png. The variants and the ratio: docs/scripts.md, "howto_plt.py".
 """
 from __future__ import annotations
 
@@ -31,15 +21,10 @@ from lab import stats
 from model import GPT
 
 LOOPS = {"smoke": [2], "tiny": [2], "small": [2, 4]}
-VARIANTS = {   # LoopConfig fields on top of full-stack looping; None: no loop
-    "no_loop": None,
-    "sequential": {},
-    "unshifted": dict(parallel=True, shift=False, inject="add"),
-    "plt_add": dict(parallel=True, inject="add"),
-    "plt_add_kv": dict(parallel=True, inject="add", kv_window=-1),   # -1: --kv-window
-    "plt_norm_half": dict(parallel=True, inject="norm_half"),
-    "plt_norm_gate": dict(parallel=True, inject="norm_gate"),
-}
+VARIANTS = {   # LoopConfig fields on top of full-stack looping; None: no loop; kv_window -1: --kv-window
+    "no_loop": None, "sequential": {}, "unshifted": dict(parallel=True, shift=False, inject="add"),
+    "plt_add": dict(parallel=True, inject="add"), "plt_add_kv": dict(parallel=True, inject="add", kv_window=-1),
+    "plt_norm_half": dict(parallel=True, inject="norm_half"), "plt_norm_gate": dict(parallel=True, inject="norm_gate")}
 
 
 def variant_config(base, variant: str, r: int, window: int):
@@ -55,8 +40,7 @@ def state_ratio(model, data, block_size: int, batch_size: int, tokens_per_source
     """Per loop l = 1..r (r = 1 for an unlooped model: the stack's output): the mean over held-out tokens of
     RMS(h^(l)_n) / RMS(e_n), with its t-interval over tokens."""
     lc, model = model.cfg.loop, model.eval()
-    start, last = (lc.start, lc.start + lc.length - 1) if lc.active else (0, model.cfg.n_layer - 1)
-    r = lc.n_loops if lc.active else 1
+    start, last, r = (lc.start, lc.start + lc.length - 1, lc.n_loops) if lc.active else (0, model.cfg.n_layer - 1, 1)
     per_token: list[list[torch.Tensor]] = [[] for _ in range(r)]
     device = next(model.parameters()).device
     for src in data.sources:
@@ -91,9 +75,7 @@ def main(argv=None) -> dict:
     specs = [("no_loop", base, {"arch": "no_loop"}, exp.curve_tc())]
     info = [{"variant": "no_loop", "loops": 1, **exp.budgets(base, base)}]
     for r in args.loops or LOOPS[args.preset]:
-        for v in args.variants:
-            if VARIANTS[v] is None:
-                continue
+        for v in [v for v in args.variants if VARIANTS[v] is not None]:
             cfg = variant_config(base, v, r, window)
             specs.append((f"{v}_x{r}", cfg, {"arch": v}))
             info.append({"variant": v, "loops": r, **exp.budgets(cfg, base)})
@@ -101,19 +83,18 @@ def main(argv=None) -> dict:
     report = common.howto_report(exp, rows, rows[0])
     data = exp.load_data()
     lo, hi = common.PAPER_RMS_RATIO
-    for row, (_, cfg, _, *_) in zip(rows, specs):
+    for row, (_, cfg, *_) in zip(rows, specs):
         torch.manual_seed(args.seed)          # as train.py initialises: the same model before any step
         init = state_ratio(GPT(cfg), data, exp.plan.block_size, exp.plan.batch_size, args.ratio_tokens)
         row["rms_ratio_init"] = [iv.mean for iv in init]
         model, _ = common.load_trained(row["run_dir"])
         ivs = state_ratio(model, data, exp.plan.block_size, exp.plan.batch_size, args.ratio_tokens)
-        row["rms_ratio"] = [iv.mean for iv in ivs]
-        row["rms_ratio_interval"] = [iv.to_dict() for iv in ivs]
-        row["rms_ratio_verdict"] = [common.range_verdict(iv, lo, hi) for iv in ivs]
-        row["rms_ratio_last"] = row["rms_ratio"][-1]
-        row["rms_ratio_str"] = " / ".join(f"{iv.mean:.1f} [{iv.lo:.1f}, {iv.hi:.1f}]" for iv in ivs)
-        row["rms_ratio_verdict_str"] = " / ".join(row["rms_ratio_verdict"])
-        row["rms_ratio_init_str"] = " / ".join(f"{x:.1f}" for x in row["rms_ratio_init"])
+        verdicts = [common.range_verdict(iv, lo, hi) for iv in ivs]
+        row.update(rms_ratio=[iv.mean for iv in ivs], rms_ratio_interval=[iv.to_dict() for iv in ivs],
+                   rms_ratio_verdict=verdicts, rms_ratio_last=ivs[-1].mean,
+                   rms_ratio_str=" / ".join(f"{iv.mean:.1f} [{iv.lo:.1f}, {iv.hi:.1f}]" for iv in ivs),
+                   rms_ratio_verdict_str=" / ".join(verdicts),
+                   rms_ratio_init_str=" / ".join(f"{x:.1f}" for x in row["rms_ratio_init"]))
     figs = [common.plot_bars(exp.out / "howto_plt.png", [f"{r['variant']} x{r['loops']}" for r in rows],
                              [r["val_loss"] for r in rows], "validation loss", "PLT variants vs sequential looping"),
             common.plot_lines(exp.out / "howto_plt_rms_ratio.png",

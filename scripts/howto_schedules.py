@@ -2,19 +2,9 @@
 
   python scripts/howto_schedules.py --preset smoke|tiny|small [--loops 2 4] [--designs ...] [--scale S]
 
-Designs (common.howto_loop: no 1/r residual scale): full_stack (the whole stack r times), per_layer
-(each layer r times in a row), middle_third (loop.middle_third: the centre third r times), attn_only /
-mlp_only (full stack, only that sub-layer repeats). Budgets:
-  weights  the base model with the loop added, trained on the same tokens (How-to-Loop).
-  compute  the same model trained on the token share howto_flops(no loop) / howto_flops(looped)
-           (common.compute_share_steps: "two loops on half the tokens"), compared along the compute axis.
-  flops    OUR EXTENSION (not in the paper): budget.match narrows the looped model to the base's per-token
-           FLOPs, same tokens; labelled "flops_matched (ours)" / "extension (ours)" in every output.
-The no-loop base, trained with decay branches at common.CURVE_FRACTIONS, gives the fitted curve
-L(D) = E + A D^-alpha every looped run's loss is inverted on (common.efficiency): tokens multiplier
-(paper: 1.3-3.3x at 1B) and FLOPs multiplier (paper: 6-37 % extra), or "not identified (why)". Loss in
-nats per token and bits per byte. Writes results.json, a table and howto_schedules_{weights,compute,flops}.png.
-The columns (F ratio, F ratio (budget.match), C ratio) and each budget in full: docs/scripts.md.
+Each design of DESIGNS at each budget of --budgets (flops is OUR EXTENSION, labelled "(ours)" in every
+output), no 1/r residual scale (common.howto_loop), multipliers from the no-loop curve (common.howto_report).
+Writes results.json, a table and howto_schedules_{weights,compute,flops}.png. In full: docs/scripts.md.
 """
 from __future__ import annotations
 
@@ -42,8 +32,8 @@ FLOPS_ONLY = dict(tolerances={"params": 1e9, "kv": 1e9}, d_range=(0.25, 1.0))
 
 def build_parser():
     ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=None, help="loop counts (default: smoke 2, tiny 2 4, "
-                    "small 2 4 8)")
+    ap.add_argument("--loops", type=checks.positive_int, nargs="+",
+                    help="loop counts (default: smoke 2, tiny 2 4, small 2 4 8)")
     ap.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=list(DESIGNS), help="designs to run")
     ap.add_argument("--budgets", nargs="+", default=list(BUDGETS), choices=list(BUDGETS),
                     help="weights: same model and tokens; compute: same model on the token share that equalises "

@@ -13,6 +13,7 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 import budget
 import checks
+from loop import LoopSpec
 
 
 def build_parser():
@@ -30,7 +31,8 @@ def main(argv=None) -> dict:
     control = budget.dense_control(base)
     specs, info = [], []
     for r in args.loops:
-        cfg, rep = (base, {"within_tolerance": True}) if r == 1 else exp.match(base, budget.smelt_loop(base.n_layer, r))
+        loop = LoopSpec(n_loops=r).at(base.n_layer)   # SMELT's middle half, r passes
+        cfg, rep = (base, {"within_tolerance": True}) if r == 1 else exp.match(base, loop)
         specs.append((f"loops{r}", cfg, {"control": control, "scale": scale, "sparsity_label": label,
                                          "arch": "baseline" if r == 1 else "looped"}))
         info.append({"loops": r, **exp.budgets(cfg, base), "within_tolerance": rep["within_tolerance"]})

@@ -2,14 +2,11 @@
 
   python scripts/probe_runs.py --preset smoke|tiny|small [--runs BASELINE LOOPED | --ladder DIR] [--tokens N]
 
-The pairs: --runs (one pair), --ladder (every cell of a scaling_ladder / reproduce output), or the
-preset's Baseline and matched SMELT trained here. probe_pairs.probe_pairs runs every model on one
-held-out sample that spans every domain of the data (--tokens in all, equal shares, default the
-plan's probe_tokens) and the Dyck case study on each SMELT model; probe_claims.claims gives each Section 6
-claim as a paired quantity with a 95 % bootstrap interval over held-out document groups and a
-three-state verdict (stats.verdict). Figures from probe_plots.plot_pairs (Fig. 23 over the pairs,
-Appendix D's sink profiles, the largest pair's Fig. 21-28/30 and Dyck Fig. 27).
-Writes probes.json, results.json (one row per claim), table.md and figures/.
+The pairs: --runs (one), --ladder (every cell of a scaling_ladder / reproduce output), or the preset's
+Baseline and matched SMELT trained here. probe_pairs.probe_pairs runs every model on one held-out sample
+spanning every domain and the Dyck case study on each SMELT model; each Section 6 claim comes with a 95 %
+bootstrap interval over document groups and a verdict (probe_claims). Figures: probe_plots.plot_pairs.
+Writes probes.json, results.json (one row per claim), table.md and figures/. In full: docs/scripts.md.
 """
 from __future__ import annotations
 
@@ -18,10 +15,9 @@ from pathlib import Path
 import common  # noqa: I001  (puts the repo root on sys.path)
 
 import checks
-from lab import probe_pairs
-import reproduce
-from lab import probe_plots
 import configs
+import reproduce
+from lab import probe_pairs, probe_plots
 
 
 def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
@@ -57,9 +53,7 @@ def main(argv=None) -> dict:
     res["figures"] = probe_plots.plot_pairs(res, str(exp.out / "figures"))
     probe_pairs.save_result(exp.out / "probes.json", res)
     rows = [{"claim": c["id"], "figure": c["figure"], "claim_is": f"{c['direction']} {c['value']:g}",
-             "mean": None if c["interval"] is None else c["interval"]["mean"],
-             "lo": None if c["interval"] is None else c["interval"]["lo"],
-             "hi": None if c["interval"] is None else c["interval"]["hi"],
+             **{k: (c["interval"] or {}).get(k) for k in ("mean", "lo", "hi")},
              "verdict": c["verdict"], "paper": c["paper"]} for c in res["claims"]]
     return exp.finish({"pairs": {n: [b, s] for n, b, s in pairs}, "tokens": res["sample"]["tokens"],
                        "sample": res["sample"], "rows": rows, "figures": res["figures"]}, [

@@ -1,16 +1,12 @@
-"""Where one training step's time goes: torch.profiler over one ladder cell's step, as train.py runs it.
-
-The step is train.Objective forward + backward, gradient clipping and AdamW at the preset's batch and
-context (configs.PLANS), one intra-op thread on CPU (as reproduce.py's workers), on the prepared data's
-batches. Prints the median step time, the aten calls per step and the top operators by self time, with
-each operator's share of the step (--out-dir: also DIR/profile.json).
+"""Where one training step's time goes: torch.profiler over one ladder cell's step, as train.py runs it
+(forward, backward, clipping, AdamW at the preset's batch and context, one thread, the prepared data).
 
   python scripts/profile_step.py                                  # tiny, t96 S~85 % SMELT
   python scripts/profile_step.py --scale t64 --sparsity-label "S=0%" --arch baseline --top 30
   python scripts/profile_step.py --dtype bf16                     # under bf16 autocast (train.py --dtype bf16)
 
-Needs the preset's data (`python -m lab.corpus --preset P`). Read with bench.py's `cells` (the same step timed
-side by side for every tiny cell); what the profile showed: README, "CPU speed".
+Prints the median step time, aten calls per step and the top operators by self time. Needs the preset's
+data (`python -m lab.corpus --preset P`). Read with bench.py's `cells`; what it showed: docs/bench.md.
 """
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:   # as common.py: importing it leaves a path that already holds the repo as it was
+if str(ROOT) not in sys.path:   # as common.py does
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -47,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top", type=checks.positive_int, default=20, help="operators listed")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                     help="fp32 (the CPU default) or bf16 autocast, as train.py's --dtype")
-    checks.add_out_dir(ap, "also write DIR/profile.json (default: print only)", old=())
+    checks.add_out_dir(ap, "also write DIR/profile.json (default: print only)")
     return ap
 
 
@@ -56,7 +52,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     plan = configs.PLANS[args.preset]
     d = data_mod.TokenData(data_mod.default_data_dir(plan.data))
-    ladder = budget.ladder_cells(plan.ladder, budget.preset_doc_length(plan.ladder, d), vocab_size=d.vocab_size)
+    ladder = budget.ladder_cells(plan.ladder, budget.preset_doc_length(plan.ladder, d), vocab_size=d.vocab_size,
+                                 spec=plan.loop)
     cell = (args.scale or ladder[-1]["scale"], args.sparsity_label or ladder[-1]["sparsity_label"])
     cells = {(c["scale"], c["sparsity_label"]): c for c in ladder}
     if cell not in cells:
@@ -69,14 +66,10 @@ def main(argv=None) -> dict:
     obj, opt = train.Objective(gpt), train.make_optimizer(gpt, tc)
     B, T = plan.batch_size, plan.block_size
 
-    def step(i):
+    def step(i):   # train.py's step: forward, backward, clip, AdamW
         idx, tgt, doc = d.train_batch(i, B, T, seed=0)
-        with autocast():
-            ce, n, aux, z, _ = obj(idx, tgt, doc)
-        (ce / n + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z).backward()
-        torch.nn.utils.clip_grad_norm_(gpt.parameters(), tc.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.forward_backward(obj, cfg, idx, tgt, doc, train.step_scale(tgt), autocast=autocast)
+        train.update(gpt, opt, tc.grad_clip)
 
     with bench_harness.threads(1):   # as reproduce.py's CPU workers
         times = []

@@ -4,17 +4,9 @@
   python scripts/render_notebooks.py 02_moe_routing_and_grouped_mm   # one
   python scripts/render_notebooks.py --check         # stale or missing copies? (nothing runs; exit 1 if any)
 
-notebooks/*.ipynb stay stored without outputs (small diffs, reviewable, no stale numbers beside
-edited code); this script executes each one top to bottom in a fresh python3 kernel (cwd
-notebooks/, the same way tests/test_notebooks.py runs them) and writes the executed copy to
-notebooks/rendered/NAME.ipynb, which GitHub and any notebook viewer display with its figures.
-Figures are PNG at 60 dpi (a matplotlibrc handed to the kernel), so the copies stay small.
-
-Each copy records in its metadata["looped_moe"] the sha256 of its source's cells (`source_sha256`), of
-each project module the notebook imports (`modules_sha256`) and the versions it was rendered with;
-tests/test_notebooks.py compares those hashes and the cell sources with the files, without executing
-anything, and fails with this command when a notebook or a module it imports changed and its copy
-was not re-rendered (so a copy cannot show numbers older than the code).
+Each notebook (stored without outputs) runs in a fresh kernel (cwd notebooks/); its copy, figures at 60 dpi,
+goes to notebooks/rendered/ with the sha256 of its cells and of the project modules it imports, which
+tests/test_notebooks.py compares with the files, so no copy shows numbers older than the code.
 """
 from __future__ import annotations
 
@@ -25,6 +17,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -41,8 +34,7 @@ KEY = "looped_moe"   # the rendered copy's metadata entry
 
 def source_sha256(nb) -> str:
     """sha256 of what a notebook says: its cells' types and sources, in order (outputs and metadata ignored)."""
-    cells = [[c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"])]
-             for c in nb["cells"]]
+    cells = [[c["cell_type"], c["source"]] for c in nb["cells"]]   # nbformat.read joins each source into a str
     return hashlib.sha256(json.dumps(cells, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -51,12 +43,9 @@ def modules_sha256(nb) -> dict:
     (what it shows moves with them; modules those import are not followed)."""
     import ast
     names = set()
-    for c in nb["cells"]:
-        if c["cell_type"] != "code":
-            continue
-        src = c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+    for c in (c for c in nb["cells"] if c["cell_type"] == "code"):
         try:
-            tree = ast.parse("\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!"))))
+            tree = ast.parse("\n".join(ln for ln in c["source"].splitlines() if not ln.lstrip().startswith(("%", "!"))))
         except SyntaxError:
             continue
         for n in ast.walk(tree):
@@ -69,8 +58,7 @@ def modules_sha256(nb) -> dict:
 
 
 def stale(path: Path, out_dir: Path = RENDERED) -> str | None:
-    """Why notebooks/NAME.ipynb's rendered copy is out of date (the notebook, or a module it imports, changed since
-    it was rendered), or None when it is current."""
+    """Why NAME.ipynb's rendered copy is out of date (the notebook or a module it imports changed), or None."""
     import nbformat
     copy = out_dir / path.name
     if not copy.is_file():
@@ -90,41 +78,29 @@ def render(path: Path, out_dir: Path = RENDERED) -> Path:
     import nbformat
     import torch
     nb = nbformat.read(str(path), as_version=4)
-    digest = source_sha256(nb)
     with tempfile.TemporaryDirectory() as tmp:
         rc = Path(tmp) / "matplotlibrc"
         rc.write_text(f"figure.dpi: {DPI}\nsavefig.dpi: {DPI}\n")
         env = {"MATPLOTLIBRC": str(rc), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)   # the kernel inherits this process's environment
-        try:
+        with mock.patch.dict(os.environ, env):   # the kernel inherits this process's environment
             nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=False,
                                     record_timing=False, resources={"metadata": {"path": str(NB_DIR)}}).execute()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     nb.metadata[KEY] = {
-        "source": f"notebooks/{path.name}", "source_sha256": digest, "modules_sha256": modules_sha256(nb),
+        "source": f"notebooks/{path.name}", "source_sha256": source_sha256(nb), "modules_sha256": modules_sha256(nb),
         "rendered_by": "python scripts/render_notebooks.py",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "matplotlib": matplotlib.__version__},
-    }
+                     "matplotlib": matplotlib.__version__}}
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / path.name
-    tmp_out = out.with_suffix(".ipynb.tmp")
-    nbformat.write(nb, str(tmp_out))
-    os.replace(tmp_out, out)
-    return out
+    text = nbformat.writes(nb)
+    checks.atomic_write_text(out_dir / path.name, text if text.endswith("\n") else text + "\n")   # as nbformat.write
+    return out_dir / path.name
 
 
 def build_parser():
     ap = checks.parser(__doc__)
     ap.add_argument("names", nargs="*", metavar="NOTEBOOK",
                     help="notebooks to render, by file name or stem (default: every notebooks/*.ipynb)")
-    checks.add_out_dir(ap, "where the rendered copies go", default=str(RENDERED.relative_to(ROOT)), old=())
+    checks.add_out_dir(ap, "where the rendered copies go", default=str(RENDERED.relative_to(ROOT)))
     ap.add_argument("--check", action="store_true",
                     help="execute nothing: list the copies that are missing or stale, exit 1 if any")
     return ap
@@ -133,8 +109,7 @@ def build_parser():
 def main(argv=None) -> list[Path]:
     ap = build_parser()
     args = ap.parse_args(argv)
-    out_dir = Path(args.out_dir)
-    out_dir = out_dir if out_dir.is_absolute() else ROOT / out_dir
+    out_dir = ROOT / args.out_dir   # an absolute --out-dir replaces ROOT
     every = sorted(NB_DIR.glob("*.ipynb"))
     by_name = {p.name: p for p in every} | {p.stem: p for p in every}
     unknown = [n for n in args.names if n not in by_name]
@@ -143,9 +118,8 @@ def main(argv=None) -> list[Path]:
     paths = [by_name[n] for n in args.names] or every
     if args.check:
         problems = [why for p in paths if (why := stale(p, out_dir))]
-        for why in problems:
-            print(why)
         if problems:
+            print("\n".join(problems))
             raise SystemExit(f"{len(problems)} rendered notebook(s) out of date: run python scripts/render_notebooks.py")
         print(f"all {len(paths)} rendered notebooks are current")
         return []

@@ -2,13 +2,9 @@
 
   python scripts/scaling_ladder.py --preset smoke|tiny|small [--steps N] [--scales K] [--bootstrap B]
 
-The same stages as reproduce.py (reproduce.stage_data, stage_ladder, stage_train, train_plots.plot_curves,
-stage_scaling), with the training length of a script: --steps stable steps per run (default
-smoke 30, tiny 40, small 600) and decay branches forked at the plan's fractions of it.
-scaling_analysis.analyse fits separate loss surfaces L(F, S, D) per architecture and reports the
-compute-efficiency gain and TPP. Writes ladder.json, results.jsonl, runs/, figures/curves.png,
-scaling/ (coefficients, tables, plots) and results.json; downstream.py and probe_runs.py take
-this directory with --ladder.
+reproduce.py's stages (stage_ladder, stage_train, stage_scaling) at a script's length: --steps stable
+steps per run, decay branches forked at the plan's fractions of it. Writes ladder.json, results.jsonl,
+runs/, figures/curves.png, scaling/ and results.json; downstream.py and probe_runs.py take it as --ladder.
 """
 from __future__ import annotations
 
@@ -43,12 +39,9 @@ def main(argv=None) -> dict:
     scal = reproduce.stage_scaling(plan, results, exp.out)
     rows = []
     for cell in ladder:
-        final = {}
-        for arch in ("baseline", "smelt"):
-            mine = [r for r in results if (r["scale"], r["sparsity_label"], r["arch"])
-                    == (cell["scale"], cell["sparsity_label"], arch)]
-            final[arch] = max(mine, key=lambda r: r["D"])
-        b, s, m = final["baseline"], final["smelt"], cell["match"]
+        key, m = (cell["scale"], cell["sparsity_label"]), cell["match"]
+        b, s = (max((r for r in results if (r["scale"], r["sparsity_label"], r["arch"]) == (*key, arch)),
+                    key=lambda r: r["D"]) for arch in ("baseline", "smelt"))
         rows.append({"scale": cell["scale"], "sparsity_label": cell["sparsity_label"], "S": b["S"],
                      "baseline_val_loss": b["val_loss"], "smelt_val_loss": s["val_loss"],
                      "delta": s["val_loss"] - b["val_loss"], "flops_ratio": m["flops_ratio"],

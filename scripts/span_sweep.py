@@ -3,8 +3,8 @@
   python scripts/span_sweep.py --preset smoke|tiny|small [--scale S] [--sparsity LABEL ...] [--steps N]
 
 Physical depth L fixed (the preset Baseline's), two passes; the looped segment is contiguous,
-of length 0 (the Baseline), 2, 4, ... up to L (full-stack looping), placed by SMELT's rule
-(loop.middle_span: floor((L - m) / 2) layers before it). Every looped config is matched to the
+of length 0 (the Baseline), 2, 4, ... up to L (full-stack looping), placed by --placement (default
+SMELT's rule, loop.middle_span: floor((L - m) / 2) layers before it). Every looped config is matched to the
 Baseline on FLOPs, parameters and KV cache with budget.match, and every run trains on the same
 batches. Writes OUT/results.json (one row per sparsity and span), a table and span_sweep.png.
 """
@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
+from dataclasses import replace
+
 import budget
 import checks
 import configs
-from loop import LoopConfig, middle_span
+from loop import add_loop_args, loop_spec
 
 
 def spans(n_layer: int) -> list[int]:
@@ -28,13 +30,14 @@ def build_parser():
     ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
     ap.add_argument("--sparsity", nargs="+", default=None,
                     help="sparsity labels, or 'all' (default: the preset's ~85 %% column)")
-    ap.add_argument("--loops", type=checks.positive_int, default=2, help="passes over the span (SMELT: 2)")
+    add_loop_args(ap, without=("span_fraction",))   # r, placement, ...: SMELT's unless given
     return ap
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     exp = common.Experiment("span_sweep", args)
+    spec = loop_spec(args)
     labels = args.sparsity or [None]
     if labels == ["all"]:
         labels = list(dict.fromkeys(lab for _, lab, _ in exp.cells()))
@@ -47,20 +50,19 @@ def main(argv=None) -> dict:
             if m == 0:
                 cfg, rep = base, {"within_tolerance": True}
             else:
-                start, length = middle_span(L, m / L)
-                cfg, rep = exp.match(base, LoopConfig(start=start, length=length, n_loops=args.loops))
+                cfg, rep = exp.match(base, replace(spec, span_fraction=m / L).at(L))
             specs.append((f"{configs.cell_key(scale, lab)}_span{m}", cfg,
                           {"control": control, "scale": scale, "sparsity_label": lab,
                            "arch": "baseline" if m == 0 else "looped"}))
             info.append({"scale": scale, "sparsity_label": lab, "span": m, "span_pct": 100 * m / L,
-                         "looped_layers": f"{cfg.loop.start + 1}-{cfg.loop.start + m}" if m else "-",
+                         "looped_layers": f"{cfg.loop.start + 1}-{cfg.loop.start + cfg.loop.length}" if m else "-",
                          **exp.budgets(cfg, base), "within_tolerance": rep["within_tolerance"]})
     rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
     series = {lab: ([r["span_pct"] for r in rows if r["sparsity_label"] == lab],
                     [r["val_loss"] for r in rows if r["sparsity_label"] == lab])
               for lab in dict.fromkeys(r["sparsity_label"] for r in rows)}
     fig = common.plot_lines(exp.out / "span_sweep.png", series, "looped span (% of layers)", "validation loss",
-                            f"Loop-span sweep ({args.loops} passes, matched budgets)")
+                            f"Loop-span sweep ({spec.n_loops} passes, matched budgets)")
     best = {lab: min((r for r in rows if r["sparsity_label"] == lab), key=lambda r: r["val_loss"])["span"]
             for lab in series}
     return exp.finish({"rows": rows, "best_span": best, "figures": [fig]}, [

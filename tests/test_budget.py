@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import budget
 import configs
-from loop import LoopConfig
+from loop import SMELT, LoopConfig, LoopSpec, middle_span
 from model import GPT, ModelConfig
 
 LOOPS = {
@@ -178,7 +178,7 @@ def test_200m_example_leaves_the_head_out():
     """SMELT 3.2's example: Baseline 200M S~95% at 1.33e9 FLOPs/token, SMELT (H 1056, 288 experts) +2.9 %.
     Without the head our count gives both; a 1280 x 128,256 head alone would add 0.99e9 (+74 %)."""
     B = paper_cfg(1280, 12, 432, 128, 10, 192)
-    S = paper_cfg(1056, 12, 352, 88, 12, 288, loop=budget.smelt_loop(12))
+    S = paper_cfg(1056, 12, 352, 88, 12, 288, loop=SMELT.at(12))
     ctx = configs.PAPER_DOC_LEN
     assert round(budget.flops_per_token(B, ctx) / 1e9, 2) == 1.33          # default: no head
     assert round(100 * (budget.flops_per_token(S, ctx) / budget.flops_per_token(B, ctx) - 1), 1) == 2.9
@@ -189,7 +189,7 @@ def test_200m_example_leaves_the_head_out():
 @pytest.mark.parametrize("base,smelt,pub", PAPER_PAIRS)
 def test_paper_configs_reproduce_published_ratios(base, smelt, pub):
     B = paper_cfg(*base)
-    S = paper_cfg(*smelt, loop=budget.smelt_loop(base[1]))
+    S = paper_cfg(*smelt, loop=SMELT.at(base[1]))
     c = budget.count_params(S)
     ctx = configs.PAPER_DOC_LEN
     F = budget.flops_per_token(S, ctx, include_head=False) / budget.flops_per_token(B, ctx, include_head=False)
@@ -220,7 +220,7 @@ def test_match_presets_within_tolerance_and_buildable(preset):
         for cell in budget.ladder_cells(preset, ctx):
             base, cfg, rep = (ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"]),
                               cell["match"])
-            assert cfg.loop == budget.smelt_loop(base.n_layer) and cfg.loop.length >= 2
+            assert cfg.loop == SMELT.at(base.n_layer) and cfg.loop.length >= 2
             assert_matched(base, cfg.loop, cfg, rep)
             assert not rep["include_head"] and rep["ctx_len"] == ctx        # SMELT's F: no head, at the doc length
             F = budget.flops_per_token(cfg, ctx, include_head=False) / budget.flops_per_token(base, ctx, include_head=False)
@@ -286,7 +286,7 @@ def test_paper_ladder_uses_the_published_smelt_geometry():
             assert (row["d_model"], row["n_experts"]) == (row["paper_d_model"], row["paper_n_experts"])
             assert abs(row["flops_ratio"] - row["paper_flops_ratio"]) < 0.0015
             assert round(row["kv_ratio"], 3) == row["paper_kv_ratio"]
-    other = budget.ladder_cells("paper", configs.PAPER_DOC_LEN, n_loops=3)   # not published for r = 3: matched
+    other = budget.ladder_cells("paper", configs.PAPER_DOC_LEN, spec=LoopSpec(n_loops=3))   # not published for r = 3: matched
     assert {c["match"]["source"] for c in other} == {"matched"}
 
 
@@ -376,7 +376,7 @@ def test_match_other_loop_specs_200m(loop):
 def test_match_with_head_and_howtoloop_convention():
     base = paper_cfg(2304, 30, 768, 128, 18, 64)
     for conv in budget.CONVENTIONS:
-        cfg, rep = budget.match(base, budget.smelt_loop(30), 4096, convention=conv)
+        cfg, rep = budget.match(base, SMELT.at(30), 4096, convention=conv)
         assert_matched(base, cfg.loop, cfg, rep)
 
 
@@ -393,7 +393,7 @@ def test_match_warns_when_nothing_fits():
 
 def test_bad_inputs_raise_clear_errors():
     base = budget.preset_baselines("tiny")[0][2]
-    loop = budget.smelt_loop(base.n_layer)
+    loop = SMELT.at(base.n_layer)
     for ctx in (0, -5, None, "256", 10_000, float("nan")):
         with pytest.raises(ValueError, match="ctx_len"):
             budget.match(base, loop, ctx)
@@ -426,7 +426,7 @@ def test_presets_sparsity_labels_and_spans():
         for scale, label, base in budget.preset_baselines(preset):
             s = budget.config_sparsity(base, DOC_LENGTHS[preset][-2])
             assert abs(100 * s - float(label[2:-1])) < 3.0, (scale, label, s)
-            start, length = budget.middle_span(base.n_layer)
+            start, length = middle_span(base.n_layer)
             assert length >= 2 and start >= 1
 
 
@@ -513,7 +513,7 @@ def test_shared_experts_are_counted_active_and_executed():
 
 def test_match_keeps_the_shared_experts():
     base = replace(budget.preset_baselines("tiny")[-1][2], n_shared_experts=1)
-    loop = budget.smelt_loop(base.n_layer)
+    loop = SMELT.at(base.n_layer)
     cfg, rep = budget.match(base, loop, 100, **configs.LADDERS["tiny"]["search"])
     assert cfg.n_shared_experts == 1
     assert_matched(base, loop, cfg, rep)
@@ -521,26 +521,39 @@ def test_match_keeps_the_shared_experts():
     GPT(cfg)
 
 
+def test_loop_spec_places_the_span():
+    assert SMELT.at(8) == LoopSpec(2, 0.5, "middle").at(8) == LoopConfig(2, 4, 2)
+    assert LoopSpec(n_loops=3, span_fraction=0.75).at(8) == LoopConfig(1, 6, 3)
+    assert LoopSpec(placement="first").at(8) == LoopConfig(0, 4, 2)
+    assert LoopSpec(placement="last", part="attn", adapter="lora").at(5) == LoopConfig(2, 3, 2, part="attn",
+                                                                                       adapter="lora")
+    assert SMELT.tag() == "" and LoopSpec(n_loops=3, placement="last", n_shared_experts=1).tag() == "_r3_last_shared1"
+    for bad in (dict(n_loops=0), dict(n_loops=2.5), dict(span_fraction=1.5), dict(placement="end"),
+                dict(part="ffn"), dict(adapter="dora"), dict(n_shared_experts=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LoopSpec(**bad)
+
+
 def test_ladder_knobs_flow_from_the_caller():
-    assert budget.smelt_loop(8) == budget.smelt_loop(8, 2, 0.5) == LoopConfig(2, 4, 2)
-    assert budget.smelt_loop(8, n_loops=3, span_fraction=0.75) == LoopConfig(1, 6, 3)
     default = budget.ladder_cells("smoke", 40)
-    explicit = budget.ladder_cells("smoke", 40, n_loops=2, span_fraction=0.5, n_shared_experts=0)
+    explicit = budget.ladder_cells("smoke", 40, spec=LoopSpec(2, 0.5, "middle", "both", "none", 0))
     for a, b in zip(default, explicit):
         assert a["baseline"] == b["baseline"] and a["smelt"] == b["smelt"]
-    for cell in budget.ladder_cells("smoke", 40, n_loops=3, span_fraction=0.75, n_shared_experts=1):
+    spec = LoopSpec(n_loops=3, span_fraction=0.75, placement="last", n_shared_experts=1)
+    for cell in budget.ladder_cells("smoke", 40, spec=spec):
         base, cfg = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"])
-        assert cfg.loop == budget.smelt_loop(base.n_layer, 3, 0.75)
+        assert cfg.loop == spec.at(base.n_layer) == LoopConfig(1, 3, 3)
         assert base.n_shared_experts == cfg.n_shared_experts == 1
-    rows = budget.ladder("smoke", 40, n_loops=3, span_fraction=0.75, n_shared_experts=1)
+    rows = budget.ladder("smoke", 40, spec=LoopSpec(n_loops=3, span_fraction=0.75))
     assert {r["loop"] for r in rows if r["arch"] == "SMELT"} == {"1-3 x3"}
 
 
 def test_cli_loop_knobs(capsys):
-    budget.main(["--ladder", "smoke", "--ctx-len", "40", "--loops", "3", "--span-fraction", "0.75",
-                 "--shared-experts", "1"])
-    assert "1-3 x3" in capsys.readouterr().out
-    for flag, value in (("--span-fraction", "1.5"), ("--loops", "0"), ("--shared-experts", "-1")):
+    budget.main(["--ladder", "smoke", "--ctx-len", "40", "--loops", "3", "--span-fraction", "0.5",
+                 "--placement", "last", "--shared-experts", "1"])
+    assert "3-4 x3" in capsys.readouterr().out
+    for flag, value in (("--span-fraction", "1.5"), ("--loops", "0"), ("--shared-experts", "-1"),
+                        ("--placement", "end")):
         with pytest.raises(SystemExit):
             budget.build_parser().parse_args([flag, value])
         assert flag in capsys.readouterr().err
@@ -550,7 +563,7 @@ def test_match_target_matches_another_configs_budgets():
     """target=ref: the budgets matched are ref's, the depth and the search centre base_cfg's; target=base_cfg
     is the default match; the report's ratios recount against ref through the scalar path."""
     ref = budget.preset_baselines("tiny")[-1][2]
-    loop = budget.smelt_loop(ref.n_layer)
+    loop = SMELT.at(ref.n_layer)
     search = budget.preset_search("tiny")
     assert budget.match(ref, loop, 100, target=ref, **search)[0] == budget.match(ref, loop, 100, **search)[0]
     center = replace(ref, n_layer=ref.n_layer + 1, d_model=ref.d_model - 8)

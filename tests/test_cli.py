@@ -93,12 +93,11 @@ def test_presets_are_one_set():
     assert set(options(parser_of("train"))["--data"].choices) == set(configs.DATA_PRESETS) | {"synthetic"}
 
 
-@pytest.mark.parametrize("name,argv", [("reproduce", []), ("lab.probe_pairs", ["--pair", "p", "b", "s"]), ("lab.corpus", []),
-                                       ("span_sweep", []), ("decode_latency", [])])
-def test_old_out_spelling_still_works(name, argv, capsys):
-    args = parser_of(name).parse_args([*argv, "--out", "somewhere"])
-    assert args.out_dir == "somewhere"
-    assert "--out is deprecated; use --out-dir" in capsys.readouterr().err
+@pytest.mark.parametrize("name,old", [("budget", "--json"), ("lab.bench", "--json"), ("lab.scaling_analysis", "--n-jobs")])
+def test_old_spellings_are_gone(name, old, capsys):
+    with pytest.raises(SystemExit) as e:
+        parser_of(name).parse_args([old, "2"])
+    assert e.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
 
 
 def test_device_values():

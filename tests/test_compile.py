@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounter
 import attention
 from loop import LoopConfig
 from model import GPT, ModelConfig, compile_model
-from train import Objective
+from train import Objective, forward_backward, step_scale
 
 pytestmark = pytest.mark.compile
 
@@ -52,10 +52,8 @@ def batch(B=2, T=32, seed=0):
 
 def step(fn, gpt, idx, tgt, doc):
     gpt.zero_grad(set_to_none=True)
-    ce, n, aux, z, _ = fn(idx, tgt, doc)
-    loss = ce / n + gpt.cfg.aux_loss_coef * aux + gpt.cfg.z_loss_coef * z
-    loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in gpt.named_parameters() if p.grad is not None}
+    loss = forward_backward(fn, gpt.cfg, idx, tgt, doc, step_scale(tgt))[2]   # train.py's forward and backward
+    return loss, {k: p.grad.clone() for k, p in gpt.named_parameters() if p.grad is not None}
 
 
 class GraphRecorder:

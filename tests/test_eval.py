@@ -1,4 +1,4 @@
-"""eval.py, tasks.py, calibration.py, wins.py, downstream_claims.py, eval_plots.py: option scoring, exact match = greedy decoding, truncation,
+"""eval.py, tasks.py, calibration.py, downstream_claims.py, eval_plots.py: option scoring, exact match = greedy decoding, truncation,
 statistics, length buckets, calibration, the grid."""
 import copy
 import json
@@ -21,7 +21,6 @@ import checks
 from lab import tasks
 import eval as validation
 from lab import downstream_claims
-from lab import wins
 from loop import LoopConfig
 from model import GPT, ModelConfig
 
@@ -258,6 +257,21 @@ def test_head_at_answer_positions_equals_full_logits(kw):
         assert nll == pytest.approx(float(nn.functional.cross_entropy(lg, tgt, reduction="sum")), rel=1e-5, abs=1e-5)
 
 
+@torch.no_grad()
+def score_continuations_reference(model, requests, block_size):
+    """The slow obvious score_continuations: one sequence per forward, the logits at every position."""
+    model.eval()
+    out = []
+    for toks, n in requests:
+        seq = tasks.truncate_left(toks, block_size)
+        assert 0 < n < len(seq)
+        logits = ev.forward_logits(model, torch.tensor([seq]))[0]                      # (L, V)
+        lg, tgt = logits[len(seq) - n - 1:len(seq) - 1], torch.tensor(seq[len(seq) - n:])
+        out.append((float(nn.functional.cross_entropy(lg, tgt, reduction="sum")), n,
+                    bool((lg.argmax(-1) == tgt).all())))
+    return out
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(n_experts=4, top_k=2),
                                 dict(loop=LoopConfig(start=1, length=2, n_loops=2))])
 def test_batched_scoring_equals_the_per_request_reference(kw):
@@ -267,7 +281,7 @@ def test_batched_scoring_equals_the_per_request_reference(kw):
     torch.manual_seed(3)
     reqs = [([0] + torch.randint(1, V, (L - 1,)).tolist(), n)
             for L, n in ((20, 5), (3, 1), (11, 2), (32, 7), (6, 5), (40, 3), (9, 8), (32, 1))]   # 40: truncated
-    ref = tasks.score_continuations_reference(m, reqs, block_size=32)
+    ref = score_continuations_reference(m, reqs, block_size=32)
     for max_tokens, max_logits, calls in ((1 << 16, 1 << 26, 1), (64, 1 << 26, 3), (1 << 16, 2 * 8 * V, 4)):
         counts = Counter()
         got = tasks.score_continuations(m, reqs, block_size=32, max_tokens=max_tokens, max_logits=max_logits,
@@ -846,9 +860,9 @@ def test_matched_pairs_and_win_counts():
             rec("baseline", *c128, 10, summary=s(0.30, 1.5)), rec("smelt", *c128, 10, summary=s(0.25, 1.6)),
             rec("baseline", "t128", "S~50%", 10, seed=1, summary=s(0.3, 1.5)),        # no SMELT twin: unpaired
             rec("smelt", "t128", "S~50%", 20, summary=s(0.3, 1.5))]                   # no Baseline twin
-    pairs = wins.matched_pairs(recs)
+    pairs = downstream_claims.matched_pairs(recs)
     assert [(p["cell"], p["branch_step"]) for p in pairs] == [("t128 S~50%", 10), ("t64 S~50%", 10), ("t64 S~50%", 20)]
-    w = wins.win_counts(recs)
+    w = downstream_claims.win_counts(recs)
     assert w["n_pairs"] == 3
     core, comp = w["metrics"]["real core"], w["metrics"]["real completion"]
     assert (core["wins"], core["ties"], core["n"]) == (1, 1, 3)                       # 0.12 > 0.10; a tie; a loss
@@ -857,9 +871,9 @@ def test_matched_pairs_and_win_counts():
                                "t128 S~50%": {"wins": 0, "ties": 0, "n": 1}}
     assert comp["by_endpoint"][0]["delta"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="two endpoints"):
-        wins.matched_pairs(recs + [rec("smelt", "t64", "S~50%", 10)])
+        downstream_claims.matched_pairs(recs + [rec("smelt", "t64", "S~50%", 10)])
     with pytest.raises(ValueError, match="sparsity_label"):
-        wins.matched_pairs([{**recs[0], "sparsity_label": None}])
+        downstream_claims.matched_pairs([{**recs[0], "sparsity_label": None}])
 
 
 def test_icl_sweep_averages_above_chance_cells_and_tests_over_seeds():
@@ -873,7 +887,7 @@ def test_icl_sweep_averages_above_chance_cells_and_tests_over_seeds():
         rec("baseline", *B, 10, tasks={"t": task({0: [0.0], 2: [0.0, 0.1, 0.0]}), "z": task({2: [0, 0, 0]})}),
         rec("smelt", *B, 10, tasks={"t": task({0: [0.0], 2: [0.9, 0.9, 0.9]}), "z": task({2: [0, 0, 0]})}),
     ]
-    sw = wins.icl_sweep(recs)
+    sw = downstream_claims.icl_sweep(recs)
     t = sw["t"]
     k2 = t["by_k"]["2"]
     # cell A per seed: Baseline (0.3, 0.3, 0.3), SMELT (0.4, 0.4, 0.4); cell B left out (Baseline 0.033 < 0.1)
@@ -904,13 +918,15 @@ def test_dyck_gain_is_paired_over_items():
     smelt = [[1, 1, 0, 1], [1, 1, 1, 0]]                            # 1, 1, .5, .5
     A = ("t64", "S~50%")
     recs = [rec("baseline", *A, 10, tasks=dyck(base)), rec("smelt", *A, 10, tasks=dyck(smelt))]
-    r = wins.icl_sweep(recs)["dyck_languages"]["by_k"]["2"]
+    r = downstream_claims.icl_sweep(recs)["dyck_languages"]["by_k"]["2"]
     assert r["baseline_by_item"] == pytest.approx([1, .5, 0, .5]) and r["smelt_by_item"] == pytest.approx([1, 1, .5, .5])
-    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=downstream_claims.icl_sweep(recs))
+           if c["id"] == "dyck gain"]
     assert c["interval"] == pytest.approx(stats.paired_difference([1, .5, 0, .5], [1, 1, .5, .5]).to_dict())
     assert c["n"] == 4 and c["unit"] == "paired item" and "averaged over demonstration seeds" in c["claim"]
     recs[1] = rec("smelt", *A, 10, tasks=dyck(smelt, items=(0, 1, 2, 5)))
-    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=downstream_claims.icl_sweep(recs))
+           if c["id"] == "dyck gain"]
     assert c["interval"] is None and "different dyck_languages items" in c["why"]
 
 
@@ -931,7 +947,7 @@ def test_icl_sweep_by_item_and_gain_by_cell_read_the_cells_above_chance():
                  rec("smelt", scale, "S~50%", branch, tasks=t(*s))]
     recs += [rec("baseline", "t32", "S~50%", 10, tasks=t([0, 0], [0, 0, 0, 0], (0, 1, 2, 5))),
              rec("smelt", "t32", "S~50%", 10, tasks=t([.25, .25], [0, 0, 0, 1], (0, 1, 2, 5)))]
-    r = wins.icl_sweep(recs)["dyck_languages"]["by_k"]["2"]
+    r = downstream_claims.icl_sweep(recs)["dyck_languages"]["by_k"]["2"]
     assert r["cells_above"] == 2 and r["cells"] == 3
     assert r["baseline_by_item"] == pytest.approx([.5, .25, .5, .75])
     assert r["smelt_by_item"] == pytest.approx([.5, 1, .75, 1])
@@ -950,7 +966,8 @@ def test_dyck_gain_reads_the_largest_k_that_prompts_fit():
     base, smelt = {2: [1, .5, 0, .5], 4: [.5, .5, .5, 0]}, {2: [1, 1, .5, .5], 4: [.5, .5, .5, .5]}
     A = ("t64", "S~50%")
     recs = [rec("baseline", *A, 10, tasks=dyck(base)), rec("smelt", *A, 10, tasks=dyck(smelt))]
-    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=wins.icl_sweep(recs)) if c["id"] == "dyck gain"]
+    [c] = [c for c in downstream_claims.downstream_claims(recs, icl=downstream_claims.icl_sweep(recs))
+           if c["id"] == "dyck gain"]
     assert "at k = 4" in c["claim"]
     assert c["interval"] == pytest.approx(stats.paired_difference(base[4], smelt[4]).to_dict())
 
@@ -967,7 +984,7 @@ def test_length_families_by_hand(tmp_path):
         for branch in (10, 20):
             recs.append(rec("baseline", scale, label, branch, by_length=bl(gain)))
             recs.append(rec("smelt", scale, label, branch, by_length=bl(np.add(gain, smelt_extra))))
-    f = wins.length_families(recs, n_boot=200)
+    f = downstream_claims.length_families(recs, n_boot=200)
     sv, ex, pa = f["SMELT vs Baseline"], f["more experts"], f["more parameters"]
     assert sv["n_contrasts"] == 5 and sv["n_endpoint_pairs"] == 10 and sv["paper"] == 1.52
     assert sv["long_short"]["mean"] == pytest.approx(3.0) and sv["long_short"]["lo"] == pytest.approx(3.0)
@@ -984,7 +1001,7 @@ def test_length_families_by_hand(tmp_path):
     # a bucket with too few validation tokens is left out of every shape (and named)
     for r in recs:
         r["val"]["tokens_by_length"] = {"8": 11, "16": 4000, "32": 4000, "64": 4000}
-    f2 = wins.length_families(recs, n_boot=50)["SMELT vs Baseline"]
+    f2 = downstream_claims.length_families(recs, n_boot=50)["SMELT vs Baseline"]
     assert set(f2["shape"]) == {16, 32, 64} and f2["buckets_dropped"] == {8: 11}
     assert f2["long_short"]["mean"] == pytest.approx(0.3 / 0.1)       # long half {64} over short half {16}
     assert f2["n_negative"] == 0
@@ -1009,7 +1026,7 @@ def test_downstream_claims_and_report(tmp_path):
     assert rep["n_endpoints"] == 24 and rep["n_pairs"] == 12
     claims = {c["id"]: c for c in rep["claims"]}
     comp = claims["real completion difference"]
-    pairs = wins.matched_pairs(recs)
+    pairs = downstream_claims.matched_pairs(recs)
     want = stats.paired_difference([p["baseline"]["summary"]["real"]["completion"] for p in pairs],
                                    [p["smelt"]["summary"]["real"]["completion"] for p in pairs])
     assert comp["interval"] == pytest.approx(want.to_dict()) and comp["n"] == 12
@@ -1153,7 +1170,7 @@ def test_item_noise_equals_a_per_draw_loop_over_eval_summarise(origin, key):
                 pair.append(_item_rec(arch, f"t{c}", seed, ts))
             recs += pair
     units = {}
-    for p in wins.matched_pairs(recs):
+    for p in downstream_claims.matched_pairs(recs):
         units.setdefault((p["cell"], p["seed"]), []).append((p["baseline"], p["smelt"]))
     units = list(units.values())
     diffs = [np.mean([s["summary"][origin][key] - b["summary"][origin][key] for b, s in u]) for u in units]

@@ -11,7 +11,7 @@ accepted silently, ending in a deep torch / numpy error, or corrupting a run:
     stale temp files -> removed at the next write;
   * non-finite model / optimizer state -> never saved (DivergenceError);
   * a second writer on a run directory -> RunLockedError; the lock dies with its holder;
-  * a killed reproduce.py -> its pool_map workers die too;
+  * a killed reproduce.py -> its pool_run workers die too;
   * crashes at several points -> the resumed run equals the uninterrupted one bit for bit;
   * the disk estimate -> within 20 % of what a run really keeps (peak and final).
   * probes (issue 26): unmatched pairs, bad values, a damaged probes.json; the campaign table's script.
@@ -421,7 +421,7 @@ def job(path):
 
 if __name__ == "__main__":
     import reproduce
-    reproduce.pool_map(job, [os.path.join({d!r}, "w0"), os.path.join({d!r}, "w1")], 2)
+    reproduce.pool_run(job, [os.path.join({d!r}, "w0"), os.path.join({d!r}, "w1")], 2)
 """
 
 

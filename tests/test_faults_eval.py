@@ -33,7 +33,7 @@ def test_out_dir_that_is_a_file_is_refused_first(tmp_path, capsys, no_work):
     (tmp_path / "f").write_text("x")
     _refused(["--run", str(tmp_path / "run"), "--out-dir", str(tmp_path / "f")], capsys, str(tmp_path / "f"), "is a file")
     _refused(["--run", str(tmp_path / "run"), "--out-dir", str(tmp_path / "f" / "sub")], capsys,
-             str(tmp_path / "f" / "sub"), "not a writable directory")
+             str(tmp_path / "f" / "sub"), "is a file, not a directory")
 
 
 @pytest.mark.fault("cli")
@@ -53,7 +53,7 @@ def test_read_only_run_dir_is_refused_first(tmp_path, capsys, no_work):
     save_run(tmp_path / "run")
     os.chmod(tmp_path / "run", 0o500)
     try:
-        _refused(["--run", str(tmp_path / "run")], capsys, str(tmp_path / "run"), "not a writable directory")
+        _refused(["--run", str(tmp_path / "run")], capsys, str(tmp_path / "run"), "is not writable")
     finally:
         os.chmod(tmp_path / "run", 0o700)
 
@@ -63,12 +63,12 @@ def test_unwritable_or_full_out_dir_is_refused(tmp_path, monkeypatch):
     def deny(*a, **kw):
         raise PermissionError(13, "Permission denied")
     with monkeypatch.context() as m:   # what a read-only directory does to the probe file
-        m.setattr(evaluate.tempfile, "NamedTemporaryFile", deny)
-        with pytest.raises(ValueError, match=f"{tmp_path} is not a writable directory \\(Permission denied\\)"):
-            evaluate.check_out_dir(tmp_path)
-    monkeypatch.setattr(evaluate.shutil, "disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
-    with pytest.raises(ValueError, match="has 1 MiB free"):
-        evaluate.check_out_dir(tmp_path)
+        m.setattr(checks.Path, "write_bytes", deny)
+        with pytest.raises(checks.OutDirError, match=f"{tmp_path} is not writable \\(Permission denied\\)"):
+            evaluate.check_out_dir(tmp_path, 16 << 20)
+    monkeypatch.setattr(checks.shutil, "disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
+    with pytest.raises(checks.OutDirError, match="needs 16.0 MiB, 1.0 MiB free"):
+        evaluate.check_out_dir(tmp_path, 16 << 20)
     assert not list(tmp_path.iterdir())                                  # the probe file is gone
 
 

@@ -8,7 +8,6 @@ from lab import probe_claims
 from lab import report
 from lab import stats
 from lab import downstream_claims
-from lab import wins
 
 
 def test_percentiles_with_failures_and_welch():
@@ -150,12 +149,12 @@ def test_icl_claims_refuse_a_sweep_without_per_cell_gains():
 def test_demonstrations_that_fit_read_per_task_and_k():
     rec = lambda short: {"tasks": {"t": {"fit": {"8": {"share_short": short, "share_cut": short,
                                                        "demos_kept": 8 * (1 - short)}}}}}
-    got = wins._demos_kept([{"baseline": rec(0.9), "smelt": rec(0.7)}], "t", 8)
+    got = downstream_claims._demos_kept([{"baseline": rec(0.9), "smelt": rec(0.7)}], "t", 8)
     assert got["share_short"] == pytest.approx(0.8) and got["demos_kept"] == pytest.approx(1.6) and not got["k_counts"]
-    assert wins._demos_kept([{"baseline": rec(0.1), "smelt": rec(0.2)}], "t", 8)["k_counts"]
+    assert downstream_claims._demos_kept([{"baseline": rec(0.1), "smelt": rec(0.2)}], "t", 8)["k_counts"]
     old = [{"baseline": {"tasks": {"t": {}}}, "smelt": {"tasks": {"t": {}}}}]       # an eval.json without "fit"
-    assert wins._demos_kept(old, "t", 8) == {"demos_kept": None, "share_short": None, "share_cut": None,
-                                             "k_counts": True}
+    assert downstream_claims._demos_kept(old, "t", 8) == {"demos_kept": None, "share_short": None, "share_cut": None,
+                                                          "k_counts": True}
 
 
 def _probe_pair(overlap, n_experts, width, rng):

@@ -73,17 +73,16 @@ def test_rerun_skips_finished_work(smoke):
 
 
 def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
-    """r, the span and shared experts come from one setting, the run plan (or --loops): the default plan
-    passes no knob to budget.ladder_cells (the SMELT ladder as before), another r is passed on, and the
-    report's labels read r from the matched configs."""
+    """The loop knobs come from one setting, the run plan's LoopSpec (or the loop options): the default plan
+    passes SMELT's to budget.ladder_cells, another is passed on whole, and the report's labels read r from
+    the matched configs."""
     from dataclasses import replace
 
     import budget
     from lab import report
+    from loop import SMELT, LoopSpec
     plan = configs.PLANS["smoke"]
-    assert (plan.n_loops, plan.span_fraction, plan.n_shared_experts) == (2, 0.5, 0)
-    assert reproduce.loop_knobs(plan) == {}
-    assert reproduce.loop_knobs(replace(plan, n_loops=3, n_shared_experts=1)) == {"n_loops": 3, "n_shared_experts": 1}
+    assert plan.loop == SMELT
     seen = {}
 
     def fake_cells(preset, ctx, vocab_size=None, **kw):
@@ -93,9 +92,9 @@ def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(budget, "preset_doc_length", lambda preset, data=None: 32.0)
     data = type("D", (), {"vocab_size": 512})()
     with pytest.raises(RuntimeError, match="stop"):
-        reproduce.stage_ladder(replace(plan, n_loops=3), data, tmp_path)
-    assert seen == {"n_loops": 3}
-    assert reproduce.build_parser().parse_args(["--loops", "3"]).loops == 3
+        reproduce.stage_ladder(replace(plan, loop=LoopSpec(n_loops=3, placement="last")), data, tmp_path)
+    assert seen == {"spec": LoopSpec(n_loops=3, placement="last")}
+    assert reproduce.build_parser().parse_args(["--loops", "3"]).n_loops == 3
     assert report.visits_label(2) == "the second visit"
     assert "visit v+1 vs v" in report.visits_label(3) and "2-3" in report.visits_label(3)
     cell = {"smelt": {"loop": {"n_loops": 3}}}
@@ -179,13 +178,15 @@ def test_disk_check_counts_what_earlier_invocations_wrote(tmp_path, monkeypatch)
 
 
 def test_default_out_dir_names_another_loop_count(tmp_path, monkeypatch):
-    """--loops R other than the preset's r writes to runs/reproduce_PRESET_rR, so it never mixes with the
-    preset's own out dir; --loops equal to the preset's r is the preset's out dir."""
+    """Loop options other than SMELT's name the default out dir (runs/reproduce_PRESET_r3_last), so those runs
+    never mix with the preset's own; options equal to the plan's are the preset's out dir."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(reproduce, "_pipeline", lambda args, plan, out: (out, plan.n_loops))
+    monkeypatch.setattr(reproduce, "_pipeline", lambda args, plan, out: (out, plan.loop.n_loops))
     assert reproduce.main(["--preset", "smoke"]) == (Path("runs/reproduce_smoke"), 2)
     assert reproduce.main(["--preset", "smoke", "--loops", "2"]) == (Path("runs/reproduce_smoke"), 2)
     assert reproduce.main(["--preset", "smoke", "--loops", "3"]) == (Path("runs/reproduce_smoke_r3"), 3)
+    assert reproduce.main(["--preset", "smoke", "--loops", "3", "--placement", "last"]) == (
+        Path("runs/reproduce_smoke_r3_last"), 3)
 
 
 def test_damaged_json_during_the_pipeline_is_one_line(tmp_path, monkeypatch, capsys):

@@ -25,6 +25,7 @@ import torch
 
 import budget
 import checks
+from loop import SMELT
 from model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -327,7 +328,7 @@ def test_depth_sweep_matches_every_depth_to_the_reference(preset):
         base, looped = depth_sweep.depth_pair(ref, P, ctx, search)
         if P == ref.n_layer:
             assert base == ref and looped.to_dict() == cell["smelt"]
-        assert base.n_layer == looped.n_layer == P and not base.loop.active and looped.loop == budget.smelt_loop(P)
+        assert base.n_layer == looped.n_layer == P and not base.loop.active and looped.loop == SMELT.at(P)
         for arch, cfg in (("baseline", base), ("looped", looped)):
             ratios = (budget.flops_per_token(cfg, ctx) / F, budget.count_params(cfg)["blocks"] / N,
                       budget.kv_bytes_per_token(cfg, 2, ctx) / KV)
@@ -345,6 +346,6 @@ def test_script_matches_are_the_ladders(tmp_path):
     cells = budget.ladder_cells("smoke", exp.ctx, vocab_size=exp.load_data().vocab_size)
     assert cells
     for (scale, label, base), cell in zip(exp.cells(), cells):
-        smelt, rep = exp.match(base, budget.smelt_loop(base.n_layer))
+        smelt, rep = exp.match(base, SMELT.at(base.n_layer))
         want = replace(ModelConfig.from_dict(cell["smelt"]), block_size=base.block_size)
         assert smelt == want, (scale, label)
