@@ -178,7 +178,7 @@ def _worker_init(parent: int, threads: int = 1) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def _train_one(job: tuple) -> list[dict]:
+def train_one(job: tuple) -> list[dict]:
     """(model config dict, train config dict, data dir, run dir, meta) -> train.train's rows."""
     cfg, tc, data_dir, run, meta = job
     return train.train(ModelConfig.from_dict(cfg), train.TrainConfig(**tc), data_mod.TokenData(data_dir), run, meta)
@@ -266,7 +266,7 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
         log(f"train: run {k}/{len(todo)} done: {job[3].name} val {final['val_loss']:.3f} | elapsed "
             f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
 
-    rows = [r for run_rows in pool_run(_train_one, todo, jobs, cost, on_done=on_done, name=lambda j: j[3].name,
+    rows = [r for run_rows in pool_run(train_one, todo, jobs, cost, on_done=on_done, name=lambda j: j[3].name,
                                        threads=threads) for r in run_rows]
     checks.atomic_write_text(out / "results.jsonl", "".join(checks.jsonl_line(r) for r in rows))
     return rows

@@ -167,7 +167,7 @@ class Experiment:
         t0 = time.time()
         if self.jobs > 1 and len(jobs) > 1:   # reproduce's worker pool, one thread per worker
             log(f"training {len(jobs)} runs, {self.jobs} at a time")
-            per_run = reproduce.pool_run(reproduce._train_one, jobs, self.jobs, name=lambda j: j[3])
+            per_run = reproduce.pool_run(reproduce.train_one, jobs, self.jobs, name=lambda j: j[3])
         else:
             if self.jobs > 1:
                 torch.set_num_threads(1)

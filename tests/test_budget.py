@@ -8,6 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import budget
+import checks
 import configs
 from loop import SMELT, LoopConfig, LoopSpec, middle_span
 from model import GPT, ModelConfig
@@ -557,6 +558,8 @@ def test_cli_loop_knobs(capsys):
         with pytest.raises(SystemExit):
             budget.build_parser().parse_args([flag, value])
         assert flag in capsys.readouterr().err
+    with pytest.raises(checks.UserError, match="n_loops"):   # a value the types pass but LoopSpec refuses
+        budget.main(["--ladder", "smoke", "--loops", "65"])
 
 
 def test_match_target_matches_another_configs_budgets():
