@@ -1,22 +1,15 @@
-"""Attention for the decoder: RoPE, grouped-query attention with document masks, KV caches.
+"""Attention for the decoder (SMELT Sec. 3.1, How to Loop): RoPE, grouped-query attention, KV caches.
 
-SMELT Sec. 3.1 and How to Loop share one attention: rotary position embedding (Llama's
-half-split layout), grouped-query attention with `head_dim` independent of d_model / n_head
-(budget matching changes head geometry), no biases, and document masking for packed contexts
-(SMELT 3.1: "segment-level attention masks").
+`head_dim` is independent of d_model / n_head (budget matching changes head geometry), there are no
+biases, and packed contexts get document masks (SMELT 3.1: "segment-level attention masks").
 
-  * `rope_table`, `apply_rope` (beside `apply_rope_reference`), `build_mask` (causal, same document,
-    within a window).
-  * `attention_kernel` picks the kernel of one call: SDPA with a boolean block-diagonal causal
-    mask on CPU, flex attention with a block mask from the document ids on CUDA (it skips
-    masked tiles) except for heads narrower than 16, which CUDA flex cannot run; "math" is the
-    explicit softmax that probes read. `attend` runs it; masks are built once per forward.
-  * `KV`, `Cache`: every attention visit keeps its own KV cache (KV grows with executed
-    visits); PLT with `kv_window = w` shares loop 1's cache and keeps a ring of the w - 1 positions
-    before the current one per later loop (How-to-Loop's KV sharing, mixed by a per-head gate).
-  * `Attention`: the sub-layer, with per-loop adapters on q/k/v/o inside a looped span
-    (loop.LoopAdapter, chosen by model.Block), PLT's batched one-token step and the
-    captures probes.py reads.
+  * `rope_table`, `apply_rope` (Llama's half-split layout), `build_mask` (causal, same document, window).
+  * `attention_kernel` picks one call's kernel: SDPA, flex attention with a block mask (CUDA, skips masked
+    tiles), or "math", the explicit softmax probes read. `attend` runs it; masks are built once per forward.
+  * `KV`, `Cache`: a KV cache per attention visit; PLT with `kv_window = w` shares loop 1's cache and keeps
+    a ring of the w - 1 previous positions per later loop (How-to-Loop's KV sharing, mixed by a per-head gate).
+  * `Attention`: the sub-layer, with per-loop adapters on q/k/v/o inside a looped span (loop.LoopAdapter),
+    PLT's batched one-token step and the captures probes.py reads.
 
 Read model.py first (the block that calls this); design notes: docs/attention.md.
 """
@@ -24,21 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:   # annotations only
-    from typing import Callable
-
-# ----------------------------------------------------------------------------------------
-# Rotary embedding and attention kernels
+# ---- Rotary embedding and attention kernels ------------------------------------------------------
 
 def rope_table(block_size: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """(cos, sin) rows (T, hd) in the full-width layout `apply_rope` reads: [cos | cos], [-sin | sin]."""
+    """(cos, sin) rows (T, hd) in the layout `apply_rope` reads: [cos | cos], [-sin | sin]."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     ang = torch.outer(torch.arange(block_size, dtype=torch.float32), inv)   # (T, hd/2)
     c, s = ang.cos(), ang.sin()
@@ -46,8 +34,7 @@ def rope_table(block_size: int, head_dim: int, theta: float) -> tuple[Tensor, Te
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, T, hd), cos/sin (T, hd) from rope_table: x cos + [x2 | x1] sin, four ops instead of
-    seven; bit-identical to `apply_rope_reference` (a + (-b) is a - b in IEEE arithmetic)."""
+    """x (B, H, T, hd) -> x cos + [x2 | x1] sin: bit-identical to `apply_rope_reference` (a + (-b) is a - b)."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
@@ -63,10 +50,7 @@ def apply_rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def build_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor | None,
                window: int = 0) -> Tensor:
-    """Boolean (B|1, 1, T, S) mask, True = may attend: causal, same document, within window.
-
-    Positions are absolute token positions; a key position < 0 marks an empty cache slot.
-    """
+    """Boolean (B|1, 1, T, S) mask, True = may attend; positions are absolute, a key position < 0 is empty."""
     m = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
     if window:
         m = m & (q_pos[:, None] - k_pos[None, :] < window)
@@ -76,25 +60,14 @@ def build_mask(q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None, k_doc: Tensor
     return m
 
 
-# Inductor's CUDA flex-attention kernel multiplies q k^T and p v with tl.dot, which needs
-# head dims >= 16 ("NYI: embedding dimension ... must be at least 16"). CPU flex accepts smaller.
+# Inductor's CUDA flex kernel (tl.dot) needs head dims >= 16 ("NYI: embedding dimension ... must be at least 16")
 FLEX_MIN_HEAD_DIM = 16
 
 
 def attention_kernel(backend: str, device_type: str, head_dim: int, training_shape: bool, masked: bool,
                      want_probs: bool = False) -> str:
-    """The kernel that runs one attention call: "flex", "sdpa" or "math" (the model-level head-dim rule).
-
-    backend is ModelConfig.attn_backend. "auto" takes flex attention on CUDA for full-sequence
-    attention with a document mask or window (it skips masked tiles) and SDPA everywhere else.
-    Heads narrower than FLEX_MIN_HEAD_DIM cannot run flex on CUDA: "auto" falls back to SDPA with
-    the boolean block-diagonal causal mask (exact, tested against flex), an explicit "flex" raises
-    a ValueError naming head_dim. Why a fallback for "auto" but an error for "flex": docs/attention.md.
-    want_probs (probes read the probabilities) takes "math" whatever the backend.
-    On CUDA with "auto" (tests/test_attention_consumers.py): training and validation (document ids)
-    run flex; few-shot scoring (no document ids: one sequence per right-padded row) runs SDPA with
-    is_causal, which compiles nothing, whatever the batch's shape; probes run math; decoding SDPA.
-    """
+    """"flex", "sdpa" or "math" for one call. "auto": flex on CUDA for full-sequence attention with a document
+    mask or window, except for heads narrower than FLEX_MIN_HEAD_DIM (SDPA: exact; an explicit "flex" raises)."""
     if backend == "math" or want_probs:
         return "math"
     narrow = device_type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM
@@ -102,27 +75,18 @@ def attention_kernel(backend: str, device_type: str, head_dim: int, training_sha
         if not training_shape:
             raise ValueError("attn_backend='flex' supports full-sequence attention only (use sdpa for decoding)")
         if narrow:
-            raise ValueError(f"attn_backend='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA (inductor's flex "
-                             f"kernel), got head_dim={head_dim}; use attn_backend='auto' (SDPA for such heads) "
-                             f"or a config with head_dim >= {FLEX_MIN_HEAD_DIM}")
+            raise ValueError(f"attn_backend='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA, got head_dim="
+                             f"{head_dim}; use attn_backend='auto' (SDPA for such heads) or wider heads")
         return "flex"
-    if backend == "auto" and device_type == "cuda" and training_shape and masked and not narrow:
-        return "flex"
-    return "sdpa"
+    auto_flex = backend == "auto" and device_type == "cuda" and training_shape and masked and not narrow
+    return "flex" if auto_flex else "sdpa"
 
 
 _flex_compiled = None   # flex_attention compiled once per process for eager CUDA callers (validation)
 
 
 def _flex(q, k, v, doc: Tensor | None, window: int, masks: dict | None = None) -> Tensor:
-    """Flex attention with a block mask from document ids (training: S == T).
-
-    masks: the forward's cache of block masks (Ctx.masks), so a mask is built once per forward
-    and window, not once per attention visit. Inside torch.compile the mask construction and
-    flex_attention are traced into the caller's graph. Eager on CUDA (validation runs the
-    uncompiled model) the mask is built by create_block_mask's compiled path and the kernel is a
-    compiled flex_attention: the eager versions materialise B x H x T x T intermediates.
-    """
+    """Flex attention, block mask from document ids (S == T) kept in masks; compiled when eager on CUDA."""
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     B, H, T, _ = q.shape
@@ -151,13 +115,9 @@ def _flex(q, k, v, doc: Tensor | None, window: int, masks: dict | None = None) -
 
 def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc: Tensor | None,
            k_doc: Tensor | None, window: int, backend: str, want_probs: bool = False, masks: dict | None = None):
-    """q (B, H, T, hd), k/v (B, Hkv, S, hd) -> (out (B, H, T, hd), probs (B, H, T, S) or None).
-
-    masks: a per-forward dict where flex block masks are kept (Ctx.masks).
-    """
-    B, H, T, hd = q.shape
-    S = k.shape[2]
-    training_shape = S == T and k_doc is q_doc   # keys are the queries' own sequence (no cached prefix)
+    """q (B, H, T, hd), k/v (B, Hkv, S, hd) -> (out (B, H, T, hd), probs (B, H, T, S) or None)."""
+    _, H, T, hd = q.shape
+    training_shape = k.shape[2] == T and k_doc is q_doc   # keys are the queries' own sequence (no cached prefix)
     kernel = attention_kernel(backend, q.device.type, hd, training_shape, q_doc is not None or bool(window),
                               want_probs)
     if kernel == "math":   # explicit softmax: probes read the probabilities
@@ -169,10 +129,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc:
     if kernel == "flex":
         return _flex(q, k, v, q_doc, window, masks), None
     gqa = k.shape[1] != H
-    if q_doc is None and not window and training_shape:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), None
-    if q_doc is None and not window and T == 1:   # one new token: every cached key is visible
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), None
+    if q_doc is None and not window and (training_shape or T == 1):   # one new token sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, is_causal=training_shape, enable_gqa=gqa), None
     mask = None if masks is None or not training_shape else masks.get(("bool", window))
     if mask is None:
         mask = build_mask(q_pos, k_pos, q_doc, k_doc, window)
@@ -181,8 +139,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa), None
 
 
-# ----------------------------------------------------------------------------------------
-# KV cache
+# ---- KV cache ------------------------------------------------------------------------------------
 
 @dataclass
 class KV:
@@ -205,11 +162,7 @@ class Cache:
         return sum(c.k.nbytes + c.v.nbytes for c in self.kv.values())
 
     def repeat(self, n: int) -> "Cache":
-        """A new cache with every batch row repeated n times in a row (row b -> rows b*n .. b*n+n-1).
-
-        For scoring several continuations of one prefilled context (tasks.score_options). Stacked
-        PLT caches (rows l*B + b) and ring caches are repeated per loop; ring positions are shared.
-        """
+        """Each batch row repeated n times in a row (per loop in PLT caches), for tasks.score_options."""
         if n < 1:
             raise ValueError(f"Cache.repeat: n must be >= 1, got {n}")
         B = self.batch_size
@@ -223,17 +176,15 @@ class Cache:
         return Cache(kv, B * n, self.max_len, self.length, plt_h)
 
 
-# ----------------------------------------------------------------------------------------
-# The attention sub-layer
+# ---- The attention sub-layer ---------------------------------------------------------------------
 
 class Attention(nn.Module):
     RESIDUAL_OUT = ("wo.weight",)                       # GPT.init_weights: depth-scaled std
     OWN_INIT = ("kv_gate.weight",)                      # zero-initialised here, skipped by GPT.init_weights
     DECODE_PROJECTIONS = ("wq", "wk", "wv", "wo")       # model.few_row_projections
 
-    def __init__(self, cfg, layer: int,   # cfg: a model.ModelConfig
-                 adapters: Callable[[dict[str, tuple[int, int]]], nn.ModuleDict] | None = None):
-        """adapters: None, or loop.make_adapters bound to cfg.loop (the block decides which layers get them)."""
+    def __init__(self, cfg, layer: int, adapters=None):
+        """cfg: a model.ModelConfig; adapters: None or loop.make_adapters bound to cfg.loop (model.Block)."""
         super().__init__()
         D, H, Hkv, hd = cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.hd
         self.n_head, self.n_kv_head, self.hd, self.backend = H, Hkv, hd, cfg.attn_backend
@@ -241,12 +192,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(D, Hkv * hd, bias=False)
         self.wv = nn.Linear(D, Hkv * hd, bias=False)
         self.wo = nn.Linear(H * hd, D, bias=False)
-        lc = cfg.loop
-        looped = lc.active and lc.in_span(layer)
         self.adapters = (adapters({"q": (D, H * hd), "k": (D, Hkv * hd), "v": (D, Hkv * hd), "o": (H * hd, D)})
                          if adapters is not None else None)
         # PLT KV sharing: later loops mix attention over loop 1's keys with a window of their own
-        self.window = lc.kv_window if looped else 0
+        self.window = cfg.loop.kv_window if cfg.loop.active and cfg.loop.in_span(layer) else 0
         if self.window:
             self.kv_gate = nn.Linear(D, H, bias=False)
             nn.init.zeros_(self.kv_gate.weight)   # per-head gate starts at 1/2
@@ -261,8 +210,7 @@ class Attention(nn.Module):
         q = self.proj("q", self.wq, x, loop).view(B, T, H, hd).transpose(1, 2)
         k = self.proj("k", self.wk, x, loop).view(B, T, Hkv, hd).transpose(1, 2)
         v = self.proj("v", self.wv, x, loop).view(B, T, Hkv, hd).transpose(1, 2)
-        cos, sin = ctx.cos, ctx.sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         cap = ctx.capture.setdefault((visit.layer, visit.visit), {}) if ctx.capture is not None else None
         if cap is not None:
             cap.update(q=q, k=k, v=v)
@@ -282,24 +230,25 @@ class Attention(nn.Module):
             cap.update(pv=y, o=out)
         return out
 
-    def _attend_cached(self, q, k, v, ctx, visit, loop, want_probs):
+    def _attend_cached(self, q, k, v, ctx, visit, loop, want_probs=False, backend=None):
+        """Attention over the keys before these (the cache, written first) and these; a full forward: these."""
+        backend = backend or self.backend
         if ctx.cache is None:
-            return attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, want_probs, ctx.masks)
+            return attend(q, k, v, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, backend, want_probs, ctx.masks)
         kv, rows = ctx.slot(visit, loop)
         p0, T = ctx.start, q.shape[2]
         kv.k[rows, :, p0:p0 + T] = k
         kv.v[rows, :, p0:p0 + T] = v
         K, V = kv.k[rows, :, :p0 + T], kv.v[rows, :, :p0 + T]
         k_pos = torch.arange(p0 + T, device=q.device)
-        return attend(q, K, V, ctx.q_pos, k_pos, None, None, 0, self.backend, want_probs)
+        return attend(q, K, V, ctx.q_pos, k_pos, None, None, 0, backend, want_probs)
 
     def _mix(self, x, y_global, y_local):
         g = torch.sigmoid(self.kv_gate(x)).transpose(1, 2)[..., None]  # (B, H, T, 1)
         return g * y_global + (1 - g) * y_local
 
     def _shared_kv(self, q, k, v, x, ctx, visit):
-        """Training / chunked decoding for a loop >= 2 with KV sharing (original PLT). Its window and ring
-        attentions run SDPA with an explicit mask whatever attn_backend says (a reference path, not tuned)."""
+        """A loop >= 2 with KV sharing, training or chunked decoding: window and ring attention run SDPA."""
         if ctx.cache is None:
             k1, v1 = ctx.shared[visit.layer]
             yg, _ = attend(q, k1, v1, ctx.q_pos, ctx.q_pos, ctx.doc, ctx.doc, 0, self.backend, masks=ctx.masks)
@@ -315,14 +264,13 @@ class Attention(nn.Module):
 
     def _ring_attend(self, q, k, v, ring: KV, rows, ctx):
         """Attend over (ring contents + new keys) within the window, then keep the last n slots in the ring."""
-        T = q.shape[2]
         K = torch.cat([ring.k[rows], k], dim=2)
         V = torch.cat([ring.v[rows], v], dim=2)
         k_pos = torch.cat([ring.pos, ctx.q_pos])
         y, _ = attend(q, K, V, ctx.q_pos, k_pos, None, None, self.window, "sdpa")
         n = ring.k.shape[2]                       # w - 1: a window of w positions ends at the query's own key
         if n:
-            keep = ctx.q_pos[-min(T, n):]
+            keep = ctx.q_pos[-min(q.shape[2], n):]
             slots = keep % n
             ring.k[rows, :, slots] = k[:, :, -len(keep):]
             ring.v[rows, :, slots] = v[:, :, -len(keep):]
@@ -332,12 +280,9 @@ class Attention(nn.Module):
     def _shared_kv_step(self, q, k, v, x, ctx, visit):
         """Batched one-token PLT step with KV sharing: rows [0:B] are loop 1, the rest later loops."""
         B = ctx.batch
+        y1, _ = self._attend_cached(q[:B], k[:B], v[:B], ctx, visit, 0, backend="sdpa")   # writes loop 1's cache
         full, _ = ctx.slot(visit, 0)
-        p0 = ctx.start
-        full.k[:, :, p0:p0 + 1] = k[:B]
-        full.v[:, :, p0:p0 + 1] = v[:B]
-        K1, V1 = full.k[:, :, :p0 + 1], full.v[:, :, :p0 + 1]
-        y1, _ = attend(q[:B], K1, V1, ctx.q_pos, torch.arange(p0 + 1, device=q.device), None, None, 0, "sdpa")
+        K1, V1 = full.k[:, :, :ctx.start + 1], full.v[:, :, :ctx.start + 1]
         L1 = q.shape[0] // B - 1                                          # later loops
         ql = q[B:].view(L1, B, *q.shape[1:]).permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, H, L1, hd)
         yg = F.scaled_dot_product_attention(ql, K1, V1, enable_gqa=K1.shape[1] != ql.shape[1])
@@ -363,11 +308,8 @@ class Ctx:
     masks: dict = field(default_factory=dict)    # attention masks built once per forward (flex block masks)
 
     def slot(self, visit, loop: int | None, ring: bool = False) -> tuple[KV, slice]:   # visit: a loop.Visit
-        """(KV, rows) of the cache this attention visit reads and writes.
-
-        Stacked PLT caches hold loop l in rows [l*B, (l+1)*B); loop=None means all rows.
-        With KV sharing, ("full", layer) is loop 1's cache and ("ring", layer) the later loops' windows.
-        """
+        """(KV, rows) this visit reads and writes: stacked PLT caches hold loop l in rows [l*B, (l+1)*B) (None:
+        all); with KV sharing ("full", layer) is loop 1's and ("ring", layer) the later loops' windows."""
         c, L, B = self.cache, visit.layer, self.batch
         if ("plt", L) in c.kv:
             return c.kv[("plt", L)], slice(None) if loop is None else slice(loop * B, (loop + 1) * B)

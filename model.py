@@ -1,25 +1,15 @@
 """The decoder: a pre-norm GQA transformer with dense or MoE SwiGLU feed-forward, looped by plan.
 
-SMELT (Sec. 3.1) and How to Loop share one template: token embedding, a stack of pre-norm
-blocks (RMSNorm -> attention -> residual, RMSNorm -> feed-forward -> residual), a final
-RMSNorm and an untied output head. This file holds that template:
+SMELT (Sec. 3.1) and How to Loop share one template: token embedding, pre-norm blocks (RMSNorm ->
+attention -> residual, RMSNorm -> feed-forward -> residual), a final RMSNorm and an untied head.
 
-  * `ModelConfig`: sizes, the feed-forward kind (n_experts = 0 -> dense SwiGLU, else moe.MoE)
-    and a `loop.LoopConfig`; every rule is checked at construction with a ValueError naming the field.
-  * `Block`: one visit of one physical layer, with that visit's residual scales (1/r inside a
-    looped span, SMELT Eq. 8-9). `GPT` runs the visits of `loop.plan(n_layer, cfg.loop)` in
-    order; the unlooped model is the plan with one visit per layer. PLT (`loop.parallel`) runs
-    the span's loops in order in training (How-to-Loop Algorithm 1) and, decoding one token,
-    all loops as one batched call over the shared weights (Algorithm 2).
-  * Decoding: `new_cache`, `forward_step` (prefill or one-token steps; logits equal the full
-    forward's) and `generate`. On CPU forward_step runs under few_row_projections.
-  * `init_weights`: N(0, init_std) everywhere; each module's `RESIDUAL_OUT` parameters get
-    std / sqrt(2 * n_layer) (GPT-2's rule over stored layers, looped or not); `OWN_INIT` modules are skipped.
-  * `compile_model`: torch.compile for training (one graph per config, tests/test_compile.py).
+  * `Block`: one visit of one layer with its residual scales (1/r inside a looped span, SMELT Eq. 8-9).
+  * `GPT` runs the visits of `loop.plan(n_layer, cfg.loop)`; PLT (`loop.parallel`) runs the span's loops
+    in order in training (How-to-Loop Algorithm 1), batched when decoding one token (Algorithm 2).
+  * `forward` -> (logits, ce + aux_loss_coef * load-balance + z_loss_coef * z-loss); `run` -> `Output`.
+  * `new_cache`, `forward_step`, `generate`: decoding, with the full forward's logits.
+  * `init_weights`: N(0, init_std); `RESIDUAL_OUT` parameters std / sqrt(2 * n_layer) (GPT-2's rule).
 
-`forward` returns (logits, loss), loss = cross-entropy + aux_loss_coef * load-balance loss
-+ z_loss_coef * router z-loss. `run` returns the full `Output` (separate terms, per-visit router
-statistics) and fills an optional `capture` dict for probes.py. Nothing is stored in module state.
 Read loop.py, attention.py and moe.py next; design notes and measurements: docs/model.md.
 """
 from __future__ import annotations
@@ -27,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import types
 import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -38,14 +27,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import loop as looping
 from attention import KV, Attention, Cache, Ctx, rope_table
 from checks import check_fields, from_dict
-from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, shift_states
+from loop import LoopConfig, PLTInject, RMSNorm, Visit, make_adapters, plan, shift_states
 from moe import IMPLS as MOE_IMPLS, MoE, RouterStats
-
-
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -87,31 +72,26 @@ class ModelConfig:
         check_fields(self, "ModelConfig")   # types: ints are ints, floats finite, booleans booleans
         if not isinstance(self.loop, LoopConfig):
             bad(f"loop must be a LoopConfig (or its dict), got {type(self.loop).__name__}")
-        for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff"):
+        for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff",
+                     "rope_theta", "norm_eps", "init_std"):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            if getattr(self, name) <= 0:
-                bad(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        for name in ("aux_loss_coef", "z_loss_coef", "n_experts", "n_shared_experts"):
             if getattr(self, name) < 0:
                 bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, choices in (("attn_backend", ("auto", "sdpa", "flex", "math")), ("moe_impl", MOE_IMPLS)):
+            if getattr(self, name) not in choices:
+                bad(f"{name} must be {'|'.join(choices)}, got {getattr(self, name)!r}")
         if self.n_head % self.n_kv_head:
             bad(f"n_head % n_kv_head must be 0 (grouped-query attention), got {self.n_head} % {self.n_kv_head}")
         if self.head_dim is None and self.d_model % self.n_head:
             bad(f"d_model % n_head must be 0 when head_dim is None, got {self.d_model} % {self.n_head}")
         if self.hd <= 0 or self.hd % 2:
             bad(f"head_dim must be a positive even number (RoPE rotates pairs), got {self.hd}")
-        if self.n_experts < 0:
-            bad(f"n_experts must be >= 0, got {self.n_experts}")
         if self.n_experts > 0 and not 1 <= self.top_k <= self.n_experts:
             bad(f"top_k must satisfy 1 <= top_k <= n_experts, got top_k={self.top_k}, n_experts={self.n_experts}")
-        if self.n_shared_experts < 0 or (self.n_shared_experts and not self.n_experts):
-            bad(f"n_shared_experts must be >= 0, with n_experts > 0; got {self.n_shared_experts}, n_experts={self.n_experts}")
-        if self.attn_backend not in ("auto", "sdpa", "flex", "math"):
-            bad(f"attn_backend must be auto|sdpa|flex|math, got {self.attn_backend!r}")
-        if self.moe_impl not in MOE_IMPLS:
-            bad(f"moe_impl must be {'|'.join(MOE_IMPLS)}, got {self.moe_impl!r}")
+        if self.n_shared_experts and not self.n_experts:
+            bad(f"n_shared_experts={self.n_shared_experts} needs routed experts (n_experts > 0)")
         self.loop.validate(self.n_layer)
         if self.n_experts and self.loop.active and self.loop.adapter != "none" and self.loop.part == "mlp":
             bad(f"loop.part='mlp' with n_experts={self.n_experts} adds no adapter: MoE blocks take adapters on "
@@ -121,8 +101,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        """The inverse of to_dict; unknown keys (a typo, another version's field) are named in a ValueError."""
+    def from_dict(cls, d: dict) -> "ModelConfig":   # unknown keys are named in a ValueError
         return from_dict(cls, d)
 
     def to_json(self) -> str:
@@ -139,8 +118,7 @@ class Output:
     router: list[tuple[Visit, RouterStats]]  # per executed MoE visit
 
 
-# ----------------------------------------------------------------------------------------
-# Blocks
+# ---- Blocks --------------------------------------------------------------------------------------
 
 class SwiGLU(nn.Module):
     RESIDUAL_OUT = ("down.weight",)                     # GPT.init_weights: depth-scaled std
@@ -152,9 +130,8 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(D, Fd, bias=False)
         self.up = nn.Linear(D, Fd, bias=False)
         self.down = nn.Linear(Fd, D, bias=False)
-        lc = cfg.loop
-        self.adapters = (make_adapters({"gate": (D, Fd), "up": (D, Fd), "down": (Fd, D)}, lc)
-                         if lc.adapted(layer, "mlp") else None)
+        self.adapters = (make_adapters({"gate": (D, Fd), "up": (D, Fd), "down": (Fd, D)}, cfg.loop)
+                         if cfg.loop.adapted(layer, "mlp") else None)
 
     def forward(self, x: Tensor, loop: int | None = None) -> Tensor:
         """loop: this visit's loop index for the adapters (None: x is a stacked PLT batch, loop-major)."""
@@ -168,16 +145,12 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         lc = cfg.loop
         self.attn = Attention(cfg, layer, partial(make_adapters, loop=lc) if lc.adapted(layer, "attn") else None)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        if cfg.n_experts > 0:
-            self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.router_renormalize, cfg.moe_impl,
-                           cfg.n_shared_experts)
-        else:
-            self.mlp = SwiGLU(cfg, layer)
+        self.mlp = (MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.router_renormalize, cfg.moe_impl,
+                        cfg.n_shared_experts) if cfg.n_experts > 0 else SwiGLU(cfg, layer))
 
     def forward(self, x: Tensor, visit: Visit, ctx: "Ctx", loop: int | None = None):
         """One visit: x (B, T, D) -> (x', RouterStats or None). loop=None: stacked PLT batch."""
@@ -193,10 +166,7 @@ class Block(nn.Module):
                 cap.update(attn_norm=h, attn_write=a)
         if visit.mlp:
             h = self.mlp_norm(x)
-            if isinstance(self.mlp, MoE):
-                m, stats = self.mlp(h)
-            else:
-                m = self.mlp(h, loop)
+            m, stats = self.mlp(h) if isinstance(self.mlp, MoE) else (self.mlp(h, loop), None)
             m = visit.mlp_scale * m
             x = x + m
             if cap is not None:
@@ -206,16 +176,14 @@ class Block(nn.Module):
         return x, stats
 
 
-# ----------------------------------------------------------------------------------------
-# Argument checks (eager code only where they read the device)
+# ---- Argument checks (host reads in eager code only) ---------------------------------------------
 
 def _check_idx(cfg: ModelConfig, idx: Tensor, start: int = 0) -> None:
     """Token ids: an integer (B, T) tensor within the vocabulary and the context."""
     if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"idx must be an integer tensor of shape (B, T), got {idx.dtype} {tuple(idx.shape)}")
-    T = idx.shape[1]
-    if start + T > cfg.block_size:
-        raise ValueError(f"sequence of {start + T} tokens exceeds block_size={cfg.block_size}")
+    if start + idx.shape[1] > cfg.block_size:
+        raise ValueError(f"sequence of {start + idx.shape[1]} tokens exceeds block_size={cfg.block_size}")
     if idx.numel() and not torch.compiler.is_compiling():   # a host sync: checked in eager code only
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= cfg.vocab_size:
@@ -225,16 +193,14 @@ def _check_idx(cfg: ModelConfig, idx: Tensor, start: int = 0) -> None:
 def _check_run_args(cfg: ModelConfig, idx: Tensor, targets: Tensor | None, doc_ids: Tensor | None) -> None:
     """The full forward's argument rules, each a ValueError naming the argument."""
     _check_idx(cfg, idx)
-    B, T = idx.shape
-    if B == 0 or T == 0:
-        raise ValueError(f"idx must hold at least one sequence of at least one token, got shape {(B, T)}")
-    if doc_ids is not None and doc_ids.shape != idx.shape:
-        raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}")
-    if doc_ids is not None and doc_ids.dtype not in _INT_DTYPES:
+    if 0 in idx.shape:
+        raise ValueError(f"idx must hold at least one sequence of at least one token, got shape {tuple(idx.shape)}")
+    for name, t in (("doc_ids", doc_ids), ("targets", targets)):
+        if t is not None and t.shape != idx.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} must equal idx shape {tuple(idx.shape)}")
+    if doc_ids is not None and doc_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise ValueError(f"doc_ids must be an integer tensor (document numbers), got {doc_ids.dtype}")
     if targets is not None:
-        if targets.shape != idx.shape:
-            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         if targets.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
         if not torch.compiler.is_compiling():   # a host sync: checked in eager code only
@@ -244,27 +210,8 @@ def _check_run_args(cfg: ModelConfig, idx: Tensor, targets: Tensor | None, doc_i
                                  f"got {targets[bad][0].item()}")
 
 
-def _check_sampling(max_new_tokens, temperature, top_k) -> None:
-    """generate's sampling arguments, each a ValueError naming the argument."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
-        raise ValueError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
-
-
-# ----------------------------------------------------------------------------------------
-# Init roles: each module declares which of its parameters write into the residual stream
-
 def init_roles(model: nn.Module) -> tuple[set[str], set[str]]:
-    """(residual-output parameter names, names of parameters whose module owns their init).
-
-    A module's class attribute `RESIDUAL_OUT` names its own parameters (dotted, relative to it)
-    that get the depth-scaled std; `OWN_INIT = True` skips all of a module's parameters (it
-    initialises them at construction), a tuple skips just those. Names are relative to model.
-    """
+    """(names of `RESIDUAL_OUT` parameters, names of `OWN_INIT` ones: True for all of a module's, or a tuple)."""
     residual, own = set(), set()
     for prefix, m in model.named_modules():
         pre = prefix + "." if prefix else ""
@@ -278,15 +225,14 @@ def init_roles(model: nn.Module) -> tuple[set[str], set[str]]:
     return residual & present, own & present
 
 
-# ----------------------------------------------------------------------------------------
-# The model
+# ---- The model -----------------------------------------------------------------------------------
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.plan = looping.plan(cfg.n_layer, cfg.loop)   # static: a function of the config
+        self.plan = plan(cfg.n_layer, cfg.loop)   # static: a function of the config
         self._visit_of = {(v.layer, v.visit): v for v in self.plan}
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
@@ -302,16 +248,8 @@ class GPT(nn.Module):
 
     # -- init ------------------------------------------------------------------------------
     def init_weights(self) -> None:
-        """N(0, init_std) for every matrix, 1 for RMSNorm gains; RESIDUAL_OUT / sqrt(2 * n_layer).
-
-        One rule for both architectures (SMELT Appendix A: "the same scaling rules"): the depth is the
-        stored layers, not the executed visits, since the loop's 1/r residual scale already normalises the
-        looped span's extra visits (SMELT Eq. 8-9); counting visits would shrink SMELT's init twice.
-
-        Each module names its residual-output parameters (`RESIDUAL_OUT`) and the ones it
-        initialises itself (`OWN_INIT`: True for the whole module, or a tuple of its parameters);
-        `init_roles` collects them. Parameters are drawn in named_parameters() order.
-        """
+        """N(0, init_std) for every matrix, 1 for RMSNorm gains; RESIDUAL_OUT / sqrt(2 * n_layer): stored layers,
+        not visits (SMELT App. A), as the loop's 1/r residual scale normalises the extra visits (Eq. 8-9)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layer)
         residual, own = init_roles(self)
@@ -338,8 +276,8 @@ class GPT(nn.Module):
             capture: dict | None = None) -> Output:
         """Full forward. capture: a dict that receives {(layer, visit): {name: tensor}} for probes."""
         _check_run_args(self.cfg, idx, targets, doc_ids)
-        ctx = self.full_ctx(idx, doc_ids, capture)
-        x, router = self._body(self.tok_emb(idx), ctx, doc_ids)
+        router = []
+        x = self._body(self.tok_emb(idx), self.full_ctx(idx, doc_ids, capture), doc_ids, router)
         return self._head(x, targets, router)
 
     def full_ctx(self, idx: Tensor, doc_ids: Tensor | None = None, capture: dict | None = None) -> Ctx:
@@ -356,17 +294,10 @@ class GPT(nn.Module):
                 router.append((visit, st))
         return x
 
-    def _parts(self):
-        """(prelude, coda) visits around the PLT span."""
-        lc = self.cfg.loop
-        return ([v for v in self.plan if v.layer < lc.start],
-                [v for v in self.plan if v.layer >= lc.start + lc.length])
-
     def _plt_loops(self, e: Tensor, ctx: Ctx, doc_ids: Tensor | None, h_prev: Tensor | None,
                    router: list) -> list[Tensor]:
-        """PLT Algorithm 1: loop 1 runs the span on e; loop l >= 2 on combine(e, h^(l-1) shifted one
-        token right). h_prev (r-1, B, D) holds each loop's state at the token before this chunk
-        (decoding); None means the chunk starts the sequence. Returns every loop's output."""
+        """PLT Algorithm 1, every loop's output: loop 1 runs the span on e, loop l >= 2 on combine(e, h^(l-1)
+        shifted one token right). h_prev (r-1, B, D): each loop's state at the token before (decoding)."""
         lc = self.cfg.loop
         outs = []
         for l in range(lc.n_loops):
@@ -375,25 +306,18 @@ class GPT(nn.Module):
             else:
                 prev = None if h_prev is None else h_prev[l - 1]
                 h = self.plt[l - 1](e, shift_states(outs[-1], doc_ids, prev) if lc.shift else outs[-1])
-            for i in range(lc.start, lc.start + lc.length):
-                visit = self._span_visit(i, l)
-                h, st = self.blocks[i](h, visit, ctx, l)
-                if st is not None:
-                    router.append((visit, st))
-            outs.append(h)
+            span = [self._visit_of[(i, l)] for i in range(lc.start, lc.start + lc.length)]
+            outs.append(self._visits(h, ctx, span, router))   # PLT: schedule "block", visit l is loop l
         return outs
 
-    def _body(self, x: Tensor, ctx: Ctx, doc_ids: Tensor | None):
-        router = []
+    def _body(self, x: Tensor, ctx: Ctx, doc_ids: Tensor | None, router: list) -> Tensor:
+        """The plan's visits; a PLT span runs as Algorithm 1 in a full forward, `_plt_step` in decoding."""
         if self.plt is None:
-            return self._visits(x, ctx, self.plan, router), router
-        prelude, coda = self._parts()
-        e = self._visits(x, ctx, prelude, router)
-        h = self._plt_loops(e, ctx, doc_ids, None, router)[-1]
-        return self._visits(h, ctx, coda, router), router
-
-    def _span_visit(self, layer: int, l: int) -> Visit:
-        return self._visit_of[(layer, l)]
+            return self._visits(x, ctx, self.plan, router)
+        lc = self.cfg.loop
+        e = self._visits(x, ctx, [v for v in self.plan if v.layer < lc.start], router)
+        h = self._plt_loops(e, ctx, doc_ids, None, router)[-1] if ctx.cache is None else self._plt_step(e, ctx)
+        return self._visits(h, ctx, [v for v in self.plan if v.layer >= lc.start + lc.length], router)
 
     def _head(self, x: Tensor, targets: Tensor | None, router) -> Output:
         x = self.norm_f(x)
@@ -424,11 +348,8 @@ class GPT(nn.Module):
             return KV(z(), z(), torch.full((cap,), -1, device=device, dtype=torch.long) if ring else None)
 
         kv = {}
-        for visit in self.plan:
-            if not visit.attn:
-                continue
-            in_plt = self.plt is not None and lc.in_span(visit.layer)
-            if not in_plt:
+        for visit in (v for v in self.plan if v.attn):
+            if self.plt is None or not lc.in_span(visit.layer):
                 kv[(visit.layer, visit.visit)] = alloc(B, max_len)
             elif visit.visit == 0:
                 if lc.kv_window:
@@ -450,47 +371,50 @@ class GPT(nn.Module):
         if cache.length + T > cache.max_len:
             raise ValueError(f"cache holds {cache.length} of max_len={cache.max_len} tokens; {T} more do not fit")
         p0 = cache.length
-        pos = torch.arange(p0, p0 + T, device=idx.device)
-        ctx = Ctx(pos, self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T], None, B, cache=cache, start=p0)
+        ctx = Ctx(torch.arange(p0, p0 + T, device=idx.device), self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T],
+                  None, B, cache=cache, start=p0)
         with few_row_projections(self):   # a CPU speed switch only (below); same logits
-            x = self.tok_emb(idx)
-            x = self._visits(x, ctx, self.plan, []) if self.plt is None else self._plt_step(x, ctx, cache)
-            logits = self._head(x, None, []).logits
+            logits = self._head(self._body(self.tok_emb(idx), ctx, None, []), None, []).logits
         for ring, slots, keep in ctx.ring_pos_updates:
             ring.pos[slots] = keep
         cache.length += T
         return logits
 
-    def _plt_step(self, x: Tensor, ctx: Ctx, cache: Cache) -> Tensor:
-        lc = self.cfg.loop
-        r, B = lc.n_loops, x.shape[0]
-        prelude, coda = self._parts()
-        e = self._visits(x, ctx, prelude, [])
-        if x.shape[1] == 1 and lc.shift:
+    def _plt_step(self, e: Tensor, ctx: Ctx) -> Tensor:
+        """The PLT span in decoding, from its input e; each loop's last state is kept in cache.plt_h."""
+        lc, cache = self.cfg.loop, ctx.cache
+        r, B = lc.n_loops, e.shape[0]
+        if e.shape[1] == 1 and lc.shift:
             # Algorithm 2: every loop's input exists already -> one batched call per span layer
             inputs = [e] + [self.plt[l - 1](e, cache.plt_h[l - 1][:, None]) for l in range(1, r)]
             h = torch.cat(inputs, dim=0)                                    # (r*B, 1, D)
             for i in range(lc.start, lc.start + lc.length):
-                h, _ = self.blocks[i](h, self._span_visit(i, 0), ctx, None)   # PLT: part="both", same scales every loop
+                h, _ = self.blocks[i](h, self._visit_of[(i, 0)], ctx, None)   # part="both": same scales every loop
             outs = list(h.view(r, B, 1, -1))
         else:   # a chunk (prefill) or the unshifted control: loops in order, as in training
             outs = self._plt_loops(e, ctx, None, cache.plt_h, [])
         cache.plt_h = torch.stack([o[:, -1] for o in outs[:-1]])
-        return self._visits(outs[-1], ctx, coda, [])
+        return outs[-1]
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> Tensor:
         """Sample max_new_tokens continuations of idx (B, T) with a KV cache; temperature 0 = greedy."""
-        _check_sampling(max_new_tokens, temperature, top_k)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, Real) \
+                or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
+            raise ValueError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
         _check_idx(self.cfg, idx)
         B, T = idx.shape
         if B == 0 or T == 0:
-            raise ValueError(f"generate: the prompt idx must hold at least one sequence of at least one token, "
-                             f"got shape {(B, T)}")
+            raise ValueError(f"generate: the prompt idx must hold at least one token in each row, got shape {(B, T)}")
         need = T + max(max_new_tokens - 1, 0)   # the last sampled token is returned, never fed back
         if need > self.cfg.block_size:
-            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} - 1 exceeds block_size={self.cfg.block_size}")
+            raise ValueError(f"prompt {T} + max_new_tokens {max_new_tokens} - 1 exceeds "
+                             f"block_size={self.cfg.block_size}")
         cache = self.new_cache(B, need)
         logits = self.forward_step(idx, cache)[:, -1]
         out = [idx]
@@ -509,47 +433,29 @@ class GPT(nn.Module):
         return torch.cat(out, dim=1)
 
 
-# ----------------------------------------------------------------------------------------
-# Compiling for training
-
 def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="inductor") -> nn.Module:
-    """torch.compile a training module (train.Objective, or DDP around it) the way train.py runs it.
-
-    dynamic=False: every distinct shape gets its own static graph (automatic dynamic shapes would
-    recompile the next run's shapes symbolically, with slower kernels). `torch._dynamo.reset()` first,
-    so one process training many runs never reaches dynamo's recompile limit (why per run:
-    docs/model.md); it clears every compiled function of the process, so it belongs where one
-    training run owns the process (train.Trainer). fullgraph=True makes any
-    graph break an error (tests/test_compile.py); training leaves it off: a break costs speed, not the run.
-    """
+    """torch.compile a training module as train.py does: one static graph per shape (dynamic=False). The reset
+    keeps many runs under dynamo's recompile limit and clears every compiled function: call it where one
+    training run owns the process (train.Trainer; docs/model.md). fullgraph=True: graph breaks are errors."""
     torch._dynamo.reset()
     return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)
 
 
-# ---- CPU decoding: a few rows times a large matrix run as W @ x^T (docs/model.md) ----
-# Products with at most this many rows (batch-1 decoding; PLT's r stacked loops) run as
-# W @ x^T under `few_row_projections`. 0 turns the rule off (bench.py times both).
-SKINNY_ROWS = 16
+# ---- CPU decoding: a few rows times a large matrix run as W @ x^T (docs/model.md) ----------------
+SKINNY_ROWS = 16   # at most this many rows (batch-1 decoding; PLT's r loops); 0 turns it off (bench.py times both)
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight^T, (..., d_in) -> (..., d_out): F.linear, except that in CPU inference a product of
-    1..SKINNY_ROWS rows runs as W @ x^T (a single row padded to two when torch has 2+ threads)."""
+    """F.linear(x, weight), except that in CPU inference a product of 1..SKINNY_ROWS rows runs as W @ x^T."""
     rows = x.numel() // x.shape[-1]
     if (not 0 < rows <= SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling() or (rows == 1 and torch.get_num_threads() == 1)):
         return F.linear(x, weight)
     x_RD = x.reshape(rows, x.shape[-1])
-    if rows == 1:   # MKL's GEMV runs on one thread here; a two-column GEMM uses them all
-        if torch.get_num_threads() == 1:
-            return F.linear(x, weight)
+    if rows == 1:   # MKL's GEMV runs on one thread; a two-column GEMM uses them all
         x_RD = torch.cat([x_RD, x_RD])
     y_RO = torch.mm(weight, x_RD.t())[:, :rows].t().contiguous()   # (rows, d_out), F.linear's layout
     return y_RO.view(*x.shape[:-1], weight.shape[0])
-
-
-def _few_row_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    return linear(x, self.weight)
 
 
 # model -> [(projection, its few-row forward)]: weak keys, so a model's entry goes with the model
@@ -558,33 +464,22 @@ _BOUND: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary
 
 def _projections(model: nn.Module) -> list[nn.Linear]:
     """The matrices a decoded token passes: each module's DECODE_PROJECTIONS, then the head."""
-    lins = []
-    for m in model.modules():
-        lins += [getattr(m, name) for name in getattr(m, "DECODE_PROJECTIONS", ())]
-    head = getattr(model, "lm_head", None)
-    lins += [head] if head is not None else []
-    if biased := [type(m).__name__ for m in lins if m.bias is not None]:   # _few_row_forward drops a bias
+    lins = [getattr(m, name) for m in model.modules() for name in getattr(m, "DECODE_PROJECTIONS", ())]
+    lins += [model.lm_head] if getattr(model, "lm_head", None) is not None else []
+    if biased := [type(m).__name__ for m in lins if m.bias is not None]:   # the few-row forward drops a bias
         raise ValueError(f"few_row_projections: projections with a bias are not supported ({biased})")
     return lins
 
 
 @contextlib.contextmanager
 def few_row_projections(model: nn.Module):
-    """Within this block, the model's projections (`_projections`) compute with `linear` on CPU.
-
-    Each projection gets an instance-level `forward` for the duration of the block, removed on
-    exit (also on error); a block nested inside another leaves the outer one's in place. The list
-    of projections is built once per model (`_BOUND`); a projection swapped in later runs plain
-    F.linear (slower, same results). Outside this block the model is plain nn.Linear everywhere,
-    and a tied head (`tie_embeddings`) stays F.linear.
-    """
+    """Within this block the model's `_projections` get an instance `forward` that calls `linear` (on CPU);
+    a nested block leaves the outer one's. A projection swapped in later runs plain F.linear."""
     pairs = _BOUND.get(model)
     if pairs is None:   # built once per model: this runs for every decoded token
-        pairs = _BOUND[model] = [(m, types.MethodType(_few_row_forward, m)) for m in _projections(model)]
-    if not pairs or pairs[0][0].weight.device.type != "cpu":
-        yield model
-        return
-    mine = [(m, f) for m, f in pairs if "forward" not in m.__dict__]
+        pairs = _BOUND[model] = [(m, lambda x, m=m: linear(x, m.weight)) for m in _projections(model)]
+    on_cpu = bool(pairs) and pairs[0][0].weight.device.type == "cpu"
+    mine = [(m, f) for m, f in pairs if on_cpu and "forward" not in m.__dict__]
     for m, f in mine:
         m.__dict__["forward"] = f
     try:

@@ -1,16 +1,12 @@
-"""Mixture-of-Experts feed-forward: top-k router, grouped matmul, dropless SwiGLU experts.
+"""Mixture-of-Experts feed-forward (SMELT Sec. 3.1): top-k router, grouped matmul, dropless SwiGLU experts.
 
-SMELT (Sec. 3.1) routes every token to its top-k experts in every MoE layer. This file holds the MoE
-layer model.py uses, its router with the auxiliary losses, and the grouped matmul the experts run on.
-
-  * Router: p = softmax(x W_r); the top-k kept and renormalised to sum to one (Mixtral;
-    `renormalize=False`: Qwen-MoE's raw weights). Load-balancing loss (Switch Transformer)
-    n_experts * sum_e f_e P_e (1 when balanced) and z-loss (ST-MoE) mean logsumexp(logits)^2,
-    returned in `RouterStats`, never kept in module state. Dropless: no capacity.
-  * Shared experts (`n_shared`, default 0; DeepSeek-MoE / Qwen-MoE without a gate): dense SwiGLUs of
-    the expert width that every token passes through, added to the routed experts' output.
-  * Grouped matmul: the (token, slot) rows sorted by expert; `grouped_mm(x, w, group_sizes)` multiplies
-    block g by w[g]. One contract, checked against `grouped_mm_reference` (split + cat):
+  * Router: top-k of softmax(x W_r), renormalised to sum to one (Mixtral; `renormalize=False`: Qwen-MoE).
+    Load-balancing loss (Switch) n_experts * sum_e f_e P_e (1 when balanced) and z-loss (ST-MoE) mean
+    logsumexp(logits)^2, returned in `RouterStats`, never kept in module state. Dropless: no capacity.
+  * Shared experts (`n_shared`; DeepSeek-MoE / Qwen-MoE without a gate): dense SwiGLUs of the
+    expert width that every token passes through.
+  * `grouped_mm(x, w, group_sizes)`: rows sorted by expert, block g times w[g]; checked against
+    `grouped_mm_reference`:
       "loop"    CPU eager: torch.mm(out=) per group, hand-written backward (a custom op when compiled)
       "torch"   torch._grouped_mm: fused and sync-free in bf16 on Hopper / B200
       "padded"  static shapes, nothing read back: groups padded to tiles, one bmm (compiled, other CUDA)
@@ -18,12 +14,12 @@ layer model.py uses, its router with the auxiliary losses, and the grouped matmu
   * bf16: the experts compute in the autocast dtype (`compute_dtype`), the output in the input's.
   * `MoE.forward_reference`: the per-token, per-expert loop that defines the layer's output.
 
-Design notes and measured timings: docs/moe.md. Read next: model.py (Block picks MoE or SwiGLU),
-then budget.py (what an MoE layer costs).
+Read next: model.py (Block picks MoE or SwiGLU), budget.py (what it costs); timings: docs/moe.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -31,17 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-# ----------------------------------------------------------------------------------------
-# Grouped matmul
+# ---- Grouped matmul ------------------------------------------------------------------------------
 
 def grouped_mm_reference(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
-    """Slow, obvious reference: split rows by group, multiply each by its weight, concatenate."""
     chunks = torch.split(x, group_sizes.tolist(), dim=0)
     return torch.cat([c @ w[g] for g, c in enumerate(chunks)], dim=0)
 
 
-def _mm_loop(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
-    """x (N, d_in) sorted by group, w (G, d_in, d_out) -> (N, d_out), one mm per non-empty group."""
+def _mm_loop(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:   # one mm per non-empty group
     sizes = group_sizes.tolist()
     out = x.new_empty(x.shape[0], w.shape[2])
     for x_g, w_g, out_g, n in zip(x.split(sizes), w.unbind(0), out.split(sizes), sizes):
@@ -50,8 +43,7 @@ def _mm_loop(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     return out
 
 
-def _wgrad_loop(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:
-    """dW[g] = x_g^T dy_g: (G, d_in, d_out); empty groups get zeros."""
+def _wgrad_loop(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:   # dW[g] = x_g^T dy_g, 0 if empty
     sizes = group_sizes.tolist()
     dw = x.new_empty(group_sizes.shape[0], x.shape[1], dy.shape[1])
     for x_g, dy_g, dw_g, n in zip(x.split(sizes), dy.split(sizes), dw.unbind(0), sizes):
@@ -62,6 +54,14 @@ def _wgrad_loop(x: Tensor, dy: Tensor, group_sizes: Tensor) -> Tensor:
     return dw
 
 
+def _grouped_mm_backward(ctx, dy, mm=_mm_loop, wgrad=_wgrad_loop):
+    x, w, group_sizes = ctx.saved_tensors
+    dy = dy.contiguous()   # a stride-0 (expanded) gradient cannot be sliced into mm's out=
+    dx = mm(dy, w.transpose(1, 2), group_sizes) if ctx.needs_input_grad[0] else None
+    dw = wgrad(x, dy, group_sizes) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
 class _GroupedMM(torch.autograd.Function):
     """Eager path: the two loops above with a hand-written backward."""
 
@@ -70,18 +70,11 @@ class _GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(x, w, group_sizes)
         return _mm_loop(x, w, group_sizes)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, group_sizes = ctx.saved_tensors
-        dy = dy.contiguous()   # a stride-0 (expanded) gradient cannot be sliced into mm's out=
-        dx = _mm_loop(dy, w.transpose(1, 2), group_sizes) if ctx.needs_input_grad[0] else None
-        dw = _wgrad_loop(x, dy, group_sizes) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+    backward = staticmethod(_grouped_mm_backward)
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient: torch._grouped_mm's backward rejects the
-    stride-0 (expanded) gradient that e.g. y.sum() produces."""
+    """Identity with a contiguous gradient: torch._grouped_mm's backward rejects y.sum()'s stride-0 one."""
 
     @staticmethod
     def forward(ctx, y):
@@ -115,35 +108,20 @@ def _(x, dy, group_sizes):
     return x.new_empty(group_sizes.shape[0], x.shape[1], dy.shape[1])
 
 
-def _op_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _op_backward(ctx, dy):
-    x, w, group_sizes = ctx.saved_tensors
-    dy = dy.contiguous()
-    dx = _grouped_mm_op(dy, w.transpose(1, 2), group_sizes) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_wgrad_op(x, dy, group_sizes) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
-
-
-_grouped_mm_op.register_autograd(_op_backward, setup_context=_op_setup)
+_grouped_mm_op.register_autograd(partial(_grouped_mm_backward, mm=_grouped_mm_op, wgrad=_grouped_mm_wgrad_op),
+                                 setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
 
 
 IMPLS = ("auto", "loop", "torch", "padded", "reference")
 
 
 def padded_tile_rows(n_rows: int, n_groups: int) -> int:
-    """Rows per tile of the "padded" grouped matmul: ~ a quarter of the mean group, a multiple of 8 (>= 8)."""
+    """Rows per "padded" tile: ~ a quarter of the mean group, a multiple of 8 (>= 8)."""
     return max(8, -(-n_rows // (4 * n_groups * 8)) * 8)
 
 
 def grouped_mm_padded(x: Tensor, w: Tensor, group_sizes: Tensor, tile: int | None = None) -> Tensor:
-    """Static-shape grouped matmul: groups padded to whole tiles of `tile` rows, one bmm over the tiles.
-
-    x (N, d_in) sorted by group, w (G, d_in, d_out), group_sizes (G,) on x's device -> (N, d_out).
-    Every shape is a function of (N, G, tile) only, and nothing is read back to the host.
-    """
+    """Groups padded to whole tiles of `tile` rows, one bmm: shapes depend on (N, G, tile) only, no host read."""
     N, G = x.shape[0], w.shape[0]
     M = tile or padded_tile_rows(N, G)
     n_tiles = N // M + G                                   # >= sum_g ceil(n_g / M) for any routing
@@ -170,10 +148,7 @@ def fused_grouped_mm_available(device: torch.device) -> bool:
 
 
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype | None, d_in: int, d_out: int) -> str:
-    """The implementation `impl` stands for with operands of this device and dtype (None: x and w differ).
-
-    Only "auto" is resolved; other names are returned unchanged.
-    """
+    """The implementation "auto" stands for with operands of this device and dtype (None: x and w differ)."""
     if impl != "auto":
         return impl
     if (dtype == torch.bfloat16 and fused_grouped_mm_available(device)
@@ -185,11 +160,7 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype | None, d_i
 
 
 def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") -> Tensor:
-    """x (N, d_in) rows sorted by group, w (G, d_in, d_out), group_sizes (G,) summing to N -> (N, d_out).
-
-    impl: "loop", "torch" (torch._grouped_mm), "padded", "reference", or "auto" (the module docstring
-    says where "auto" uses each; docs/moe.md what each costs).
-    """
+    """x (N, d_in) rows sorted by group, w (G, d_in, d_out), group_sizes (G,) summing to N -> (N, d_out)."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_mm: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
                          f"group_sizes {tuple(group_sizes.shape)} do not fit (N,d_in), (G,d_in,d_out), (G,)")
@@ -217,18 +188,12 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 class _WeightedSwiGLU(torch.autograd.Function):
-    """h = silu(g) * u * w for gu = [g | u] (N, 2F) and per-row routing weights w (N,).
-
-    The weight is applied on the F-wide activation and the backward writes both halves of the
-    gradient into one (N, 2F) buffer, in place where it can (timings: docs/moe.md);
-    `weighted_swiglu_reference` is the plain-ops form it is tested against.
-    """
+    """A backward writing both gradient halves into one (N, 2F) buffer, in place where it can (docs/moe.md)."""
 
     @staticmethod
     def forward(ctx, gu, w):
-        g, u = gu.chunk(2, dim=-1)
         ctx.save_for_backward(gu, w)
-        return F.silu(g) * u * w[:, None]
+        return weighted_swiglu_reference(gu, w)
 
     @staticmethod
     def backward(ctx, dh):
@@ -250,27 +215,19 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return dgu, dw
 
 
-def weighted_swiglu_reference(gu: Tensor, w: Tensor) -> Tensor:
-    """silu(g) * u * w in plain ops (autograd's backward): what `_WeightedSwiGLU` computes, and what
-    torch.compile fuses."""
+def weighted_swiglu_reference(gu: Tensor, w: Tensor) -> Tensor:   # plain ops: what torch.compile fuses
     g, u = gu.chunk(2, dim=-1)
     return F.silu(g) * u * w[:, None]
 
 
 def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
-    """silu(g) * u * w for gu = [g | u] (N, 2F), w (N,) -> (N, F).
-
-    Eager: `_WeightedSwiGLU` (its in-place backward). Compiled: the same three plain ops, which
-    inductor fuses forward and backward (the hand-written backward's `out=` calls would break
-    the graph and buy nothing once fused).
-    """
+    """silu(g) * u * w for gu = [g | u] (N, 2F), w (N,) -> (N, F); compiled: plain ops, which inductor fuses."""
     if torch.compiler.is_compiling():
         return weighted_swiglu_reference(gu, w)
     return _WeightedSwiGLU.apply(gu, w)
 
 
-# ----------------------------------------------------------------------------------------
-# Router and MoE layer
+# ---- Router and MoE layer ------------------------------------------------------------------------
 
 @dataclass
 class RouterStats:
@@ -305,35 +262,29 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Dropless top-k SwiGLU experts, plus n_shared always-active ones.
-
-    forward(x (B,T,D)) -> (y (B,T,D), RouterStats).
-    """
+    """Dropless top-k SwiGLU experts, plus n_shared always-active ones: x (B,T,D) -> (y, RouterStats)."""
     RESIDUAL_OUT = ("w_out", "shared_w_out")   # write into the residual stream: depth-scaled init (model.py)
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int,
                  renormalize: bool = True, impl: str = "auto", n_shared: int = 0):
         super().__init__()
-        for name, v in (("d_model", d_model), ("d_ff", d_ff), ("n_experts", n_experts), ("top_k", top_k)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"MoE: {name} must be an int >= 1, got {v!r}")
+        for name, v, lo in (("d_model", d_model, 1), ("d_ff", d_ff, 1), ("n_experts", n_experts, 1),
+                            ("top_k", top_k, 1), ("n_shared", n_shared, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"MoE: {name} must be an int >= {lo}, got {v!r}")
         if not isinstance(renormalize, bool):
             raise ValueError(f"MoE: renormalize must be True or False, got {renormalize!r}")
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"MoE: need 1 <= top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
+        if top_k > n_experts:
+            raise ValueError(f"MoE: need top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
         if impl not in IMPLS:
             raise ValueError(f"MoE: impl must be one of {'|'.join(IMPLS)}, got {impl!r}")
-        if isinstance(n_shared, bool) or not isinstance(n_shared, int) or n_shared < 0:
-            raise ValueError(f"MoE: n_shared (shared experts) must be an int >= 0, got {n_shared!r}")
         self.n_experts, self.top_k, self.d_ff, self.impl, self.n_shared = n_experts, top_k, d_ff, impl, n_shared
         self.router = Router(d_model, n_experts, top_k, renormalize)
         self.w_in = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_ff))   # [gate | up] fused
         self.w_out = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
-        if n_shared:   # laid out like the routed experts; none created when off (same parameters, same RNG)
-            self.shared_w_in = nn.Parameter(torch.empty(n_shared, d_model, 2 * d_ff))
-            self.shared_w_out = nn.Parameter(torch.empty(n_shared, d_ff, d_model))
-        else:
-            self.shared_w_in = self.shared_w_out = None
+        # laid out like the routed experts; none when off (the same parameters and RNG draws as without)
+        self.shared_w_in = nn.Parameter(torch.empty(n_shared, d_model, 2 * d_ff)) if n_shared else None
+        self.shared_w_out = nn.Parameter(torch.empty(n_shared, d_ff, d_model)) if n_shared else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -343,11 +294,7 @@ class MoE(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def experts(self, x_sorted: Tensor, counts: Tensor, w_sorted: Tensor) -> Tensor:
-        """Routing-weighted SwiGLU of rows already sorted by expert: (N*k, D), (N*k,) -> (N*k, D).
-
-        Computes in x_sorted's dtype with the weights cast to it (MoE.forward passes the rows in
-        the autocast dtype under autocast).
-        """
+        """Routing-weighted SwiGLU of rows sorted by expert, (N*k, D) -> (N*k, D), in x_sorted's dtype."""
         dt = x_sorted.dtype
         gu = grouped_mm(x_sorted, self.w_in.to(dt), counts, self.impl)                 # (N*k, 2F)
         return grouped_mm(weighted_swiglu(gu, w_sorted.to(dt)), self.w_out.to(dt), counts, self.impl)
@@ -361,7 +308,7 @@ class MoE(nn.Module):
         return h @ self.shared_w_out.to(x_ND.dtype).reshape(S * F2 // 2, D)
 
     def kernels(self, x_BTD: Tensor) -> tuple[str, str]:
-        """The grouped-matmul implementations forward(x_BTD) uses here, for w_in and w_out (autocast included)."""
+        """The grouped-matmul implementations forward(x_BTD) uses for w_in and w_out (autocast included)."""
         dt = compute_dtype(x_BTD)
         return tuple(resolve_impl(self.impl, x_BTD.device, dt, w.shape[1], w.shape[2]) for w in (self.w_in, self.w_out))
 
@@ -379,8 +326,7 @@ class MoE(nn.Module):
         y = torch.zeros_like(x).index_add_(0, token, y_sorted.to(x.dtype))
         if self.n_shared:
             y = y + self.shared_experts(xc).to(x.dtype)
-        stats = RouterStats(aux, z, counts, idx.view(B, T, -1), w.view(B, T, -1))
-        return y.view(B, T, D), stats
+        return y.view(B, T, D), RouterStats(aux, z, counts, idx.view(B, T, -1), w.view(B, T, -1))
 
     def forward_reference(self, x_BTD: Tensor) -> Tensor:
         """Per-token, per-expert loop: the slow, obvious definition of the layer's output."""

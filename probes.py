@@ -22,7 +22,7 @@ BASELINE_RUN SMELT_RUN`, which writes probes.json and the figures), lab/probe_cl
 from __future__ import annotations
 
 import math
-import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -46,9 +46,7 @@ def label(layer: int, visit: int | None = None) -> str:
 
 def visit_labels(plan: Sequence[Visit]) -> dict[tuple[int, int], str]:
     """Capture key (layer, 0-based visit) -> label: looped layers get 'Ll.vN' (N from 1), unlooped 'Ll'."""
-    n = {}
-    for v in plan:
-        n[v.layer] = n.get(v.layer, 0) + 1
+    n = Counter(v.layer for v in plan)
     return {(v.layer, v.visit): label(v.layer, v.visit + 1 if n[v.layer] > 1 else None) for v in plan}
 
 
@@ -81,12 +79,6 @@ def cosine(a: Tensor, b: Tensor) -> Tensor:
     return F.cosine_similarity(a.float(), b.float(), dim=-1, eps=EPS)
 
 
-def split_heads(x_BTX: Tensor, n_head: int) -> Tensor:
-    """(B, T, H*hd) -> (B, H, T, hd)."""
-    B, T, _ = x_BTX.shape
-    return x_BTX.view(B, T, n_head, -1).transpose(1, 2)
-
-
 def expert_overlap(idx1: Tensor, idx2: Tensor) -> Tensor:
     """|S1 ∩ S2| per token from top-k expert ids (..., k) of two visits -> (...,) in 0..k."""
     return (idx1[..., :, None] == idx2[..., None, :]).sum(dim=(-1, -2))
@@ -100,8 +92,7 @@ def random_overlap(k: int, n: int) -> tuple[float, list[float]]:
 
 def topk_overlap(p1: Tensor, p2: Tensor, k: int) -> Tensor:
     """|top-k(p1) ∩ top-k(p2)| / k per query: p (..., S) attention rows -> (...,) in [0, 1]."""
-    i1, i2 = p1.topk(k, dim=-1).indices, p2.topk(k, dim=-1).indices
-    return (i1[..., :, None] == i2[..., None, :]).sum(dim=(-1, -2)).float() / k
+    return expert_overlap(p1.topk(k, dim=-1).indices, p2.topk(k, dim=-1).indices).float() / k
 
 
 def mass_overlap(p1: Tensor, p2: Tensor) -> Tensor:
@@ -153,6 +144,12 @@ def pair_label(a: tuple[int, int], b: tuple[int, int]) -> str:
     return f"{label(a[0], a[1] + 1)}-v{b[1] + 1}"
 
 
+def _avg(xs: Iterable) -> float | None:
+    """Mean of the values that are not None; None when there are none."""
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 # ----------------------------------------------------------------------------------------
 # Streaming accumulator (sums per unit)
 
@@ -172,34 +169,22 @@ class ProbeAccumulator:
         self.n_head, self.n_experts, self.top_k = n_head, n_experts, top_k
         self.attn_topk = tuple(attn_topk)
         self.control = control_heads(n_head)
+        self._index = {lv: i for i, lv in enumerate(self.visits)}
+        self._attn_kinds = [f"top{k}" for k in self.attn_topk] + ["mass"]
         self.sums: dict[str, Tensor] = {}
         self.counts: dict[str, Tensor] = {}
-        self.units: list = []
-        self._unit_pos: dict = {}
+        self.units: dict = {}                                        # unit key -> its row, in arrival order
         self._rows = torch.zeros(0, dtype=torch.long)
         self.tokens = 0
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _set_units(self, units: Sequence) -> None:
-        rows = []
-        for u in units:
-            if u not in self._unit_pos:
-                self._unit_pos[u] = len(self.units)
-                self.units.append(u)
-            rows.append(self._unit_pos[u])
-        self._rows = torch.tensor(rows, dtype=torch.long)
-
     def _add(self, name: str, total: Tensor, n: Tensor) -> None:
         """total (B, *shape): one row per context; n (B,): what each row's total counts."""
         total, n = total.detach().double().cpu(), n.detach().double().cpu().reshape(-1)
-        U = len(self.units)
         if name not in self.sums:
-            self.sums[name] = torch.zeros(U, *total.shape[1:], dtype=torch.float64)
-            self.counts[name] = torch.zeros(U, dtype=torch.float64)
-        elif self.sums[name].shape[0] < U:                           # new units since: pad with zeros
-            pad = U - self.sums[name].shape[0]
-            self.sums[name] = torch.cat([self.sums[name], self.sums[name].new_zeros(pad, *total.shape[1:])])
-            self.counts[name] = torch.cat([self.counts[name], self.counts[name].new_zeros(pad)])
+            self.sums[name] = torch.zeros(0, *total.shape[1:], dtype=torch.float64)
+            self.counts[name] = torch.zeros(0, dtype=torch.float64)
+        self.sums[name], self.counts[name] = self.unit_sum(name)    # a zero row for every new unit
         self.sums[name].index_add_(0, self._rows, total)
         self.counts[name].index_add_(0, self._rows, n)
 
@@ -228,6 +213,12 @@ class ProbeAccumulator:
             return None
         return self.sums[name].sum(0) / self.counts[name].sum()
 
+    def _cross_layer(self) -> list[tuple[int, int]]:
+        """(i, j) into visits: two different looped layers, i's visit before j's (Fig. 24's other-layer control)."""
+        looped = {a[0] for a, _ in self.pairs}
+        return [(i, j) for i, a in enumerate(self.visits) for j, b in enumerate(self.visits)
+                if a[0] in looped and b[0] in looped and a[0] != b[0] and a[1] < b[1]]
+
     def state_sizes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every running sum (what tests check stays fixed as batches of known units stream in)."""
         return {k: tuple(v.shape) for k, v in self.sums.items()}
@@ -244,7 +235,7 @@ class ProbeAccumulator:
             units = [("row", self.tokens // T + b) for b in range(B)]
         if len(units) != B:
             raise ValueError(f"units: need one key per row ({B}), got {len(units)}")
-        self._set_units(list(units))
+        self._rows = torch.tensor([self.units.setdefault(u, len(self.units)) for u in units], dtype=torch.long)
         start, pos = doc_positions(doc_ids, B, T, x0.device)
         self.tokens += B * T
         updates = {}
@@ -265,12 +256,11 @@ class ProbeAccumulator:
             ca, cb, name = capture[a], capture[b], pair_label(a, b)
             self._add_mean(f"{name}/cos/update", cosine(updates[a], updates[b]))
             for stage, key in STAGES.items():
-                if ca.get(key) is None or cb.get(key) is None:
-                    continue
-                ta, tb = ca[key], cb[key]
-                if key == "pv":                                      # per token and head
-                    ta, tb = split_heads(ta, self.n_head), split_heads(tb, self.n_head)
-                self._add_mean(f"{name}/cos/{stage}", cosine(ta, tb))
+                ta, tb = ca.get(key), cb.get(key)
+                if ta is not None and tb is not None:
+                    if key == "pv":                                  # per token and head: (B, H, T, hd)
+                        ta, tb = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (ta, tb))
+                    self._add_mean(f"{name}/cos/{stage}", cosine(ta, tb))
             if ca.get("topk_idx") is not None and cb.get("topk_idx") is not None:
                 ov = expert_overlap(ca["topk_idx"], cb["topk_idx"]).reshape(B, T)
                 self._add(f"{name}/expert_hist", F.one_hot(ov, self.top_k + 1).sum(1), torch.full((B,), T))
@@ -293,46 +283,37 @@ class ProbeAccumulator:
     def _unit_block(self) -> dict:
         """Per-unit sums of the quantities Section 6's claims rest on (for bootstrap intervals)."""
         q: dict[str, dict] = {}
+        names = [pair_label(a, b) for a, b in self.pairs]
 
         def put(name, parts, count):
             q[name] = {"sum": torch.stack(parts, 1).tolist(), "count": count.tolist()}
 
-        if not self.pairs:
-            return {"keys": [list(u) if isinstance(u, tuple) else u for u in self.units], "layers": [],
-                    "quantities": q}
-        names = [pair_label(a, b) for a, b in self.pairs]
+        def per_pair(name, keys, reduce):
+            """put reduce(*unit sums of keys[i]) for every pair i, counted as its first key; only if all exist."""
+            got = [[self.unit_sum(k) for k in ks] for ks in keys]
+            if got and all(g is not None for row in got for g in row):
+                put(name, [reduce(*[g[0] for g in row]) for row in got], got[0][0][1])
+
+        def both(key):                                               # the key on both visits of every pair
+            return [(f"{self.labels[a]}/{key}", f"{self.labels[b]}/{key}") for a, b in self.pairs]
+
         for r, key in RATIOS.items():
-            got = [(self.unit_sum(f"{self.labels[a]}/{key}"), self.unit_sum(f"{self.labels[b]}/{key}"))
-                   for a, b in self.pairs]
-            if all(x is not None and y is not None for x, y in got):
-                put(f"ratio_{r}", [torch.stack([x[0], y[0]], 1) for x, y in got], got[0][0][1])
+            per_pair(f"ratio_{r}", both(key), lambda x, y: torch.stack([x, y], 1))
         uc = self.unit_sum("update_cosine")
-        if uc is not None:
-            idx = {lv: i for i, lv in enumerate(self.visits)}
+        if uc is not None and self.pairs:
             M, n = uc
-            put("ucos_same", [M[:, idx[a], idx[b]] for a, b in self.pairs], n)
-            looped = {a[0] for a, _ in self.pairs}
-            other = [(idx[a], idx[b]) for a in self.visits for b in self.visits
-                     if a[0] in looped and b[0] in looped and a[0] != b[0] and a[1] < b[1]]
-            if other:
-                o = torch.stack([M[:, i, j] for i, j in other], 1).mean(1)
+            put("ucos_same", [M[:, self._index[a], self._index[b]] for a, b in self.pairs], n)
+            if self._cross_layer():
+                o = torch.stack([M[:, i, j] for i, j in self._cross_layer()], 1).mean(1)
                 put("ucos_other", [o] * len(self.pairs), n)
         for stage in ["update", *STAGES]:
-            got = [self.unit_sum(f"{nm}/cos/{stage}") for nm in names]
-            if all(g is not None for g in got):
-                put(f"cos_{stage}", [g[0] for g in got], got[0][1])
-        for kind in [f"top{k}" for k in self.attn_topk] + ["mass"]:
-            for side in ("same", "control"):
-                got = [self.unit_sum(f"{nm}/{kind}/{side}") for nm in names]
-                if all(g is not None for g in got):                  # per-head sums -> mean over heads
-                    put(f"{kind}_{side}", [g[0].mean(1) for g in got], got[0][1])
-        got = [self.unit_sum(f"{nm}/expert_hist") for nm in names]
-        if all(g is not None for g in got):
-            ar = torch.arange(self.top_k + 1, dtype=torch.float64)
-            put("expert_overlap", [(g[0] * ar).sum(1) for g in got], got[0][1])
-        got = [(self.unit_sum(f"{self.labels[a]}/sink"), self.unit_sum(f"{self.labels[b]}/sink")) for a, b in self.pairs]
-        if all(x is not None and y is not None for x, y in got):
-            put("sink", [torch.stack([x[0].mean(1), y[0].mean(1)], 1) for x, y in got], got[0][0][1])
+            per_pair(f"cos_{stage}", [[f"{nm}/cos/{stage}"] for nm in names], lambda g: g)
+        for kind in self._attn_kinds:
+            for side in ("same", "control"):                         # per-head sums -> mean over heads
+                per_pair(f"{kind}_{side}", [[f"{nm}/{kind}/{side}"] for nm in names], lambda g: g.mean(1))
+        ar = torch.arange(self.top_k + 1, dtype=torch.float64)
+        per_pair("expert_overlap", [[f"{nm}/expert_hist"] for nm in names], lambda g: (g * ar).sum(1))
+        per_pair("sink", both("sink"), lambda x, y: torch.stack([x.mean(1), y.mean(1)], 1))
         return {"keys": [list(u) if isinstance(u, tuple) else u for u in self.units], "layers": names,
                 "quantities": q}
 
@@ -351,10 +332,8 @@ class ProbeAccumulator:
             d["sink_mass"], d["sink_mass_per_head"] = f(sink), None if sink is None else sink.tolist()
             per_visit[name] = d
         M = self.mean("update_cosine")
-        idx = {lv: i for i, lv in enumerate(self.visits)}
-        diag = [M[idx[a], idx[b]].item() for a, b in self.pairs] if M is not None else []
-        other = [M[idx[a], idx[b]].item() for a in self.visits for b in self.visits
-                 if M is not None and a[0] in looped and b[0] in looped and a[0] != b[0] and a[1] < b[1]]
+        diag = [] if M is None else [M[self._index[a], self._index[b]].item() for a, b in self.pairs]
+        other = [] if M is None else [M[i, j].item() for i, j in self._cross_layer()]
         cross = {}
         for a, b in self.pairs:
             name = pair_label(a, b)
@@ -369,55 +348,36 @@ class ProbeAccumulator:
                 d["expert_overlap"] = {"distribution": hist.tolist(), "mean": float((hist * torch.arange(
                     len(hist))).sum()), "k": self.top_k, "n_experts": self.n_experts, "random_mean": exp,
                     "random_distribution": pmf}
-            att = {}
-            for kind in ("same", "control"):
-                for k in self.attn_topk:
-                    att[f"top{k}" + ("" if kind == "same" else "_control")] = f(self.mean(f"{name}/top{k}/{kind}"))
-                att["mass" + ("" if kind == "same" else "_control")] = f(self.mean(f"{name}/mass/{kind}"))
-            d["attention"] = att
+            d["attention"] = {kind + suffix: f(self.mean(f"{name}/{kind}/{side}"))
+                              for side, suffix in (("same", ""), ("control", "_control")) for kind in self._attn_kinds}
             cross[name] = d
-        avg = lambda xs: (sum(x for x in xs if x is not None) / len([x for x in xs if x is not None])
-                          if any(x is not None for x in xs) else None)
-        summary = {"update_cosine_cross_visit": avg(diag), "update_cosine_other": avg(other)}
-        for s in ["update", *STAGES]:
-            summary[f"cos_{s}"] = avg([d["cosine"][s] for d in cross.values()])
-        for r in RATIOS:
-            summary[f"ratio_{r}"] = avg([d["norm_ratio"][r] for d in cross.values()])
-        summary["ratio_norm"] = avg([summary["ratio_attn_norm"], summary["ratio_mlp_norm"]])
-        summary["expert_overlap"] = avg([d["expert_overlap"]["mean"] for d in cross.values() if "expert_overlap" in d])
-        summary["expert_overlap_frac"] = (summary["expert_overlap"] / self.top_k
-                                          if summary["expert_overlap"] is not None else None)
-        summary["expert_overlap_random"] = (random_overlap(self.top_k, self.n_experts)[0]
-                                            if summary["expert_overlap"] is not None else None)
-        for key in (cross[next(iter(cross))]["attention"] if cross else {}):
-            summary[f"attn_{key}"] = avg([d["attention"][key] for d in cross.values()])
-        summary["sink_mass"] = avg([d["sink_mass"] for d in per_visit.values()])
-        n_vis = max((d["visit"] for d in per_visit.values()), default=1)
-        for v in range(1, n_vis + 1):                                # the looped span, per visit
-            summary[f"sink_mass_span_v{v}"] = avg([d["sink_mass"] for d in per_visit.values()
-                                                   if d["looped"] and d["visit"] == v])
+        cv, pv = list(cross.values()), list(per_visit.values())
+        summary = {"update_cosine_cross_visit": _avg(diag), "update_cosine_other": _avg(other)}
+        summary.update({f"cos_{s}": _avg(d["cosine"][s] for d in cv) for s in ["update", *STAGES]})
+        summary.update({f"ratio_{r}": _avg(d["norm_ratio"][r] for d in cv) for r in RATIOS})
+        summary["ratio_norm"] = _avg([summary["ratio_attn_norm"], summary["ratio_mlp_norm"]])
+        ov = summary["expert_overlap"] = _avg(d["expert_overlap"]["mean"] for d in cv if "expert_overlap" in d)
+        summary["expert_overlap_frac"] = None if ov is None else ov / self.top_k
+        summary["expert_overlap_random"] = None if ov is None else random_overlap(self.top_k, self.n_experts)[0]
+        summary.update({f"attn_{k}": _avg(d["attention"][k] for d in cv) for k in (cv[0]["attention"] if cv else {})})
+        summary["sink_mass"] = _avg(d["sink_mass"] for d in pv)
+        for v in range(1, max((d["visit"] for d in pv), default=1) + 1):   # the looped span, per visit
+            summary[f"sink_mass_span_v{v}"] = _avg(d["sink_mass"] for d in pv if d["looped"] and d["visit"] == v)
         return {"tokens": self.tokens, "visits": [self.labels[lv] for lv in self.visits], "looped_layers": looped,
                 "attn_topk": list(self.attn_topk), "per_visit": per_visit,
                 "update_cosine": {"labels": [self.labels[lv] for lv in self.visits],
                                   "matrix": None if M is None else M.tolist(),
-                                  "cross_visit_diagonal": diag, "cross_visit_mean": avg(diag),
-                                  "other_cross_visit_mean": avg(other)},
+                                  "cross_visit_diagonal": diag, "cross_visit_mean": _avg(diag),
+                                  "other_cross_visit_mean": _avg(other)},
                 "cross_visit": cross, "summary": summary, "units": self._unit_block()}
 
 
 # ----------------------------------------------------------------------------------------
 # Running a model
 
-def _unpack(batch) -> tuple[Tensor, Tensor | None]:
-    """Accept idx, (idx, targets) or (idx, targets, doc_ids[, ...])."""
-    if isinstance(batch, Tensor):
-        return batch, None
-    return batch[0], (batch[2] if len(batch) > 2 else None)
-
-
 @torch.no_grad()
 def probe(model, batches: Iterable, max_tokens: int | None = None, attn_topk: Sequence[int] = (1, 8),
-          log_every: int = 0, units: Sequence | None = None) -> dict:
+          units: Sequence | None = None) -> dict:
     """Capture every visit on each batch, reduce it, and return the JSON-able summary.
 
     units: one key per row over all batches, in order (default: every row its own unit)."""
@@ -425,9 +385,11 @@ def probe(model, batches: Iterable, max_tokens: int | None = None, attn_topk: Se
     was_training = model.training
     model.eval()
     acc = ProbeAccumulator(model.plan, cfg.n_head, cfg.n_experts, cfg.top_k if cfg.n_experts else 0, attn_topk)
-    t0, row = time.time(), 0
-    for i, batch in enumerate(batches):
-        idx, doc = _unpack(batch)
+    row = 0
+    for batch in batches:
+        if isinstance(batch, Tensor):                                # idx, (idx, targets) or (idx, targets, doc, ...)
+            batch = (batch,)
+        idx, doc = batch[0], (batch[2] if len(batch) > 2 else None)
         if max_tokens is not None:
             rows = min(idx.shape[0], math.ceil((max_tokens - acc.tokens) / idx.shape[1]))
             if rows <= 0:
@@ -443,9 +405,6 @@ def probe(model, batches: Iterable, max_tokens: int | None = None, attn_topk: Se
         acc.update(capture, doc, None if units is None else units[row:row + B])
         row += B
         del capture
-        if log_every and (i + 1) % log_every == 0:
-            print(f"  probe batch {i + 1}: {acc.tokens} tokens, {acc.tokens / (time.time() - t0):.0f} tok/s",
-                  flush=True)
     model.train(was_training)
     out = acc.result()
     out["config"] = cfg.to_dict()
@@ -470,11 +429,8 @@ class Sample:
 
     def describe(self) -> dict:
         T = self.idx.shape[1]
-        by_domain: dict[str, int] = {}
-        by_source: dict[str, int] = {}
-        for s, d in zip(self.sources, self.domains):
-            by_domain[d] = by_domain.get(d, 0) + T
-            by_source[s] = by_source.get(s, 0) + T
+        by_domain = {d: n * T for d, n in Counter(self.domains).items()}
+        by_source = {s: n * T for s, n in Counter(self.sources).items()}
         return {"tokens": int(self.idx.numel()), "contexts": int(self.idx.shape[0]), "block_size": T,
                 "units": len(set(self.units)), "domains": sorted(by_domain), "tokens_by_domain": by_domain,
                 "tokens_by_source": by_source}
@@ -504,20 +460,15 @@ def held_out_sample(data, tokens: int, block_size: int) -> Sample:
                 if want > 0 and alloc[s] < avail[s]:
                     alloc[s] += 1
                     want -= 1
-        for s in sources:
+        for s in [s for s in sources if alloc[s]]:
             n = alloc[s]
-            if n == 0:
-                continue
             x, _, dd = next(iter(data.val_batches(s, n, block_size, n * block_size)))[:3]
             first = data.val_slots(s, block_size, n * block_size) * block_size    # each context's first token
             doc_starts = np.concatenate([[0], np.cumsum(lengths[s])[:-1]])
             doc_first = np.searchsorted(doc_starts, first, side="right") - 1       # document of its first token
             doc_last = np.searchsorted(doc_starts, first + block_size - 1, side="right") - 1   # and of its last
-            group = 0
-            for j in range(x.shape[0]):
-                if j > 0 and doc_first[j] != doc_last[j - 1]:   # no document runs on from the previous context
-                    group += 1
-                units.append((s, group))
+            breaks = doc_first[1:] != doc_last[:-1]                 # no document runs on from the previous context
+            units += [(s, g) for g in [0, *np.cumsum(breaks).tolist()]]
             idx.append(x)
             doc.append(dd)
             srcs += [s] * x.shape[0]

@@ -1,16 +1,12 @@
 """The Dyck case study (SMELT Sec. 6.4, Fig. 27): which head closes brackets, and what it reads per visit.
 
-BIG-bench dyck_languages prompts with k in {1, 2, 4, 8} "Output:" demonstrations
-(`dyck_prompts`, built by tasks.build_prompt, nested across k); the Dyck head is the head of the
-looped span whose ablation (`ablate_head`: its slice of PV zeroed before W_O, on every visit)
-raises the target loss most; `dyck_case_study` then splits its attention at the three answer
-targets into BOS, demonstration-answer tokens and the rest, per visit. The paper (1.6B, k = 4):
-BOS 0.60 -> 0.02, demonstrations 0.24 -> 0.85 from visit 1 to visit 2.
-
-Its two claims are registered with the others in probe_claims.py (DYCK_CLAIMS), its figure is
-probe_plots.plot_dyck, and probe_pairs.probe_pairs runs it on each SMELT model. The choices where the
-paper is silent (which items, which demonstrations, the selection k) are in docs/dyck_probe.md.
-Read next: reproduce.py.
+BIG-bench dyck_languages prompts with k in {1, 2, 4, 8} "Output:" demonstrations (`dyck_prompts`,
+nested across k); the Dyck head is the head of the looped span whose ablation (`ablate_head`)
+raises the target loss most; `dyck_case_study` splits its attention at the three answer targets
+into BOS, demonstration-answer tokens and the rest, per visit (the paper, 1.6B at k = 4: BOS
+0.60 -> 0.02, demonstrations 0.24 -> 0.85 from visit 1 to visit 2).
+Its claims are probe_claims.DYCK_CLAIMS, its figure probe_plots.plot_dyck; the choices where the
+paper is silent are in docs/dyck_probe.md. Read next: reproduce.py.
 """
 from __future__ import annotations
 
@@ -23,7 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import checks
-
 
 DYCK_KS = (1, 2, 4, 8)
 CLOSERS = (")", "]", "}", ">")
@@ -60,13 +55,9 @@ def _char_spans_to_tokens(enc, tokens: list[int], text: str, spans: list[tuple[i
 
 def dyck_prompts(enc, block_size: int, ks: Sequence[int] = DYCK_KS, n_items: int = 8, n_targets: int = 3,
                  seed: int = 0, task=None) -> dict:
-    """Few-shot BIG-bench dyck_languages prompts (tasks.build_prompt) at every k, nested across k.
-
-    Returns {"prompts": [{"k", "item", "tokens", "targets" (positions whose next token is one of the gold
-    answer's closing brackets), "answer" (those bracket tokens; a tokenizer may also give the answer
-    space tokens, which are not targets), "demo" (positions of demonstration-answer tokens)}],
-    "ks": the k values used, "skipped_k": those that cannot fit block_size}.
-    """
+    """Few-shot prompts (tasks.build_prompt) at every k that fits block_size, nested across k: {"prompts": [{"k",
+    "item", "tokens", "targets" (positions whose next token is a closing bracket of the gold answer), "answer"
+    (those brackets' tokens), "demo" (positions of demonstration-answer tokens)}], "ks", "skipped_k", ...}."""
     checks.positive_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
     from lab import tasks as ev   # build_prompt, load_bigbench
     task = task or ev.load_bigbench("dyck_languages")
@@ -130,23 +121,16 @@ def _dyck_build(enc, ev, items, cands, pool, used_ks, n_items, n_targets, block_
 
 def _target_loss(logits: Tensor, prompts: list[dict]) -> Tensor:
     """Cross-entropy of every prompt's gold answer tokens at its target positions -> (n_prompts, n_targets)."""
-    return torch.stack([F.cross_entropy(logits[i, p["targets"]].float(), torch.tensor(p["answer"], device=logits.device),
-                                        reduction="none") for i, p in enumerate(prompts)])
+    return torch.stack([F.cross_entropy(logits[i, p["targets"]].float(), torch.tensor(p["answer"],
+                                        device=logits.device), reduction="none") for i, p in enumerate(prompts)])
 
 
 @torch.no_grad()
 def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int] = DYCK_KS, n_items: int = 8,
                     seed: int = 0, prompts: dict | None = None, select_k: int | None = 4) -> dict:
-    """SMELT Sec. 6.4 on one model: the Dyck head by ablation, then its BOS and demonstration-answer mass per visit.
-
-    For every head of the looped span (every layer if the model is unlooped) the selection prompts
-    (those at k = select_k, the paper's Fig. 27 setting, or the largest k below it; None: every
-    prompt) run with that head ablated; its effect is the rise of their mean target cross-entropy.
-    The head with the largest effect is the Dyck head. At each of the n_targets answer positions of
-    every prompt (every k), its attention splits into BOS (position 0), demonstration-answer tokens
-    and everything else, per visit. Selecting on one k keeps the sweep to one forward of n_items
-    prompts per head (docs/dyck_probe.md has the timing).
-    """
+    """SMELT Sec. 6.4 on one model: the Dyck head is the head of the looped span (every layer if unlooped) whose
+    ablation most raises the mean target loss of the k = select_k prompts (or the largest k below it; None:
+    every prompt); then, per visit, its attention at every prompt's targets split into BOS, demo answers, rest."""
     cfg = model.cfg
     block = block_size or cfg.block_size
     P = prompts or dyck_prompts(enc, block, ks, n_items, seed=seed)
@@ -183,21 +167,22 @@ def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int]
     li, hi = divmod(int(E.argmax()), cfg.n_head)
     layer, head = layers[li], hi
     visits = sorted(v.visit for v in model.plan if v.layer == layer)
+
+    def attention(i: int, v: int) -> Tensor:
+        """The Dyck head's attention on visit v at prompt i's targets: (n_targets, its length)."""
+        p = prompts[i]
+        return capture[(layer, v)]["attn_probs"][i, head][p["targets"], :len(p["tokens"])].float().cpu()
+
     masses = {"bos": [], "demo": [], "other": []}                    # (n_prompts, n_visits), target-averaged
     for i, p in enumerate(prompts):
-        L = len(p["tokens"])
-        demo = torch.zeros(L, dtype=torch.bool)
+        demo = torch.zeros(len(p["tokens"]), dtype=torch.bool)
         demo[p["demo"]] = True
         rest = ~demo
         rest[0] = False
-        rows = {k: [] for k in masses}
-        for v in visits:
-            a = capture[(layer, v)]["attn_probs"][i, head][p["targets"], :L].float().cpu()   # (n_targets, L)
-            rows["bos"].append(float(a[:, 0].mean()))
-            rows["demo"].append(float(a[:, demo].sum(-1).mean()))
-            rows["other"].append(float(a[:, rest].sum(-1).mean()))
-        for k in masses:
-            masses[k].append(rows[k])
+        att = [attention(i, v) for v in visits]
+        masses["bos"].append([float(a[:, 0].mean()) for a in att])
+        masses["demo"].append([float(a[:, demo].sum(-1).mean()) for a in att])
+        masses["other"].append([float(a[:, rest].sum(-1).mean()) for a in att])
     correct = [bool((logits[i, p["targets"]].argmax(-1).cpu() == torch.tensor(p["answer"])).all())
                for i, p in enumerate(prompts)]
     by_k = {}
@@ -209,11 +194,8 @@ def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int]
                            for m in masses}}
     ex_k = max([k for k in P["ks"] if k <= 4] or P["ks"][:1])        # Fig. 27 shows a k = 4 prompt
     ex = next(i for i, p in enumerate(prompts) if p["k"] == ex_k)
-    L = len(prompts[ex]["tokens"])
     example = {"k": ex_k, "tokens": [enc.decode([t]) for t in prompts[ex]["tokens"]], "targets": prompts[ex]["targets"],
-               "demo": prompts[ex]["demo"],
-               "attention": [capture[(layer, v)]["attn_probs"][ex, head][prompts[ex]["targets"], :L].float().cpu().tolist()
-                             for v in visits]}
+               "demo": prompts[ex]["demo"], "attention": [attention(ex, v).tolist() for v in visits]}
     return {**out, "layers": layers, "ablation_effect": effect, "selection_k": sel_k,
             "clean_loss": float(clean.mean()), "selection_loss": float(clean[sel].mean()),
             "head": {"layer": layer, "head": head, "effect": float(E.max())}, "visits": [v + 1 for v in visits],

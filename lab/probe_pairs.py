@@ -1,23 +1,16 @@
 """SMELT Section 6 on every matched (Baseline, SMELT) pair: one held-out sample, its checks, its file, the CLI.
 
-`probe_pairs` runs probes.probe on both models of every pair over one held-out sample and the
-Dyck case study (dyck_probe.py) on the SMELT model, then aggregates and states the claims
-(probe_claims.py). The CLI: `python -m lab.probe_pairs --pair NAME BASELINE SMELT [...]`.
-
-`check_pairs` refuses, before any model runs, a pair that is not a matched (Baseline, SMELT) pair by
-the runs' own configs (config.json of a run directory, the meta of an endpoint file, a GPT's config):
-one run twice, a swapped pair, two Baselines or two SMELT runs, or runs of different cells, data,
-vocabularies, seeds, training contexts or branch steps; the error names both runs and why.
-`save_result` / `load_result` write and read probes.json hashed (checks.write_json / read_cache: a
-truncated or edited file is named and recomputed, never trusted) with its figure paths relative to
-its own folder, so a copied out dir re-runs. `check_out_dir` refuses a file or unwritable folder.
+`probe_pairs` runs probes.probe on both models of every pair over one held-out sample and the Dyck
+case study (dyck_probe.py) on the SMELT model, then states the claims (probe_claims.py). Before any
+model runs, `check_pairs` refuses (naming both runs and why) a pair that the runs' own configs say is
+not matched. `save_result` / `load_result` write and read probes.json hashed, its figure paths
+relative to its folder. CLI: `python -m lab.probe_pairs --pair NAME BASELINE SMELT [...]`.
 The choices are in docs/probes.md. Read before: probes.py. Read next: probe_claims.py, probe_plots.py.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -117,19 +110,6 @@ def check_fit(pairs: Sequence, metas: list[tuple[dict, dict]], data, block_size:
                              f"probe on the data the pair was trained on")
 
 
-def check_out_dir(out: str | os.PathLike) -> None:
-    """Make `out` and try a write there; ValueError naming it when it is a file or cannot be written."""
-    p = Path(out)
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"output directory {p} is a file, not a directory")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=p):
-            pass
-    except OSError as e:
-        raise ValueError(f"output directory {p} cannot be written: {e.strerror or e}") from None
-
-
 def save_result(path: str | os.PathLike, res: dict) -> None:
     """probes.json: hashed (checks.write_json), its figure paths relative to its own folder."""
     root, rel = Path(path).parent.resolve(), []
@@ -156,51 +136,35 @@ def load_result(path: str | os.PathLike) -> dict | None:
     return {**res, "figures": [str(root / f) for f in figs]}
 
 
-def _load(model_or_path, device):
-    if isinstance(model_or_path, (str, os.PathLike)):
-        from eval import load_model   # one loader for run directories and endpoint files
-        return load_model(model_or_path, device)[0]
-    return model_or_path
-
-
 def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batch_size: int = 8,
                 dyck: bool = True, dyck_items: int = 8, dyck_ks: Sequence[int] = dyck_probe.DYCK_KS,
                 dyck_block_size: int | None = None, seed: int = 0,
                 attn_topk: Sequence[int] = (1, 8), device: str | None = None, n_draws: int = 1000,
                 log: Callable[[str], None] | None = print) -> dict:
-    """SMELT Section 6 on every matched pair: [(name, baseline, smelt)], each model a GPT or a run directory /
-    endpoint file (loaded one at a time). All models see one held-out sample (`held_out_sample`: about
-    `tokens` tokens, every domain equally) in contexts of block_size (the training context); the SMELT
-    model of each pair also runs the Dyck case study (prompts from data.tokenizer() that fit
-    block_size, or dyck_block_size if given: a k whose prompts do not fit is reported in "skipped_k",
-    never truncated).
-
-    Refused up front (ValueError naming the value): a count that is not a positive integer, a block_size beyond a
-    model's context, a pair that is not a matched (Baseline, SMELT) pair by the runs' configs (check_pairs).
-    Returns a JSON-able dict: "sample" (what was probed), "pairs" {name: {"baseline", "smelt" (probe
-    results), "dyck", "seconds"}}, "aggregate" (each summary quantity averaged over pairs), "claims"
-    (`probe_claims.claims(result)` as JSON), "pair_intervals" (Fig. 23's quantities per pair, as JSON)
-    and "seconds". Pass the result to `probe_claims.claims` (for stats.Interval objects) and
-    `probe_plots.plot_pairs`.
-    """
-    positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
-                           dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
+    """SMELT Section 6 on every matched pair [(name, baseline, smelt)], each a GPT or a run directory /
+    endpoint file (loaded one at a time), over one held-out sample of about `tokens` tokens in contexts of
+    block_size. The SMELT model also runs the Dyck case study in contexts of dyck_block_size (default
+    block_size; a k whose prompts do not fit is in "skipped_k", never truncated). Returns a JSON-able dict:
+    "sample", "pairs" {name: {"baseline", "smelt", "dyck", "seconds"}}, "aggregate", "claims",
+    "pair_intervals", "seconds"; for figures pass it to `probe_plots.plot_pairs`."""
+    positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size, dyck_items=dyck_items,
+                   dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
     check_fit(pairs, check_pairs(pairs), data, block_size)   # before any model runs
-    names = [p[0] for p in pairs]
-    log = log or (lambda m: None)
-    t0 = time.time()
+    from eval import load_model   # one loader for run directories and endpoint files
+    log, t0 = log or (lambda m: None), time.time()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     sample = held_out_sample(data, tokens, block_size)
     desc = sample.describe()
     log(f"probes: {len(pairs)} pairs on {desc['tokens']} held-out tokens ({desc['contexts']} contexts, "
         f"{desc['units']} document groups, domains {', '.join(desc['domains'])})")
     enc = data.tokenizer() if dyck else None
-    out: dict = {"sample": desc, "pairs": {}, "order": names}
+    out: dict = {"sample": desc, "pairs": {}, "order": [p[0] for p in pairs]}
     prompts_cache: dict[int, dict] = {}
     for i, (name, base, smelt) in enumerate(pairs):
         t1 = time.time()
         entry: dict = {}
         for arch, m in (("baseline", base), ("smelt", smelt)):
-            model = _load(m, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = load_model(m, device)[0] if _is_path(m) else m
             entry[arch] = probe(model, sample.batches(batch_size), attn_topk=attn_topk, units=sample.units)
             if arch == "smelt" and dyck:
                 blk = min(model.cfg.block_size, dyck_block_size or block_size)   # no unseen distances
@@ -236,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data-dir", default=None, help="prepared data directory (default: the SMELT run's data_dir)")
     ap.add_argument("--tokens", type=checks.positive_int, default=4096,
                     help="held-out tokens, split equally over the domains")
-    ap.add_argument("--block-size", type=checks.nonneg_int, default=0, help="context length (0: the first SMELT model's)")
+    ap.add_argument("--block-size", type=checks.nonneg_int, default=0,
+                    help="context length (0: the first SMELT model's)")
     ap.add_argument("--batch-size", type=checks.positive_int, default=8,
                     help="probe batch (memory ~ visits x B x heads x T^2 x 4 bytes for attention maps)")
     ap.add_argument("--dyck-items", type=checks.positive_int, default=8, help="Dyck query items (each at every k)")
@@ -264,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.tokens < block:
             raise ValueError(f"--tokens {args.tokens} is less than one {block}-token context")
         out = args.out_dir or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")
-        check_out_dir(out)
+        checks.check_out_dir(out, what="output directory")
         data = data_mod.TokenData(data_dir)
         check_fit(pairs, metas, data, block)
     except (ValueError, OSError, checks.UserError) as e:

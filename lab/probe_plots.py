@@ -1,17 +1,14 @@
 """The figures of SMELT Section 6 and Appendix D, drawn from probe results (probes.json dicts).
 
-  plot_probes         one looped model (its Baseline beside it): Fig. 21 expert overlap, Fig. 22
-                      residual flow, Fig. 24 update cosines, Fig. 25 stage cosines, Fig. 26
-                      attended-token overlap, Fig. 28 per-head sink mass, Fig. 30 sink by depth.
-  plot_grid           Fig. 23: every registered panel (probe_claims.panels), one point per matched
-                      pair with its bootstrap interval over held-out document groups.
+  plot_probes         one looped model (its Baseline beside it): Fig. 21, 22, 24, 25, 26, 28, 30.
+  plot_grid           Fig. 23: every registered panel (probe_claims.panels), one point per pair with its
+                      bootstrap interval over held-out document groups.
   plot_sink_profiles  Appendix D (Fig. 56): every pair's sink profile.
   plot_dyck           Fig. 27: the Dyck head's attention at the answer targets per visit.
   plot_pairs          all of the above for a `probe_pairs.probe_pairs` result (what the main job draws).
 
-Visits are numbered from 1; layers outside the looped span are "unlooped". With r > 2 visits a
-cross-visit figure compares visit v+1 with visit v (probe_claims.visit_words). Read probes.py and
-probe_claims.py first; plots.py holds the headless pyplot and save().
+Visits are numbered from 1; with r > 2 visits a cross-visit figure compares visit v+1 with visit v
+(probe_claims.visit_words). Read probes.py and probe_claims.py first; plots.py holds pyplot and save().
 """
 from __future__ import annotations
 
@@ -26,11 +23,7 @@ from lab import stats
 from lab.probe_claims import _cells, max_visits, pair_intervals, panels, visit_words
 
 VISIT_COLORS = ["tab:blue", "tab:red", "tab:green", "tab:purple"]
-DPI = 120
-
-
-def _save(fig, path: str, paths: list[str] | None = None, tight: bool = True) -> str:
-    return plots.save(fig, path, dpi=DPI, tight=tight, paths=paths)
+_save = plots.save                                                   # at its 120 dpi
 
 
 def _n_visits(result: dict) -> int:
@@ -41,10 +34,6 @@ def _visit(result: dict, layer: int, visit: int) -> dict:
     """The per_visit entry of a looped layer's visit (1-based); {} if it has none."""
     return next((d for d in result["per_visit"].values() if d["looped"] and d["layer"] == layer
                  and d["visit"] == visit), {})
-
-
-def _looped_series(result: dict, key: str, visit: int) -> list[float | None]:
-    return [_visit(result, l, visit).get(key) for l in result["looped_layers"]]
 
 
 def _nan(xs):
@@ -96,7 +85,7 @@ def _fig21_expert_overlap(result: dict, out_dir: str, tag: str, paths: list[str]
     ax.set(xlabel="|S1 ∩ S2| (experts shared)", ylabel="fraction of tokens", xticks=range(k + 1),
            ylim=(0, 1.3 * max(dist + hists[0]["random_distribution"])), title=f"Expert-set overlap (Fig. 21){tag}")
     ax.legend(fontsize=7, loc="upper left")
-    _save(fig, os.path.join(out_dir, "fig21_expert_overlap.png"), paths)
+    _save(fig, os.path.join(out_dir, "fig21_expert_overlap.png"), paths=paths)
 
 
 def _fig22_residual_flow(result: dict, out_dir: str, tag: str, paths: list[str]) -> None:
@@ -107,13 +96,13 @@ def _fig22_residual_flow(result: dict, out_dir: str, tag: str, paths: list[str])
     for ax, key, name in zip(axes, ("x_rms", "update_rms", "relative_update"),
                              ("residual RMS", "update RMS", "||Δx|| / ||x||")):
         for v in range(1, _n_visits(result) + 1):
-            ax.plot(layers, _nan(_looped_series(result, key, v)), "o-", color=VISIT_COLORS[v - 1],
+            ax.plot(layers, _nan([_visit(result, l, v).get(key) for l in layers]), "o-", color=VISIT_COLORS[v - 1],
                     label=f"visit {v}")
         ax.set_ylabel(name)
     axes[0].legend(fontsize=7)
     axes[0].set_title(f"Residual flow in the looped span (Fig. 22){tag}")
     axes[-1].set(xlabel="physical layer (looped span)", xticks=layers)
-    _save(fig, os.path.join(out_dir, "fig22_residual_flow.png"), paths)
+    _save(fig, os.path.join(out_dir, "fig22_residual_flow.png"), paths=paths)
 
 
 def _fig24_update_cosine(result: dict, baseline: dict | None, out_dir: str, tag: str, paths: list[str]) -> None:
@@ -135,7 +124,7 @@ def _fig24_update_cosine(result: dict, baseline: dict | None, out_dir: str, tag:
         ax.set_title(f"{name}: update cosine (execution order)", fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=f"cosine (scale ±{m:.2f}, diagonal = 1)")
     fig.suptitle(f"Residual-update cosine (Fig. 24){tag}", fontsize=9)
-    _save(fig, os.path.join(out_dir, "fig24_update_cosine.png"), paths, tight=False)
+    _save(fig, os.path.join(out_dir, "fig24_update_cosine.png"), paths=paths, tight=False)
 
 
 def _fig25_stage_cosines(result: dict, out_dir: str, tag: str, paths: list[str]) -> None:
@@ -151,7 +140,7 @@ def _fig25_stage_cosines(result: dict, out_dir: str, tag: str, paths: list[str])
     ax.set(ylabel=f"cosine, visit {w['a']} vs visit {w['b']}",
            title=f"Cross-visit cosine by attention stage (Fig. 25){tag}")
     ax.legend(fontsize=6)
-    _save(fig, os.path.join(out_dir, "fig25_cross_visit_cosines.png"), paths)
+    _save(fig, os.path.join(out_dir, "fig25_cross_visit_cosines.png"), paths=paths)
 
 
 def _fig26_attended_tokens(result: dict, out_dir: str, tag: str, paths: list[str]) -> None:
@@ -173,7 +162,7 @@ def _fig26_attended_tokens(result: dict, out_dir: str, tag: str, paths: list[str
                else "attention-mass overlap")
     axes[0][0].legend(fontsize=6)
     fig.suptitle(f"Attended-token overlap (Fig. 26){tag}", fontsize=9)
-    _save(fig, os.path.join(out_dir, "fig26_attended_token_overlap.png"), paths)
+    _save(fig, os.path.join(out_dir, "fig26_attended_token_overlap.png"), paths=paths)
 
 
 def _fig28_sink_heads(result: dict, out_dir: str, tag: str, paths: list[str]) -> None:
@@ -197,7 +186,7 @@ def _fig28_sink_heads(result: dict, out_dir: str, tag: str, paths: list[str]) ->
         ax.set(xticks=range(len(layers)), xticklabels=layers, xlabel="physical layer (looped span)",
                yticks=range(H), ylabel="head")
     fig.suptitle(f"Per-head segment-start attention mass (Fig. 28){tag}", fontsize=9)
-    _save(fig, os.path.join(out_dir, "fig28_sink_heads.png"), paths, tight=False)
+    _save(fig, os.path.join(out_dir, "fig28_sink_heads.png"), paths=paths, tight=False)
 
 
 def _fig30_attention_sink(result: dict, baseline: dict | None, out_dir: str, tag: str, paths: list[str]) -> None:
@@ -205,7 +194,7 @@ def _fig30_attention_sink(result: dict, baseline: dict | None, out_dir: str, tag
     _sink_profile(ax, result, baseline)
     ax.set_title(f"Attention-sink mass by depth (Fig. 30){tag}", fontsize=9)
     ax.legend(fontsize=7)
-    _save(fig, os.path.join(out_dir, "fig30_attention_sink.png"), paths)
+    _save(fig, os.path.join(out_dir, "fig30_attention_sink.png"), paths=paths)
 
 
 def plot_probes(result: dict, out_dir: str, baseline: dict | None = None, title: str = "") -> list[str]:
@@ -225,19 +214,17 @@ def plot_probes(result: dict, out_dir: str, baseline: dict | None = None, title:
 
 def _sink_profile(ax, result: dict, baseline: dict | None) -> None:
     """Baseline over all layers; SMELT's unlooped layers; each SMELT visit over the looped span."""
-    if baseline:
-        pts = sorted((d["layer"], d["sink_mass"]) for d in baseline["per_visit"].values() if d["sink_mass"] is not None)
+    def line(visits, *fmt, **kw):
+        pts = sorted((d["layer"], d["sink_mass"]) for d in visits if d["sink_mass"] is not None)
         if pts:
-            ax.plot(*zip(*pts), "k--", marker="s", ms=4, label="Baseline")
+            ax.plot(*zip(*pts), *fmt, **kw)
+
     pv = result["per_visit"].values()
-    pts = sorted((d["layer"], d["sink_mass"]) for d in pv if not d["looped"] and d["sink_mass"] is not None)
-    if pts:
-        ax.plot(*zip(*pts), "o", color="grey", label="SMELT, unlooped layers")
+    line(baseline["per_visit"].values() if baseline else [], "k--", marker="s", ms=4, label="Baseline")
+    line([d for d in pv if not d["looped"]], "o", color="grey", label="SMELT, unlooped layers")
     for v in range(1, _n_visits(result) + 1):
-        pts = sorted((d["layer"], d["sink_mass"]) for d in pv if d["looped"] and d["visit"] == v
-                     and d["sink_mass"] is not None)
-        if pts:
-            ax.plot(*zip(*pts), "o-", color=VISIT_COLORS[v - 1], label=f"SMELT visit {v} (looped span)")
+        line([d for d in pv if d["looped"] and d["visit"] == v], "o-", color=VISIT_COLORS[v - 1],
+             label=f"SMELT visit {v} (looped span)")
     if result["looped_layers"]:
         ax.axvspan(min(result["looped_layers"]) - 0.3, max(result["looped_layers"]) + 0.3, color="0.92", zorder=0)
     ax.set_xticks(sorted({d["layer"] for d in pv}))
@@ -340,15 +327,13 @@ def plot_dyck(dyck: dict, path: str, title: str = "") -> str:
     _dyck_maps(fig, gs, dyck, n_keys)
     ax2 = fig.add_subplot(gs[:, 1])
     ks = [int(k) for k in dyck["by_k"]]
+    lines = (("bos", "o--", "BOS"), ("demo", "s-", "demo answers"), ("other", "^:", "rest of the prompt"))
     for v in range(nv):
-        ax2.plot(ks, [dyck["by_k"][str(k)]["bos_mass"][v] for k in ks], "o--", color=VISIT_COLORS[v],
-                 label=f"BOS, visit {dyck['visits'][v]}", alpha=0.8, ms=7 - 2 * v)
-        ax2.plot(ks, [dyck["by_k"][str(k)]["demo_mass"][v] for k in ks], "s-", color=VISIT_COLORS[v],
-                 label=f"demo answers, visit {dyck['visits'][v]}", alpha=0.8, ms=7 - 2 * v)
-        ax2.plot(ks, [dyck["by_k"][str(k)]["other_mass"][v] for k in ks], "^:", color=VISIT_COLORS[v],
-                 label=f"rest of the prompt, visit {dyck['visits'][v]}", alpha=0.8, ms=7 - 2 * v)
-    ax2.set(xscale="log", xticks=ks, xticklabels=ks, xlabel="k demonstrations", ylabel="Dyck head's mass at the targets",
-            ylim=(0, 1.02))
+        for key, fmt, what in lines:
+            ax2.plot(ks, [dyck["by_k"][str(k)][f"{key}_mass"][v] for k in ks], fmt, color=VISIT_COLORS[v],
+                     label=f"{what}, visit {dyck['visits'][v]}", alpha=0.8, ms=7 - 2 * v)
+    ax2.set(xscale="log", xticks=ks, xticklabels=ks, xlabel="k demonstrations",
+            ylabel="Dyck head's mass at the targets", ylim=(0, 1.02))
     ax2.minorticks_off()
     ax2.legend(fontsize=6, loc="center right")
     h = dyck["head"]
@@ -358,7 +343,8 @@ def plot_dyck(dyck: dict, path: str, title: str = "") -> str:
     return _save(fig, path, tight=False)
 
 
-def plot_pairs(result: dict, out_dir: str, detail: Sequence[str] | None = None, n_draws: int | None = None) -> list[str]:
+def plot_pairs(result: dict, out_dir: str, detail: Sequence[str] | None = None,
+               n_draws: int | None = None) -> list[str]:
     """The main job's probe figures: Fig. 23 over all pairs, Appendix D's sink profiles, and the per-pair
     figures (Fig. 21-28, 30, Dyck Fig. 27) for the `detail` pairs (default: the last pair, the largest)."""
     os.makedirs(out_dir, exist_ok=True)
