@@ -109,10 +109,19 @@ def config_diff(stored: dict, current: dict, prefix: str) -> list[str]:
             if a.get(k) != b.get(k)]
 
 
+def with_defaults(stored: dict, default: dict) -> dict:
+    """A stored config as this code reads it: each field it lacks (added since) takes its default, nested too.
+
+    So a new field whose default is the old behaviour leaves finished runs resumable."""
+    out = {**default, **stored}
+    return {k: with_defaults(v, default[k]) if isinstance(v, dict) and isinstance(default.get(k), dict) else v
+            for k, v in out.items()}
+
+
 def _run_diff(rec: dict, model_cfg: ModelConfig, tc: TrainConfig) -> list[str]:
-    cur = asdict(tc)
-    return (config_diff(rec["model"], model_cfg.to_dict(), "model.")
-            + config_diff({k: rec["train"].get(k) for k in TRAJECTORY}, {k: cur[k] for k in TRAJECTORY}, "train."))
+    cur, train = asdict(tc), with_defaults(rec["train"], asdict(type(tc)()))
+    return (config_diff(with_defaults(rec["model"], type(model_cfg)().to_dict()), model_cfg.to_dict(), "model.")
+            + config_diff({k: train.get(k) for k in TRAJECTORY}, {k: cur[k] for k in TRAJECTORY}, "train."))
 
 
 def load_checkpoint(path: str | Path, model_cfg: ModelConfig, tc: TrainConfig) -> dict:

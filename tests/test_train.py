@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import checks
 import train as T
 from toys import tiny_model, tiny_train
 from loop import LoopConfig
-from model import GPT
+from model import GPT, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("tokens_per_s", "eta_s", "mfu")
@@ -357,6 +358,36 @@ def test_corrupt_and_mismatched_checkpoints_are_named(straight, tmp_path):
     with pytest.raises(checks.CheckpointError, match=r"config\.json.*model\.n_layer: stored 4, this run 3"):
         T.train(tiny_model(n_layer=3, loop=LoopConfig(start=1, length=1, n_loops=2)), tiny_train(),
                 T.SyntheticData(64), str(run))
+
+
+@dataclass
+class UpgradedConfig(ModelConfig):
+    """ModelConfig after a `git pull`: one more field, whose default is the old behaviour."""
+    router: str = "softmax"
+
+
+def test_a_run_resumes_after_a_defaulted_field_is_added(straight, tmp_path):
+    """A run directory written before a config field existed resumes bit-exactly once it does; another value of
+    that field is refused by name (the stored run lacks it: it ran with the default)."""
+    rows, run_dir, _ = straight
+    meta = {"scale": "toy", "sparsity_label": "test"}
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        T.train(tiny_model(), tiny_train(), CrashingData(4, 64), str(tmp_path), meta)
+    assert "router" not in checks.read_json(tmp_path / "config.json")["model"]
+    with pytest.raises(checks.CheckpointError, match=r"model\.router: stored 'softmax', this run 'sigmoid'"):
+        T.train(UpgradedConfig(**tiny_model().to_dict(), router="sigmoid"), tiny_train(), T.SyntheticData(64),
+                str(tmp_path), meta)
+    resumed = T.train(UpgradedConfig(**tiny_model().to_dict()), tiny_train(), T.SyntheticData(64), str(tmp_path), meta)
+    drop = lambda rs: [{k: v for k, v in r.items() if k not in ("wall_s", "config", "control")} for r in rs]
+    assert drop(resumed) == drop(rows)                             # val losses equal exactly
+    assert resumed[1]["config"] == {**rows[1]["config"], "router": "softmax"}
+    for name in ("branch_0000003.pt", "branch_0000006.pt"):
+        a, _ = checkpoint.load_weights(run_dir / "endpoints" / name)
+        b, _ = checkpoint.load_weights(tmp_path / "endpoints" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    old = checkpoint.load_checkpoint(run_dir / "endpoints" / "branch_0000003.pt", UpgradedConfig(**tiny_model().to_dict()),
+                                     tiny_train())
+    assert "router" not in old["meta"]["model"]                    # an endpoint from before the field still loads
 
 
 def test_needed_checkpoints_by_hand():
