@@ -1,27 +1,15 @@
-"""Parameter / FLOP / KV-cache accounting, compute-equivalent sparsity, budget matching, ladders.
+"""Parameter / FLOP / KV-cache accounting, compute-equivalent sparsity, budget matching, ladders (SMELT Sec. 3.2).
 
-SMELT (Sec. 3.2) compares a looped MoE transformer with an unlooped Baseline at equal per-token
-training FLOPs, total non-embedding parameters and KV cache. This file counts all three for any
-`ModelConfig` (exactly what model.py / loop.py / moe.py build; the tests count the built modules)
-and searches the looped configuration that matches them.
-
-  * One function per sub-layer (attention, norm, dense SwiGLU, router, routed and shared experts,
-    adapters, PLT gates, embedding, head) gives (parameters stored, weights a token passes per
-    visit); `_sublayers` says how many of each are stored and how many run (loop.plan), and the
-    parameter and FLOP totals are both sums over that one table.
-  * count_params: "blocks" (layers + final norm, stored once: a loop adds only adapters and gates),
-    "active" (top_k experts instead of the pool), "embedding", "head" (0 when tied).
-  * flops_per_token: 6 per weight passed on every executed visit, plus attention scores 12*q*ctx/2
-    per attention visit at the *document* length ctx. SMELT's F leaves the output head out (its
-    200M example); include_head=True is the full count; convention="howtoloop": How-to-Loop's.
-  * kv_bytes_per_token: 2 * n_kv_head * head_dim * bytes per executed attention visit.
-  * sparsity: SMELT Eq. 1, S = 1 - (F/F0) N0/N against the fully-active control (`dense_control`).
-  * match: keep depth, top_k, the loop and the shared experts; search d_model, d_ff and heads (numpy
-    grid, experts solved in closed form) for the least `mismatch`: F in [1, 1.04], N +-1 %, KV +-4 %.
-  * ladder_cells / ladder: Baseline and matched SMELT (r passes over the middle span) per preset cell.
-
-Formulas in full, conventions and measured figures: docs/budget.md. Read before: model.py, loop.py,
-moe.py. Read next: train.py (what a run costs), scaling.py (S, C and TPP in the fits).
+SMELT compares a looped MoE transformer with an unlooped Baseline at equal per-token training FLOPs, total
+non-embedding parameters and KV cache. One table, `_sublayers`, gives per sub-layer how many are stored and run
+(loop.plan), the parameters of one and the weights a token passes per visit: count_params and flops_per_token
+(6 per weight passed, plus 12*q*ctx/2 attention-score FLOPs per attention visit at the *document* length ctx;
+SMELT's F leaves the output head out) both sum it; kv_bytes_per_token counts executed attention visits.
+sparsity is SMELT Eq. 1 against `dense_control`. `match` keeps depth, top_k, the loop and the shared experts and
+searches d_model, d_ff and heads (numpy grid, experts in closed form) for the least `mismatch`: F in [1, 1.04],
+N +-1 %, KV +-4 %. ladder_cells / ladder: a preset's Baseline and matched SMELT per cell.
+Formulas, conventions and measured figures: docs/budget.md. Read before: model.py, loop.py, moe.py.
+Read next: train.py (what a run costs), scaling.py (S, C and TPP in the fits).
 """
 from __future__ import annotations
 
@@ -95,32 +83,8 @@ def _widths(cfg: ModelConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# One count per sub-layer: (parameters of one, weights one token passes through per visit; each
-# costs 6 training FLOPs). Python ints give exact counts, numpy arrays the whole match grid.
-
-def _attention(d, q, kv):                # wq, wo (D x q) and wk, wv (D x kv)
-    return 2 * d * q + 2 * d * kv, 2 * d * q + 2 * d * kv
-
-
-def _norm(d, counted):                   # an RMSNorm gain; counted=0: How-to-Loop counts no norm FLOPs
-    return d, counted * d
-
-
-def _swiglu(d, ff):                      # dense SwiGLU: gate, up (D x d_ff) and down (d_ff x D)
-    return 3 * d * ff, 3 * d * ff
-
-
-def _router(d, E):                       # W_r (E x D) scores every expert: all of it is active
-    return E * d, E * d
-
-
-def _routed_experts(d, ff, E, top_k):    # E SwiGLU experts stored, top_k of them passed
-    return 3 * E * d * ff, 3 * top_k * d * ff
-
-
-def _shared_experts(d, ff, n_shared):    # moe.MoE's always-active SwiGLU experts of width d_ff
-    return 3 * n_shared * d * ff, 3 * n_shared * d * ff
-
+# One table of sub-layers: how many are stored and run, the parameters of one and the weights one token passes
+# through per visit (each costs 6 training FLOPs). Python ints give exact counts, numpy arrays the match grid.
 
 def _adapters(p: Plan, shapes):
     """Loop adapters of the projections (d_in, d_out): L pairs A (rank x d_in), B (d_out x rank) each and,
@@ -131,10 +95,6 @@ def _adapters(p: Plan, shapes):
     return p.n_loops * pairs + mix * p.n_loops ** 2, passed * pairs + mix * p.n_loops
 
 
-def _kv_gate(d, nh):                     # PLT KV sharing's gate (n_head x D) on a span layer
-    return nh * d, nh * d
-
-
 def _plt_inject(d, inject: str, counted):
     """PLT re-injection of one loop >= 2: "add" nothing; "norm_half" two gains; "norm_gate" those and the
     gate, down (2D x R), up (R x D) and its bias (D), R = loop.GATE_RANK."""
@@ -143,33 +103,27 @@ def _plt_inject(d, inject: str, counted):
     return gains * d + gate, gains * counted * d + gate
 
 
-def _embedding(vocab, d):                # the input table: a lookup, no matmul
-    return vocab * d, 0
-
-
-def _head(vocab, d, tied: bool):         # the output projection: FLOPs also when tied to the embedding
-    return 0 if tied else vocab * d, vocab * d
-
-
 def _sublayers(p: Plan, d, nh, nkv, hd, ff, E, sh, counted=1) -> dict:
-    """{sub-layer: (instances stored, visits executed per token, (parameters, weights passed) of one)}."""
+    """{sub-layer: (instances stored, visits per token, parameters of one, weights passed per visit)};
+    counted=0: How-to-Loop counts no norm FLOPs."""
     q, kv, L = nh * hd, nkv * hd, p.n_layer
-    subs = {"attention": (L, p.attn_visits, _attention(d, q, kv)),
-            "attn_norm": (L, p.attn_visits, _norm(d, counted)),
-            "mlp_norm": (L, p.mlp_visits, _norm(d, counted)),
-            "final_norm": (1, 1, _norm(d, counted)),
+    attn = 2 * d * q + 2 * d * kv                                   # wq, wo (D x q) and wk, wv (D x kv)
+    subs = {"attention": (L, p.attn_visits, attn, attn),
+            "attn_norm": (L, p.attn_visits, d, counted * d),       # an RMSNorm gain
+            "mlp_norm": (L, p.mlp_visits, d, counted * d),
+            "final_norm": (1, 1, d, counted * d),
             "attn_adapters": (p.adapter_attn_layers, p.adapter_attn_visits,
-                              _adapters(p, [(d, q), (d, kv), (d, kv), (q, d)])),   # q, k, v, o
-            "kv_gates": (p.window_layers, p.window_visits, _kv_gate(d, nh)),
-            "plt": (p.n_inject, p.n_inject, _plt_inject(d, p.inject, counted))}
-    if p.moe:   # MoE layers carry no adapters
-        subs.update(router=(L, p.mlp_visits, _router(d, E)),
-                    experts=(L, p.mlp_visits, _routed_experts(d, ff, E, p.top_k)),
-                    shared_experts=(L, p.mlp_visits, _shared_experts(d, ff, sh)))
-    else:
-        subs.update(swiglu=(L, p.mlp_visits, _swiglu(d, ff)),
+                              *_adapters(p, [(d, q), (d, kv), (d, kv), (q, d)])),   # q, k, v, o
+            "kv_gates": (p.window_layers, p.window_visits, nh * d, nh * d),   # PLT KV sharing's gate (n_head x D)
+            "plt": (p.n_inject, p.n_inject, *_plt_inject(d, p.inject, counted))}
+    if p.moe:   # the router W_r (E x D) scores every expert; E SwiGLU experts stored, top_k passed; no adapters
+        subs.update(router=(L, p.mlp_visits, E * d, E * d),
+                    experts=(L, p.mlp_visits, 3 * E * d * ff, 3 * p.top_k * d * ff),
+                    shared_experts=(L, p.mlp_visits, 3 * sh * d * ff, 3 * sh * d * ff))   # always active
+    else:       # dense SwiGLU: gate, up (D x d_ff) and down (d_ff x D)
+        subs.update(swiglu=(L, p.mlp_visits, 3 * d * ff, 3 * d * ff),
                     mlp_adapters=(p.adapter_mlp_layers, p.adapter_mlp_visits,
-                                  _adapters(p, [(d, ff), (d, ff), (ff, d)])))      # gate, up, down
+                                  *_adapters(p, [(d, ff), (d, ff), (ff, d)])))      # gate, up, down
     return subs
 
 
@@ -180,26 +134,24 @@ GROUPS = {"attention": ("attention",), "ffn": ("swiglu", "router", "experts", "s
 
 def _params(p: Plan, d, nh, nkv, hd, ff, E, sh) -> dict:
     subs = _sublayers(p, d, nh, nkv, hd, ff, E, sh)
-    out = {g: sum(subs[s][0] * subs[s][2][0] for s in names if s in subs) for g, names in GROUPS.items()}
+    out = {g: sum(subs[s][0] * subs[s][2] for s in names if s in subs) for g, names in GROUPS.items()}
     out["blocks"] = sum(out.values())
-    n, (stored, passed) = (subs["experts"][0], subs["experts"][2]) if p.moe else (0, (0, 0))
+    n, _, stored, passed = subs["experts"] if p.moe else (0, 0, 0, 0)
     out["active"] = out["blocks"] - n * (stored - passed)     # less the pool's experts a token skips
-    out["embedding"] = _embedding(p.vocab, d)[0]
-    out["head"] = _head(p.vocab, d, p.tied)[0]
+    out["embedding"] = p.vocab * d                             # a lookup: no FLOPs
+    out["head"] = 0 if p.tied else p.vocab * d
     return out
-
-
-def _window_keys(w: int, ctx: float) -> float:
-    """Mean over positions t in (0, ctx] of min(t, w): keys a windowed causal query sees."""
-    return ctx / 2 if w >= ctx else w - w * w / (2 * ctx)
 
 
 def _flops(p: Plan, ctx: float, convention: str, include_head: bool, d, nh, nkv, hd, ff, E, sh):
     counted = 1 if convention == "smelt" else 0              # How-to-Loop counts no norm gains
-    w = sum(visits * cost[1] for _, visits, cost in _sublayers(p, d, nh, nkv, hd, ff, E, sh, counted).values())
-    keys = p.attn_visits * ctx / 2 + (p.window_visits * _window_keys(p.window, ctx) if p.window else 0)
+    w = sum(visits * passed for _, visits, _, passed in _sublayers(p, d, nh, nkv, hd, ff, E, sh, counted).values())
+    # a windowed query's keys: the mean over positions t in (0, ctx] of min(t, window)
+    window_keys = ctx / 2 if p.window >= ctx else p.window - p.window * p.window / (2 * ctx)
+    keys = p.attn_visits * ctx / 2 + (p.window_visits * window_keys if p.window else 0)
     coef = 12 if convention == "smelt" else 14               # attention-score FLOPs per (query width x key)
-    return 6 * w + coef * (nh * hd) * keys + (6 * _head(p.vocab, d, p.tied)[1] if include_head else 0)
+    # the output head: FLOPs also when tied to the embedding
+    return 6 * w + coef * (nh * hd) * keys + (6 * (p.vocab * d) if include_head else 0)
 
 
 def _kv_slots(p: Plan, ctx: float | None) -> float:
@@ -213,8 +165,7 @@ def _kv_slots(p: Plan, ctx: float | None) -> float:
 # The tolerance check (SMELT Table 3.2)
 
 def tolerance_bands(tolerances: dict | None = None) -> dict:
-    """{"flops", "params", "kv"}: (lo, hi) of each SMELT / Baseline ratio. F: [1, 1 + tol], never less compute
-    than the Baseline (every Appendix A SMELT has F ratio 1.000-1.081); N, KV: [1 - tol, 1 + tol]."""
+    """{"flops", "params", "kv"}: (lo, hi) of each SMELT / Baseline ratio; F one-sided, [1, 1 + tol]."""
     tol = {**TOLERANCES, **(tolerances or {})}
     return {k: (1.0 if k == "flops" else 1.0 - t, 1.0 + t) for k, t in tol.items()}
 
@@ -227,7 +178,7 @@ def mismatch(flops_ratio, params_ratio, kv_ratio, tolerances: dict | None = None
 
 
 def within_tolerance(flops_ratio, params_ratio, kv_ratio, tolerances: dict | None = None) -> bool:
-    """Whether all three ratios lie in tolerance_bands: the one check of matcher, ladder, results and tests."""
+    """Whether all three ratios lie in tolerance_bands (the one check; docs/budget.md)."""
     return bool(mismatch(flops_ratio, params_ratio, kv_ratio, tolerances) <= 1 + 1e-9)
 
 
@@ -240,11 +191,11 @@ def _check_cfg(cfg) -> None:
     cfg.validate()
 
 
-def _check_ctx(cfg: ModelConfig, ctx_len, name: str = "ctx_len") -> None:
+def _check_ctx(cfg: ModelConfig, ctx_len) -> None:
     if isinstance(ctx_len, bool) or not isinstance(ctx_len, numbers.Real) or not ctx_len > 0:
-        raise ValueError(f"{name} must be a number > 0 (tokens of document length), got {ctx_len!r}")
+        raise ValueError(f"ctx_len must be a number > 0 (tokens of document length), got {ctx_len!r}")
     if ctx_len > cfg.block_size:
-        raise ValueError(f"{name}={ctx_len} exceeds block_size={cfg.block_size}: no token attends that far")
+        raise ValueError(f"ctx_len={ctx_len} exceeds block_size={cfg.block_size}: no token attends that far")
 
 
 def param_breakdown(cfg: ModelConfig) -> dict:
@@ -270,8 +221,7 @@ def _head_default(convention: str, include_head: bool | None) -> bool:
 
 def flops_per_token(cfg: ModelConfig, ctx_len: float, convention: str = "smelt",
                     include_head: bool | None = None) -> float:
-    """Training FLOPs per token at document length ctx_len (see the module docstring). include_head
-    None: the convention's own choice (SMELT: no head; How-to-Loop: head counted)."""
+    """Training FLOPs per token at document length ctx_len; include_head None: the convention's choice."""
     _check_cfg(cfg)
     _check_ctx(cfg, ctx_len)
     head = _head_default(convention, include_head)
@@ -279,8 +229,7 @@ def flops_per_token(cfg: ModelConfig, ctx_len: float, convention: str = "smelt",
 
 
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, ctx_len: float | None = None):
-    """KV-cache bytes per token: 2 * n_kv_head * head_dim * bytes per executed attention visit. With PLT
-    KV sharing (kv_window = w > 0) later loops keep rings of w - 1 slots: pass ctx_len (the cache length); a float."""
+    """KV-cache bytes per token; with PLT KV sharing (kv_window > 0) pass ctx_len, the cache length."""
     _check_cfg(cfg)
     if isinstance(bytes_per_elem, bool) or not isinstance(bytes_per_elem, int) or bytes_per_elem <= 0:
         raise ValueError(f"bytes_per_elem must be a positive int, got {bytes_per_elem!r}")
@@ -301,16 +250,14 @@ def sparsity(F: float, N: float, F0: float, N0: float) -> float:
 
 
 def dense_control(cfg: ModelConfig) -> ModelConfig:
-    """The fully-active control: the unlooped Baseline at cfg's scale with every expert active
-    (n_experts = top_k, e.g. 8 experts top-8); a dense config's control is itself, unlooped."""
+    """The fully-active control: cfg unlooped with n_experts = top_k (a dense config: itself, unlooped)."""
     _check_cfg(cfg)
     return replace(cfg, n_experts=cfg.top_k if cfg.n_experts else 0, loop=LoopConfig())
 
 
 def config_sparsity(cfg: ModelConfig, ctx_len: float, control: ModelConfig | None = None,
                     include_head: bool = False) -> float:
-    """S of cfg (Eq. 1) against `control` (default dense_control(cfg); pass the Baseline's control
-    for a matched looped model: S is measured at the Baseline's scale)."""
+    """S of cfg (Eq. 1) against `control` (default dense_control(cfg); a matched looped model: its Baseline's)."""
     control = dense_control(cfg) if control is None else control
     return sparsity(flops_per_token(cfg, ctx_len, include_head=include_head), count_params(cfg)["blocks"],
                     flops_per_token(control, ctx_len, include_head=include_head), count_params(control)["blocks"])
@@ -339,9 +286,8 @@ SEARCH_DEFAULTS = dict(
 
 
 def _search_options(base: ModelConfig, search: dict) -> dict:
-    if set(search) - set(SEARCH_DEFAULTS):
-        raise ValueError(f"match: unknown search option(s) {sorted(set(search) - set(SEARCH_DEFAULTS))}; "
-                         f"known: {sorted(SEARCH_DEFAULTS)}")
+    if unknown := sorted(set(search) - set(SEARCH_DEFAULTS)):
+        raise ValueError(f"match: unknown search option(s) {unknown}; known: {sorted(SEARCH_DEFAULTS)}")
     o = {**SEARCH_DEFAULTS, **search}
     o["d_multiple"] = o["d_multiple"] or (8 if base.d_model >= 256 else 4)
     o["ff_multiple"] = o["ff_multiple"] or (8 if base.d_ff >= 256 else 4)
@@ -359,27 +305,32 @@ def _search_options(base: ModelConfig, search: dict) -> dict:
     for k, v in o["tolerances"].items():
         if k not in TOLERANCES or not v > 0:
             raise ValueError(f"match: tolerances must map flops/params/kv to values > 0, got {k}={v!r}")
-    if not (0 < o["resolution"] < math.inf and 0 <= o["ff_band"] < math.inf and 0 <= o["q_band"] < math.inf):  # NaN fails
-        raise ValueError(f"match: resolution must be > 0 and ff_band, q_band >= 0, all finite, got {o['resolution']}, {o['ff_band']}, {o['q_band']}")
+    if not (0 < o["resolution"] < math.inf and 0 <= o["ff_band"] < math.inf and 0 <= o["q_band"] < math.inf):
+        raise ValueError("match: resolution must be > 0 and ff_band, q_band >= 0, all finite, "   # NaN fails too
+                         f"got {o['resolution']}, {o['ff_band']}, {o['q_band']}")
     return o
 
 
-def _near(center, step: int, band: float, span: int):
-    """Multiples of `step` around each center (array, shape (n,)), as (n, 2*span+1) with a mask:
-    within +-band of the center, or the nearest multiple (always kept)."""
-    c = np.maximum(np.rint(center / step), 1) * step
+def _multiples(span: tuple, x: float, m: int):
+    """The multiples of m in [span[0] * x, span[1] * x]."""
+    return np.arange(math.ceil(span[0] * x / m), math.floor(span[1] * x / m) + 1) * m
+
+
+def _near(center, step: int, band: float):
+    """Multiples of `step` within +-band of each center (array, shape (n,)), the nearest one always kept:
+    (index of its center, multiple) of every candidate."""
+    span = int(band * center.max() / step) + 1
     off = np.arange(-span, span + 1) * step
-    vals = c[:, None] + off[None, :]
+    vals = np.maximum(np.rint(center / step), 1)[:, None] * step + off[None, :]
     ok = (vals >= step) & ((np.abs(vals / center[:, None] - 1) <= band + 1e-9) | (off[None, :] == 0))
-    return vals, ok
+    r, c = np.nonzero(ok)
+    return r, vals[r, c]
 
 
 def _head_pairs(b: ModelConfig, o: dict, ps: Plan, ctx_len: float, kv_b: float):
     """(head_dim, n_kv_head) candidates, flattened: KV depends only on them, so keep the pairs that match it."""
-    m_hd = o["head_dim_multiple"]
     hds = (np.array(sorted(set(o["head_dims"])), dtype=float) if o["head_dims"] else
-           np.union1d(np.arange(math.ceil(o["hd_range"][0] * b.hd / m_hd), math.floor(o["hd_range"][1] * b.hd / m_hd) + 1)
-                      * m_hd, [b.hd]).astype(float))
+           np.union1d(_multiples(o["hd_range"], b.hd, o["head_dim_multiple"]), [b.hd]).astype(float))
     hds = hds[(hds >= o["min_head_dim"]) & (hds % 2 == 0)]
     kvh = np.array(o["n_kv_heads"] or range(1, 2 * b.n_kv_head + 1), dtype=float)
     HD, KVH = (a.ravel() for a in np.meshgrid(hds, kvh))
@@ -394,40 +345,36 @@ def _head_pairs(b: ModelConfig, o: dict, ps: Plan, ctx_len: float, kv_b: float):
 
 
 def _grid(b: ModelConfig, o: dict, HD, KVH):
-    """d_model grid x head pairs; then n_head and d_ff offsets around the Baseline's proportions:
-    candidate arrays (D, n_head, n_kv_head, head_dim, d_ff)."""
-    m_d = o["d_multiple"]
-    ds = np.arange(math.ceil(o["d_range"][0] * b.d_model / m_d), math.floor(o["d_range"][1] * b.d_model / m_d) + 1) * m_d
+    """d_model grid x head pairs, then n_head and d_ff around the Baseline's proportions: candidate arrays
+    (D, n_head, n_kv_head, head_dim, d_ff)."""
+    ds = _multiples(o["d_range"], b.d_model, o["d_multiple"])
     if not ds.size:
-        raise ValueError(f"match: no d_model multiple of {m_d} in d_range {o['d_range']} x {b.d_model}")
+        raise ValueError(f"match: no d_model multiple of {o['d_multiple']} in d_range {o['d_range']} x {b.d_model}")
     D, I = (a.ravel() for a in np.meshgrid(ds.astype(float), np.arange(HD.size)))
     hd, nkv = HD[I], KVH[I]
-    q_center = b.n_head * b.hd / b.d_model * D
-    groups = q_center / hd / nkv                          # n_head / n_kv_head
-    nh, ok_h = _near(groups, 1, o["q_band"], int(o["q_band"] * groups.max()) + 1)
-    nh = nh * nkv[:, None]
-    r, c = np.nonzero(ok_h)
-    D, hd, nkv, nh = D[r], hd[r], nkv[r], nh[r, c]
-    m_ff = o["ff_multiple"]
-    ff_center = b.d_ff / b.d_model * D
-    ff, ok_f = _near(ff_center, m_ff, o["ff_band"], int(o["ff_band"] * ff_center.max() / m_ff) + 1)
-    r, c = np.nonzero(ok_f)
-    return D[r], nh[r], nkv[r], hd[r], ff[r, c]
+    r, groups = _near(b.n_head * b.hd / b.d_model * D / hd / nkv, 1, o["q_band"])   # n_head / n_kv_head
+    D, hd, nkv = D[r], hd[r], nkv[r]
+    r, ff = _near(b.d_ff / b.d_model * D, o["ff_multiple"], o["ff_band"])
+    return D[r], (groups * nkv)[r], nkv[r], hd[r], ff
 
 
-def _match_report(b: ModelConfig, cfg: ModelConfig, ctx_len: float, o: dict, base: tuple, candidates: int,
-                  t0: float) -> dict:
-    """The match report, recounted through the scalar path; base: the Baseline's (F, blocks, KV)."""
+def _counts(cfg: ModelConfig, ctx_len: float, o: dict) -> tuple[float, int, float]:
+    """(F, blocks, KV slots x width) of cfg under the search's convention: what a match's ratios compare."""
+    return (flops_per_token(cfg, ctx_len, o["convention"], o["include_head"]), count_params(cfg)["blocks"],
+            cfg.n_kv_head * cfg.hd * _kv_slots(plan_of(cfg), ctx_len))
+
+
+def _match_report(b: ModelConfig, cfg: ModelConfig, ctx_len: float, o: dict, candidates: int, t0: float) -> dict:
+    """The report of cfg matched to b's budgets, recounted through the scalar path."""
     tol, conv, head = o["tolerances"], o["convention"], o["include_head"]
-    (F_b, N_b, kv_b), Fm, Nm = base, flops_per_token(cfg, ctx_len, conv, head), count_params(cfg)["blocks"]
-    kvm = cfg.n_kv_head * cfg.hd * _kv_slots(plan_of(cfg), ctx_len)
+    (F_b, N_b, kv_b), (Fm, Nm, kvm) = _counts(b, ctx_len, o), _counts(cfg, ctx_len, o)
     rep = {"flops_ratio": Fm / F_b, "params_ratio": Nm / N_b, "kv_ratio": kvm / kv_b,
            # the other head convention, reported beside the matched one (not matched on)
            "flops_ratio_other_head": (flops_per_token(cfg, ctx_len, conv, not head)
                                       / flops_per_token(b, ctx_len, conv, not head))}
     ratios = (rep["flops_ratio"], rep["params_ratio"], rep["kv_ratio"])
     rep.update(within_tolerance=within_tolerance(*ratios, tol), worst=float(mismatch(*ratios, tol)), tolerances=tol,
-               ctx_len=ctx_len, convention=conv, include_head=head, flops=(F_b, Fm), params=(N_b, Nm),
+               ctx_len=ctx_len, convention=conv, include_head=head, flops=(F_b, Fm), params=(float(N_b), Nm),
                kv_bytes_bf16=(4 * kv_b, 4 * kvm), candidates=candidates, seconds=time.perf_counter() - t0,
                message="matched within tolerance")
     if not rep["within_tolerance"]:
@@ -438,47 +385,33 @@ def _match_report(b: ModelConfig, cfg: ModelConfig, ctx_len: float, o: dict, bas
     return rep
 
 
-def _base_counts(b: ModelConfig, ctx_len: float, o: dict) -> tuple[float, float, float]:
-    pb = plan_of(b)   # the Baseline's (F, blocks, KV slots x width): what a match's ratios divide by
-    return (float(_flops(pb, ctx_len, o["convention"], o["include_head"], **_widths(b))),
-            float(_params(pb, **_widths(b))["blocks"]), b.n_kv_head * b.hd * _kv_slots(pb, ctx_len))
+GEOMETRY = ("d_model", "n_head", "n_kv_head", "head_dim", "d_ff", "n_experts")   # what a match chooses
 
 
 def fixed_match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, geometry: tuple, **search):
-    """(config, match's report) of a given SMELT geometry (d_model, n_head, n_kv_head, head_dim, d_ff,
-    n_experts) on base_cfg with `loop`: e.g. Appendix A's published configs (configs.PAPER_SMELT)."""
+    """(config, match's report) of a given GEOMETRY on base_cfg with `loop` (configs.PAPER_SMELT's)."""
     t0, o = time.perf_counter(), _search_options(base_cfg, search)
     _check_ctx(base_cfg, ctx_len)
-    cfg = replace(base_cfg, loop=loop, **dict(zip(("d_model", "n_head", "n_kv_head", "head_dim", "d_ff", "n_experts"),
-                                                  geometry)))
-    _check_cfg(cfg)
-    return cfg, _match_report(base_cfg, cfg, ctx_len, o, _base_counts(base_cfg, ctx_len, o), 1, t0)
+    cfg = replace(base_cfg, loop=loop, **dict(zip(GEOMETRY, geometry)))
+    return cfg, _match_report(base_cfg, cfg, ctx_len, o, 1, t0)
 
 
 def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: ModelConfig | None = None,
           **search) -> tuple[ModelConfig, dict]:
-    """The looped config matching base_cfg's FLOPs per token, blocks (total non-embedding parameters)
-    and KV cache, and a report {"flops_ratio", "params_ratio", "kv_ratio", "within_tolerance", ...}.
-
-    search: options of SEARCH_DEFAULTS (alignments, bands, tolerances, include_head, convention).
-    The report also holds the worst mismatch in tolerances, the base and matched FLOPs / blocks /
-    KV bytes per token, the number of candidates scored and the seconds taken, and a message.
-    Depth, top_k, vocab and n_shared_experts are the Baseline's; the loop is `loop`.
-    target: match target's budgets instead (default base_cfg's), base_cfg still giving the depth and the
-    widths the search is centred on (scripts/depth_sweep.py: a depth-P model against a depth-L reference).
-    """
-    t0 = time.perf_counter()
-    _check_cfg(base_cfg)
+    """The looped config matching base_cfg's FLOPs per token, blocks and KV cache (depth, top_k, vocab and
+    n_shared_experts the Baseline's, the loop `loop`), and the report: the three ratios, within_tolerance, the
+    worst mismatch, both models' counts, candidates scored, seconds, a message. search: SEARCH_DEFAULTS options.
+    target: match target's budgets instead, base_cfg still giving the depth and the widths the search is centred
+    on (scripts/depth_sweep.py: a depth-P model against a depth-L reference)."""
+    t0, b, tgt = time.perf_counter(), base_cfg, base_cfg if target is None else target
+    _check_cfg(b)
     if not isinstance(loop, LoopConfig):
         raise ValueError(f"match: loop must be a loop.LoopConfig, got {type(loop).__name__}")
-    loop.validate(base_cfg.n_layer)
-    _check_ctx(base_cfg, ctx_len)
-    if target is not None:
-        _check_cfg(target)
-    tgt = base_cfg if target is None else target
-    o = _search_options(base_cfg, search)
-    tol, conv, head, b, sh = o["tolerances"], o["convention"], o["include_head"], base_cfg, base_cfg.n_shared_experts
-    ps, (F_b, N_b, kv_b) = plan_of(b, loop), _base_counts(tgt, ctx_len, o)
+    loop.validate(b.n_layer)
+    _check_ctx(b, ctx_len)
+    _check_cfg(tgt)
+    o, ps, sh = _search_options(b, search), plan_of(b, loop), b.n_shared_experts
+    F_b, N_b, kv_b = _counts(tgt, ctx_len, o)
     D, nh, nkv, hd, ff = _grid(b, o, *_head_pairs(b, o, ps, ctx_len, kv_b))
     E = np.zeros_like(D)
     if ps.moe:   # expert count: blocks are linear in E -> solve, try the two neighbouring multiples
@@ -488,17 +421,15 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: Model
         E = np.concatenate([np.floor(e_star), np.ceil(e_star)]) * m_e
         E = np.maximum(E, math.ceil(b.top_k / m_e) * m_e)
         D, nh, nkv, hd, ff = (np.concatenate([a, a]) for a in (D, nh, nkv, hd, ff))
-    F = _flops(ps, ctx_len, conv, head, D, nh, nkv, hd, ff, E, sh) / F_b
+    F = _flops(ps, ctx_len, o["convention"], o["include_head"], D, nh, nkv, hd, ff, E, sh) / F_b
     N = _params(ps, D, nh, nkv, hd, ff, E, sh)["blocks"] / N_b
-    KV = nkv * hd * _kv_slots(ps, ctx_len) / kv_b
-    worst = mismatch(F, N, KV, tol)
+    worst = mismatch(F, N, nkv * hd * _kv_slots(ps, ctx_len) / kv_b, o["tolerances"])
     shape = (np.abs(np.log(ff / (b.d_ff / b.d_model * D)))
              + np.abs(np.log(nh * hd / D / (b.n_head * b.hd / b.d_model)))
              + np.abs(np.log(hd / b.hd)) + np.abs(np.log(nkv / b.n_kv_head)))
     best = np.lexsort((shape, np.floor(worst / o["resolution"] + 1e-9)))[0]
-    cfg = replace(b, d_model=int(D[best]), n_head=int(nh[best]), n_kv_head=int(nkv[best]), head_dim=int(hd[best]),
-                  d_ff=int(ff[best]), n_experts=int(E[best]), loop=loop)
-    return cfg, _match_report(tgt, cfg, ctx_len, o, (F_b, N_b, kv_b), int(D.size), t0)
+    cfg = replace(b, loop=loop, **{k: int(a[best]) for k, a in zip(GEOMETRY, (D, nh, nkv, hd, ff, E))})
+    return cfg, _match_report(tgt, cfg, ctx_len, o, int(D.size), t0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -516,9 +447,8 @@ def preset_search(preset: str) -> dict:
 
 
 def preset_doc_length(preset: str, data=None) -> float:
-    """The document length a preset's ladder is matched at and its F counted at (SMELT: "at the document
-    length"): the measured effective length of its prepared data (`data`: a TokenData, default the cached
-    one) at its block size, as train.py's rows; the paper preset: configs.PAPER_DOC_LEN (Appendix A)."""
+    """The document length a preset's ladder is matched and its F counted at: measured on its prepared data
+    (`data`, default the cached TokenData) at its block size, as train.py's rows; paper: configs.PAPER_DOC_LEN."""
     p = _ladder(preset)
     if p["data"] is None:
         return float(configs.PAPER_DOC_LEN)
@@ -544,9 +474,8 @@ def preset_baselines(preset: str) -> list[tuple[str, str, ModelConfig]]:
 def _row(scale, label, arch, cfg, ctx, control) -> dict:
     c, lc = count_params(cfg), cfg.loop
     return dict(scale=scale, sparsity=label, arch=arch, d_model=cfg.d_model, n_layer=cfg.n_layer,
-                n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.hd, d_ff=cfg.d_ff,
-                n_experts=cfg.n_experts, top_k=cfg.top_k,
-                loop=f"{lc.start + 1}-{lc.start + lc.length} x{lc.n_loops}" if lc.active else "-",
+                n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.hd, d_ff=cfg.d_ff, n_experts=cfg.n_experts,
+                top_k=cfg.top_k, loop=f"{lc.start + 1}-{lc.start + lc.length} x{lc.n_loops}" if lc.active else "-",
                 active=c["active"], blocks=c["blocks"], S=config_sparsity(cfg, ctx, control),
                 flops=flops_per_token(cfg, ctx), flops_with_head=flops_per_token(cfg, ctx, include_head=True),
                 kv_bytes=kv_bytes_per_token(cfg, 2, ctx))
@@ -554,21 +483,16 @@ def _row(scale, label, arch, cfg, ctx, control) -> dict:
 
 def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, spec: LoopSpec = SMELT,
                  **search) -> list[dict]:
-    """Every cell of a preset's grid: {"scale", "sparsity_label", "ctx_len", "baseline", "smelt" (ModelConfig
-    dicts), "match" (budget.match's report, "source": "matched" | "published")}, SMELT matched to its Baseline
-    at document length ctx_len, or the preset's published geometry (LADDERS "smelt", for r 2 and no shared).
-
-    The one ladder builder: `ladder` (budget.py --ladder) and the main job (reproduce.py) both call it.
-    vocab_size: the data's (the head is not in F: the match does not depend on it). The looped model loops
-    spec.at(n_layer) (default SMELT's); every Baseline (so its looped model) gets spec.n_shared_experts.
-    """
-    cells = []
+    """Every cell of a preset's grid (the one ladder builder, for `ladder` and reproduce.py): {"scale",
+    "sparsity_label", "ctx_len", "baseline", "smelt" (ModelConfig dicts), "match" (match's report, "source":
+    "matched" | "published": LADDERS "smelt" geometries, for SMELT's own loop)}. The looped model loops
+    spec.at(n_layer), and both models get spec.n_shared_experts; vocab_size: the data's (not in F)."""
+    cells, opts = [], {**preset_search(preset), **search}
     for scale, label, base in preset_baselines(preset):
         base = replace(base, vocab_size=vocab_size or base.vocab_size, n_shared_experts=spec.n_shared_experts)
         loop = spec.at(base.n_layer)
         fixed = configs.LADDERS[preset].get("smelt", {}).get((scale, label))
         published = fixed is not None and loop == SMELT.at(base.n_layer) and not spec.n_shared_experts
-        opts = {**preset_search(preset), **search}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
             cfg, rep = (fixed_match(base, loop, ctx_len, fixed, **opts) if published
@@ -580,16 +504,11 @@ def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, spe
 
 
 def ladder(preset: str, ctx_len: float | None = None, spec: LoopSpec = SMELT, **search) -> list[dict]:
-    """Baseline and matched SMELT table rows for every cell of a preset's grid (scales x sparsities). ctx_len:
-    document length for FLOPs (default: `preset_doc_length(preset)`, the measured document
-    length of the preset's prepared data; the paper's configs.PAPER_DOC_LEN for the paper grid). FLOPs leave
-    the output head out (SMELT's convention); rows also give the head-inclusive count. spec: as ladder_cells.
-    """
-    _ladder(preset)
+    """Baseline and SMELT table rows of every ladder_cells cell at document length ctx_len (default
+    preset_doc_length(preset)); F leaves the head out (SMELT's), the rows also give F with it."""
     ctx = preset_doc_length(preset) if ctx_len is None else ctx_len
     rows = []
-    cells = ladder_cells(preset, ctx, spec=spec, **search)
-    for i, cell in enumerate(cells):
+    for i, cell in enumerate(ladder_cells(preset, ctx, spec=spec, **search)):
         base, cfg, rep = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"]), cell["match"]
         scale, label, control = cell["scale"], cell["sparsity_label"], dense_control(base)
         rows.append(_row(scale, label, "Baseline", base, ctx, control))
@@ -609,7 +528,8 @@ def format_ladder(rows: list[dict]) -> str:
     """A fixed-width table of ladder rows. F, N, KV: the matched ratios (F without the head, SMELT's); F+head."""
     paper = "paper_flops_ratio" in rows[-1]
     head = (f"{'scale':>6} {'S label':>7} {'arch':>8} {'D':>5} {'L':>3} {'H/Hkv x hd':>12} {'d_ff':>5} {'E':>4} "
-            f"{'k':>2} {'loop':>8} {'active':>9} {'total':>9} {'S':>6} {'F':>6} {'N':>6} {'KV':>6} {'ok':>3} {'F+head':>6}"
+            f"{'k':>2} {'loop':>8} {'active':>9} {'total':>9} {'S':>6} {'F':>6} {'N':>6} {'KV':>6} {'ok':>3} "
+            f"{'F+head':>6}"
             + (f" | {'paper: S':>8} {'D':>5} {'E':>4} {'F':>6} {'KV':>6}" if paper else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -629,7 +549,8 @@ def format_ladder(rows: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = checks.parser("Budget accounting and SMELT budget matching (see the module docstring).")
-    ap.add_argument("--ladder", choices=list(configs.LADDERS), help="print the matched Baseline/SMELT grid of a preset")
+    ap.add_argument("--ladder", choices=list(configs.LADDERS),
+                    help="print the matched Baseline/SMELT grid of a preset")
     ap.add_argument("--config", help="print the accounting of a ModelConfig JSON file (e.g. a run's config.json)")
     ap.add_argument("--ctx-len", type=checks.positive_float, default=None, help="document length for attention FLOPs "
                     "(default: measured on the preset's prepared data, the paper's 833 for --ladder paper; "
@@ -661,10 +582,9 @@ def main(argv: list[str] | None = None) -> None:
         n, ok = sum(r["arch"] == "SMELT" for r in rows), sum(r.get("within_tolerance", False) for r in rows)
         print(f"\n{ok}/{n} cells within tolerance (F +0..4 %, N 1 %, KV 4 %); "
               f"{time.perf_counter() - t0:.1f} s total. Ratios are SMELT / Baseline.")
-        path = os.path.join(args.out_dir, f"ladder_{args.ladder}.json") if args.out_dir else None
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "w") as f:
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, f"ladder_{args.ladder}.json"), "w") as f:
                 json.dump(rows, f, indent=1)
 
 

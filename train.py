@@ -1,27 +1,17 @@
 """Training: AdamW + warmup-stable-decay with decay branches, exact resume, DDP / FSDP2.
 
-SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stable* run and all of its
-*decay branches*, and writes one results row per branch:
-  stable     linear warmup over `warmup_steps`, then a constant learning rate up to `stable_steps`, the
-             last fork; the stable state is checkpointed at every branch step (a fork point).
-  branch b   for each b in `branch_steps`: start from the stable state after b steps and cosine-decay
-             the learning rate to `min_lr_frac * lr` over `decay_steps` more steps (the same extra
-             tokens for every branch). Decay step j of every branch reads training batch
-             `stable_steps + j`: "fresh data not seen during the stable phase", the same for all branches.
-  results    each endpoint's validation report (eval.py: overall, source, domain, length) is appended to
-             RUN_DIR/results.jsonl with D (tokens seen), F (budget.flops_per_token, no output head, at
-             the measured document length), C = F*D, S (SMELT Eq. 1) and N: the points scaling.py fits
-             L(F, S, D) to. "endpoint" names the branch's weights, endpoints/branch_XXXXXXX.pt.
-Cross-entropy is summed per micro-batch and divided by the global batch's target count, so the gradient
-does not depend on how the batch is split; weight decay applies to matrices only. A non-finite loss or
-gradient norm raises DivergenceError before the update; a finite blow-up (checkpoint.divergence_limit) raises
-it at a logged step, after the update.
-RUN_DIR also holds config.json, metrics.jsonl (one row per logged step), ckpt/ (resume points, only while
-the run is unfinished) and ckpt.pt (a copy of the longest branch's endpoint, what eval.py and probes.py
-load; `checkpoint.load_weights` reads any of them, hash checked). Under torchrun: DDP, or FSDP2 with --fsdp.
-CUDA: bf16 autocast and torch.compile; CPU: fp32, eager.
-Read first: model.py, budget.py; checkpoints and resume: checkpoint.py; file integrity: checks.py.
-Design notes: docs/train.md.
+SMELT Sec. 3.1 ("Optimizer and schedule") and Sec. 4.1. One call trains a *stable* run (linear warmup, then a
+constant learning rate up to `stable_steps`, checkpointed at every fork point) and all of its *decay branches*:
+each b in `branch_steps` starts from the stable state after b steps and cosine-decays the learning rate to
+`min_lr_frac * lr` over `decay_steps` more steps; decay step j of every branch reads training batch
+`stable_steps + j` ("fresh data not seen during the stable phase"). Each endpoint appends one row to
+RUN_DIR/results.jsonl: its validation report (eval.py) with D, F (budget.flops_per_token, no head, at the measured
+document length), C = F*D, S (SMELT Eq. 1) and N, the points scaling.py fits. RUN_DIR also holds config.json,
+metrics.jsonl, ckpt/ (resume points while unfinished), endpoints/ and ckpt.pt (the longest branch's endpoint,
+what eval.py and probes.py load). Cross-entropy is summed per micro-batch over the global batch's target count;
+a non-finite loss or gradient norm raises DivergenceError before the update, a finite blow-up
+(checkpoint.divergence_limit) at a logged step. CUDA: bf16 autocast and torch.compile; CPU: fp32, eager.
+Read first: model.py, budget.py; then checkpoint.py (resume) and checks.py. Design notes: docs/train.md.
 """
 from __future__ import annotations
 
@@ -53,24 +43,18 @@ import configs
 import data as data_mod
 from checkpoint import (Checkpoints, DivergenceError, branches, endpoint_path, export_final, logged, refuse_unrunnable,
                         save_kind)
-from checks import check_fields, from_dict
+from checks import check_fields, from_dict, run_lock
 from data import SyntheticData   # a corpus-free stand-in with TokenData's interface (tests, benchmarks)
+from eval import token_nll, val_loss_by
 from loop import LoopConfig, LoopSpec
 from model import GPT, ModelConfig, compile_model
-from checks import run_lock
-from eval import token_nll, val_loss_by
-
-
 
 MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
 
 
 def machine_settings(allocator: bool = False) -> dict:
-    """What this machine offers and what a run here uses (one line of the run's summary; reproduce.py may print
-    it): usable CPUs, torch intra-op threads, the glibc allocator's mmap / trim thresholds, AMX, CUDA.
-    allocator=True raises the thresholds in this process (glibc mallopt), so freed activations stay mapped
-    instead of being returned to the OS and faulted back in every step; numbers are unchanged. bf16 autocast
-    on CPU changes the numbers and measured slower, so fp32 stays the CPU default (docs/train.md)."""
+    """What this machine offers and a run here uses: CPUs, torch threads, AMX, CUDA, the glibc allocator's mmap /
+    trim thresholds, which allocator=True raises in this process (same numbers, faster: docs/train.md)."""
     flags = ""
     with contextlib.suppress(OSError):
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
@@ -140,8 +124,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        """TrainConfig(**d) for a stored config ("train" of config.json, a results row, a checkpoint's meta);
-        unknown keys are named in a ValueError."""
+        """TrainConfig(**d) of a stored config; unknown keys are named in a ValueError."""
         return from_dict(cls, d)
 
     @property
@@ -149,8 +132,7 @@ class TrainConfig:
         return branches(self.branch_steps, self.stable_steps)
 
     def validate(self, world_size: int = 1) -> None:
-        """Types and ranges of every field (run at construction with world_size 1; the Trainer re-runs it
-        with the real world size). Raises ValueError naming the field."""
+        """Types and ranges of every field (at construction with world_size 1; the Trainer's with its own)."""
         def bad(msg):
             raise ValueError(f"TrainConfig: {msg}")
         check_fields(self, "TrainConfig")   # ints are ints (not bools or 2.5), floats finite, bools bools
@@ -218,12 +200,8 @@ def make_optimizer(gpt: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
 
 
 class Objective(nn.Module):
-    """The training step's forward as plain tensors (what DDP, FSDP and torch.compile wrap).
-
-    Returns (summed cross-entropy over non-ignored targets, their count, load-balance loss,
-    z-loss, tokens per expert (visits, E)). Summing lets the caller normalise by the global batch.
-    per_token=True (validation) returns the (B, T) per-token cross-entropy instead.
-    """
+    """The training step's forward as plain tensors (what DDP, FSDP and torch.compile wrap): (cross-entropy
+    summed over non-ignored targets, their count, load-balance loss, z-loss, tokens per expert (visits, E))."""
 
     def __init__(self, gpt: GPT):
         super().__init__()
@@ -242,10 +220,8 @@ class Objective(nn.Module):
 
 def forward_backward(model, cfg: ModelConfig, idx, tgt, doc, scale, accum: int = 1, sync=None,
                      autocast=contextlib.nullcontext):
-    """Forward and backward of one optimizer step over `accum` micro-batches of the rows: loss = CE sum x
-    scale (world / the global batch's target count) + the router losses / accum. sync(last_micro): DDP's
-    gradient-sync context. Returns (CE sum, aux, z) as a tensor, tokens per expert (layers, E) or None, and
-    the loss summed over the micro-batches (detached)."""
+    """Forward and backward over `accum` micro-batches: loss = CE sum x scale + router losses / accum; sync(last
+    micro): DDP's context. Returns (CE sum, aux, z), tokens per expert (layers, E) or None, the detached loss."""
     micro = idx.shape[0] // accum
     stats, load, total = torch.zeros(3, device=idx.device), None, 0.0
     for m in range(accum):
@@ -262,8 +238,7 @@ def forward_backward(model, cfg: ModelConfig, idx, tgt, doc, scale, accum: int =
 
 
 def update(gpt: nn.Module, opt, grad_clip: float, check=None):
-    """Clip the global gradient norm (0: no clip), then the optimizer step. check(grad norm), when given, runs
-    before the step (the Trainer's metrics row and divergence guard); its value is returned."""
+    """Clip the gradient norm (0: no clip) and step; check(grad norm) runs before the step, its value returned."""
     gn = torch.nn.utils.clip_grad_norm_(gpt.parameters(), grad_clip or float("inf"))
     out = check(gn.full_tensor() if hasattr(gn, "full_tensor") else gn) if check else None
     opt.step()
@@ -310,8 +285,7 @@ def check_device(device: str) -> None:
 
 
 def select_device(tc: TrainConfig, d: Dist) -> tuple[torch.device, object]:
-    """(device, autocast context factory): tc.device ("auto": CUDA when present; cuda:LOCAL_RANK under torchrun),
-    TF32 matmuls on CUDA, bf16 autocast on CUDA (tc.dtype "auto") or when asked ("bf16"), else fp32."""
+    """(device, autocast context factory) of tc.device and tc.dtype; TF32 matmuls on CUDA."""
     dev = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev == "cuda" and d.world > 1:
         dev = f"cuda:{d.local_rank}"
@@ -325,8 +299,7 @@ def select_device(tc: TrainConfig, d: Dist) -> tuple[torch.device, object]:
 
 
 def wrap_parallel(objective: Objective, d: Dist, fsdp: bool, device: torch.device):
-    """(the module the training step calls, the DDP wrapper or None): FSDP2 (`fully_shard` per block + root)
-    with fsdp under torchrun, else DDP under torchrun, else the objective itself."""
+    """(the module the step calls, the DDP wrapper or None): FSDP2 per block + root, DDP, or the objective."""
     if d.world > 1 and fsdp:
         from torch.distributed.fsdp import fully_shard
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # router stats
@@ -351,8 +324,7 @@ class Trainer(Checkpoints):
         if self.d.world == 1 and (tc.fsdp or tc.dist_backend != "auto"):   # would be silently ignored
             raise ValueError(f"TrainConfig: {'fsdp=True' if tc.fsdp else f'dist_backend={tc.dist_backend!r}'} needs "
                              f"torchrun (WORLD_SIZE > 1); run under torchrun or leave it out")
-        tc = TrainConfig(**asdict(tc))
-        tc.block_size = tc.block_size or model_cfg.block_size
+        tc = TrainConfig(**{**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})   # a copy
         tc.validate(self.d.world)
         if tc.block_size > model_cfg.block_size:
             raise ValueError(f"TrainConfig: block_size={tc.block_size} exceeds the model's "
@@ -382,9 +354,9 @@ class Trainer(Checkpoints):
         self.micro = tc.batch_size // (self.d.world * tc.grad_accum)
         self.peak = peak_flops(self.device)
         self.flops_ctx = tc.flops_ctx or data_mod.measured_doc_length(data, tc.block_size)
-        ctx = min(self.flops_ctx, tc.block_size)
-        self.F = budget.flops_per_token(model_cfg, ctx)                          # SMELT's F: no output head
-        self.F_with_head = budget.flops_per_token(model_cfg, ctx, include_head=True)   # what the GPU runs (MFU)
+        self.F_ctx = min(self.flops_ctx, tc.block_size)
+        self.F = budget.flops_per_token(model_cfg, self.F_ctx)   # SMELT's F: no output head
+        self.F_with_head = budget.flops_per_token(model_cfg, self.F_ctx, include_head=True)   # what the GPU runs (MFU)
         self.wall = 0.0
         self.ce_window: list[float] = []    # per-step train CE since the last metrics row
         self.prefix = f"[{self.meta['run']}] " if self.meta.get("run") else ""   # names the run in every line
@@ -407,9 +379,8 @@ class Trainer(Checkpoints):
         batch = self.data.train_batch(data_step, tc.batch_size // d.world, tc.block_size, seed=tc.seed,
                                       rank=d.rank, world_size=d.world)
         idx, tgt, doc = (None if t is None else t.to(self.device, non_blocking=True) for t in batch)
-        if idx.shape != (tc.batch_size // d.world, tc.block_size):
-            raise ValueError(f"data.train_batch returned {tuple(idx.shape)}, expected "
-                             f"({tc.batch_size // d.world}, {tc.block_size}) rows for rank {d.rank}")
+        if idx.shape != (want := (tc.batch_size // d.world, tc.block_size)):
+            raise ValueError(f"data.train_batch returned {tuple(idx.shape)}, expected {want} rows for rank {d.rank}")
         n_global = (tgt != -1).sum()
         if d.world > 1:
             dist.all_reduce(n_global)
@@ -420,16 +391,14 @@ class Trainer(Checkpoints):
                                                                                      n_global))
 
     def _check_step(self, step, lr, stats, load, gn, n_global) -> dict:
-        """The step's metrics row from the whole batch (all ranks), and its guard: a non-finite loss or gradient
-        norm raises DivergenceError before the update."""
+        """The step's metrics row over the global batch; a non-finite loss or grad norm raises DivergenceError."""
         cfg, d = self.model_cfg, self.d
         if d.world > 1:
             dist.all_reduce(stats)
             if load is not None:
                 dist.all_reduce(load)
-        load_max = gn.new_zeros(())
-        if load is not None:   # the global batch's busiest expert against the mean, worst layer
-            load_max = (load.max(1).values / load.mean(1)).max()
+        # the global batch's busiest expert against the mean, worst layer
+        load_max = gn.new_zeros(()) if load is None else (load.max(1).values / load.mean(1)).max()
         # one host read for all the row and the guard need (each float() would be a sync); float64 holds each exactly
         s, n, a, zz, g, lm = torch.stack([t.double() for t in (stats[0], n_global, stats[1], stats[2], gn,
                                                                load_max)]).tolist()
@@ -479,9 +448,7 @@ class Trainer(Checkpoints):
         self._guard(done, branch, row["ce_mean"], row.get("val_loss"))
 
     def _train(self, start: int, end: int, branch: int | None) -> None:
-        """Optimizer steps start..end of the stable run (branch None) or of a branch. Saves a full checkpoint
-        every ckpt_interval steps and at the end of a stable segment (a fork point); a branch's end is its
-        weights-only endpoint. Superseded checkpoints are pruned after each save."""
+        """Optimizer steps start..end of the stable run (branch None) or a branch, saving what save_kind says."""
         tc = self.tc
         for step in range(start, end):
             t0 = time.perf_counter()
@@ -510,17 +477,17 @@ class Trainer(Checkpoints):
         if isinstance(control, dict):
             control = ModelConfig.from_dict(control)
         control = control or budget.dense_control(cfg)
-        ctx = min(self.flops_ctx, tc.block_size)
         N, N0 = budget.count_params(cfg)["blocks"], budget.count_params(control)["blocks"]
         D = (branch + tc.decay_steps) * self.tokens_per_step
         return {"arch": meta.pop("arch", "smelt" if cfg.loop.active else "baseline"),
                 "scale": meta.pop("scale", None), "sparsity_label": meta.pop("sparsity_label", None), **meta,
-                "branch_step": branch, "D": D, "F": self.F, "F_with_head": self.F_with_head, "F_ctx": ctx,
+                "branch_step": branch, "D": D, "F": self.F, "F_with_head": self.F_with_head, "F_ctx": self.F_ctx,
                 "C": self.F * D,
-                "S": budget.sparsity(self.F, N, budget.flops_per_token(control, ctx), N0), "N": N,
+                "S": budget.sparsity(self.F, N, budget.flops_per_token(control, self.F_ctx), N0), "N": N,
                 "val_loss": ev["loss"], "val_loss_by_source": ev["by_source"], "val_loss_by_domain": ev["by_domain"],
                 "val_tokens": ev["tokens"], "val": json.loads(json.dumps(ev)),   # as it reads back (string keys)
-                "config": cfg.to_dict(), "control": control.to_dict(), "train": asdict(tc), "wall_s": self.wall}
+                "config": cfg.to_dict(), "control": control.to_dict(), "train": asdict(tc), "wall_s": self.wall,
+                "endpoint": endpoint_path(Path("."), branch).as_posix()}
 
     def run(self) -> list[dict]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -531,9 +498,8 @@ class Trainer(Checkpoints):
             return self._run()
 
     def _run(self) -> list[dict]:
-        """Interleaved: the stable run goes to the first pending fork point, that branch decays and is
-        evaluated, the stable run resumes from the fork checkpoint, and so on. Only the fork point of the
-        next branch and the latest resume point are on disk at any time (needed_checkpoints), not every fork."""
+        """The stable run goes to the first pending fork, that branch decays and is evaluated, the stable run
+        resumes from the fork checkpoint, and so on (on disk: needed_checkpoints)."""
         tc = self.tc
         self._open_run_dir()
         rows = self._results()
@@ -558,8 +524,7 @@ class Trainer(Checkpoints):
                 self._train(step, end, b)
             ev = self.evaluate()
             self._guard(end, b, None, ev["loss"])   # a diverged endpoint writes no results row
-            row = {**self._result_row(b, ev),
-                   "endpoint": endpoint_path(Path("."), b).as_posix()}
+            row = self._result_row(b, ev)
             self._append("results.jsonl", row, sync=True)
             rows.append(row)
             self.pending.remove(b)
@@ -567,27 +532,18 @@ class Trainer(Checkpoints):
             if self.d.rank == 0:
                 print(f"{self.prefix}branch {b}: D={row['D']:.3g} tokens, C={row['C']:.3g} FLOPs, "
                       f"val_loss {row['val_loss']:.4f}", flush=True)
-        self._export_final()
+        if self.d.rank == 0:   # RUN_DIR/ckpt.pt, the longest branch's endpoint (rebuilt when missing or corrupt)
+            export_final(self.run_dir, max(tc.branches))
+        self._barrier()
         self._prune([])
         self._barrier()
         return sorted(rows, key=lambda r: r["branch_step"])
 
-    def _export_final(self) -> None:
-        """RUN_DIR/ckpt.pt: a copy of the longest branch's endpoint, the model eval.py and probes.py read
-        (rebuilt when missing or corrupt)."""
-        if self.d.rank == 0:
-            export_final(self.run_dir, max(self.tc.branches))
-        self._barrier()
-
 
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, run_dir: str | Path | None = None,
           meta: dict | None = None) -> list[dict]:
-    """Train the stable run and every decay branch; return the results rows (one per branch, by branch step).
-
-    Re-running a finished run returns its rows without training; an interrupted one resumes from
-    its latest checkpoint. meta adds fields to each row (arch, scale, sparsity_label; "control":
-    the dense-control ModelConfig that S is measured against, default budget.dense_control(cfg)).
-    """
+    """Train (or resume) the stable run and every decay branch; the results rows, by branch step. meta adds
+    fields to each row (arch, scale, sparsity_label; "control": S's control, default budget.dense_control)."""
     joined = dist.is_initialized()
     try:
         return Trainer(model_cfg, train_cfg, data, run_dir or train_cfg.out_dir, meta).run()
@@ -623,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = checks.parser(__doc__.split("\n\n")[0])
     m = p.add_mutually_exclusive_group(required=True)
     m.add_argument("--model-json", help="path to a ModelConfig JSON (ModelConfig.to_dict())")
-    m.add_argument("--preset", choices=PRESETS, help="one of the smoke-size models (run-size presets are reproduce.py's)")
+    m.add_argument("--preset", choices=PRESETS,
+                   help="one of the smoke-size models (run-size presets are reproduce.py's)")
     p.add_argument("--data", default="smoke", choices=[*configs.DATA_PRESETS, "synthetic"],
                    help="corpus preset for corpus.prepare, or random tokens")
     p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
@@ -640,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif f.type == "list[int]":
             p.add_argument(flag, type=checks.positive_int, nargs="+", default=[], help=help)
         else:
-            p.add_argument(flag, **{"type": kinds[f.type], "default": f.default, "help": help, **special.get(f.name, {})})
+            kw = {"type": kinds[f.type], "default": f.default, "help": help, **special.get(f.name, {})}
+            p.add_argument(flag, **kw)
     return p
 
 
@@ -649,7 +607,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = p.parse_args(argv)
     try:   # the config's own rules, reported like any bad flag before anything runs
         tc = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
-        tc.validate()
     except ValueError as e:
         p.error(str(e))
     model_json = checks.read_config(a.model_json, ModelConfig, "--model-json") if a.model_json else None

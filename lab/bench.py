@@ -1,25 +1,15 @@
-"""Performance benchmarks (not tests): attention, compiled training steps, MoE kernels, decode, MFU.
-
-Each benchmark measures what it compares side by side in one process and prints the ratios, so a
-figure never depends on another machine's or run's timing; targets are printed beside, nothing asserts.
-  flex    (CUDA) flex attention vs SDPA with the block-diagonal causal mask (attention.attend): output
-          and gradient differences, and the time of each.
-  steps   (CUDA) the compiled training step (train.Objective, model.compile_model) of a dense, an
-          MoE, a SMELT and a PLT config: compile seconds, graphs, step time, host syncs, loss vs eager.
-  moe     MoE layer fwd+bwd on the path training takes, against a dense SwiGLU of the same active
-          FLOPs; on CPU at the tiny ladder's own MoE (target <= 2x) and a small-like one (<= 1.5x).
-  decode  batch-1 time per generated token: unlooped, sequential 2-loop and PLT 2-loop middle span.
-          Target: PLT <= 1.15x unlooped; sequential near the executed-depth ratio.
-  train   training tokens/s of a preset's matched Baseline / SMELT pair (configs.LADDERS; tiny on CPU,
-          small on CUDA): time per token vs FLOP ratio (target: within 15 %); MFU on CUDA.
-  cells   every tiny cell's Baseline / SMELT training step side by side: tok/s, F ratio, time
-          ratio (target: within 10 %), its parts, and the MoE layers' cost above dense.
-Every figure goes to one JSON (--out-dir DIR: DIR/bench.json) as soon as it exists (flex per dtype, steps
-per config, train per first step, the others when they finish); a failing benchmark leaves {"error": ...}
-beside its partial figures and the others still run (exit 1). --budget-s S: each benchmark under a limit
-from what is left (LIMITS; scripts/gpu_check.sh, docs/gpu.md). How things are timed side by side, limited
-and saved: bench_harness.py. Each benchmark in full: docs/bench.md.
-Read first: model.py, moe.py (what is measured).
+"""Performance benchmarks (not tests): each times what it compares side by side in one process and prints
+the ratios beside their targets (nothing asserts), so no figure depends on another run's timing.
+  flex    (CUDA) flex attention vs SDPA on the document mask: output and gradient differences, times.
+  steps   (CUDA) compiled training steps of dense, MoE, SMELT and PLT configs: compile s, graphs, syncs, loss.
+  moe     MoE layer fwd+bwd vs a dense SwiGLU of equal active FLOPs (CPU: the tiny ladder's own MoE, a small-like one).
+  decode  batch-1 time per token: unlooped, sequential 2-loop, PLT 2-loop (target: PLT <= 1.15x unlooped).
+  train   tokens/s of a preset's matched Baseline / SMELT pair: time vs FLOP ratio (within 15 %); MFU on CUDA.
+  cells   every tiny cell's Baseline / SMELT step: tok/s, F ratio, time ratio (within 10 %), its parts, MoE cost.
+Every figure goes to DIR/bench.json (--out-dir) as soon as it exists; a failing benchmark leaves {"error": ...}
+beside its partial figures and the others still run (exit 1). --budget-s S: each benchmark under a limit from
+what is left (LIMITS; docs/gpu.md). Timing, limits and saving: bench_harness.py; each benchmark in full:
+docs/bench.md. Read first: model.py, moe.py (what is measured).
 """
 from __future__ import annotations
 
@@ -37,7 +27,7 @@ import torch.nn.functional as F
 
 import attention
 import checks
-from lab.bench_harness import clock_for, interleaved, machine, run_benchmarks, sync, threads, update_json
+from lab.bench_harness import clock_for, interleaved, machine, run_benchmarks, threads, timed, update_json
 from loop import SMELT, LoopConfig
 from model import GPT, ModelConfig, compile_model
 from moe import MoE, compute_dtype
@@ -66,11 +56,12 @@ def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8,
     x = torch.randn(1, tokens, d_model, device=device, requires_grad=True)
     cuda = device.type == "cuda"
 
-    def moe_layer(impl):
+    def moe_layer(impl, compiled=False):
         torch.manual_seed(1)
-        return MoE(d_model, d_ff, n_experts, top_k, impl=impl).to(device)
+        layer = MoE(d_model, d_ff, n_experts, top_k, impl=impl).to(device)
+        return torch.compile(layer, dynamic=False, fullgraph=True) if compiled else layer
 
-    def step(mod, is_moe):
+    def step(mod, is_moe=True):
         def f():
             with _autocast(device):
                 y = mod(x)[0] if is_moe else mod(x)
@@ -81,17 +72,16 @@ def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8,
     fns = {"dense": step(dense, False)}
     if cuda:   # eager "auto" is torch._grouped_mm on Hopper / B200, the padded fallback elsewhere
         fns["dense_compiled"] = step(torch.compile(dense, dynamic=False), False)
-        fns["moe_auto"] = step(moe_layer("auto"), True)
+        fns["moe_auto"] = step(moe_layer("auto"))
         with _autocast(device):
             fused = moe_layer("auto").kernels(x) == ("torch", "torch")
         if fused:
-            fns["moe_torch_compiled"] = step(torch.compile(moe_layer("torch"), dynamic=False, fullgraph=True), True)
-        fns["moe_padded_compiled"] = step(torch.compile(moe_layer("padded"), dynamic=False, fullgraph=True), True)
-        fns["moe_loop"] = step(moe_layer("loop"), True)        # the pre-issue-15 GPU path: one sync per expert
-    else:      # eager loop: what CPU training runs (train.py does not compile on CPU); padded and reference beside
-        fns["moe_loop"] = step(moe_layer("loop"), True)
-        fns["moe_padded"] = step(moe_layer("padded"), True)
-        fns["moe_reference"] = step(moe_layer("reference"), True)
+            fns["moe_torch_compiled"] = step(moe_layer("torch", compiled=True))
+        fns["moe_padded_compiled"] = step(moe_layer("padded", compiled=True))
+    # CUDA: the pre-issue-15 path, one sync per expert; CPU: what training runs (train.py does not compile there)
+    fns["moe_loop"] = step(moe_layer("loop"))
+    if not cuda:
+        fns |= {"moe_padded": step(moe_layer("padded")), "moe_reference": step(moe_layer("reference"))}
     t0 = time.perf_counter()
     for f in fns.values():    # compile and warm everything before timing
         f()
@@ -116,15 +106,14 @@ def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8,
     return out
 
 
-def tiny_cells() -> list[dict]:
-    """The tiny preset's ladder cells as reproduce.py builds them (budget.ladder_cells at the prepared
-    tiny data's vocabulary and measured document length)."""
+def tiny_cells():
+    """The tiny preset's ladder cells as reproduce.py builds them, and the prepared data they are sized to."""
     import budget
     import configs
     import data as data_mod
     d = data_mod.TokenData(data_mod.default_data_dir("tiny"))
     return budget.ladder_cells("tiny", budget.preset_doc_length("tiny", d), vocab_size=d.vocab_size,
-                               spec=configs.PLANS["tiny"].loop)
+                               spec=configs.PLANS["tiny"].loop), d
 
 
 def bench_moe_shapes(device) -> dict:
@@ -132,7 +121,7 @@ def bench_moe_shapes(device) -> dict:
     small-like shape (4096 tokens, d 160, 32 experts of width 160, top-4; target 1.5x), on one CPU thread."""
     if device.type == "cuda":
         return {"default": bench_moe(device)}
-    cfg = max((ModelConfig.from_dict(c[a]) for c in tiny_cells() for a in ("baseline", "smelt")),
+    cfg = max((ModelConfig.from_dict(c[a]) for c in tiny_cells()[0] for a in ("baseline", "smelt")),
               key=lambda c: c.n_experts)
     with threads(1):   # as reproduce.py's training workers
         return {"tiny": bench_moe(device, 4 * cfg.block_size, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k,
@@ -171,40 +160,34 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
     """Per tiny ladder cell, Baseline and SMELT training steps side by side (one thread on CPU, as
     reproduce.py's workers): tok/s, the head-excluded F ratio of the match, the time ratio, and the
     forward+backward and optimizer (clip + AdamW) parts apart. All eight models take turns each round."""
-    import data as data_mod
     import train
-    cells = tiny_cells()
-    d = data_mod.TokenData(data_mod.default_data_dir("tiny"))
+    ladder, d = tiny_cells()
+    cells = {f"{c['scale']} {c['sparsity_label']}": c for c in ladder}
     tc = train.TrainConfig()
-    T = cells[0]["baseline"]["block_size"]
+    T = next(iter(cells.values()))["baseline"]["block_size"]
     runs, times = {}, {}
-    for c in cells:
+    for name, c in cells.items():
         for arch in ("baseline", "smelt"):
             torch.manual_seed(0)
             gpt = GPT(ModelConfig.from_dict(c[arch])).to(device)
-            runs[(c["scale"], c["sparsity_label"], arch)] = (gpt, train.Objective(gpt), train.make_optimizer(gpt, tc))
+            runs[(name, arch)] = (gpt, train.Objective(gpt), train.make_optimizer(gpt, tc))
     with threads(1 if device.type == "cpu" else torch.get_num_threads()):
         clock = clock_for(device)
         for i in range(2 + steps):                         # two warm-up rounds
             idx, tgt, doc = (t.to(device) for t in d.train_batch(i, batch_size, T, seed=0))
             for key, (gpt, obj, opt) in runs.items():
-                sync(device)
-                t0 = clock()
-                train.forward_backward(obj, gpt.cfg, idx, tgt, doc, train.step_scale(tgt))
-                sync(device)
-                t1 = clock()
-                train.update(gpt, opt, tc.grad_clip)
-                sync(device)
+                fwd_bwd = timed(lambda: train.forward_backward(obj, gpt.cfg, idx, tgt, doc, train.step_scale(tgt)),
+                                device, clock)[0]
+                optim = timed(lambda: train.update(gpt, opt, tc.grad_clip), device, clock)[0]
                 if i >= 2:
-                    times.setdefault(key, []).append((t1 - t0, clock() - t1))
+                    times.setdefault(key, []).append((fwd_bwd + optim, fwd_bwd, optim))
         layer = interleaved({(k, part): f for k, (gpt, _, _) in runs.items()
                              for part, f in _moe_vs_dense(gpt.cfg, device, batch_size * T).items()},
                             device, warmup=2, iters=steps, clock=clock)
         idx, _, doc = (t.to(device) for t in d.train_batch(0, batch_size, T, seed=0))
         visit = interleaved({k: _visit_step(gpt, idx, doc) for k, (gpt, _, _) in runs.items()},
                             device, warmup=2, iters=steps, clock=clock)
-    med = {k: (statistics.median(a + b for a, b in v), statistics.median(a for a, _ in v),
-               statistics.median(b for _, b in v)) for k, v in times.items()}
+    med = {k: [statistics.median(part) for part in zip(*v)] for k, v in times.items()}   # step, fwd+bwd, optim
     # the MoE's cost above its dense equivalent, per step: (layer excess) x (MoE visits of the plan)
     excess = {k: sum(v.mlp for v in gpt.plan) * (layer[(k, "moe")] - layer[(k, "dense")])
               for k, (gpt, _, _) in runs.items()}
@@ -214,30 +197,25 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
           f"{'fwd+bwd':>7s} {'optim':>6s} {'params':>6s} {'MoE@dense':>9s} {'visits':>6s} {'visit t/F':>9s} "
           f"{'visits@base':>11s}")
     res, tok = {}, batch_size * T
-    for c in cells:
-        b, s = med[(c["scale"], c["sparsity_label"], "baseline")], med[(c["scale"], c["sparsity_label"], "smelt")]
-        m = c["match"]
-        r = {"baseline_tok_s": tok / b[0], "smelt_tok_s": tok / s[0], "flops_ratio": m["flops_ratio"],
-             "time_ratio": s[0] / b[0], "fwd_bwd_ratio": s[1] / b[1], "optimizer_ratio": s[2] / b[2],
-             "params_ratio": m["params_ratio"], "optimizer_share_smelt": s[2] / s[0]}
-        kb, ks = (c["scale"], c["sparsity_label"], "baseline"), (c["scale"], c["sparsity_label"], "smelt")
-        r["moe_excess_s"] = {"baseline": excess[kb], "smelt": excess[ks]}
-        r["time_ratio_moe_at_dense_cost"] = (s[0] - excess[ks]) / (b[0] - excess[kb])
-        r["time_over_flops"] = r["time_ratio"] / r["flops_ratio"]
-        r["within_10_percent"] = abs(r["time_over_flops"] - 1) <= 0.10
-        # per block visit: SMELT's time per FLOP against the Baseline's (a visit's FLOPs: F / visits, head excluded)
+    for name, c in cells.items():
+        kb, ks = (name, "baseline"), (name, "smelt")
+        b, s, fr = med[kb], med[ks], c["match"]["flops_ratio"]
+        # a block visit's FLOPs are F / visits (head excluded): SMELT's per visit over the Baseline's
         Vb, Vs = len(runs[kb][0].plan), len(runs[ks][0].plan)
-        f_visit = r["flops_ratio"] * Vb / Vs
-        r["visits"] = {"baseline": Vb, "smelt": Vs}
-        r["visit_s"] = {"baseline": visit[kb], "smelt": visit[ks]}
-        r["visit_time_over_flops"] = visit[ks] / visit[kb] / f_visit
-        # the step's time/F had SMELT's visits cost the Baseline's time per FLOP (the rest of its step as measured)
-        r["time_over_flops_visits_at_baseline_cost"] = (s[0] - Vs * visit[ks] + Vs * visit[kb] * f_visit) / b[0] \
-            / r["flops_ratio"]
-        name = f"{c['scale']} {c['sparsity_label']}"
-        res[name] = r
-        print(f"  {name:12s} {r['baseline_tok_s']:10.0f} {r['smelt_tok_s']:11.0f} {r['flops_ratio']:7.3f} "
-              f"{r['time_ratio']:6.3f} {r['time_over_flops']:6.3f} {r['fwd_bwd_ratio']:7.3f} "
+        f_visit = fr * Vb / Vs
+        time_over_flops = s[0] / b[0] / fr
+        res[name] = r = {
+            "baseline_tok_s": tok / b[0], "smelt_tok_s": tok / s[0], "flops_ratio": fr, "time_ratio": s[0] / b[0],
+            "fwd_bwd_ratio": s[1] / b[1], "optimizer_ratio": s[2] / b[2], "params_ratio": c["match"]["params_ratio"],
+            "optimizer_share_smelt": s[2] / s[0], "moe_excess_s": {"baseline": excess[kb], "smelt": excess[ks]},
+            "time_ratio_moe_at_dense_cost": (s[0] - excess[ks]) / (b[0] - excess[kb]),
+            "time_over_flops": time_over_flops, "within_10_percent": abs(time_over_flops - 1) <= 0.10,
+            "visits": {"baseline": Vb, "smelt": Vs}, "visit_s": {"baseline": visit[kb], "smelt": visit[ks]},
+            "visit_time_over_flops": visit[ks] / visit[kb] / f_visit,
+            # the step's time/F had SMELT's visits cost the Baseline's time per FLOP (the rest as measured)
+            "time_over_flops_visits_at_baseline_cost": (s[0] - Vs * visit[ks] + Vs * visit[kb] * f_visit) / b[0] / fr}
+        print(f"  {name:12s} {r['baseline_tok_s']:10.0f} {r['smelt_tok_s']:11.0f} {fr:7.3f} "
+              f"{r['time_ratio']:6.3f} {time_over_flops:6.3f} {r['fwd_bwd_ratio']:7.3f} "
               f"{r['optimizer_ratio']:6.3f} {r['params_ratio']:6.3f} {r['time_ratio_moe_at_dense_cost']:9.3f} "
               f"{Vs:>2d} / {Vb:<2d} {r['visit_time_over_flops']:9.3f} "
               f"{r['time_over_flops_visits_at_baseline_cost']:11.3f}")
@@ -254,20 +232,16 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
     span = SMELT.at(n_layer)
     base = dict(vocab_size=vocab, block_size=512, n_layer=n_layer, d_model=d_model, n_head=n_head,
                 n_kv_head=n_head // 4, d_ff=d_ff)
-    return {
-        "unlooped": ModelConfig(**base),
-        "sequential_2loop": ModelConfig(**base, loop=span),
-        "plt_2loop": ModelConfig(**base, loop=replace(span, parallel=True)),
-    }
+    return {"unlooped": ModelConfig(**base), "sequential_2loop": ModelConfig(**base, loop=span),
+            "plt_2loop": ModelConfig(**base, loop=replace(span, parallel=True))}
 
 
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     """Median per-token time of greedy decoding, under both CPU projection layouts (model.few_row_projections).
 
-    Models and layouts take turns token by token (each decodes one token, then the next model
-    does), so the machine's drift hits all alike; the figure is, per model, the median over reps
-    of the median time per token. "skinny" is the default (few-row products as W x^T on CPU);
-    "F.linear" turns that rule off. On CUDA only the default is timed (the rule never applies).
+    Models and layouts take turns token by token, so drift hits all alike; per model, the median over reps
+    of the median time per token. "skinny" is the default (few-row products as W x^T on CPU), "F.linear"
+    turns that rule off; on CUDA only the default is timed (the rule never applies).
     """
     import model as model_lib   # model.SKINNY_ROWS: the few-row rule's switch
     models = {}
@@ -277,41 +251,35 @@ def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
     idx = torch.randint(0, models["unlooped"].cfg.vocab_size, (1, prompt), device=device)
     layouts = {"skinny": model_lib.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
 
-    def one_token(lay, name, state):
-        def f():
-            model_lib.SKINNY_ROWS = layouts[lay]
-            nxt = state["logits"].argmax(-1, keepdim=True)
-            state["logits"] = models[name].forward_step(nxt, state["cache"])[:, -1]
-        return f
+    def decoder(lay, m):   # prefill (not timed), then one greedy token per call
+        model_lib.SKINNY_ROWS = layouts[lay]
+        cache = m.new_cache(1, prompt + new_tokens)
+        logits = m.forward_step(idx, cache)[:, -1]
 
-    per_rep = []
-    default = model_lib.SKINNY_ROWS
+        def next_token():
+            nonlocal logits
+            model_lib.SKINNY_ROWS = layouts[lay]
+            logits = m.forward_step(logits.argmax(-1, keepdim=True), cache)[:, -1]
+        return next_token
+
+    default, per_rep = model_lib.SKINNY_ROWS, []
     try:
-        for rep in range(reps + 1):                                # rep 0 is the warm-up
-            steps = {}
-            for lay in layouts:
-                for name, m in models.items():
-                    model_lib.SKINNY_ROWS = layouts[lay]
-                    state = {"cache": m.new_cache(1, prompt + new_tokens)}
-                    state["logits"] = m.forward_step(idx, state["cache"])[:, -1]     # prefill: not timed
-                    steps[(lay, name)] = one_token(lay, name, state)
-            med = interleaved(steps, device, warmup=0, iters=new_tokens)          # token by token, in turn
-            if rep:
-                per_rep.append(med)
+        for _ in range(reps + 1):                                  # the first rep is the warm-up
+            steps = {(lay, name): decoder(lay, m) for lay in layouts for name, m in models.items()}
+            per_rep.append(interleaved(steps, device, warmup=0, iters=new_tokens))   # token by token, in turn
     finally:
         model_lib.SKINNY_ROWS = default
-    med = {k: statistics.median(r[k] for r in per_rep) for k in per_rep[0]}
+    med = {k: statistics.median(r[k] for r in per_rep[1:]) for k in per_rep[0]}
     depth = len(models["sequential_2loop"].plan) / models["unlooped"].cfg.n_layer
     res = {}
     print(f"\nBatch-1 decode, per token ({device.type}, {dtype}):")
     for lay in layouts:
-        base = med[(lay, "unlooped")]
+        r = {name: med[(lay, name)] for name in models}
+        res[lay] = r | {"plt_ratio": r["plt_2loop"] / r["unlooped"],
+                        "sequential_ratio": r["sequential_2loop"] / r["unlooped"]}
         print(f"  projections: {lay}")
-        for name in models:
-            v = med[(lay, name)]
-            print(f"    {name:18s} {v * 1e3:8.3f} ms   {v / base:5.2f}x unlooped")
-        res[lay] = {name: med[(lay, name)] for name in models} | {
-            "plt_ratio": med[(lay, "plt_2loop")] / base, "sequential_ratio": med[(lay, "sequential_2loop")] / base}
+        for name, v in r.items():
+            print(f"    {name:18s} {v * 1e3:8.3f} ms   {v / r['unlooped']:5.2f}x unlooped")
     print(f"  executed-depth ratio of the sequential model: {depth:.2f}")
     ok = res["skinny"]["plt_ratio"] <= 1.15
     print(f"  target: PLT <= 1.15x unlooped (default layout) -> {'met' if ok else 'NOT met'}")
@@ -327,14 +295,9 @@ def packed_doc_ids(batch_size: int, T: int, mean_len: int, seed: int = 0) -> tor
 
 
 def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, save=None) -> dict:
-    """Training tokens/s of a matched Baseline / SMELT pair: the preset's middle scale at S~85 % (tiny: t96,
-    small: s160; the upper middle where the count of scales is even).
-
-    Each model's first step is timed alone (on CUDA compile + step; compile_s: it minus the median step),
-    then the two take alternate steps (ABAB...) after two warm-up steps each, so drift hits both alike;
-    the figure is the median step time of each. On CUDA the models are compiled (static shapes, as
-    train.py) and the rows carry document ids. save(res), when given, gets the pair and then each first
-    step as soon as measured (the compiles: what a time limit may cut); the step times come with the return."""
+    """Training tokens/s of a matched Baseline / SMELT pair at the preset's (upper) middle scale, S~85 %, as
+    train.py runs it (on CUDA compiled, on rows with document ids): each first step alone (compile_s: it minus
+    the median step), then the two in turns. save(res), when given, gets the pair, then each first step."""
     import budget
     import configs
     import data as data_mod
@@ -367,7 +330,7 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, sav
                                    autocast=lambda: _autocast(device))
             train.update(gpt, opt, tc.grad_clip)
         steps_of[name] = step
-        res[name] = {"first_step_s": interleaved({name: step}, device, warmup=0, iters=1)[name]}   # CUDA: compile
+        res[name] = {"first_step_s": timed(step, device)[0]}   # on CUDA: the compile
         save(res)
     med = interleaved(steps_of, device, iters=steps)
     peak = train.peak_flops(device)
@@ -380,38 +343,28 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, sav
             res[name]["mfu"] = flops * batch_size * ctx / t / peak
     time_ratio = res["smelt"]["s_per_step"] / res["baseline"]["s_per_step"]
     flop_ratio = res["smelt"]["flops_per_token"] / res["baseline"]["flops_per_token"]
-    res |= {"time_ratio": time_ratio, "flop_ratio": flop_ratio, "peak_flops": peak}
+    ok = abs(time_ratio / flop_ratio - 1) <= 0.15
+    res |= {"time_ratio": time_ratio, "flop_ratio": flop_ratio, "peak_flops": peak, "within_15_percent": ok}
     print(f"\nTraining throughput, {preset} preset cell {res['cell']} ({device.type}, batch {batch_size} x {ctx}):")
     for name in ("baseline", "smelt"):
         r = res[name]
         extra = f"  MFU {r['mfu']:.1%}" if "mfu" in r else ""
         print(f"  {name:9s} {r['tokens_per_s']:10.0f} tok/s  {r['flops_per_token']:.3e} FLOPs/token{extra}")
-    ok = abs(time_ratio / flop_ratio - 1) <= 0.15
-    res["within_15_percent"] = ok
     print(f"  time ratio {time_ratio:.3f} vs FLOP ratio {flop_ratio:.3f} -> within 15 %: {'yes' if ok else 'NO'}")
     return res
 
 
 def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, mean_doc=200, seed=0,
                  time_it=True, iters=10) -> dict:
-    """Flex attention vs SDPA with the boolean block-diagonal causal mask, forward and backward.
-
-    Both run through attention.attend with the same packed document ids, as the model calls them
-    (on CUDA flex is the compiled kernel with a compiled block mask). Returns the largest
-    absolute difference of the output and of dq, dk, dv, each relative to the largest SDPA
-    value, and with time_it the median fwd+bwd time of each backend (masks built once, outside
-    the timed calls, as a forward builds them once for all its layers); "first_call_s": each backend's
-    first call (flex's compiles its kernel and block mask), and with time_it "flex_compile_s" (flex's
-    first call minus its median).
-    """
+    """Flex attention vs SDPA on the boolean block-diagonal causal mask, fwd+bwd through attention.attend on the
+    same packed document ids: the largest difference of out, dq, dk, dv (absolute, and relative to SDPA's
+    largest), each backend's first call (flex's compiles) and, with time_it, the median time of each."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, T, hd, generator=g).to(device, dtype).requires_grad_()
-    k = torch.randn(B, Hkv, T, hd, generator=g).to(device, dtype).requires_grad_()
-    v = torch.randn(B, Hkv, T, hd, generator=g).to(device, dtype).requires_grad_()
-    dy = torch.randn(B, H, T, hd, generator=g).to(device, dtype)
+    q, k, v, dy = (torch.randn(B, h, T, hd, generator=g).to(device, dtype) for h in (H, Hkv, Hkv, H))
+    for t in (q, k, v):
+        t.requires_grad_()
     doc = packed_doc_ids(B, T, mean_doc, seed).to(device)
     pos = torch.arange(T, device=device)
-
     masks = {"sdpa": {}, "flex": {}}   # each mask built once, as one forward shares it across layers
 
     def run(backend):
@@ -421,17 +374,11 @@ def flex_vs_sdpa(device, B=4, H=8, Hkv=2, T=1024, hd=64, dtype=torch.bfloat16, m
         (out * dy).sum().backward()
         return [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
 
-    first = {}
-    for backend in ("sdpa", "flex"):      # the first call compiles (flex kernel, block mask): timed apart
-        sync(device)
-        t0 = time.perf_counter()
-        out = run(backend)
-        sync(device)
-        first[backend] = (time.perf_counter() - t0, out)
-    ref, got = first["sdpa"][1], first["flex"][1]
+    # the first call compiles (flex kernel, block mask): timed apart
+    first = {backend: timed(lambda: run(backend), device) for backend in ("sdpa", "flex")}
     res = {"shape": dict(B=B, H=H, Hkv=Hkv, T=T, head_dim=hd, documents=int((doc.max(1).values + 1).sum())),
            "dtype": str(dtype), "first_call_s": {b: t for b, (t, _) in first.items()}}
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), first["sdpa"][1], first["flex"][1]):
         res[f"max_abs_diff_{name}"] = float((a - b).abs().max())
         res[f"rel_diff_{name}"] = float((a - b).abs().max() / a.abs().max().clamp(min=1e-30))
     if time_it:
@@ -452,8 +399,7 @@ def bench_flex(device, save=None) -> dict:
             save(res)
     b = res["bf16"]
     print(f"\nFlex vs SDPA (document mask), B {b['shape']['B']} T {b['shape']['T']} hd {b['shape']['head_dim']}:")
-    for dt in ("bf16", "fp32"):
-        r = res[dt]
+    for dt, r in res.items():
         print(f"  {dt}: relative max diff out {r['rel_diff_out']:.2e}  dq {r['rel_diff_dq']:.2e}  "
               f"dk {r['rel_diff_dk']:.2e}  dv {r['rel_diff_dv']:.2e}")
     print(f"  fwd+bwd: sdpa {b['sdpa_ms']:.2f} ms, flex {b['flex_ms']:.2f} ms ({b['flex_speedup']:.2f}x); "
@@ -462,13 +408,13 @@ def bench_flex(device, save=None) -> dict:
 
 
 def step_configs() -> dict[str, ModelConfig]:
-    """The four model kinds the compiled-step benchmark trains (head_dim 32: flex runs on CUDA)."""
+    """The four model kinds the compiled-step benchmark trains (head_dim 32: flex runs on CUDA), riskiest
+    first: a time limit keeps what finished."""
     base = dict(vocab_size=4096, block_size=512, n_layer=4, d_model=256, n_head=8, n_kv_head=2, d_ff=512)
     moe = dict(base, d_ff=128, n_experts=32, top_k=4)
     span = LoopConfig(start=1, length=2, n_loops=2)
-    return {"smelt": ModelConfig(**moe, loop=span), "moe": ModelConfig(**moe),     # riskiest first: a time
-            "plt": ModelConfig(**base, loop=LoopConfig(start=1, length=2, n_loops=2, parallel=True)),  # limit
-            "dense": ModelConfig(**base)}                                              # keeps what finished
+    return {"smelt": ModelConfig(**moe, loop=span), "moe": ModelConfig(**moe),
+            "plt": ModelConfig(**base, loop=replace(span, parallel=True)), "dense": ModelConfig(**base)}
 
 
 def count_syncs(fn, device) -> int | None:
@@ -486,19 +432,15 @@ def count_syncs(fn, device) -> int | None:
     return sum("synchroniz" in str(x.message).lower() for x in w)
 
 
-def bench_steps(device, batch_size=8, steps=10, names=None, save=None, deadline=None) -> dict:
+def bench_steps(device, batch_size=8, steps=10, save=None, deadline=None) -> dict:
     """Compiled (fullgraph) training steps of dense, MoE, SMELT and PLT configs: compile time, graphs, syncs.
-
     save(res), when given, is called after each config, so a time limit keeps the finished ones. deadline
-    (a time.monotonic() value): a config whose start leaves less than the last config's time is skipped.
-    """
+    (a time.monotonic() value): a config whose start leaves less than the slowest config's time is skipped."""
     import train
     from torch._dynamo.utils import counters
-    res = {}
-    T = 512
+    print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if device.type == 'cuda' else ''}):")
+    res, T = {}, 512
     for name, cfg in step_configs().items():
-        if names and name not in names:
-            continue
         slowest = max((r.get("bench_s", 0) for r in res.values()), default=0)
         if deadline is not None and time.monotonic() + slowest > deadline:
             res[name] = {"skipped": f"the slowest config so far ({slowest:.0f} s) would pass the time limit"}
@@ -516,10 +458,7 @@ def bench_steps(device, batch_size=8, steps=10, names=None, save=None, deadline=
             return train.forward_backward(fn, cfg, idx, idx, doc, train.step_scale(idx),
                                           autocast=lambda: _autocast(device))[2]
 
-        t0 = time.perf_counter()
-        loss_c = step()
-        sync(device)
-        first_s = time.perf_counter() - t0
+        first_s, loss_c = timed(step, device)
         step()                                          # a recompile would show in the graph count
         graphs = int(counters["stats"]["unique_graphs"])   # training graphs only: before the eager step compiles
         gpt.zero_grad(set_to_none=True)                    # flex and the block mask on their own
@@ -569,32 +508,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.json = os.path.join(args.out_dir, "bench.json") if args.out_dir else None
-    if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
     device = torch.device(checks.resolve_device(args.device))
     cuda = device.type == "cuda"
     which = args.which or ([*BENCHMARKS] if cuda else ["moe", "decode", "train"])
     if set(which) - set(BENCHMARKS):
         ap.error(f"unknown benchmark(s) {sorted(set(which) - set(BENCHMARKS))}: choose from {', '.join(BENCHMARKS)}")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    json_path = os.path.join(args.out_dir, "bench.json") if args.out_dir else None
     info = {"machine": machine(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "capability": list(torch.cuda.get_device_capability(device)) if cuda else None}
     print(f"machine: {info['machine']}, torch {info['torch']}")
-    if args.json:
-        update_json(args.json, "machine", info)
-
-    def steps(save, deadline):
-        print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if cuda else ''}):")
-        return bench_steps(device, save=save, deadline=deadline)
-    runs = {"flex": lambda save, deadline: bench_flex(device, save), "steps": steps,
+    if json_path:
+        update_json(json_path, "machine", info)
+    runs = {"flex": lambda save, deadline: bench_flex(device, save),
+            "steps": lambda save, deadline: bench_steps(device, save=save, deadline=deadline),
             "moe": lambda save, deadline: bench_moe_shapes(device),
             "cells": lambda save, deadline: bench_cells(device),
-            "decode": lambda save, deadline: bench_decode(device, dtype),
+            "decode": lambda save, deadline: bench_decode(device, torch.bfloat16 if cuda else torch.float32),
             "train": lambda save, deadline: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
                                                         batch_size=args.train_batch or (32 if cuda else 8),
                                                         save=save)}
-    failed = run_benchmarks(runs, which, args.json, LIMITS, args.budget_s)
+    failed = run_benchmarks(runs, which, json_path, LIMITS, args.budget_s)
     if failed:
         print(f"bench: failed: {' '.join(failed)}")
     return 1 if failed else 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from checks import atomic_write_text
+from checks import atomic_write_bytes
 
 
 def sync(device):
@@ -30,17 +30,23 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
+def timed(fn, device, clock=time.perf_counter):
+    """(seconds, what fn returned) of one call of fn, the device synchronised before and after."""
+    sync(device)
+    t0 = clock()
+    out = fn()
+    sync(device)
+    return clock() - t0, out
+
+
 def interleaved(fns: dict, device, warmup: int = 2, iters: int = 8, clock=time.perf_counter) -> dict:
     """Median seconds per call of each fn, the fns taking turns (ABCABC...) so drift hits all alike."""
     times = {name: [] for name in fns}
     for i in range(warmup + iters):
         for name, fn in fns.items():
-            sync(device)
-            t0 = clock()
-            fn()
-            sync(device)
+            t = timed(fn, device, clock)[0]
             if i >= warmup:
-                times[name].append(clock() - t0)
+                times[name].append(t)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -83,10 +89,10 @@ def time_limit(seconds: float | None):
 
 
 def update_json(path: str, key: str, value) -> None:
-    """Merge {key: value} into the JSON file at path (created if absent), atomically."""
+    """Merge {key: value} into the JSON file at path (created, and its folder, if absent), atomically."""
     old = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
     old[key] = value
-    atomic_write_text(path, json.dumps(old, indent=2, default=str))
+    atomic_write_bytes(path, json.dumps(old, indent=2, default=str).encode())
 
 
 def run_benchmarks(runs: dict, which: list[str], json_path: str | None, limits: dict,

@@ -1,11 +1,10 @@
 """Calibration: how much better a model scores than a Baseline of the same validation loss (SMELT Eq. 6-7).
 
-SMELT Section 5.1, Fig. 16: `sigmoid4` (Eq. 6) maps validation loss to a metric; `calibrate` fits it on the
-Baseline endpoints (`fit_sigmoid`) and gives each other model's residual (Eq. 7, positive = better than its
-loss predicts). A fit is *identified* only when the Baseline points can place it (`calibration_problem`,
-then R^2 and no step across a gap); otherwise "not identified (why)", with no numbers or plot.
-`calibration_report` does every metric of CALIBRATION_METRICS and every task.
-Read before: tasks.py, eval.py. Read next: downstream_claims.py. Notes: docs/calibration.md.
+SMELT 5.1, Fig. 16: `calibrate` fits `sigmoid4` (Eq. 6, loss -> metric) on the Baseline endpoints and gives each
+other model's residual (Eq. 7, positive = better than its loss predicts), only when the Baseline points identify
+the fit (`calibration_problem`, then R^2 and no step across a gap); `calibration_report` does every metric of
+CALIBRATION_METRICS and every task. Read before: tasks.py, eval.py. Read next: downstream_claims.py.
+Notes: docs/calibration.md.
 """
 from __future__ import annotations
 
@@ -73,10 +72,9 @@ def calibrate(base_losses: Sequence[float], base_scores: Sequence[float], other_
               other_scores: Sequence[float], higher_is_better: bool = True,
               other_groups: Sequence | None = None, chance: float | None = None,
               min_r2: float = CALIBRATION_MIN_R2) -> dict:
-    """SMELT Eq. 6-7: fit loss -> metric on the Baseline, residual s (y - y_hat) for the others (d = -1, s = +1
-    for a score; d = +1, s = -1 for a loss: a positive residual is better than a Baseline of that loss). Not
-    identified -> {"identified": False, "why", "n_base"}; else also "params", "residuals", "predicted",
-    "inside" (loss within the Baseline range) and, over the inside ones, "mean_residual", "residual_interval"."""
+    """SMELT Eq. 6-7: fit loss -> metric on the Baseline (d = -s), the residual s (y - y_hat) of the others (s = +1
+    for a score, -1 for a loss: positive is better than a Baseline of that loss). Not identified: {"identified":
+    False, "why", "n_base"}; the mean residual and its interval are over the others `inside` the Baseline losses."""
     bl, bs = np.asarray(base_losses, dtype=float), np.asarray(base_scores, dtype=float)
     ol, os_ = np.asarray(other_losses, dtype=float), np.asarray(other_scores, dtype=float)
     for name, a, b in (("Baseline", bl, bs), ("other", ol, os_)):
@@ -122,15 +120,15 @@ CALIBRATION_METRICS = (("core", "real", "core", True, 0.0), ("completion", "real
 
 
 def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: float = CALIBRATION_MIN_R2) -> dict:
-    """SMELT 5.1 on evaluate_endpoint records: base the Baseline endpoints, others the SMELT ones. Per-task fits
-    use centred accuracy at the headline k; their residuals are averaged per task category, per scale and
-    pooled ("all"). Returns {"metrics", "identified", "not_identified", "by_category"}."""
+    """SMELT 5.1 on evaluate_endpoint records, base the Baseline endpoints, others the SMELT ones; per-task fits on
+    centred accuracy at the headline k, their residuals averaged per task category and scale ("by_category")."""
     missing = [e.get("run", "?") for e in [*base, *others] if not e.get("val")]
     if missing:
         raise ValueError(f"calibration needs each endpoint's validation loss; none in {missing} "
                          f"(evaluate with validation)")
     scale = lambda e: str(e.get("scale") or e.get("run", "?"))
-    loss = lambda es: [e["val"]["loss"] for e in es]
+    fit = lambda get, **kw: calibrate([e["val"]["loss"] for e in base], [get(e) for e in base],
+                                      [e["val"]["loss"] for e in others], [get(e) for e in others], min_r2=min_r2, **kw)
     report: dict = {"metrics": {}, "by_category": {}}
     for name, origin, key, higher, chance in CALIBRATION_METRICS:
         get = lambda e: e["summary"].get(origin, {}).get(key)
@@ -141,9 +139,8 @@ def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: flo
             report["metrics"][name] = {"identified": False, "why": f"{name} is missing for some endpoints",
                                        "n_base": len(base), "higher_is_better": higher}
             continue
-        report["metrics"][name] = {**calibrate(loss(base), [get(e) for e in base], loss(others),
-                                               [get(e) for e in others], higher, [scale(e) for e in others],
-                                               chance=chance, min_r2=min_r2), "higher_is_better": higher}
+        report["metrics"][name] = {**fit(get, higher_is_better=higher, other_groups=[scale(e) for e in others],
+                                         chance=chance), "higher_is_better": higher}
     cat_res: dict = defaultdict(lambda: defaultdict(list))
     for name, t in (base[0]["tasks"].items() if base else []):
         k = str(t.get("headline_k"))
@@ -151,8 +148,7 @@ def calibration_report(base: Sequence[dict], others: Sequence[dict], min_r2: flo
         if not all(get(e) is not None for e in [*base, *others]):
             continue
         chance = centred_accuracy(chance_of(t), t["rho"]) if "rho" in t else 0.0
-        c = calibrate(loss(base), [get(e) for e in base], loss(others), [get(e) for e in others],
-                      chance=chance, min_r2=min_r2)
+        c = fit(get, chance=chance)
         report["metrics"][f"task/{name}"] = {**c, "higher_is_better": True}
         if c["identified"]:
             for e, r, keep in zip(others, c["residuals"], c["inside"]):

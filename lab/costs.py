@@ -1,13 +1,11 @@
 """The main job's cost model on one GPU (FLOPs, compiles, forward calls, host reads, wall time per stage)
 and the disk a run keeps.
 
-`stage_costs` counts each stage from the plan: train (optimizer steps), validation (checkpoint.logged's
-plus one per branch end), eval (few-shot scoring on CUDA, from tasks.scoring_batches: no model runs) and
-probes (every matched pair over plan.probe_tokens). FLOPs: reproduce.plan_cost; a forward is a third of a
-training step (budget's 6N). Compiles: a training graph and an eager flex kernel per run; scoring and
-probes compile nothing. Wall time = FLOPs / (peak x MFU) + compiles x compile s / jobs + eager calls x
-launch overhead + host reads x sync cost, at both ends of ASSUMED: estimates, never run on a GPU.
-`disk_estimate` replays checkpoint.py's save / prune rules (sizes measured: docs/checkpoint.md).
+`stage_costs` counts train (optimizer steps), validation (checkpoint.logged's plus one per branch end), eval
+(few-shot scoring on CUDA, planned by tasks.scoring_batches: no model runs) and probes (plan.probe_tokens per
+matched pair); a forward is a third of a training step (budget's 6N). Wall time = FLOPs / (peak x MFU) + compiles
+x compile s / jobs + eager calls x launch overhead + host reads x sync cost, at both ends of ASSUMED: estimates,
+never run on a GPU. `disk_estimate` replays checkpoint.py's save / prune rules (sizes: docs/checkpoint.md).
 Read next: reproduce.py (which prints it), docs/gpu.md.
 """
 from __future__ import annotations
@@ -42,8 +40,8 @@ PROBE_BATCH = 8                # probe_pairs.probe_pairs' batch_size default
 
 
 def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float) -> dict:
-    """What training `cfg` on `tokens` tokens costs: F (SMELT's, no head) and F x D, with the head, the tpp
-    (D / (F/6), SMELT 4.3), tokens per non-embedding parameter, and GPU minutes at ASSUMED's MFU (best, worst)."""
+    """F (no head) and F x D, both also with the head, tpp (D / (F/6), SMELT 4.3), tokens per non-embedding
+    parameter and GPU minutes at ASSUMED's MFU (best, worst) of training cfg on `tokens` tokens."""
     if not tokens > 0 or not math.isfinite(tokens):
         raise ValueError(f"run_cost: tokens must be a finite number > 0, got {tokens!r}")
     F, Fh = budget.flops_per_token(cfg, ctx_len), budget.flops_per_token(cfg, ctx_len, include_head=True)
@@ -53,8 +51,7 @@ def run_cost(cfg: ModelConfig, ctx_len: float, tokens: float) -> dict:
 
 
 def scoring_counts(plan: configs.Plan, vocab_size: int, enc) -> dict:
-    """One endpoint's few-shot scoring on CUDA (any model of the plan): forward calls, rows, padded tokens,
-    logit positions and host reads (one per batch) of the batches tasks.scoring_batches plans; no model runs."""
+    """Forward calls, rows, padded tokens, logit positions and host reads of one endpoint's few-shot scoring."""
     from lab import tasks as tasks_mod
     n = Counter()
     for name in tasks_mod.resolve_tasks(plan.tasks):
@@ -88,7 +85,7 @@ def run_steps(plan: configs.Plan) -> tuple[int, int]:
 
 
 def _stage(flops, compiles, calls, reads, eager_calls, compile_key="flex_compile_s", overlap: int = 1) -> dict:
-    """One stage's counts and wall seconds (best, worst), compiles `overlap` at a time (compile_seconds: in series)."""
+    """One stage's counts and wall seconds (best, worst), compiling `overlap` at a time."""
     ends = [{k: v[i] for k, v in ASSUMED.items()} for i in (0, 1)]
     serial = [compiles * a[compile_key] for a in ends]
     secs = [flops / (PEAK_FLOPS * a["mfu"]) + c / overlap + eager_calls * a["eager_call_s"]
@@ -169,45 +166,29 @@ _RNG_BYTES = 5056 + 625 * 8 * 2 + 3 * _TENSOR_BYTES   # torch, numpy and python 
 _METRICS_ROW_BYTES = 420   # one metrics.jsonl row with its hash
 
 
-def checkpoint_bytes(model_cfg: ModelConfig, tc: TrainConfig) -> tuple[int, int]:
-    """(full resume checkpoint, weights-only endpoint) bytes: fp32 weights, AdamW's two moments and step per
-    parameter, RNG states, JSON meta; the parameters of a GPT on the meta device."""
-    with torch.device("meta"):
-        gpt = GPT(model_cfg)
-    params = list(gpt.named_parameters())
-    weights = sum(p.numel() * 4 + _TENSOR_BYTES for _, p in params)
+def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
+    """Bytes one train() run keeps ("peak", "final"), "written" (deleted files too) and the per-file sizes."""
+    tc = type(tc).from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
+    with torch.device("meta"):   # the endpoint: fp32 weights and JSON meta; a full checkpoint adds AdamW and RNG
+        params = list(GPT(model_cfg).named_parameters())
     meta = len(json.dumps({"format": 2, "kind": "endpoint", "model": model_cfg.to_dict(), "train": asdict(tc),
                            "step": 0, "branch": 0, "tokens": 0, "wall_s": 0.0, "run": {}})) + 100
-    endpoint = _FILE_BYTES + weights + meta
+    endpoint = _FILE_BYTES + sum(p.numel() * 4 + _TENSOR_BYTES for _, p in params) + meta
     adam = sum(2 * (p.numel() * 4 + _TENSOR_BYTES) + 4 + _TENSOR_BYTES + 2 * (len(n) + 12) for n, p in params)
-    return endpoint + adam + _RNG_BYTES + 600, endpoint
-
-
-def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
-    """Bytes one train() run keeps, replaying save_kind / needed_checkpoints / logged: "peak" (at any moment),
-    "final" (endpoints, ckpt.pt, logs), "written" (deleted files included) and the per-file sizes."""
-    tc = type(tc).from_dict({**asdict(tc), "block_size": tc.block_size or model_cfg.block_size})
-    full, endpoint = checkpoint_bytes(model_cfg, tc)
+    full = endpoint + adam + _RNG_BYTES + 600
     row = len(json.dumps({"config": model_cfg.to_dict(), "train": asdict(tc)})) + len(json.dumps(
         budget.dense_control(model_cfg).to_dict())) + 1500   # results row: configs, losses by source, hash
     logs = 2 * len(json.dumps({"model": model_cfg.to_dict(), "train": asdict(tc)}, indent=2))  # config.json
-    ckpts: dict = {}
+    ckpts: set = set()                                   # the full checkpoints on disk
     state = {"peak": 0, "written": logs, "kept": logs}   # kept: endpoints + logs
-
-    def now() -> int:
-        return state["kept"] + full * len(ckpts)
 
     def write(n: int, key=None) -> None:
         state["written"] += n
         if key is None:
             state["kept"] += n
         else:
-            ckpts[key] = True
-        state["peak"] = max(state["peak"], now())
-
-    def prune(pending) -> None:
-        for key in set(ckpts) - needed_checkpoints(ckpts, pending):
-            del ckpts[key]
+            ckpts.add(key)
+        state["peak"] = max(state["peak"], state["kept"] + full * len(ckpts))
 
     pending = list(tc.branches)
     for s, b in zip([0, *tc.branches], tc.branches):   # s: where the stable segment before branch b starts
@@ -220,18 +201,17 @@ def disk_estimate(model_cfg: ModelConfig, tc: TrainConfig) -> dict:
                     write(endpoint)
                 elif kind == "full":
                     write(full, (branch, done))
-                    prune(pending)
+                    ckpts &= needed_checkpoints(ckpts, pending)
         write(row)
         pending.remove(b)
-        prune(pending)
+        ckpts &= needed_checkpoints(ckpts, pending)
     write(endpoint)   # ckpt.pt
-    return {"peak": state["peak"], "final": now(), "written": state["written"], "full_checkpoint": full,
-            "endpoint": endpoint}
+    return {"peak": state["peak"], "final": state["kept"] + full * len(ckpts), "written": state["written"],
+            "full_checkpoint": full, "endpoint": endpoint}
 
 
 def plan_disk_estimate(model_cfgs: list[ModelConfig], tc: TrainConfig, jobs: int = 1) -> dict:
-    """disk_estimate over runs trained `jobs` at a time: "final" sums the runs'; "peak" adds the `jobs` largest
-    in-run surpluses (peak - final), an upper bound."""
+    """disk_estimate of runs trained `jobs` at a time; "peak" adds the `jobs` largest surpluses (an upper bound)."""
     ests = [disk_estimate(c, tc) for c in model_cfgs]
     final = sum(e["final"] for e in ests)
     surplus = sorted(max(0, e["peak"] - e["final"]) for e in ests)[::-1][:max(1, jobs)]

@@ -1,22 +1,19 @@
 """The grid: SMELT against its matched Baseline over many endpoints, each claim an interval with a verdict.
 
-SMELT Sections 5.1, 5.3 and Appendix C, from endpoint evaluations (evaluate.evaluate_endpoint outputs):
-* `matched_pairs` (same cell, training seed, branch step) and `win_counts` (Sec. 5.1's "Completion 96/96");
-* `icl_sweep`: Appendix C's shot sweep over the cells above chance, with the paired permutation test over
-  demonstration seeds at the largest k;
-* `length_families`: Sec. 5.3 / Fig. 20a's normalised gain by document length and its long/short ratio;
-* `downstream_claims`: the SMELT - Baseline differences per task origin (run pairs, with the item sample's
-  noise: `_item_noise`), the calibration residuals (Eq. 7) and their growth with scale, the length tilt
-  and the shot-sweep claims (`icl_claims`); `downstream_report` runs all of the above.
-Interval verdicts come from `stats.verdict`; counts and refusals set theirs. Why each unit and rule:
-docs/wins.md. Read before: eval.py (the records), tasks.py, calibration.py, stats.py. Read next: report.py;
-the figures: eval_plots.plot_downstream.
+SMELT 5.1, 5.3 and App. C from endpoint evaluations (evaluate.evaluate_endpoint): `matched_pairs` and `win_counts`
+(Sec. 5.1's "Completion 96/96"); `icl_sweep` (App. C's shot sweep, a permutation test over demonstration seeds at
+the largest k); `length_families` (Fig. 20a's gain by document length); `downstream_claims` (SMELT - Baseline per
+task origin with the item sample's noise, the Eq. 7 residuals and their growth with scale, the length tilt,
+`icl_claims`); `downstream_report` runs them all. Why each unit and rule: docs/wins.md.
+Read before: eval.py, tasks.py, calibration.py, stats.py. Read next: report.py, eval_plots.plot_downstream.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import defaultdict
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -40,22 +37,20 @@ def check_grid(records: Sequence[dict]) -> None:
 
 
 def matched_pairs(records: Sequence[dict]) -> list[dict]:
-    """[{"cell", "scale", "sparsity_label", "seed", "branch_step", "baseline", "smelt"}], sorted: SMELT's matched
-    pairs. Records of other archs are ignored; two endpoints with the same key are an error."""
+    """SMELT's matched pairs (same cell, seed, branch step), sorted; other archs ignored, a duplicate an error."""
     check_grid(records)
-    by_key: dict = {}
+    by_key: dict = defaultdict(dict)
     for r in records:
-        if r["arch"] not in ARMS:
-            continue
-        key = (r["scale"], r["sparsity_label"], r.get("seed"), r.get("branch_step"), r["arch"])
-        if key in by_key:
-            raise ValueError(f"two endpoints for {key}: {endpoint_id(by_key[key])} and {endpoint_id(r)}")
-        by_key[key] = r
-    pairs = []
-    for (sc, lab, seed, b, arch), r in by_key.items():
-        if arch == "baseline" and (sc, lab, seed, b, "smelt") in by_key:
-            pairs.append({"cell": f"{sc} {lab}", "scale": sc, "sparsity_label": lab, "seed": seed, "branch_step": b,
-                          "baseline": r, "smelt": by_key[(sc, lab, seed, b, "smelt")]})
+        if r["arch"] in ARMS:
+            key = (r["scale"], r["sparsity_label"], r.get("seed"), r.get("branch_step"))
+            arms = by_key[key]
+            if r["arch"] in arms:
+                raise ValueError(f"two endpoints for {(*key, r['arch'])}: {endpoint_id(arms[r['arch']])} and "
+                                 f"{endpoint_id(r)}")
+            arms[r["arch"]] = r
+    pairs = [{"cell": f"{sc} {lab}", "scale": sc, "sparsity_label": lab, "seed": seed, "branch_step": b,
+              "baseline": arms["baseline"], "smelt": arms["smelt"]}
+             for (sc, lab, seed, b), arms in by_key.items() if len(arms) == 2]
     return sorted(pairs, key=lambda p: (p["cell"], str(p["seed"]), p["branch_step"] or 0))
 
 
@@ -76,13 +71,13 @@ def _metric_pairs(pairs: list[dict], metric: str):
             yield p, b, s
 
 
+# the paper's words, with section, for each claim it makes (docs/wins.md)
+PAPER = json.loads(Path(__file__).with_name("downstream_quotes.json").read_text(encoding="utf-8"))
 # (metric, what, lower is better, the paper's count)
-WIN_METRICS = (("val_loss", "validation loss", True,
-                "\"At comparable measured compute, SMELT reaches lower loss in every cell\" (Sec. 4.1, Fig. 8)"),
+WIN_METRICS = (("val_loss", "validation loss", True, PAPER["val_loss"]),
                ("real completion", "gold-completion loss, BIG-bench tasks (DCLM Completion)", True,
-                "96 / 96: \"SMELT wins on DCLM Completion in 96 of 96 matched pairs\" (Sec. 5.1)"),
-               ("real core", "centred accuracy, BIG-bench tasks (DCLM Core)", False,
-                "83 / 96: \"on DCLM Core in 83 of 96\" (Sec. 5.1)"),
+                PAPER["real completion"]),
+               ("real core", "centred accuracy, BIG-bench tasks (DCLM Core)", False, PAPER["real core"]),
                ("generated completion", "gold-completion loss, generated tasks", True, None),
                ("generated core", "centred accuracy, generated tasks", False, None))
 
@@ -139,10 +134,9 @@ def _demos_kept(pairs: list[dict], name: str, k: int) -> dict:
 
 
 def icl_sweep(records: Sequence[dict], margin: float = 0.0, n_perm: int = 10000) -> dict:
-    """SMELT Appendix C: per task and k, accuracy averaged within each cell (its matched pairs, per demonstration
-    seed), then over the cells where both models beat chance by more than `margin` (None where none does;
-    "*_all_cells": every cell, for tables). "test": the one-sided paired permutation test over seeds at the
-    largest shared k, pooled over those cells ("by_cell": per cell); n seeds cannot give p below 2^-n."""
+    """SMELT App. C: per task and k, accuracy averaged within each cell (per demonstration seed), then over the
+    cells where both models beat chance by more than `margin` ("*_all_cells": every cell). "test": the one-sided
+    paired permutation test over seeds at the largest k, pooled over those cells; n seeds cannot give p < 2^-n."""
     pairs = matched_pairs(records)
     if not pairs:
         return {}
@@ -261,8 +255,7 @@ def _runs_and_contrasts(recs: Sequence[dict]) -> tuple[dict, dict]:
 
 
 def _kept(r: dict, other: dict, min_tokens: int, dropped: dict) -> dict[int, float]:
-    """r's loss by bucket over the buckets with >= min_tokens tokens in both endpoints (the others
-    go into `dropped`: {bucket: tokens})."""
+    """r's loss by bucket where both endpoints hold >= min_tokens tokens; the other buckets go into `dropped`."""
     tok = lambda e: {int(b): int(n) for b, n in (e["val"].get("tokens_by_length") or {}).items()}
     ta, tb = tok(r), tok(other)
     out = {}
@@ -310,8 +303,7 @@ def _family(fam: str, cons: list, runs: dict, n_boot: int, seed: int, min_tokens
              "n_endpoint_pairs": n_pairs, "n_degenerate": n_bad, "n_negative": n_neg,
              "buckets_dropped": dict(sorted(dropped.items())), "contrasts": rows, "why": None}
     if not shapes:
-        entry["why"] = ("no contrast in the grid" if not cons else
-                        "every contrast's mean gain is zero: no shape")
+        entry["why"] = "every contrast's mean gain is zero: no shape" if cons else "no contrast in the grid"
         return entry
     entry["shape"] = _mean_shape(shapes)
     buckets = list(entry["shape"])
@@ -332,32 +324,19 @@ def _family(fam: str, cons: list, runs: dict, n_boot: int, seed: int, min_tokens
 
 
 def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0, min_tokens: int = 1000) -> dict:
-    """SMELT 5.3 / Fig. 20a: three families of contrasts (ref run -> new run, same seed) in loss by document length:
-    SMELT vs its matched Baseline; consecutive sparsity levels of the Baseline at one scale ("more experts");
-    consecutive scales of the Baseline at one sparsity label ("more parameters"). A contrast averages its
-    endpoint pairs' normalised gains by bucket (normalised_shape); a family averages its contrasts' shapes and
-    bootstraps its long/short ratio over them. Buckets under `min_tokens` tokens are left out (docs/wins.md)."""
+    """SMELT 5.3 / Fig. 20a's three families of contrasts (same seed) in loss by document length: SMELT vs
+    Baseline, consecutive sparsities ("more experts") and scales ("more parameters") of the Baseline. A family
+    averages its contrasts' normalised shapes and bootstraps its long/short ratio; buckets under `min_tokens`
+    tokens are left out (docs/wins.md)."""
     recs = [r for r in records if r.get("val") and r["val"].get("by_length")]
     check_grid(recs)
     runs, contrasts = _runs_and_contrasts(recs)
     return {fam: _family(fam, cons, runs, n_boot, seed, min_tokens) for fam, cons in contrasts.items()}
 
 
-# the paper's words for the shot-sweep claims (Sec. 5.3) and the calibration growth (Sec. 5.1)
-PAPER_ICL_GAP = "\"0.9 pp at k=0 and widens to 1.9 pp once demonstrations are provided (k=1)\" (Sec. 5.3, Fig. 20b)"
-PAPER_DYCK = "\"SMELT reaches 29.8% at k=32 vs. the Baseline’s 26.4%\" (Sec. 5.3, Fig. 20c)"
-PAPER_SIGNIFICANT = ("\"the 14 of these 16 tasks where SMELT’s max-shot gain is significant (p<0.05, paired "
-                     "permutation test)\" (Sec. 5.3, App. C)")
-PAPER_RESIDUAL_POSITIVE = ("\"The mean residual \\bar{\\delta} is positive on every benchmark at every scale\" "
-                           "(Sec. 5.1, Fig. 16)")
-PAPER_RESIDUAL_GROWS = ("\"\\bar{\\delta} increases monotonically with model scale on DCLM Completion and DCLM Core\" "
-                        "(Sec. 5.1, Fig. 16)")
-
-
 def icl_claims(icl: dict, claim) -> None:
-    """SMELT 5.3's shot-sweep claims over the real (BIG-bench) tasks, at the k's most prompts fit (`_demos_kept`):
-    the gap grows from k = 0 to the smallest such k > 0 (t-interval over tasks), SMELT ahead on dyck_languages at
-    its largest such k (paired over items), and most tasks' max-shot permutation test at p < 0.05."""
+    """SMELT 5.3's shot-sweep claims over the real tasks, at the k's most prompts fit: the gap grows from k = 0
+    to the smallest k > 0, SMELT ahead on dyck_languages (paired over items), most max-shot tests at p < 0.05."""
     real = {n: t for n, t in icl.items() if t["origin"] == "bigbench"}
     grow, no_shared, sig, tested, p_min = [], [], 0, 0, []
     for n, t in real.items():
@@ -377,11 +356,11 @@ def icl_claims(icl: dict, claim) -> None:
             tested += 1
             sig += test["p"] < 0.05
             p_min.append(test["p_min"])
-    iv = stats.mean_interval(grow) if grow else None
-    claim("icl gap grows", "SMELT - Baseline accuracy gap at the smallest k > 0 minus at k = 0 > 0", PAPER_ICL_GAP,
-          ">", 0.0, iv, len(grow), "task", "; ".join(filter(None, [
-              None if grow else "no real task above chance in one cell at both k = 0 and a k > 0 that most prompts fit",
-              f"left out, no cell above chance at both k: {', '.join(no_shared)}" if no_shared else None])) or None)
+    why = "; ".join(filter(None, [
+        None if grow else "no real task above chance in one cell at both k = 0 and a k > 0 that most prompts fit",
+        f"left out, no cell above chance at both k: {', '.join(no_shared)}" if no_shared else None])) or None
+    claim("icl gap grows", "SMELT - Baseline accuracy gap at the smallest k > 0 minus at k = 0 > 0",
+          PAPER["icl gap grows"], ">", 0.0, stats.mean_interval(grow) if grow else None, len(grow), "task", why)
     # a benchmark difference: its noise is the items' (the paper's 29.8 vs 26.4 % is over its test items)
     by_k = real.get("dyck_languages", {}).get("by_k", {})
     ks = [int(k) for k, r in by_k.items() if r["k_counts"] and r["baseline_by_seed"]]
@@ -391,15 +370,15 @@ def icl_claims(icl: dict, claim) -> None:
            "dyck_languages not above chance (or cut) at any k in this run")
     claim("dyck gain", f"SMELT - Baseline accuracy on dyck_languages at k = {max(ks)} > 0 (each item averaged over "
           f"demonstration seeds and matched pairs)" if ks else "SMELT - Baseline accuracy on dyck_languages > 0",
-          PAPER_DYCK, ">", 0.0, stats.paired_difference(b, s) if b else None, len(b or []), "paired item",
+          PAPER["dyck gain"], ">", 0.0, stats.paired_difference(b, s) if b else None, len(b or []), "paired item",
           None if b else why)
     floor = min(p_min, default=1.0)
     why = (f"{sig} of {tested} tasks significant" + (f"; with these seeds p cannot go below {floor:.3g}"
                                                       if floor >= 0.05 else "") if tested else
            "no real task tested at a k most of its prompts hold")
     # a count, not an interval: a test that cannot reject (too few seeds) is no evidence against
-    claim("icl significant", "most tasks' max-shot gain significant (p < 0.05)", PAPER_SIGNIFICANT, ">", 0.5, None,
-          tested, "task", why, verdict="reproduced" if tested and 2 * sig > tested else "not resolved")
+    claim("icl significant", "most tasks' max-shot gain significant (p < 0.05)", PAPER["icl significant"], ">", 0.5,
+          None, tested, "task", why, verdict="reproduced" if tested and 2 * sig > tested else "not resolved")
 
 
 def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int) -> tuple[np.ndarray, int] | str:
@@ -437,9 +416,8 @@ def _item_draws(recs: list[dict], origin: str, key: str, n_boot: int, seed: int)
 def _item_noise(units: list[list[tuple]], origin: str, key: str, iv: stats.Interval, n_boot: int = 1000,
                 seed: int = 0) -> dict:
     """The item sample's noise in a paired difference whose t-interval `iv` over run pairs holds training noise
-    only (every pair scores the same items): "items", the percentile interval over item resamples (models fixed);
-    "both", `iv` widened by the draws' variance, which decides the claim. {"why"} without per-item results;
-    "inconsistent" when the items as scored do not give the records' summaries (docs/wins.md)."""
+    only: "items", the percentile interval over item resamples; "both", `iv` widened by their variance, which
+    decides the claim; "why" / "inconsistent" when there is none (docs/wins.md)."""
     if n_boot < 2:
         return {"items": None, "both": None, "why": f"n_boot = {n_boot}: no item bootstrap"}
     flat = [p for u in units for p in u]
@@ -465,9 +443,8 @@ def _item_noise(units: list[list[tuple]], origin: str, key: str, iv: stats.Inter
 
 
 def _noise_verdict(noise: dict, direction: str, why: str | None) -> tuple[str | None, str | None]:
-    """(why, verdict) of a downstream difference from _item_noise: the interval of both noises decides; a task of
-    too few items, or records whose items do not give their summary, decide nothing; without per-item results
-    the t-verdict stands (verdict None) and why says what its interval holds."""
+    """(why, verdict) from _item_noise: the interval of both noises decides; too few items or inconsistent
+    records decide nothing; without per-item results the t-verdict stands (verdict None)."""
     join = lambda *w: "; ".join(filter(None, w))
     items = noise["items"]
     if items is not None and items.few_units:                 # the items' variance is not estimable
@@ -481,11 +458,10 @@ def _noise_verdict(noise: dict, direction: str, why: str | None) -> tuple[str | 
 
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
                       unit: str = "run", icl: dict | None = None, n_boot: int = 1000) -> list[dict]:
-    """The main job's downstream claims (SMELT 5.1, 5.3), each {"id", "claim", "paper", "direction", "value",
-    "interval", "verdict", "n", "unit", "why"}: per task origin, SMELT - Baseline gold-completion loss (< 0) and
-    centred accuracy (> 0) paired over run pairs (unit="run": the independent trainings) or every matched
-    endpoint (unit="endpoint"), with _item_noise's "items_interval" / "both_interval"; from `calibration` the
-    Eq. 7 residuals (> 0) and their growth with scale; from `families` the length tilt; from `icl` icl_claims."""
+    """SMELT 5.1 and 5.3's downstream claims ({"id", "claim", "paper", "direction", "value", "interval",
+    "verdict", "n", "unit", "why"}): per origin, SMELT - Baseline gold-completion loss and centred accuracy over
+    run (or endpoint) pairs with _item_noise's intervals; the Eq. 7 residuals and their growth; the length tilt;
+    icl_claims."""
     if unit not in ("endpoint", "run"):
         raise ValueError(f"unit must be 'endpoint' or 'run', got {unit!r}")
     pairs = matched_pairs(records)
@@ -497,10 +473,9 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                        "verdict": verdict or stats.verdict(iv, direction, value), "n": n, "unit": unit_, "why": why})
 
     for origin, src in (("real", "BIG-bench tasks"), ("generated", "generated tasks")):
-        for key, direction, what, paper in (("completion", "<", "gold-completion loss", WIN_METRICS[1][3]),
-                                            ("core", ">", "centred accuracy", WIN_METRICS[2][3])):
-            paper = paper if origin == "real" else None          # the paper has no generated tasks
+        for key, direction, what in (("completion", "<", "gold-completion loss"), ("core", ">", "centred accuracy")):
             metric = f"{origin} {key}"
+            paper = PAPER.get(metric)          # None for the generated tasks: the paper has none
             units, vals = defaultdict(list), defaultdict(list)
             for p, b, s in _metric_pairs(pairs, metric):
                 u = (p["cell"], p["seed"]) if unit == "run" else len(units)
@@ -521,9 +496,8 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                                for k in ("items", "both")})
     if calibration is not None:
         if calibration.get("error"):
-            claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0",
-                  PAPER_RESIDUAL_POSITIVE, ">", 0.0, None, 0, "SMELT endpoint",
-                  f"calibration not available: {calibration['error']}")
+            claim("calibration residual", "calibration residual (Eq. 7) of SMELT > 0", PAPER["residual"], ">", 0.0,
+                  None, 0, "SMELT endpoint", f"calibration not available: {calibration['error']}")
         for name, c in calibration.get("metrics", {}).items():
             if name.startswith("task/"):
                 continue
@@ -533,7 +507,7 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
                 got = (iv, len(runs), "SMELT run", _residual_why(c, iv, "too few SMELT runs for an interval"))
             else:
                 got = (None, 0, "SMELT endpoint", f"calibration not identified: {c.get('why')}")
-            claim(f"{name} residual", f"calibration residual (Eq. 7) of SMELT on {name} > 0", PAPER_RESIDUAL_POSITIVE,
+            claim(f"{name} residual", f"calibration residual (Eq. 7) of SMELT on {name} > 0", PAPER["residual"],
                   ">", 0.0, *got)
         _residual_growth(records, calibration, claim)
     if icl is not None:
@@ -550,17 +524,13 @@ def downstream_claims(records: Sequence[dict], calibration: dict | None = None, 
             why = (f"{iv.n} contrasts: a percentile bootstrap over fewer than {stats.MIN_BOOTSTRAP_UNITS} units "
                    f"covers the truth less often than it says (docs/wins.md)")
         claim("length tilt", "SMELT's gain tilts to long documents: long/short ratio > 1",
-              "1.52: \"SMELT’s gain on the four longest buckets is 1.52× its gain on the four shortest; the two "
-              "controls stay flat (0.98 and 0.88)\" (Sec. 5.3, Fig. 20a)", ">", 1.0, iv, f["n_contrasts"],
-              "SMELT/Baseline run pair", why)
+              PAPER["length tilt"], ">", 1.0, iv, f["n_contrasts"], "SMELT/Baseline run pair", why)
     return claims
 
 
 def _run_means(records: Sequence[dict], residuals: Sequence[float], inside: Sequence[bool] | None = None) -> dict:
-    """{(scale, sparsity label, seed): (scale, mean residual)}: the SMELT endpoints' Eq. 7 residuals (in the order of
-    the SMELT endpoints in `records`, as downstream_report hands them to calibration_report) averaged per run, the
-    independent unit. `inside` (calibrate's): only endpoints within the Baseline loss range count; beyond it
-    the residual measures the sigmoid's extrapolation."""
+    """{(scale, sparsity label, seed): (scale, mean residual)}: SMELT's Eq. 7 residuals (in records' order)
+    averaged per run, over the endpoints `inside` the Baseline loss range (beyond it they measure extrapolation)."""
     smelt = [r for r in records if r["arch"] == "smelt"]
     by = defaultdict(list)
     for r, v, keep in zip(smelt, residuals, inside if inside is not None else [True] * len(residuals)):
@@ -570,8 +540,7 @@ def _run_means(records: Sequence[dict], residuals: Sequence[float], inside: Sequ
 
 
 def _residual_why(c: dict, iv: stats.Interval | None, too_few: str) -> str | None:
-    """A residual claim's why: `too_few` when it has no interval, then how many SMELT endpoints of calibration `c`
-    lie outside the Baseline loss range and were left out (None when neither applies)."""
+    """A residual claim's why: `too_few` without an interval, then the SMELT endpoints left out of range."""
     n = len(c.get("inside") or []) - sum(c.get("inside") or [])
     outside = (f"{n} of {len(c['inside'])} SMELT endpoints lie outside the Baseline loss range and are left out "
                f"(their residual would measure the sigmoid's extrapolation)") if n else None
@@ -590,7 +559,7 @@ def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
             continue
         text = f"calibration residual of SMELT on {name}: largest scale minus smallest > 0"
         if not c.get("identified") or len(scales) < 2:
-            claim(f"{name} residual growth", text, PAPER_RESIDUAL_GROWS, ">", 0.0, None, 0, "SMELT endpoint",
+            claim(f"{name} residual growth", text, PAPER["residual growth"], ">", 0.0, None, 0, "SMELT endpoint",
                   f"calibration not identified: {c.get('why')}" if not c.get("identified") else "one scale")
             continue
         by = defaultdict(list)
@@ -598,15 +567,14 @@ def _residual_growth(records: Sequence[dict], calibration: dict, claim) -> None:
             by[g].append(v)
         lo, hi = by[scales[0]], by[scales[-1]]
         iv = stats.welch_difference(lo, hi) if lo and hi else None
-        claim(f"{name} residual growth", f"{text} ({scales[-1]} vs {scales[0]})", PAPER_RESIDUAL_GROWS, ">", 0.0,
+        claim(f"{name} residual growth", f"{text} ({scales[-1]} vs {scales[0]})", PAPER["residual growth"], ">", 0.0,
               iv, len(lo) + len(hi), "SMELT run", _residual_why(c, iv, "too few SMELT runs per scale for an interval"))
 
 
 def downstream_report(records: Sequence[dict], margin: float = 0.0, n_boot: int = 2000, n_perm: int = 10000,
                       unit: str = "run") -> dict:
-    """Everything SMELT Section 5 reports from a grid's endpoint evaluations: {"n_endpoints", "n_pairs", "wins"
-    (win_counts), "icl" (icl_sweep), "families" (length_families), "calibration" (calibration_report of every
-    Baseline endpoint against every SMELT endpoint; {"error"} without validation), "claims" (downstream_claims)}."""
+    """Everything SMELT Section 5 reports from a grid's endpoint evaluations: wins, icl (sweep), families,
+    calibration (every Baseline against every SMELT endpoint; {"error"} without validation) and claims."""
     recs = list(records)
     check_grid(recs)
     try:

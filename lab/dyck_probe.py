@@ -1,12 +1,11 @@
 """The Dyck case study (SMELT Sec. 6.4, Fig. 27): which head closes brackets, and what it reads per visit.
 
-BIG-bench dyck_languages prompts with k in {1, 2, 4, 8} "Output:" demonstrations (`dyck_prompts`,
-nested across k); the Dyck head is the head of the looped span whose ablation (`ablate_head`)
-raises the target loss most; `dyck_case_study` splits its attention at the three answer targets
-into BOS, demonstration-answer tokens and the rest, per visit (the paper, 1.6B at k = 4: BOS
-0.60 -> 0.02, demonstrations 0.24 -> 0.85 from visit 1 to visit 2).
-Its claims are probe_claims.DYCK_CLAIMS, its figure probe_plots.plot_dyck; the choices where the
-paper is silent are in docs/dyck_probe.md. Read next: reproduce.py.
+`dyck_prompts`: BIG-bench dyck_languages prompts with k in {1, 2, 4, 8} "Output:" demonstrations, nested
+across k. `dyck_case_study`: the Dyck head is the head of the looped span whose ablation (`ablate_head`) raises
+the target loss most; its attention at the three answer targets splits into BOS, demonstration-answer tokens and
+the rest, per visit (the paper, 1.6B at k = 4: BOS 0.60 -> 0.02, demonstrations 0.24 -> 0.85). Claims:
+probe_claims.DYCK_CLAIMS; figure: probe_plots.plot_dyck; choices where the paper is silent: docs/dyck_probe.md.
+Read next: reproduce.py.
 """
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 import checks
 
@@ -138,12 +138,8 @@ def dyck_case_study(model, enc, block_size: int | None = None, ks: Sequence[int]
     if not P["prompts"]:
         return {**out, "error": f"no Dyck prompt fits block_size {block}"}
     prompts = P["prompts"]
-    device = next(model.parameters()).device
-    T = max(len(p["tokens"]) for p in prompts)
-    x = torch.full((len(prompts), T), enc.eot_token, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        x[i, :len(p["tokens"])] = torch.tensor(p["tokens"])
-    x = x.to(device)
+    x = pad_sequence([torch.tensor(p["tokens"]) for p in prompts], batch_first=True, padding_value=enc.eot_token)
+    x = x.to(next(model.parameters()).device)
     was_training = model.training
     model.eval()
     capture: dict = {}

@@ -13,21 +13,17 @@ from typing import Sequence
 import numpy as np
 
 from lab import plots
-from lab.calibration import sigmoid4
+from lab.calibration import CALIBRATION_METRICS, sigmoid4
 from lab.tasks import chance_of
-
-
-def _above_chance(task: dict) -> bool:
-    """Some k of this task entry has accuracy above its chance rate."""
-    return any(r["acc"] > chance_of(task) + 1e-12 for r in task["by_k"].values())
 
 
 def plot_shot_sweep(result: dict, path: str | Path, other: dict | None = None) -> str:
     """Accuracy vs k per task (mean +- s.e. over seeds) of one endpoint (and a compared one, dashed); tasks
     never above chance in either are left out."""
     results = [result] + ([other] if other else [])
+    above = lambda t: any(r["acc"] > chance_of(t) + 1e-12 for r in t["by_k"].values())   # at some k
     drawn = {o: [n for n, t in result["tasks"].items() if t["origin"] == o
-                 and any(n in r["tasks"] and _above_chance(r["tasks"][n]) for r in results)]
+                 and any(n in r["tasks"] and above(r["tasks"][n]) for r in results)]
              for o in ("bigbench", "generated")}
     left = sorted(n for n, t in result["tasks"].items() if n not in drawn[t["origin"]])
     note = (f"At or below chance at every k (not drawn): {', '.join(left)}." if left else "")
@@ -93,8 +89,8 @@ def plot_icl_sweep(sweep: dict, path: str | Path) -> str:
 
 def plot_calibration(base: Sequence[dict], others: Sequence[dict], report: dict, path: str | Path) -> str:
     """Metric vs validation loss for every identified Eq. 6 fit: Baseline endpoints, the curve, the others."""
-    metrics = [m for m in ("core", "completion", "generated core", "generated completion")
-               if report.get("metrics", {}).get(m, {}).get("identified")]
+    spec = {m: (origin, key) for m, origin, key, *_ in CALIBRATION_METRICS}
+    metrics = [m for m in spec if report.get("metrics", {}).get(m, {}).get("identified")]
     skipped = {m: c["why"] for m, c in report.get("metrics", {}).items()
                if not m.startswith("task/") and not c.get("identified")}
     note = " ".join(f"Calibration of {m} not identified: {why}." for m, why in skipped.items())
@@ -105,7 +101,7 @@ def plot_calibration(base: Sequence[dict], others: Sequence[dict], report: dict,
     for ax, m in zip(axes[0], metrics):
         c = report["metrics"][m]
         p = c["params"]
-        origin, key = ("real", m) if " " not in m else m.split(" ")
+        origin, key = spec[m]
         xs = [e["val"]["loss"] for e in [*base, *others]]
         grid = np.linspace(min(xs), max(xs), 200)
         ax.plot(grid, sigmoid4(grid, p["a"], p["b"], p["alpha"], p["tau"], p["d"]), "k-", lw=1,

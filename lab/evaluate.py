@@ -1,12 +1,9 @@
 """The downstream evaluation of one endpoint: the shot sweep over every task, comparisons, the CLI.
 
-SMELT Sections 5.1, 5.3 and Appendices C, E:
-* `evaluate_endpoint`: eval.py's validation report, then every task of tasks.py at every k of the
-  shot sweep (SHOTS, Fig. 20b-c) and `summarise` (DCLM Core and Completion, real and generated apart).
-* `compare`: one endpoint against another (the one-sided permutation test over demonstration seeds,
-  App. C, and the length shape of the gain).
-* The CLI, `python -m lab.evaluate --run RUN [--compare RUN2] [--baselines RUN ...]`, writes eval.json
-  and plots; every path it reads or writes is checked first.
+SMELT 5.1, 5.3, App. C and E: `evaluate_endpoint` is eval.py's validation report, then every task of tasks.py at
+every k of the shot sweep (SHOTS, Fig. 20b-c) and `summarise` (DCLM Core and Completion, real and generated
+apart); `compare` tests one endpoint against another (App. C's permutation test, the gain's length shape).
+CLI: `python -m lab.evaluate --run RUN [--compare RUN2] [--baselines RUN ...]` writes eval.json and plots.
 Read before: eval.py, tasks.py. Read next: calibration.py, downstream_claims.py. Notes: docs/eval.md.
 """
 from __future__ import annotations
@@ -32,8 +29,6 @@ from lab.tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, 
 
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
-
-
 FIT_FIELDS = ("demos_kept", "share_short", "share_cut")   # per task and k: the demonstrations that fit
 
 
@@ -43,9 +38,8 @@ def fit_label(k: int, demos_kept: float) -> str:
 
 
 def summarise(tasks: dict) -> dict:
-    """Per origin: "core" (mean centred accuracy), "completion" (micro gold-completion loss of the generation
-    tasks), per k and at each task's headline k; "fit" per task and k (FIT_FIELDS, label, reported);
-    "not_reported": the (task, k) whose prompts mostly hold fewer than k demonstrations."""
+    """Per origin: "core" (mean centred accuracy) and "completion" (micro gold-completion loss of the generation
+    tasks) at each task's headline k and per k; "fit" per task and k; "not_reported": the (task, k) left out."""
     out = {}
     for origin in ("real", "generated"):
         ts = {n: t for n, t in tasks.items() if t["origin"] == ("bigbench" if origin == "real" else "generated")}
@@ -73,10 +67,9 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
                       seeds: int = 10, max_items: int | None = 100, val: bool | dict = True,
                       val_tokens_per_source: int | None = 1 << 16, batch_size: int = 8, device: str | None = None,
                       enc=None, data=None, log=print) -> dict:
-    """Evaluate one endpoint (a path load_model reads): validation report (when data or the run's data_dir is
-    readable), then the shot sweep. val: True (run here), False, or a val_loss_report dict made elsewhere
-    for this endpoint (docs/eval.md); enc / data replace the run's tokenizer / TokenData; log gets one
-    progress line per stage and task."""
+    """Evaluate one endpoint (a path load_model reads): the validation report (when data or the run's data_dir
+    is readable), then the shot sweep. val: True, False, or a val_loss_report dict made elsewhere for this endpoint
+    (docs/eval.md); enc / data replace the run's tokenizer / TokenData; log gets a line per stage and task."""
     t0 = time.perf_counter()
     for name, v, lo, none_ok in (("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
                                  ("batch_size", batch_size, 1, False),
@@ -189,8 +182,7 @@ def compare(a: dict, b: dict, n: int = 10000) -> dict:
 
 
 def check_eval_record(rec, where: str) -> dict:
-    """An evaluate_endpoint record read back (eval.json, a --compare / --baselines file, a cached endpoint),
-    checked field by field: a JSONFileError naming `where` and the first bad field."""
+    """An evaluate_endpoint record read back, checked field by field (a JSONFileError naming `where`)."""
     def need(ok, what: str):
         if not ok:
             raise JSONFileError(f"{where}: {what}; re-run `python -m lab.evaluate --run RUN` to rewrite it")
@@ -210,8 +202,7 @@ def check_eval_record(rec, where: str) -> dict:
 
 
 def read_eval(path: str | Path) -> dict:
-    """An eval.json (or a run directory holding one): hash-checked when it carries its hash
-    (checks.write_json), and field-checked (check_eval_record)."""
+    """An eval.json (or a run directory holding one), hash-checked when it carries its hash, field-checked."""
     p = Path(path)
     p = p / "eval.json" if p.is_dir() else p
     if not p.is_file():
@@ -229,17 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "checkpoint file (RUN_DIR/endpoints/branch_XXXXXXX.pt)")
     ap.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
                     choices=["all", "real", "generated", *REAL_TASKS, *GENERATED_TASKS],
-                    help=f"task names or groups real|generated|all; real: {list(REAL_TASKS)}; generated: {list(GENERATED_TASKS)}")
-    ap.add_argument("--shots", nargs="+", type=checks.nonneg_int, default=list(SHOTS), help="numbers of demonstrations k")
-    ap.add_argument("--seeds", type=checks.positive_int, default=10, help="demonstration seeds per k > 0 (k = 0 runs once)")
-    ap.add_argument("--max-items", type=checks.nonneg_int, default=100, help="items per task (a fixed shuffle); 0 = all")
+                    help=f"task names or groups real|generated|all; real: {list(REAL_TASKS)}; "
+                         f"generated: {list(GENERATED_TASKS)}")
+    ap.add_argument("--shots", nargs="+", type=checks.nonneg_int, default=list(SHOTS),
+                    help="numbers of demonstrations k")
+    ap.add_argument("--seeds", type=checks.positive_int, default=10,
+                    help="demonstration seeds per k > 0 (k = 0 runs once)")
+    ap.add_argument("--max-items", type=checks.nonneg_int, default=100,
+                    help="items per task (a fixed shuffle); 0 = all")
     ap.add_argument("--val-tokens", type=checks.nonneg_int, default=1 << 16,
                     help="validation tokens per source; 0 = no validation")
-    ap.add_argument("--batch-size", type=checks.positive_int, default=8, help="validation batch size (rows of block_size)")
+    ap.add_argument("--batch-size", type=checks.positive_int, default=8,
+                    help="validation batch size (rows of block_size)")
     checks.add_device(ap)
     checks.add_out_dir(ap, "where eval.json (for an endpoint file: NAME.eval.json) and the plots go (default: beside "
                     "--run, where reproduce.py and --compare / --baselines look for them)")
-    ap.add_argument("--compare", default=None, help="another run dir with eval.json: permutation tests and length shape vs it")
+    ap.add_argument("--compare", default=None,
+                    help="another run dir with eval.json: permutation tests and length shape vs it")
     ap.add_argument("--baselines", nargs="+", default=None,
                     help=f"Baseline run dirs with eval.json (>= {CALIBRATION_MIN_POINTS}): calibrate this run "
                          f"against them (SMELT Eq. 6-7)")

@@ -1,8 +1,6 @@
-"""Figure plumbing shared by every *_plots.py module: a headless pyplot and one way to save.
+"""Figure plumbing shared by every *_plots.py module: a headless pyplot and one way to save a PNG.
 
-The figures themselves live beside their idea's machinery (eval_plots.py, probe_plots.py,
-scaling_report.py, train_plots.py); this file only makes matplotlib safe on a machine with no
-screen and writes PNGs the same way everywhere. Read next: any *_plots.py.
+The figures live beside their idea's machinery: eval_plots.py, probe_plots.py, scaling_report.py, train_plots.py.
 """
 from pathlib import Path
 
@@ -16,8 +14,7 @@ def pyplot():
 
 
 def save(fig, path, dpi: int = 120, tight: bool = True, paths: list | None = None) -> str:
-    """Write `fig` to `path` (its folder made if missing), close it, and return the path as a string
-    (appended to `paths` when given)."""
+    """Write `fig` to `path` (its folder made if missing), close it; the path as a string, appended to `paths`."""
     if tight:
         fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

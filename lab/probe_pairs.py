@@ -1,15 +1,16 @@
 """SMELT Section 6 on every matched (Baseline, SMELT) pair: one held-out sample, its checks, its file, the CLI.
 
-`probe_pairs` runs probes.probe on both models of every pair over one held-out sample and the Dyck
-case study (dyck_probe.py) on the SMELT model, then states the claims (probe_claims.py). Before any
-model runs, `check_pairs` refuses (naming both runs and why) a pair that the runs' own configs say is
-not matched. `save_result` / `load_result` write and read probes.json hashed, its figure paths
-relative to its folder. CLI: `python -m lab.probe_pairs --pair NAME BASELINE SMELT [...]`.
-The choices are in docs/probes.md. Read before: probes.py. Read next: probe_claims.py, probe_plots.py.
+`probe_pairs` runs probes.probe on both models of every pair over one held-out sample, and the Dyck case study
+(dyck_probe.py) on the SMELT model, then states the claims (probe_claims.py); before any model runs,
+`check_pairs` refuses (naming both runs and why) a pair that the runs' own configs say is not matched.
+`save_result` / `load_result`: probes.json, hashed, its figure paths relative to its folder. CLI:
+`python -m lab.probe_pairs --pair NAME BASELINE SMELT [...]`. Choices: docs/probes.md. Read before: probes.py.
+Read next: probe_claims.py, probe_plots.py.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -159,7 +160,7 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
         f"{desc['units']} document groups, domains {', '.join(desc['domains'])})")
     enc = data.tokenizer() if dyck else None
     out: dict = {"sample": desc, "pairs": {}, "order": [p[0] for p in pairs]}
-    prompts_cache: dict[int, dict] = {}
+    dyck_prompts = functools.cache(lambda blk: dyck_probe.dyck_prompts(enc, blk, dyck_ks, dyck_items, seed=seed))
     for i, (name, base, smelt) in enumerate(pairs):
         t1 = time.time()
         entry: dict = {}
@@ -168,9 +169,7 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
             entry[arch] = probe(model, sample.batches(batch_size), attn_topk=attn_topk, units=sample.units)
             if arch == "smelt" and dyck:
                 blk = min(model.cfg.block_size, dyck_block_size or block_size)   # no unseen distances
-                if blk not in prompts_cache:
-                    prompts_cache[blk] = dyck_probe.dyck_prompts(enc, blk, dyck_ks, dyck_items, seed=seed)
-                entry["dyck"] = dyck_probe.dyck_case_study(model, enc, prompts=prompts_cache[blk])
+                entry["dyck"] = dyck_probe.dyck_case_study(model, enc, prompts=dyck_prompts(blk))
             del model
         entry["seconds"] = round(time.time() - t1, 2)
         out["pairs"][name] = entry

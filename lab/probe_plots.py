@@ -1,14 +1,11 @@
 """The figures of SMELT Section 6 and Appendix D, drawn from probe results (probes.json dicts).
 
-  plot_probes         one looped model (its Baseline beside it): Fig. 21, 22, 24, 25, 26, 28, 30.
-  plot_grid           Fig. 23: every registered panel (probe_claims.panels), one point per pair with its
-                      bootstrap interval over held-out document groups.
-  plot_sink_profiles  Appendix D (Fig. 56): every pair's sink profile.
-  plot_dyck           Fig. 27: the Dyck head's attention at the answer targets per visit.
-  plot_pairs          all of the above for a `probe_pairs.probe_pairs` result (what the main job draws).
-
-Visits are numbered from 1; with r > 2 visits a cross-visit figure compares visit v+1 with visit v
-(probe_claims.visit_words). Read probes.py and probe_claims.py first; plots.py holds pyplot and save().
+`plot_probes`: one looped model, its Baseline beside it (Fig. 21, 22, 24, 25, 26, 28, 30); `plot_grid`: Fig. 23,
+every registered panel (probe_claims.panels), one point per pair with its bootstrap interval over held-out
+document groups; `plot_sink_profiles`: every pair's sink profile (App. D, Fig. 56); `plot_dyck`: Fig. 27, the
+Dyck head's attention per visit; `plot_pairs`: all of these for a `probe_pairs.probe_pairs` result. Visits are
+numbered from 1; with r > 2 a cross-visit figure compares visit v+1 with visit v (probe_claims.visit_words).
+Read probes.py and probe_claims.py first; plots.py holds pyplot and save().
 """
 from __future__ import annotations
 
@@ -106,8 +103,7 @@ def _fig22_residual_flow(result: dict, out_dir: str, tag: str, paths: list[str])
 
 
 def _fig24_update_cosine(result: dict, baseline: dict | None, out_dir: str, tag: str, paths: list[str]) -> None:
-    panels_ = [(baseline, "Baseline")] if baseline else []
-    panels_.append((result, "SMELT"))
+    panels_ = [(res, name) for res, name in ((baseline, "Baseline"), (result, "SMELT")) if res]
     fig, axes = plots.pyplot().subplots(1, len(panels_), figsize=(5 * len(panels_), 4.8), squeeze=False)
     offdiag = [abs(x) for res, _ in panels_ for i, row in enumerate(res["update_cosine"]["matrix"] or [])
                for j, x in enumerate(row) if i != j]
@@ -252,9 +248,7 @@ def plot_grid(result: dict, path: str, n_draws: int = 1000) -> str:
             ax.text(0.5, 0.5, "not measured\n(no pair has it)", ha="center", va="center", transform=ax.transAxes)
         else:
             x = [i for i, n in enumerate(names) if n in ivs]
-            m = np.array([ivs[names[i]].mean for i in x])
-            lo = np.array([ivs[names[i]].lo for i in x])
-            hi = np.array([ivs[names[i]].hi for i in x])
+            m, lo, hi = (np.array([getattr(ivs[names[i]], k) for i in x]) for k in ("mean", "lo", "hi"))
             ax.errorbar(x, m, yerr=[np.nan_to_num(m - lo), np.nan_to_num(hi - m)], fmt="o", color="tab:red",
                         capsize=3, label=f"SMELT, visit {w['b']} vs {w['a']}")
             if p.ref:

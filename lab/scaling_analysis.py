@@ -1,13 +1,10 @@
 """From train.py's results rows to the scaling report (SMELT Sections 4.3 and 5.2).
 
-`analyse` is the pipeline's scaling stage (reproduce.stage_scaling, and the CLI below): rows checked, seed
-replicates averaged, the S = 0 controls left out (SMELT 4.3), only cells both architectures have compared;
-one Eq. 2 surface per architecture, nothing derived from one that is not identified (`scaling.identify`);
-CE gain and TPP at `preset_budgets` (Table 4.3's, or the data's compute window), flagged where the frontier
-leaves the data (`gain_cell`); `cell_bootstrap`, the paper's brackets (a failed draw counts as -inf / +inf);
-SMELT 5.2's per-subset intercept fits (`fit_subsets`) and Baseline-loss quartiles (`quartile_gains`).
-It writes coeffs.json, tables.json, tables.md and the figures (scaling_report.py).  The CLI:
-`python -m lab.scaling_analysis --results results.jsonl` (or `--paper`: Table 4.3 recomputed).
+`analyse` (reproduce.stage_scaling; `python -m lab.scaling_analysis --results results.jsonl`, or `--paper`):
+one Eq. 2 surface per architecture over the cells both have, S = 0 controls left out, and only from identified
+fits the CE gain and TPP at `preset_budgets` or the data's compute window (`gain_cell` flags extrapolation),
+`cell_bootstrap` brackets (a failed draw counts as -inf / +inf), SMELT 5.2's per-subset intercept fits and
+Baseline-loss quartiles.  It writes coeffs.json, tables.json, tables.md and scaling_report.py's figures.
 
 Read first: scaling.py.  The report's keys, and why the budgets, flags and intervals are so: docs/scaling.md.
 """
@@ -27,10 +24,10 @@ import numpy as np
 
 import checks
 from lab import scaling_report, stats
-from lab.scaling_report import cell_text, format_table, markdown, paper_tables, pct_text, tpp_text, why_text
-from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain, cell_id,
-                     check_budget, check_rows, data_ranges, fit, fit_result, optimal_flops_per_token, read_results,
-                     seed_means, short_num, split_control, subset_points, to_points, tpp)
+from lab.scaling_report import cell_text, markdown, paper_tables, pct_text, tpp_text, why_text
+from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain,
+                     cell_id, check_budget, check_rows, data_ranges, fit, fit_result, optimal_flops_per_token,
+                     read_results, seed_means, short_num, split_control, subset_points, to_points, tpp)
 
 
 # ----------------------------------------------------------------------------- cell bootstrap (SMELT 4.3's brackets)
@@ -42,6 +39,7 @@ class Bootstrap:
     n_failed: int = 0        # failed draws: a refit raised, was not identified, or gave a non-finite number
     failures: dict = field(default_factory=dict)   # "surface: reason key" -> count
     coefs: np.ndarray | None = None   # (n_ok, n_surfaces, 3): each refit's a, c and gamma = ac / (a + c)
+    names: tuple = ()                 # the surfaces' names
 
     @property
     def failed_share(self) -> float:
@@ -53,9 +51,9 @@ class Bootstrap:
         return stats.percentiles_with_failures(draws, n_failed, level)
 
 
-def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
-    """Worker: refit every surface on each resample in `draws` (each a list of cell ids); a draw
-    fails if a refit raises, is not identified (`identify`) or gives a non-finite gain / TPP."""
+def _bootstrap_chunk(args) -> tuple[list, list, list, Counter]:
+    """Worker: refit every surface on each resample in `draws` (lists of cell ids); a draw fails if a refit
+    raises, is not identified or gives a non-finite gain / TPP."""
     surfaces, names, draws, C, S, tpp_C, init, fit_opts = args
     index = [{c: np.flatnonzero(p.cell == c) for c in set(p.cell)} for p in surfaces]   # cell id -> point indices
     gains, tpps, coefs, failed = [], [], [], Counter()
@@ -81,7 +79,7 @@ def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
                     reason = "non-finite gain or TPP"
         if reason is None:
             gains.append(g); tpps.append(t)
-            coefs.append([[f.a, f.c, f.a * f.c / (f.a + f.c)] for f in fits])
+            coefs.append([[f.a, f.c, f.gamma] for f in fits])
         else:
             failed[reason] += 1
     return gains, tpps, coefs, failed
@@ -90,9 +88,8 @@ def _bootstrap_chunk(args) -> tuple[list, list, Counter]:
 def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1e21, n_draws: int = 2000,
                    seed: int = 0, n_jobs: int = 2, init: tuple | None = None,
                    names: tuple[str, str] = ("target", "reference"), **fit_opts) -> Bootstrap:
-    """SMELT 4.3 brackets: resample grid cells with replacement (the same cells for both surfaces), refit,
-    record the CE gain at every (C, S) and the TPP at (tpp_C, S); ref=None: one surface, TPP only.  Refits
-    start from `init` (default the full-data fits); draws are made up front, so n_jobs changes nothing."""
+    """SMELT 4.3 brackets: resample grid cells (the same for both surfaces), refit from `init` (default the
+    full-data fits), record the CE gain at every (C, S) and the TPP at (tpp_C, S); ref=None: TPP only."""
     if n_draws < 1:
         raise ValueError(f"n_draws must be >= 1; got {n_draws}")
     surfaces = [target] if ref is None else [target, ref]
@@ -102,8 +99,7 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
                          f"{sorted(set(ref.cell) ^ set(cells))}")
     C, S = (np.atleast_1d(x).astype(float) for x in check_budget(C, S))
     if init is None:
-        init = tuple(fit(p.F, p.S, p.D, p.L, **{k: v for k, v in fit_opts.items() if k == "fixed"})
-                     for p in surfaces)
+        init = tuple(fit(p.F, p.S, p.D, p.L, fixed=fit_opts.get("fixed")) for p in surfaces)
     fit_opts.setdefault("n_starts", 4)
     rng = np.random.default_rng(seed)
     draws = [[cells[i] for i in rng.integers(0, len(cells), len(cells))] for _ in range(n_draws)]
@@ -120,16 +116,15 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
     if n_failed:
         warnings.warn(f"{n_failed} of {n_draws} bootstrap draws failed to refit to identified surfaces "
                       f"(counted as failures in every interval): {dict(failures)}", stacklevel=2)
-    nS, nC = len(S), len(C)
-    gain = None if ref is None else (np.array(gains) if gains else np.empty((0, nC, nS)))
-    return Bootstrap(gain, np.array(tpps) if tpps else np.empty((0, len(surfaces), nS)), n_draws, n_failed,
-                     dict(failures), np.array(coefs) if coefs else np.empty((0, len(surfaces), 3)))
+    gain = None if ref is None else (np.array(gains) if gains else np.empty((0, len(C), len(S))))
+    return Bootstrap(gain, np.array(tpps) if tpps else np.empty((0, len(surfaces), len(S))), n_draws, n_failed,
+                     dict(failures), np.array(coefs) if coefs else np.empty((0, len(surfaces), 3)),
+                     names[:len(surfaces)])
 
 
 # ----------------------------------------------------------------------------- per-subset fits (SMELT 5.2)
 def fit_subsets(subsets: Mapping[str, Points], shared: Coeffs, **opts) -> dict[str, Coeffs]:
-    """Per subset (domain or source), fit only (E, A, K) with the aggregate fit's exponents (one subset is too
-    little data for all six)."""
+    """Per subset (domain or source), fit only E, A and K, with the aggregate fit's exponents."""
     return {name: _intercept_fit(p, shared, **opts).coeffs for name, p in subsets.items()}
 
 
@@ -140,8 +135,7 @@ def _intercept_fit(p: Points, shared: Coeffs, **opts) -> FitResult:
 
 def subset_ce_gains(target: Mapping[str, Coeffs], ref: Mapping[str, Coeffs], C: float,
                     S: float) -> dict[str, float]:
-    """CE gain (Eq. 5) per subset present in both fits (SMELT uses C = 1e21, S ~ 95 %); a subset whose
-    intercept fit is degenerate (A or K at 0: no frontier) is left out with a warning."""
+    """CE gain (Eq. 5) per subset in both fits; one without a frontier is left out with a warning."""
     out = {}
     for k in (k for k in target if k in ref):
         try:
@@ -153,8 +147,8 @@ def subset_ce_gains(target: Mapping[str, Coeffs], ref: Mapping[str, Coeffs], C: 
 
 def quartile_gains(gain: Mapping[str, float], baseline_losses: Sequence[Mapping[str, float]],
                    n_groups: int = 4) -> np.ndarray:
-    """SMELT 5.2 'by Baseline loss': in each pair (source -> Baseline loss) the sources ranked by loss fall into
-    n_groups near-equal groups (39 -> 10, 10, 10, 9; Q1 lowest); gains averaged per group, then over pairs."""
+    """SMELT 5.2: per pair, sources ranked by Baseline loss in n_groups near-equal groups (Q1 lowest); gains
+    averaged per group, then over pairs."""
     per_pair = []
     for losses in baseline_losses:
         names = sorted((s for s in losses if s in gain), key=lambda s: losses[s])
@@ -168,8 +162,7 @@ def quartile_gains(gain: Mapping[str, float], baseline_losses: Sequence[Mapping[
 
 # ----------------------------------------------------------------------------- extrapolation flags and intervals
 def frontier_extrapolation(co: Coeffs, C: float, S: float, ranges: Mapping, who: str) -> list[str]:
-    """Why `co`'s frontier point at budget C extrapolates its data (FitResult.ranges): C, F* or D* = C / F*
-    outside the data's C, F or D.  [] when inside."""
+    """Why `co`'s frontier point at budget C extrapolates its data: C, F* or D* outside its C, F or D ranges."""
     out = []
     F = float(optimal_flops_per_token(co, C, S))
     for k, v, name in (("C", C, "budget C"), ("F", F, "optimal F*"), ("D", C / F, "optimal D*")):
@@ -181,8 +174,7 @@ def frontier_extrapolation(co: Coeffs, C: float, S: float, ranges: Mapping, who:
 
 def gain_cell(target: Coeffs, ref: Coeffs, C: float, S: float, rt: Mapping, rr: Mapping,
               names: tuple[str, str]) -> dict:
-    """One CE gain (Eq. 5) with its extrapolation flags: {"gain" (fraction or None below GAIN_FLOOR),
-    "pct" (percent or None), "C_ref", "extrapolated", "extrapolation" [reasons]}."""
+    """One CE gain (Eq. 5, None below GAIN_FLOOR) with its C_ref and its extrapolation flags."""
     with warnings.catch_warnings(action="ignore"):
         g = float(ce_gain(target, ref, C, S))
     C_ref = C / (1 - g) if g < 1 else math.inf
@@ -199,8 +191,7 @@ def gain_cell(target: Coeffs, ref: Coeffs, C: float, S: float, rt: Mapping, rr: 
 
 def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: int, rules: Rules,
               fraction: bool = True) -> dict:
-    """Bootstrap fields for one cell: {"interval": stats.Interval dict or None, "interval_why", "n_draws",
-    "n_failed", "failed_share"}; percentiles over every draw, failed ones included (Bootstrap.interval)."""
+    """One cell's interval (a stats.Interval dict, failed draws included) or why it has none, and its draws."""
     out = {"interval": None, "interval_why": None, "n_draws": bs.n_draws, "n_failed": bs.n_failed,
            "failed_share": bs.failed_share}
     n_ok = len(draws)
@@ -224,79 +215,9 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
 
 
 # ----------------------------------------------------------------------------- analyse
-def _fit_entry(res: FitResult | None, p: Points | None, why: list[str], cells: list[str]) -> dict:
-    """What the report may print about one architecture: data facts always, coefficients only when identified."""
-    e = {"identified": res is not None and not why, "why": list(why),
-         "n_points": res.n_points if res is not None else 0 if p is None else len(p.L),
-         "cells": cells}
-    if p is not None:
-        e["ranges"] = {k: list(v) for k, v in data_ranges(p.F, p.S, p.D).items()}
-    if e["identified"]:
-        co = res.coeffs
-        e.update(asdict(co), se=dict(res.se), gamma=co.a * co.c / (co.a + co.c), rmse_nats=res.rmse,
-                 objective=res.objective, converged=res.converged, fixed=dict(res.fixed))
-    return e
-
-
-def _subset_report(by_arch, fits, cols, C, target, ref, rules, ref_rows) -> tuple[dict, dict, list[str]]:
-    """SMELT 5.2: identified intercept fits per domain / source, their CE gain at budget C per sparsity column,
-    and the Baseline-loss quartiles at the middle column, sources ranked in every row of `ref_rows`."""
-    report, md = {}, []
-    quart = {"available": False, "why": ["no per-source losses in the rows"]}
-    labs = list(cols)
-    for key in ("val_loss_by_domain", "val_loss_by_source"):
-        sub = {a: subset_points(by_arch[a], key) for a in (target, ref)}
-        names = sorted(set(sub[target]) & set(sub[ref]))
-        if not names:
-            continue
-        sf, rg, not_fitted = {target: {}, ref: {}}, {target: {}, ref: {}}, {}
-        for name in names:
-            try:
-                for a in (target, ref):
-                    with warnings.catch_warnings(action="ignore"):
-                        r = _intercept_fit(sub[a][name], fits[a], rules=rules)
-                    if r.why:
-                        raise ValueError(f"{a}: " + "; ".join(r.why))
-                    sf[a][name], rg[a][name] = r.coeffs, r.ranges
-            except ValueError as e:
-                not_fitted[name] = str(e)
-        ok = [n for n in names if n not in not_fitted]
-        gains = {n: {lab: gain_cell(sf[target][n], sf[ref][n], C, s, rg[target][n], rg[ref][n], (target, ref))
-                     for lab, s in cols.items()} for n in ok}
-        report[key] = {"budget": C, "gains": gains, "not_fitted": not_fitted}
-        what = key.removeprefix("val_loss_by_")
-        if ok:
-            md.append(format_table(f"CE gain (%) of {target} over {ref} by {what} at C = {C:.2e}", ok, labs,
-                                   [[cell_text(pct_text, gains[n][lab]["gain"], gains[n][lab]) for lab in labs]
-                                    for n in ok]))
-        if not_fitted:
-            md.append(f"Not fitted ({what}): " + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()) + "\n")
-        if key == "val_loss_by_source":
-            lab = labs[len(labs) // 2]
-            g = {n: gains[n][lab]["gain"] for n in ok}
-            losses = [r[key] for r in ref_rows if r.get(key)]
-            quart = {"available": False, "sparsity_label": lab, "budget": C}
-            if any(v is None for v in g.values()):
-                quart["why"] = ["a per-source gain lies below -9999 %"]
-            elif len(g) < 4:
-                quart["why"] = [f"{len(g)} per-source gains cannot fill 4 groups"]
-            else:
-                try:
-                    q = quartile_gains(g, losses)
-                except ValueError as e:                      # a pair ranks fewer than 4 of these sources
-                    quart["why"] = [str(e)]
-                    continue
-                quart.update(available=True, why=[], gain=q.tolist(), pct=(100 * q).tolist(),
-                             extrapolated=any(gains[n][lab]["extrapolated"] for n in ok))
-                md.append(format_table(f"CE gain (%) by Baseline-loss quartile ({lab}, C = {C:.2e})", ["CE gain"],
-                                       [f"Q{i + 1}" for i in range(len(q))],
-                                       [[cell_text(pct_text, x, quart) for x in q]]))
-    return report, quart, md
-
-
 @dataclass
 class _Grid:
-    """analyse's rows grouped per architecture (matched cells only, when both archs are there)."""
+    """analyse's rows per architecture (only the cells both target and ref have), then their fits."""
     archs: list                 # every architecture in the rows, control cells included
     by_arch: dict               # arch -> rows to fit
     pts: dict                   # arch -> Points to fit (archs with rows only)
@@ -307,6 +228,23 @@ class _Grid:
     had_rows: set               # archs with rows to fit before the cells were matched
     unmatched: list             # cells only one of target / ref has (left out)
     pair: bool                  # both target and ref have rows
+    names: tuple = ()           # (target, ref)
+    rules: Rules = RULES
+    results: dict = field(default_factory=dict)   # arch -> FitResult (_fit_all)
+    why: dict = field(default_factory=dict)       # arch -> reasons its fit is not identified ([] if it is)
+    fits: dict = field(default_factory=dict)      # identified arch -> Coeffs
+
+    @property
+    def both(self) -> bool:
+        """Both target and ref have rows and identified fits: CE gains can be computed."""
+        return self.pair and all(a in self.fits for a in self.names)
+
+    def n_cells(self, arch: str) -> int:
+        return len(set(self.pts[arch].cell))
+
+    def pair_gain(self, C: float, S: float) -> dict:
+        (t, r), rs = self.names, self.results
+        return gain_cell(self.fits[t], self.fits[r], C, S, rs[t].ranges, rs[r].ranges, self.names)
 
 
 def _group(rows: Sequence[dict], include_dense: bool, target: str, ref: str) -> _Grid:
@@ -322,40 +260,53 @@ def _group(rows: Sequence[dict], include_dense: bool, target: str, ref: str) -> 
         for a in (target, ref):
             by_arch[a] = [r for r in by_arch[a] if cell_id(r) in ct & cr]
     pts = {a: to_points(rs) for a, rs in by_arch.items() if rs}
-    # control points are only drawn (hollow), never fitted: a looped control's slightly negative S is clipped
-    control = {a: to_points([{**r, "S": max(float(r["S"]), 0.0)} for r in rs])
-               for a in archs if (rs := [r for r in control_rows if r["arch"] == a])}
+    control = {a: to_points(rs) for a in archs if (rs := [r for r in control_rows if r["arch"] == a])}
     by_label: dict[str, list] = defaultdict(list)
     for a, rs in by_arch.items():
         for r in rs:
             by_label[str(r["sparsity_label"])].append(max(float(r["S"]), 0.0))
     cols = dict(sorted(((k, float(np.mean(v))) for k, v in by_label.items()), key=lambda kv: kv[1]))
     return _Grid(archs, by_arch, pts, control, cols, np.array(list(cols.values())), len(control_rows),
-                 {r["arch"] for r in fit_rows}, unmatched, pair)
+                 {r["arch"] for r in fit_rows}, unmatched, pair, (target, ref))
 
 
-def _fit_all(g: _Grid, target: str, ref: str, rules: Rules) -> tuple[dict, dict]:
-    """Fit each architecture (b pinned to 0 when it has one sparsity label): (FitResults, why)."""
-    results, why = {}, {}
+def _fit_all(g: _Grid, rules: Rules) -> None:
+    """Fit each architecture (b pinned to 0 when it has one sparsity label) into g.results, g.why and g.fits."""
+    g.rules = rules
     for a in g.archs:
         p = g.pts.get(a)
         if p is None:
-            why[a] = ([f"no rows to fit: no cell shared with {ref if a == target else target}"] if a in g.had_rows else
-                      [f"no rows to fit: only {CONTROL_LABEL} control cells"] if a in g.control else ["no rows to fit"])
+            other = g.names[1] if a == g.names[0] else g.names[0]
+            g.why[a] = [f"no rows to fit: no cell shared with {other}" if a in g.had_rows else
+                        f"no rows to fit: only {CONTROL_LABEL} control cells" if a in g.control else "no rows to fit"]
             continue
         fixed = {"b": 0.0} if len({r["sparsity_label"] for r in g.by_arch[a]}) == 1 else {}
         try:
             with warnings.catch_warnings(action="ignore"):
-                results[a] = fit_result(p.F, p.S, p.D, p.L, fixed=fixed, rules=rules)
-            why[a] = results[a].why
+                g.results[a] = fit_result(p.F, p.S, p.D, p.L, fixed=fixed, rules=rules)
+            g.why[a] = g.results[a].why
         except ValueError as e:
-            why[a] = [f"fit impossible: {e}"]
-    return results, why
+            g.why[a] = [f"fit impossible: {e}"]
+    g.fits = {a: r.coeffs for a, r in g.results.items() if not g.why[a]}
+
+
+def _fit_entry(g: _Grid, a: str) -> dict:
+    """What the report may print about one architecture: data facts always, coefficients only when identified."""
+    res, p, why = g.results.get(a), g.pts.get(a), g.why[a]
+    e = {"identified": res is not None and not why, "why": list(why),
+         "n_points": res.n_points if res is not None else 0 if p is None else len(p.L),
+         "cells": sorted({cell_id(r) for r in g.by_arch[a]})}
+    if p is not None:
+        e["ranges"] = {k: list(v) for k, v in data_ranges(p.F, p.S, p.D).items()}
+    if e["identified"]:
+        co = res.coeffs
+        e.update(asdict(co), se=dict(res.se), gamma=co.gamma, rmse_nats=res.rmse,
+                 objective=res.objective, converged=res.converged, fixed=dict(res.fixed))
+    return e
 
 
 def preset_budgets(ladder: str) -> tuple[float, ...] | None:
-    """The budgets reproduce passes: Table 4.3's 1e20 / 1e21 / 1e22 for the paper ladder; None for a
-    reduced one, whose budgets are then its own compute window's log-quartiles (`_budgets`)."""
+    """Table 4.3's budgets for the paper ladder; None (the data's own compute window, `_budgets`) otherwise."""
     return PAPER_BUDGETS if ladder == "paper" else None
 
 
@@ -365,10 +316,10 @@ BUDGET_RULES = {"data": "in-window: the 25 / 50 / 75 % points of log C over the 
                          "the data is marked extrapolated (†)"}
 
 
-def _budgets(g: _Grid, budgets: Sequence[float] | None, target: str, ref: str) -> dict:
-    """The CE-gain budgets: given, or the data's compute window (overlap of the two architectures'
-    C ranges) at its geometric midpoint and log-quartiles; TPP at the middle one.  `budget_rule` says which."""
-    Cs = [g.pts[a].F * g.pts[a].D for a in ((target, ref) if g.pair else g.archs) if a in g.pts]
+def _budgets(g: _Grid, budgets: Sequence[float] | None) -> dict:
+    """The CE-gain budgets: given, or the log-quartiles of the data's compute window (the overlap of the two
+    architectures' C ranges); TPP at the middle one."""
+    Cs = [g.pts[a].F * g.pts[a].D for a in (g.names if g.pair else g.archs) if a in g.pts]
     lo, hi = max((float(C.min()) for C in Cs), default=math.inf), min((float(C.max()) for C in Cs), default=0.0)
     window = (lo, hi) if lo <= hi else None
     if budgets is None:
@@ -386,117 +337,153 @@ def _budgets(g: _Grid, budgets: Sequence[float] | None, target: str, ref: str) -
                 compute_window=None if window is None else list(window), tpp_budget=tpp_C)
 
 
-def _bootstraps(g: _Grid, fits: dict, results: dict, budgets: list, Cgrid: np.ndarray, tpp_C: float | None,
-                both: bool, n_boot: int, seed: int, n_jobs: int, target: str, ref: str, rules: Rules) -> dict:
-    """name -> (Bootstrap, surfaces): "pair" when both surfaces are identified, else each identified one alone."""
-    boots: dict[str, tuple] = {}
+def _bootstraps(g: _Grid, budgets: list, Cgrid: np.ndarray, tpp_C: float | None, n_boot: int, seed: int,
+                n_jobs: int) -> dict[str, Bootstrap]:
+    """Cell bootstraps: "pair" when both surfaces are identified, and each other identified surface alone."""
+    boots = {}
     if n_boot > 0 and budgets and g.cols:
-        Cb = np.concatenate([budgets, Cgrid])
-        kw = dict(tpp_C=tpp_C, n_draws=n_boot, seed=seed, n_jobs=n_jobs, rules=rules)
-        if both:
-            boots["pair"] = (cell_bootstrap(g.pts[target], g.pts[ref], Cb, g.S, init=(fits[target], fits[ref]),
-                                            names=(target, ref), fixed=results[target].fixed, **kw), (target, ref))
-        for a in sorted(fits):
-            if not (both and a in (target, ref)):
-                boots[a] = (cell_bootstrap(g.pts[a], None, Cb, g.S, init=(fits[a],), names=(a, ""),
-                                           fixed=results[a].fixed, **kw), (a,))
+        alone = [(a, (a,)) for a in sorted(g.fits) if not (g.both and a in g.names)]
+        for key, archs in ([("pair", g.names)] if g.both else []) + alone:
+            p = [g.pts[a] for a in archs]
+            boots[key] = cell_bootstrap(p[0], p[1] if len(p) == 2 else None, np.concatenate([budgets, Cgrid]), g.S,
+                                        tpp_C=tpp_C, n_draws=n_boot, seed=seed, n_jobs=n_jobs, rules=g.rules,
+                                        init=tuple(g.fits[a] for a in archs), names=archs,
+                                        fixed=g.results[archs[0]].fixed)
     return boots
 
 
-def _gain_cells(g: _Grid, fits: dict, ranges: dict, why: dict, budgets: list, boots: dict, both: bool,
-                no_boot: dict, target: str, ref: str, rules: Rules) -> dict:
+def _gain_cells(g: _Grid, budgets: list, boots: dict, no_boot: dict) -> dict:
     """report["gains"]: the CE gain (Eq. 5) at every (budget, sparsity column) with its interval."""
+    target, ref = g.names
     gains = {"available": False, "why": [], "target": target, "ref": ref, "cells": []}
     if not g.pair:
         gains["why"] = [f"needs rows of both {target!r} and {ref!r}"]
-    elif not both:
-        gains["why"] = [f"{a} {why_text(why[a])}" for a in (target, ref) if a not in fits]
+    elif not g.both:
+        gains["why"] = [f"{a} {why_text(g.why[a])}" for a in g.names if a not in g.fits]
     elif not budgets:
         gains["why"] = ["the two architectures' compute ranges do not overlap: no budget inside both"]
     else:
         gains["available"] = True
-        bs = boots["pair"][0] if "pair" in boots else None
+        bs = boots.get("pair")
         for i, C in enumerate(budgets):
             for j, (lab, s) in enumerate(g.cols.items()):
-                cell = {"budget": C, "sparsity_label": lab, "S": s,
-                        **gain_cell(fits[target], fits[ref], C, s, ranges[target], ranges[ref], (target, ref))}
+                cell = {"budget": C, "sparsity_label": lab, "S": s, **g.pair_gain(C, s)}
                 cell.update(no_boot if bs is None else
-                            _interval(cell["gain"], bs.gain[:, i, j], bs,
-                                      len(set(g.pts[target].cell)), rules))
+                            _interval(cell["gain"], bs.gain[:, i, j], bs, g.n_cells(target), g.rules))
                 cell["text"] = cell_text(pct_text, cell["gain"], cell)
                 gains["cells"].append(cell)
     return gains
 
 
-def _tpp_cells(g: _Grid, a: str, fits: dict, ranges: dict, why: dict, tpp_C: float | None, boots: dict,
-               no_boot: dict, target: str, ref: str, rules: Rules) -> dict:
+def _tpp_cells(g: _Grid, a: str, tpp_C: float | None, boots: dict, no_boot: dict) -> dict:
     """report["tpp"][a]: TPP of one architecture at the middle budget, per sparsity column."""
     t = {"available": False, "why": [], "budget": tpp_C, "cells": []}
-    if a not in fits:
-        t["why"] = [why_text(why[a])]
+    if a not in g.fits:
+        t["why"] = [why_text(g.why[a])]
     elif tpp_C is None:
         t["why"] = ["no budget inside the data"]
     else:
         t["available"] = True
-        in_pair = "pair" in boots and a in (target, ref)         # else its own bootstrap, or none
-        bs, k = (boots["pair"][0], (target, ref).index(a)) if in_pair else (boots.get(a, (None,))[0], 0)
+        bs = next((b for b in boots.values() if a in b.names), None)      # the pair's, its own, or none
         for j, (lab, s) in enumerate(g.cols.items()):
-            v = float(tpp(fits[a], tpp_C, s))
+            v = float(tpp(g.fits[a], tpp_C, s))
             cell = {"sparsity_label": lab, "S": s, "tpp": v,
-                    "extrapolation": frontier_extrapolation(fits[a], tpp_C, s, ranges[a], a)}
+                    "extrapolation": frontier_extrapolation(g.fits[a], tpp_C, s, g.results[a].ranges, a)}
             cell["extrapolated"] = bool(cell["extrapolation"])
-            cell.update(no_boot if bs is None else _interval(v, bs.tpp[:, k, j], bs, len(set(g.pts[a].cell)),
-                                                             rules, fraction=False))
+            cell.update(no_boot if bs is None else _interval(v, bs.tpp[:, bs.names.index(a), j], bs, g.n_cells(a),
+                                                             g.rules, fraction=False))
             cell["text"] = cell_text(tpp_text, v, cell)
             t["cells"].append(cell)
     return t
 
 
-def _gain_curve(g: _Grid, fits: dict, ranges: dict, Cgrid: np.ndarray, boots: dict, nB: int, target: str,
-                ref: str, rules: Rules) -> dict:
+def _gain_curve(g: _Grid, Cgrid: np.ndarray, boots: dict, n_budgets: int) -> dict:
     """ce_gain.png's data: the CE gain in % along Cgrid per column, its extrapolation flags and the
     bootstrap band when the pair bootstrap has enough draws."""
-    cells = [[gain_cell(fits[target], fits[ref], C, s, ranges[target], ranges[ref], (target, ref))
-              for s in g.S] for C in Cgrid]
+    cells = [[g.pair_gain(C, s) for s in g.S] for C in Cgrid]
     pct = np.array([[np.nan if c["gain"] is None else 100 * c["gain"] for c in row] for row in cells])
-    ext = np.array([[c["extrapolated"] for c in row] for row in cells])
-    gain_plot = {"C": Cgrid, "pct": pct, "extrapolated": ext}
-    if "pair" in boots:
-        bs = boots["pair"][0]
-        if len(bs.gain) >= rules.min_ok_draws and bs.failed_share <= rules.max_failed_share:
-            lo, hi = Bootstrap.interval(bs.gain[:, nB:, :], n_failed=bs.n_failed)
-            if np.isfinite(lo).all() and np.isfinite(hi).all():       # failures past 2.5 %: no band to draw
-                gain_plot.update(band=(100 * lo, 100 * hi), failed_share=bs.failed_share)
+    gain_plot = {"C": Cgrid, "pct": pct, "extrapolated": np.array([[c["extrapolated"] for c in row] for row in cells])}
+    bs = boots.get("pair")
+    if bs is not None and len(bs.gain) >= g.rules.min_ok_draws and bs.failed_share <= g.rules.max_failed_share:
+        lo, hi = Bootstrap.interval(bs.gain[:, n_budgets:, :], n_failed=bs.n_failed)
+        if np.isfinite(lo).all() and np.isfinite(hi).all():       # failures past 2.5 %: no band to draw
+            gain_plot.update(band=(100 * lo, 100 * hi), failed_share=bs.failed_share)
     return gain_plot
 
 
-def _derived(g: _Grid, fits: dict, gains: dict, budgets: list, tpp_C, boots: dict, target: str, ref: str,
-             rules: Rules) -> dict:
-    """SMELT 4.3's further claims from the pair bootstrap, each {point, interval, interval_why, failed_share}:
-    target - ref in a, c and gamma; the CE gain's growth in pp per decade between the first and last
-    in-window budget, per column; TPP_target / TPP_ref at tpp_C, per column.  {} without the pair."""
+def _derived(g: _Grid, gains: dict, budgets: list, tpp_C, boots: dict) -> dict:
+    """SMELT 4.3's further claims from the pair bootstrap: target - ref in a, c and gamma; the CE gain's growth
+    in pp per decade between the first and last in-window budget and TPP_target / TPP_ref, per column."""
     if "pair" not in boots or not gains.get("available"):
         return {}
-    bs, n = boots["pair"][0], len(set(g.pts[target].cell))
-    out = {}
-    for k, name in enumerate(("a", "c", "gamma")):
-        fa, fr = ((f.a, f.c, f.a * f.c / (f.a + f.c))[k] for f in (fits[target], fits[ref]))
-        out[f"{name}_diff"] = {"point": fa - fr, **_interval(fa - fr, bs.coefs[:, 0, k] - bs.coefs[:, 1, k], bs, n,
-                                                             rules, fraction=False)}
+    bs, (ft, fr) = boots["pair"], (g.fits[a] for a in g.names)
+
+    def claim(point: float, draws: np.ndarray, **extra) -> dict:
+        return {"point": point, **extra, **_interval(point, draws, bs, g.n_cells(g.names[0]), g.rules, fraction=False)}
+
+    out = {f"{k}_diff": claim(getattr(ft, k) - getattr(fr, k), bs.coefs[:, 0, i] - bs.coefs[:, 1, i])
+           for i, k in enumerate(("a", "c", "gamma"))}
     for j, (lab, s) in enumerate(g.cols.items()):
-        inside = [i for i, C in enumerate(budgets) if not any(c["extrapolated"] or c["gain"] is None for c in
-                                                              gains["cells"] if c["budget"] == C and c["sparsity_label"] == lab)]
+        column = gains["cells"][j::len(g.cols)]                        # this column's cell at every budget
+        inside = [i for i, c in enumerate(column) if not (c["extrapolated"] or c["gain"] is None)]
         if len(inside) >= 2:
             i1, i2 = inside[0], inside[-1]
             dec = math.log10(budgets[i2] / budgets[i1])
-            pt = 100 * float(ce_gain(fits[target], fits[ref], budgets[i2], s) - ce_gain(fits[target], fits[ref],
-                                                                                      budgets[i1], s)) / dec
-            out[f"growth/{lab}"] = {"point": pt, "from": budgets[i1], "to": budgets[i2], **_interval(
-                pt, 100 * (bs.gain[:, i2, j] - bs.gain[:, i1, j]) / dec, bs, n, rules, fraction=False)}
-        ratio = float(tpp(fits[target], tpp_C, s) / tpp(fits[ref], tpp_C, s))      # not |ratio - 1|: folded, biased
-        out[f"tpp_ratio/{lab}"] = {"point": ratio, **_interval(ratio, bs.tpp[:, 0, j] / bs.tpp[:, 1, j], bs, n, rules,
-                                                               fraction=False)}
+            pt = 100 * float(ce_gain(ft, fr, budgets[i2], s) - ce_gain(ft, fr, budgets[i1], s)) / dec
+            out[f"growth/{lab}"] = claim(pt, 100 * (bs.gain[:, i2, j] - bs.gain[:, i1, j]) / dec,
+                                         **{"from": budgets[i1], "to": budgets[i2]})
+        ratio = float(tpp(ft, tpp_C, s) / tpp(fr, tpp_C, s))      # not |ratio - 1|: folded, biased
+        out[f"tpp_ratio/{lab}"] = claim(ratio, bs.tpp[:, 0, j] / bs.tpp[:, 1, j])
     return out
+
+
+def _subset_report(g: _Grid, C: float, ref_rows: list[dict]) -> tuple[dict, dict]:
+    """SMELT 5.2: identified intercept fits per domain / source, their CE gain at budget C per sparsity column,
+    and the Baseline-loss quartiles at the middle column, sources ranked in every row of `ref_rows`."""
+    (target, ref), report = g.names, {}
+    for key in ("val_loss_by_domain", "val_loss_by_source"):
+        sub = {a: subset_points(g.by_arch[a], key) for a in g.names}
+        names = sorted(set(sub[target]) & set(sub[ref]))
+        if not names:
+            continue
+        fitted, not_fitted = {}, {}
+        for name in names:
+            try:
+                pair = []
+                for a in g.names:
+                    with warnings.catch_warnings(action="ignore"):
+                        pair.append(_intercept_fit(sub[a][name], g.fits[a], rules=g.rules))
+                    if pair[-1].why:
+                        raise ValueError(f"{a}: " + "; ".join(pair[-1].why))
+                fitted[name] = pair
+            except ValueError as e:
+                not_fitted[name] = str(e)
+        gains = {n: {lab: gain_cell(ft.coeffs, fr.coeffs, C, s, ft.ranges, fr.ranges, g.names)
+                     for lab, s in g.cols.items()} for n, (ft, fr) in fitted.items()}
+        report[key] = {"budget": C, "gains": gains, "not_fitted": not_fitted}
+    if "val_loss_by_source" not in report:
+        return report, {"available": False, "why": ["no per-source losses in the rows"]}
+    losses = [r["val_loss_by_source"] for r in ref_rows if r.get("val_loss_by_source")]
+    return report, _quartiles(report["val_loss_by_source"]["gains"], list(g.cols)[len(g.cols) // 2], C, losses)
+
+
+def _quartiles(gains: dict, lab: str, C: float, losses: list[dict]) -> dict:
+    """report["quartiles"]: the per-source gains at column `lab` averaged per Baseline-loss quartile."""
+    g = {n: v[lab]["gain"] for n, v in gains.items()}
+    quart = {"available": False, "sparsity_label": lab, "budget": C}
+    if any(v is None for v in g.values()):
+        quart["why"] = ["a per-source gain lies below -9999 %"]
+    elif len(g) < 4:
+        quart["why"] = [f"{len(g)} per-source gains cannot fill 4 groups"]
+    else:
+        try:
+            q = quartile_gains(g, losses)
+        except ValueError as e:                      # a pair ranks fewer than 4 of these sources
+            quart["why"] = [str(e)]
+            return quart
+        quart.update(available=True, why=[], gain=q.tolist(), pct=(100 * q).tolist(),
+                     extrapolated=any(v[lab]["extrapolated"] for v in gains.values()))
+    return quart
 
 
 def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int = 2, seed: int = 0,
@@ -511,39 +498,30 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     os.makedirs(out, exist_ok=True)
     means = seed_means(rows)                     # a repeated cell counts once, at its seeds' mean loss
     g = _group(means, include_dense, target, ref)
-    results, why = _fit_all(g, target, ref, rules)
-    fits = {a: r.coeffs for a, r in results.items() if not why[a]}
-    ranges = {a: r.ranges for a, r in results.items()}
+    _fit_all(g, rules)
     report: dict = {"control_label": CONTROL_LABEL, "include_dense": include_dense, "n_rows": len(rows),
                     "seed_means": {f"{r['arch']} {cell_id(r)}": r["n_seeds"] for r in means if "n_seeds" in r},
                     "n_control_rows": g.n_control_rows, "unmatched_cells": g.unmatched,
-                    "fits": {a: _fit_entry(results.get(a), g.pts.get(a), why[a],
-                                           sorted({cell_id(r) for r in g.by_arch[a]})) for a in g.archs},
-                    "sparsity": g.cols}
-    report.update(_budgets(g, budgets, target, ref))
+                    "fits": {a: _fit_entry(g, a) for a in g.archs}, "sparsity": g.cols}
+    report.update(_budgets(g, budgets))
     budgets, tpp_C, window = report["budgets"], report["tpp_budget"], report["compute_window"]
-    both = g.pair and target in fits and ref in fits
-    Cgrid = np.geomspace(window[0], window[1], 40) if (both and window is not None) else np.empty(0)
-    boots = _bootstraps(g, fits, results, budgets, Cgrid, tpp_C, both, n_boot, seed, n_jobs, target, ref, rules)
-    report["bootstrap"] = {k: {"surfaces": list(s), "n_draws": b.n_draws, "n_failed": b.n_failed,
-                               "failed_share": b.failed_share, "failures": b.failures} for k, (b, s) in boots.items()}
+    Cgrid = np.geomspace(window[0], window[1], 40) if (g.both and window is not None) else np.empty(0)
+    boots = _bootstraps(g, budgets, Cgrid, tpp_C, n_boot, seed, n_jobs)
+    report["bootstrap"] = {k: {"surfaces": list(b.names), "n_draws": b.n_draws, "n_failed": b.n_failed,
+                               "failed_share": b.failed_share, "failures": b.failures} for k, b in boots.items()}
     no_boot = {"interval": None, "interval_why": "no bootstrap (n_boot = 0)" if n_boot <= 0 else "no bootstrap",
                "n_draws": 0, "n_failed": 0, "failed_share": None}
-    gains = report["gains"] = _gain_cells(g, fits, ranges, why, budgets, boots, both, no_boot, target, ref, rules)
-    report["tpp"] = {a: _tpp_cells(g, a, fits, ranges, why, tpp_C, boots, no_boot, target, ref, rules)
-                     for a in g.archs}
-    report["derived"] = _derived(g, fits, gains, budgets, tpp_C, boots, target, ref, rules)
-    md_sub = []                      # per-subset gains and quartiles (SMELT 5.2): only from two identified surfaces
-    if gains["available"]:
-        report["subsets"], report["quartiles"], md_sub = _subset_report(g.by_arch, fits, g.cols, tpp_C, target, ref,
-                                                                         rules, [r for r in means if r["arch"] == ref])
+    gains = report["gains"] = _gain_cells(g, budgets, boots, no_boot)
+    report["tpp"] = {a: _tpp_cells(g, a, tpp_C, boots, no_boot) for a in g.archs}
+    report["derived"] = _derived(g, gains, budgets, tpp_C, boots)
+    if gains["available"]:           # per-subset gains and quartiles (SMELT 5.2): only from two identified surfaces
+        report["subsets"], report["quartiles"] = _subset_report(g, tpp_C, [r for r in means if r["arch"] == ref])
     else:
         report["subsets"] = {}
         report["quartiles"] = {"available": False, "why": gains["why"] or ["no CE gain"]}
-    gain_plot = (_gain_curve(g, fits, ranges, Cgrid, boots, len(budgets), target, ref, rules)
-                 if gains["available"] and len(Cgrid) else None)
-    report["figures"] = scaling_report.figures(out, g.pts, g.control, fits, why, g.cols, gain_plot, (target, ref))
-    md = markdown(report, g.cols, md_sub, target, ref)
+    gain_plot = _gain_curve(g, Cgrid, boots, len(budgets)) if gains["available"] and len(Cgrid) else None
+    report["figures"] = scaling_report.figures(out, g.pts, g.control, g.fits, g.why, g.cols, gain_plot, g.names)
+    md = markdown(report)
     report["tables_md"] = "tables.md"
     for name, text in (("coeffs.json", json.dumps(report["fits"], indent=2)),
                        ("tables.json", json.dumps(report, indent=2, default=float)), ("tables.md", md)):

@@ -1,14 +1,11 @@
 """What the scaling analysis shows: its figures, tables.md, and SMELT's Table 4.3 recomputed.
 
-* `figures`: loss_vs_compute.png (loss against C = F D, each identified fit along every cell's own D range,
-  the S = 0 controls hollow), reducible_loss.png (SMELT Fig. 9: L - E per sparsity column with each fit's
-  frontier L* - E, Eq. 4) and ce_gain.png (Eq. 5 over both fits' common compute range, dotted where
-  extrapolated, with the cell-bootstrap band).  Axes span the data, never the paper's budgets.
-* `markdown`: tables.md (coefficients only for identified fits, else "not identified (why)"; CE gain and TPP
-  with cell-bootstrap brackets and † where extrapolated; the per-subset tables of SMELT 5.2).
-* `paper_tables`: SMELT's CE-gain and TPP tables recomputed from the printed coefficients.
+`figures`: loss_vs_compute.png (each identified fit along every cell's D range, the S = 0 controls hollow),
+reducible_loss.png (SMELT Fig. 9: L - E with each fit's frontier L* - E) and ce_gain.png (Eq. 5, dotted where
+extrapolated, with the bootstrap band); axes span the data.  `markdown`: tables.md (coefficients only of
+identified fits, brackets, † where extrapolated).  `paper_tables`: Table 4.3 from the printed coefficients.
 
-Read first: scaling.py (loss, frontier_loss) and scaling_analysis.py (what it passes here).
+Read first: scaling.py and scaling_analysis.py (what it passes here).
 """
 from __future__ import annotations
 
@@ -37,7 +34,7 @@ def _lin_limits(x: np.ndarray, pad: float = 0.08) -> tuple[float, float]:
 
 
 def _cell_curves(co: Coeffs, p: Points):
-    """Per cell: (C, L_hat) along the cell's own D range at its mean F and S (the fit on the data)."""
+    """Per cell: (C, L_hat) along the cell's own D range at its mean F and S."""
     for c in sorted(set(p.cell)):
         m = p.cell == c
         D = np.geomspace(p.D[m].min(), p.D[m].max(), 20)
@@ -46,7 +43,6 @@ def _cell_curves(co: Coeffs, p: Points):
 
 
 def _labels(p: Points) -> np.ndarray:
-    """The sparsity label of every point (its cell id is "scale/label")."""
     return np.array([c.split("/", 1)[1] for c in p.cell])
 
 
@@ -58,18 +54,19 @@ def figures(out: str, pts: dict, control: dict, fits: dict, why: dict, cols: dic
     allC = np.concatenate([p.F * p.D for d in (pts, control) for p in d.values()])
     allL = np.concatenate([p.L for d in (pts, control) for p in d.values()])
     xlim, ylim = _log_limits(allC), _lin_limits(allL)
-    written = [_loss_vs_compute(out, pts, control, fits, why, cols, colours, xlim, ylim)]
+    drawn = {"loss_vs_compute.png": _loss_vs_compute(plt, pts, control, fits, why, cols, colours, xlim, ylim)}
     ident = [a for a in sorted(fits) if a in pts]
     if ident and cols:
-        written.append(_reducible_loss(out, pts, fits, ident, cols, xlim))
+        drawn["reducible_loss.png"] = _reducible_loss(plt, pts, fits, ident, cols, xlim)
     if gain_plot is not None:
-        written.append(_ce_gain(out, gain_plot, cols, colours, names))
-    return written
+        drawn["ce_gain.png"] = _ce_gain(plt, gain_plot, cols, colours, names)
+    for name, fig in drawn.items():
+        plots.save(fig, os.path.join(out, name), dpi=120)
+    return list(drawn)
 
 
-def _loss_vs_compute(out: str, pts: dict, control: dict, fits: dict, why: dict, cols: dict, colours: dict,
-                     xlim: tuple, ylim: tuple) -> str:
-    plt = plots.pyplot()
+def _loss_vs_compute(plt, pts: dict, control: dict, fits: dict, why: dict, cols: dict, colours: dict,
+                     xlim: tuple, ylim: tuple):
     archs = sorted(set(pts) | set(control))
     fig, axes = plt.subplots(1, len(archs), figsize=(5.8 * len(archs), 4.6), squeeze=False)
     for ax, arch in zip(axes[0], archs):
@@ -97,12 +94,10 @@ def _loss_vs_compute(out: str, pts: dict, control: dict, fits: dict, why: dict, 
                ylabel="validation loss (nats)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
-    plots.save(fig, os.path.join(out, "loss_vs_compute.png"), dpi=120)
-    return "loss_vs_compute.png"
+    return fig
 
 
-def _reducible_loss(out: str, pts: dict, fits: dict, ident: list, cols: dict, xlim: tuple) -> str:
-    plt = plots.pyplot()
+def _reducible_loss(plt, pts: dict, fits: dict, ident: list, cols: dict, xlim: tuple):
     fig, axes = plt.subplots(1, len(cols), figsize=(4.8 * len(cols), 4.2), squeeze=False)
     for ax, (lab, s) in zip(axes[0], cols.items()):
         ys, dropped = [], 0
@@ -121,7 +116,7 @@ def _reducible_loss(out: str, pts: dict, fits: dict, ident: list, cols: dict, xl
             fr = frontier_loss(co, Cg, s) - co.E
             ax.plot(Cg, fr, color=col, ls="--", lw=1, label=f"{arch} frontier L* - E")
             ys.append(fr)
-        y = np.concatenate(ys) if ys else np.array([1.0])
+        y = np.concatenate(ys)
         y = y[y > 0] if (y > 0).any() else np.array([1.0])
         ax.set(xscale="log", yscale="log", xlim=xlim, ylim=_log_limits(y), xlabel="C (FLOPs)",
                ylabel="L - E (nats, each fit's own E)")
@@ -131,19 +126,16 @@ def _reducible_loss(out: str, pts: dict, fits: dict, ident: list, cols: dict, xl
     missing = sorted(set(pts) - set(ident))
     if missing:
         fig.suptitle(f"not drawn (fit not identified): {', '.join(missing)}", fontsize=9)
-    plots.save(fig, os.path.join(out, "reducible_loss.png"), dpi=120)
-    return "reducible_loss.png"
+    return fig
 
 
-def _ce_gain(out: str, gain_plot: dict, cols: dict, colours: dict, names: tuple[str, str]) -> str:
-    plt = plots.pyplot()
+def _ce_gain(plt, gain_plot: dict, cols: dict, colours: dict, names: tuple[str, str]):
     Cg, g, ext, band = gain_plot["C"], gain_plot["pct"], gain_plot["extrapolated"], gain_plot.get("band")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     lo_show, clipped = -300.0, False
     for j, lab in enumerate(cols):
-        y = np.where(np.isfinite(g[:, j]), g[:, j], np.nan)
-        ins = ~ext[:, j]
-        ax.plot(Cg, np.where(ins, y, np.nan), color=colours[lab], label=f"{lab}")
+        y = g[:, j]                                      # nan where the gain lies below GAIN_FLOOR
+        ax.plot(Cg, np.where(~ext[:, j], y, np.nan), color=colours[lab], label=f"{lab}")
         near = ext[:, j].copy()                          # dotted where extrapolated, joined to the solid part
         near[1:] |= ext[:-1, j]; near[:-1] |= ext[1:, j]
         ax.plot(Cg, np.where(near, y, np.nan), color=colours[lab], ls=":")
@@ -151,9 +143,8 @@ def _ce_gain(out: str, gain_plot: dict, cols: dict, colours: dict, names: tuple[
             ax.fill_between(Cg, np.maximum(band[0][:, j], lo_show), band[1][:, j], color=colours[lab], alpha=0.2)
             clipped |= bool((band[0][:, j] < lo_show).any())
     ax.axhline(0, color="0.4", lw=0.8)
-    vals = [g[np.isfinite(g)]] + ([np.maximum(band[0], lo_show).ravel(), band[1].ravel()] if band is not None else [])
-    v = np.concatenate(vals) if vals else np.array([0.0])
-    ax.set_ylim(*_lin_limits(np.concatenate([v, [0.0]])))
+    shown = [g[np.isfinite(g)], [0.0]] + ([np.maximum(band[0], lo_show).ravel(), band[1].ravel()] if band else [])
+    ax.set_ylim(*_lin_limits(np.concatenate(shown)))
     ax.set(xscale="log", xlim=_log_limits(Cg, 0.02), xlabel=f"{names[0]} compute C (FLOPs), over both fits' common compute range",
            ylabel="CE gain (% of reference compute saved)")
     t = f"CE gain of {names[0]} over {names[1]} on the frontier"
@@ -165,8 +156,7 @@ def _ce_gain(out: str, gain_plot: dict, cols: dict, colours: dict, names: tuple[
         t += "\ndotted: extrapolated (see tables.json)"
     ax.set_title(t, fontsize=9)
     ax.legend(fontsize=8)
-    plots.save(fig, os.path.join(out, "ce_gain.png"), dpi=120)
-    return "ce_gain.png"
+    return fig
 
 
 def format_table(title: str, row_names: Sequence[str], col_names: Sequence[str], cells) -> str:
@@ -223,8 +213,9 @@ def paper_tables() -> str:
             + "\n" + format_table("TPP at C = 1e21", ["Baseline", "SMELT"], cols, tp) + "\n" + note)
 
 
-def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str) -> str:
+def markdown(report: dict) -> str:
     """tables.md: fits (coefficients only when identified), CE gain, TPP, subsets; no number over 8 digits."""
+    cols, target, ref = report["sparsity"], report["gains"]["target"], report["gains"]["ref"]
     labs = list(cols)
     md = ["## Scaling-law fits (SMELT Eq. 2)\n"]
     ctl = (f"The {report['n_control_rows']} rows of the `{CONTROL_LABEL}` control cells are left out of the fits "
@@ -282,9 +273,28 @@ def markdown(report: dict, cols: dict, md_sub: list[str], target: str, ref: str)
         notes.append("† extrapolated: the budget, C_ref or a compute-optimal F* / D* lies outside the data of a "
                      "fitted surface (reasons in tables.json).")
     md += [n + "\n" for n in notes]
-    if md_sub:
-        md.append("### Per-subset CE gain (SMELT 5.2; intercepts refitted with the aggregate exponents)\n")
-        md += md_sub
-    elif not g["available"]:
+    if not g["available"]:
         md.append(f"Per-subset and quartile gains: not computed ({'; '.join(g_why)}).\n")
+    elif report["subsets"]:
+        md.append("### Per-subset CE gain (SMELT 5.2; intercepts refitted with the aggregate exponents)\n")
+        md += _subset_tables(report, labs, target, ref)
     return "\n".join(md)
+
+
+def _subset_tables(report: dict, labs: list, target: str, ref: str) -> list[str]:
+    """SMELT 5.2's tables: the CE gain per domain / source, those not fitted, the Baseline-loss quartiles."""
+    md = []
+    for key, sub in report["subsets"].items():
+        what, C, gains = key.removeprefix("val_loss_by_"), sub["budget"], sub["gains"]
+        if gains:
+            md.append(format_table(f"CE gain (%) of {target} over {ref} by {what} at C = {C:.2e}", list(gains), labs,
+                                   [[cell_text(pct_text, v[lab]["gain"], v[lab]) for lab in labs]
+                                    for v in gains.values()]))
+        if sub["not_fitted"]:
+            md.append(f"Not fitted ({what}): " + "; ".join(f"{n}: {w}" for n, w in sub["not_fitted"].items()) + "\n")
+    q = report["quartiles"]
+    if q["available"]:
+        md.append(format_table(f"CE gain (%) by Baseline-loss quartile ({q['sparsity_label']}, C = {q['budget']:.2e})",
+                               ["CE gain"], [f"Q{i + 1}" for i in range(len(q["gain"]))],
+                               [[cell_text(pct_text, x, q) for x in q["gain"]]]))
+    return md

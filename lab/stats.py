@@ -1,15 +1,10 @@
 """Numbers a reader can trust: intervals, paired differences, permutation tests, three-state verdicts.
 
-Every comparison this project reports (a loss over seeds, a probe over tokens, a gain over items) goes
-through this file, so the rules are written once:
-  * `Interval`: a point estimate, a two-sided interval, its units and method. `mean_interval` (Student t:
-    with 3 seeds a normal interval would be 2.2x too narrow), `bootstrap_interval` (percentiles over units
-    resampled), `paired_difference` (the t-interval of per-unit b - a: the shared noise cancels).
-  * `verdict`: "reproduced" when the whole interval lies on the claimed side, "contradicted" when it lies
-    on the other, else "not resolved" (no interval, or a percentile bootstrap over fewer than
-    MIN_BOOTSTRAP_UNITS units). A point estimate's sign never decides.
-  * `permutation_test`: the paired sign-flip test of SMELT Appendix C, exact for up to 16 pairs.
-Pure numpy functions; hand-computed cases in tests/test_stats.py. Read next: scaling.py.
+Every comparison this project reports goes through here: an `Interval` (Student t: with 3 seeds a normal
+interval would be 2.2x too narrow; or a percentile bootstrap over units), and a `verdict` that is "reproduced"
+only when the whole interval lies on the claimed side, "contradicted" when it lies on the other, else "not
+resolved" (a point estimate's sign never decides).  `permutation_test`: SMELT Appendix C's sign-flip test.
+Hand-computed cases: tests/test_stats.py.  Read next: scaling.py.
 """
 from __future__ import annotations
 
@@ -75,8 +70,7 @@ def t_quantile(p: float, dof: int) -> float:
 
 
 def mean_interval(x: Sequence[float], level: float = 0.95) -> Interval:
-    """Student-t interval of the mean of x; with one value, or values without spread (their sd says nothing
-    about the noise: a zero-width interval would read as certain), there is no interval (bounds nan)."""
+    """Student-t interval of the mean of x; none (bounds nan) from one value or values without spread."""
     _check_level(level)
     a = _vector(x, "x")
     n, m = a.size, float(a.mean())
@@ -95,8 +89,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.9
 
 
 def welch_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
-    """Interval of mean(b) - mean(a) over independent samples (Welch's t); none (bounds nan) unless both
-    have 2 values and some spread."""
+    """Welch's t-interval of mean(b) - mean(a); none (bounds nan) unless both have 2 values and some spread."""
     _check_level(level)
     va, vb = _vector(a, "a"), _vector(b, "b")
     d, n = float(vb.mean() - va.mean()), va.size + vb.size
@@ -137,8 +130,8 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], n_draws: int = 20
 
 
 def percentiles_with_failures(ok: np.ndarray, n_failed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
-    """The level interval's percentiles over len(ok) + n_failed draws along axis 0, each failed draw counted as
-    -inf for the lower bound and +inf for the upper (the interval does not condition on success)."""
+    """The level interval's percentiles along axis 0 over the draws `ok` and n_failed failed ones, counted as
+    -inf for the lower bound and +inf for the upper (not conditional on success)."""
     _check_level(level)
     ok = np.asarray(ok, dtype=float)
     if n_failed < 0 or (len(ok) == 0 and n_failed == 0):
@@ -159,21 +152,18 @@ def percentiles_with_failures(ok: np.ndarray, n_failed: int, level: float = 0.95
 
 
 def verdict(iv: Interval | None, claim: str, value: float = 0.0) -> str:
-    """Three-state verdict of the claim "quantity `claim` value" (claim '>' or '<'); a percentile bootstrap over
-    too few units is not resolved (Interval.few_units; simulated coverage in docs/wins.md)."""
+    """The verdict on "quantity `claim` value" (claim '>' or '<'); not resolved from too few bootstrap units."""
     if claim not in (">", "<"):
         raise ValueError(f"claim must be '>' or '<', got {claim!r}")
     if iv is None or not iv.resolved or iv.few_units:
         return "not resolved"
     above, below = iv.lo > value, iv.hi < value
-    if claim == ">":
-        return "reproduced" if above else "contradicted" if below else "not resolved"
-    return "reproduced" if below else "contradicted" if above else "not resolved"
+    yes, no = (above, below) if claim == ">" else (below, above)
+    return "reproduced" if yes else "contradicted" if no else "not resolved"
 
 
 def all_of(verdicts: Sequence[str]) -> str:
-    """One verdict for a claim made of parts: reproduced when every part is, contradicted when one is,
-    else (or with no parts) not resolved."""
+    """Reproduced when every part is, contradicted when one is, else (or with no parts) not resolved."""
     v = list(verdicts)
     return ("reproduced" if v and all(x == "reproduced" for x in v) else
             "contradicted" if "contradicted" in v else "not resolved")
@@ -181,8 +171,8 @@ def all_of(verdicts: Sequence[str]) -> str:
 
 def permutation_test(a: Sequence[float], b: Sequence[float], n: int = 10000, seed: int = 0,
                      alternative: str = "two-sided") -> float:
-    """Paired sign-flip permutation test of mean(a - b) = 0, alternative "two-sided", "greater" (a > b) or "less":
-    exact over all 2^m sign patterns for m <= 16 pairs, else p = (1 + hits) / (n + 1) over `n` random ones."""
+    """Paired sign-flip test of mean(a - b) = 0 ("greater": a > b): exact for up to 16 pairs, else
+    p = (1 + hits) / (n + 1) over `n` random sign patterns."""
     d = _vector(np.asarray(a, dtype=float) - np.asarray(b, dtype=float), "permutation_test's a - b")
     if alternative not in ("two-sided", "greater", "less"):
         raise ValueError(f"alternative must be 'two-sided', 'greater' or 'less', got {alternative!r}")

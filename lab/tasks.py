@@ -1,23 +1,14 @@
-"""Few-shot tasks and their scoring: how DCLM and lm-eval turn a language model into accuracies.
+"""Few-shot tasks and their scoring: how DCLM and lm-eval turn a language model into accuracies (SMELT 3.1, 5.1, E).
 
-SMELT Section 3.1 "Evaluation", 5.1 and Appendix E:
-* Tasks, offline: six of DCLM Core's 22 tasks from BIG-bench 1.0.0 (`load_bigbench`; tasks/bigbench/)
-  and seeded generated tasks with a known chance rate that tiny models can learn in context
-  (`generate_task`: Dyck closing, copy, reverse, key-value retrieval, modular addition).
-* Prompts: `build_prompt` lays out k demonstrations of the same (sub)task in BIG-bench's format;
-  `fit_prompt` drops whole demonstrations from the left until the prompt fits the block, and only
-  then `truncate_left` cuts on the left, keeping BOS (SMELT App. E).
-* Scoring: `score_continuations` (batched by `plan_batches`; the head at the answer positions only;
-  one host read per batch) and `score_options` (a multiple-choice context prefilled once, its KV
-  cache repeated per option; tested equal to `score_continuations`).
-* `evaluate_task`: one task at k shots over demonstration seeds (prompts from `task_requests`; an item's
-  demonstrations never hold it or its duplicates). Multiple choice by each option's log-likelihood
-  (DCLM's per-token mean, lm-eval's per-character acc_norm, or the sum); generation by exact match
-  (llm-foundry / DCLM) and gold-completion loss; mean and SE over seeds.
-* `centred_accuracy` (DCLM Core, SMELT Eq. 11, DCLM v2's random baselines) and `chance_of`.
-
-Design choices and measured speed-ups: docs/tasks.md. Read next: eval.py (validation loss and the shot
-sweep), lab/calibration.py (loss to score, Eq. 6-7), lab/downstream_claims.py (the grid of pairs).
+Tasks: six of DCLM Core's BIG-bench tasks (`load_bigbench`, tasks/bigbench/) and seeded generated ones with a known
+chance rate (`generate_task`). `build_prompt` lays out k demonstrations; `fit_prompt` drops them from the left
+until the prompt fits the block, then `truncate_left` cuts, keeping BOS (App. E). `score_continuations` (batched
+by `plan_batches`, the head at the answer positions only) and `score_options` (a context prefilled once, its KV
+cache repeated per option) score them; `evaluate_task` is one task at k shots over demonstration seeds (multiple
+choice by per-token, per-character or summed log-likelihood; generation by exact match and gold-completion
+loss); `centred_accuracy` is DCLM Core's Eq. 11.
+Design choices and measured speed-ups: docs/tasks.md. Read next: eval.py, lab/calibration.py,
+lab/downstream_claims.py.
 """
 from __future__ import annotations
 
@@ -50,12 +41,10 @@ REAL_TASKS = {
 GENERATED_TASKS = ("gen_dyck", "gen_copy", "gen_reverse", "gen_kv", "gen_modadd")
 
 
-# ================================================================ forwards
 @contextlib.contextmanager
 def _head_at(model: nn.Module, pos_BM: torch.Tensor | None):
-    """Within the block, the output head runs only at positions pos_BM (B, M): the final norm's output is
-    gathered there before the (position-wise) projection, so the logits are (B, M, V), exact (docs/tasks.md).
-    Yields whether the model has a `norm_f` to hook; if not, the caller selects from the full logits."""
+    """Within the block, the output head runs only at positions pos_BM (B, M): the final norm's output is gathered
+    there first, so the logits are (B, M, V), exact (docs/tasks.md). Yields whether the model has a `norm_f` to hook."""
     norm = getattr(model, "norm_f", None)
     if pos_BM is None or not isinstance(norm, nn.Module):
         yield False
@@ -169,15 +158,10 @@ def _dyck(rng: random.Random, depth: int, n_types: int) -> tuple[str, str]:
 
 def generate_task(name: str, n_items: int = 200, seed: int = 0, depth: int = 3, n_types: int = 3,
                   length: int = 4, alphabet: int = 8, n_pairs: int = 4, modulus: int = 7) -> Task:
-    """A procedurally generated task, the same for the same arguments.
-
-    gen_dyck     close `depth` open brackets of `n_types` kinds        chance (1/n_types)^depth
-    gen_copy     repeat `length` letters from `alphabet`                chance (1/alphabet)^length
-    gen_reverse  reverse them                                           chance (1/alphabet)^length
-    gen_kv       n_pairs "key=value" pairs, pick the asked key's value (multiple choice)   1/n_pairs
-    gen_modadd   a + b mod `modulus`                                    chance 1/modulus
-    (chance: a guesser who knows the answer format and length, but not the input)
-    """
+    """A procedurally generated task, the same for the same arguments: gen_dyck closes `depth` open brackets of
+    `n_types` kinds, gen_copy / gen_reverse repeat / reverse `length` letters of `alphabet`, gen_kv picks the asked
+    key's value among `n_pairs` (multiple choice), gen_modadd is a + b mod `modulus`. Chance: a guesser who knows
+    the answer's format and length, but not the input."""
     rng = random.Random(f"{name}/{seed}")
     letters = "abcdefghijklmnopqrstuvwxyz"[:alphabet]
     items = []
@@ -239,29 +223,27 @@ def truncate_left(tokens: list[int], block_size: int) -> list[int]:
 
 def fit_prompt(item: Item, demos: Sequence[Item], encode, bos: int, block_size: int):
     """(head, tails, kept, cut): [bos] + the context's tokens with as many of `demos` as fit, each option's tokens.
-
-    Whole demonstrations are dropped from the left until BOS, the context and the longest option fit
-    block_size (bisection over the count kept); when not even the query fits, truncate_left, cut True.
-    """
+    Whole demonstrations are dropped from the left (bisection over the count kept) until BOS, the context and the
+    longest option fit block_size; when not even the query fits, truncate_left, cut True."""
     def at(n: int):
         ctx, conts = build_prompt(item, demos[len(demos) - n:])
-        return [bos] + encode(ctx), [encode(c) for c in conts]
+        head, tails = [bos] + encode(ctx), [encode(c) for c in conts]
+        return head, tails, len(head) + max(len(t) for t in tails) <= block_size
 
-    head, tails = at(len(demos))
-    longest = max(len(t) for t in tails)
-    if len(head) + longest <= block_size:
+    head, tails, fits = at(len(demos))
+    if fits:
         return head, tails, len(demos), False
     lo, hi, best = 0, len(demos) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        h, t = at(mid)
-        if len(h) + max(len(x) for x in t) <= block_size:
-            best, lo = (h, t, mid), mid + 1
+        h, t, fits = at(mid)
+        if fits:
+            best, lo = (h, t, mid, False), mid + 1
         else:
             hi = mid - 1
     if best is not None:
-        return best[0], best[1], best[2], False
-    head, tails = at(0)
+        return best
+    head, tails, _ = at(0)
     return truncate_left(head, block_size - max(len(t) for t in tails)), tails, 0, True
 
 
@@ -270,9 +252,8 @@ MAX_LOGITS = 1 << 26   # logit entries per scoring batch (rows x answer position
 
 def plan_batches(lengths: Sequence[int], n_conts: Sequence[int], vocab: int | None,
                  max_tokens: int, max_logits: int) -> list[list[int]]:
-    """Sequence indices in batches, longest first: each batch at most max_tokens padded tokens (rows x its
-    longest sequence: the activations) and max_logits logit entries (rows x its longest continuation x vocab:
-    the head runs at those positions only); one row per batch when the vocabulary is unknown."""
+    """Sequence indices in batches, longest first, each at most max_tokens padded tokens (the activations) and
+    max_logits logit entries (rows x its longest continuation x vocab); one row per batch when vocab is unknown."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # similar lengths together: little padding
     out, i = [], 0
     while i < len(order):
@@ -289,12 +270,13 @@ def plan_batches(lengths: Sequence[int], n_conts: Sequence[int], vocab: int | No
 
 def scoring_batches(requests: Sequence[tuple[list[int], int]], block_size: int, vocab: int | None,
                     head_hooked: bool, max_tokens: int, max_logits: int) -> tuple[list, list, list[list[int]]]:
-    """(sequences truncated on the left, continuation lengths, batches of sequence indices): what
-    score_continuations runs, before any model does (costs.scoring_counts counts from it). head_hooked:
-    the head runs at the answer positions only (tasks._head_at), else every position is a logit row."""
+    """(sequences truncated on the left, continuation lengths, batches of indices): what score_continuations
+    runs (costs.scoring_counts counts from it); head_hooked: logit rows at the answer positions only."""
     seqs = [truncate_left(t, block_size) for t, _ in requests]
     ns = [n for _, n in requests]
-    _check_requests(seqs, ns)
+    for s, n in zip(seqs, ns):
+        if not 0 < n < len(s):
+            raise ValueError(f"continuation of {n} tokens does not fit a {len(s)}-token sequence")
     lens = [len(s) for s in seqs]
     return seqs, ns, plan_batches(lens, ns if head_hooked else lens, vocab, max_tokens, max_logits)
 
@@ -304,21 +286,12 @@ def batch_shape(seqs: Sequence[list[int]], ns: Sequence[int], chunk: Sequence[in
     return max(len(seqs[j]) for j in chunk), max(ns[j] for j in chunk)
 
 
-def _check_requests(seqs: Sequence[list[int]], ns: Sequence[int]) -> None:
-    for s, n in zip(seqs, ns):
-        if not 0 < n < len(s):
-            raise ValueError(f"continuation of {n} tokens does not fit a {len(s)}-token sequence")
-
-
 @torch.no_grad()
 def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], int]], block_size: int,
                         pad_id: int = 0, max_tokens: int = 1 << 16, max_logits: int = MAX_LOGITS,
                         counts: Counter | None = None) -> list[tuple[float, int, bool]]:
-    """Each (tokens, n_cont) -> (sum of -log p over the last n_cont tokens, n_cont, all of them the argmax).
-
-    Sequences are truncated on the left (BOS kept) and right-padded into plan_batches' batches, each read
-    to the host once. counts adds "forward_calls", "sequences", "tokens", "padded_tokens", "host_reads".
-    """
+    """Each (tokens, n_cont) -> (sum of -log p over the last n_cont tokens, n_cont, all of them the argmax),
+    in plan_batches' right-padded batches, each read to the host once; counts adds forward calls, rows and tokens."""
     model.eval()
     dev = model_device(model)
     vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
@@ -353,12 +326,8 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], in
 @torch.no_grad()
 def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]], block_size: int,
                   pad_id: int = 0, counts: Counter | None = None) -> list[tuple[float, int, bool]]:
-    """score_continuations for several continuations of one context, prefilling the context once.
-
-    The context runs once into a KV cache (model.new_cache / forward_step), repeated per option
-    (Cache.repeat) for one right-padded batch of all options. The context is cut on the left once, to
-    fit the longest option, so every option follows the same context. Same return as score_continuations.
-    """
+    """score_continuations for several continuations of one context (cut on the left once, to fit the longest
+    option): the context runs once into a KV cache, repeated per option (Cache.repeat) for one batch of options."""
     if not tails or min(len(t) for t in tails) < 1:
         raise ValueError("score_options: every option needs at least one token")
     longest = max(len(t) for t in tails)
@@ -417,12 +386,9 @@ def continuations(req: dict) -> list[tuple[list[int], int]]:
 
 
 def task_requests(enc, task: Task, k: int, seeds: int, max_items: int | None, block_size: int, bos: int) -> dict:
-    """The prompts of one task at k shots, before any model runs (fit_prompt for each item and seed).
-
-    Returns {"used" (item indices scored), "skipped" (items whose answer cannot fit), "requests" ((head,
-    tails) per item and seed), "plan" ((used index, seed, first score, options) per request), "kept"
-    (demonstrations kept per request), "cut" (per request: the context cut by tokens, truncate_left)}.
-    """
+    """The prompts of one task at k shots, before any model runs (fit_prompt for each item and seed): {"used"
+    (item indices), "skipped" (answer cannot fit), "requests" ((head, tails) per item and seed), "plan" ((used
+    index, seed, first score, options) per request), "kept" (demonstrations kept), "cut" (truncate_left ran)}."""
     encode = getattr(enc, "encode_ordinary", None) or enc.encode
     n = len(task.items)
     order = random.Random(f"{task.name}/items").sample(range(n), n)
@@ -458,18 +424,12 @@ def task_requests(enc, task: Task, k: int, seeds: int, max_items: int | None, bl
 def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, max_items: int | None = None,
                   block_size: int | None = None, bos: int | None = None, counts: Counter | None = None,
                   batch_tokens: int | None = None) -> dict:
-    """One task at k shots: accuracy per seed, mean, standard error, centred accuracy, per-item results.
-
-    Returns {"k", "n_items", "skipped", "seeds", "acc", "acc_se", "acc_by_seed" (one accuracy per
-    demonstration seed: what the Appendix C permutation test pairs across models), "centred",
-    "items", "per_item", "per_item_by_seed", "demos_kept" (mean demonstrations in a prompt),
-    "share_short" (prompts with fewer than k), "share_cut" (prompts cut by tokens), "forward_calls"};
-    generation tasks add "gold_loss", "gold_nll_sum", "gold_tokens", "gold_loss_by_seed" and, summed over
-    seeds, "gold_nll_by_item" / "gold_tokens_by_item" (the units of downstream_claims._item_noise).
+    """One task at k shots: accuracy per demonstration seed ("acc_by_seed", what App. C's permutation test
+    pairs), mean, s.e., centred accuracy, per-item results and how many demonstrations fit; generation tasks add
+    the gold-completion loss, per seed and per item ("gold_nll_by_item": the units of downstream_claims._item_noise).
 
     enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding). counts: adds
-    score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device).
-    """
+    score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device)."""
     for name, v, lo, none_ok in (("k", k, 0, False), ("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
                                  ("block_size", block_size, 3, True), ("batch_tokens", batch_tokens, 1, True)):
         check_int("evaluate_task", name, v, lo, none_ok)
@@ -527,8 +487,6 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
         counts.update(own)
     return out
 
-
-# ================================================================ centred accuracy
 
 def centred_accuracy(acc: float, rho: float) -> float:
     """DCLM Core / SMELT Eq. 11: (a - rho) / (1 - rho); 0 at the random baseline, 1 at perfect."""

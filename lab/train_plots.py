@@ -44,14 +44,13 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
     lo, hi, drew_val = math.inf, -math.inf, False
     for ax, cell in zip(axes.flat, ladder):
         for r in configs.plan_runs(out, [cell]):
-            ms = read_jsonl(r.dir / "metrics.jsonl")
-            c = colors[r.arch]
+            ms, c = read_jsonl(r.dir / "metrics.jsonl"), colors[r.arch]
             ms_ce = ce_rows(ms)
             for branch in sorted({m["branch"] for m in ms}, key=lambda b: -1 if b is None else b):
-                pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in ms_ce if m["branch"] == branch]
+                drawn = [m for m in ms_ce if m["branch"] == branch]
                 if branch is not None:   # start the branch at its fork point on the stable curve
-                    before = [m for m in ms_ce if m["branch"] is None and m["step"] <= branch]
-                    pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in before[-1:]] + pts
+                    drawn = [m for m in ms_ce if m["branch"] is None and m["step"] <= branch][-1:] + drawn
+                pts = [(m["tokens"], m.get("ce_mean", m["ce"])) for m in drawn]
                 if pts:
                     ax.plot(*zip(*pts), color=c, lw=1.4 if branch is None else 0.9, alpha=1.0 if branch is None
                             else 0.75)
@@ -90,6 +89,4 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
                     Line2D([], [], color="0.7", ls=":", label="entropy - 1.5 nats")]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.09 if rows_ == 1 else 0.05, 1, 1))
-    path = out / "figures" / "curves.png"
-    plots.save(fig, path, dpi=110, tight=False)
-    return path
+    return Path(plots.save(fig, out / "figures" / "curves.png", dpi=110, tight=False))

@@ -1,18 +1,19 @@
-"""Shared plumbing of the experiment scripts: CLI, data, training one config, tables, JSON, plots.
+"""Shared plumbing of the experiment scripts: CLI, data, training, tables, JSON, plots.
 
   * `parser(doc)`    the common CLI: --preset {smoke,tiny,small}, --out-dir, --steps, --seed, --jobs, --threads.
-  * `Experiment`     one script run: the preset's plan (configs.PLANS) and data, one sweep point's TrainConfig,
-                     preset Baselines, `match`, `budgets`, `train_all` and `finish` (results.json + table.md).
+  * `Experiment`     one script run: the preset's plan and data, one sweep point's TrainConfig, preset Baselines,
+                     `match`, `budgets`, the run queue (`add`, `train_rows`) and `finish` (results.json + table.md).
   * `pair_runs`, `load_trained`  the (Baseline, looped) runs that downstream.py / probe_runs.py read.
   * How to Loop (the howto_* scripts): `howto_loop`, `howto_flops`, `compute_share_steps`, the no-loop
                      reference curve (`fit_noloop_curve`, `efficiency`), bits per byte and `howto_report`.
   * `format_table`, `plot_lines`, `plot_bars`, `plot_compute_axis`  tables and figures (plots.py).
-A sweep point trains SWEEP_STEPS stable steps and one decay branch; every config of a script sees identical
-batches. Each helper in full: docs/scripts.md. Read first: reproduce.py (the stages the scripts reuse).
+Every config of a script sees identical batches. Each helper in full: docs/scripts.md. Read first:
+reproduce.py (the stages the scripts reuse).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -39,8 +40,9 @@ from model import ModelConfig  # noqa: E402
 from reproduce import log  # noqa: E402
 
 
-def parser(doc: str, training: bool = True) -> argparse.ArgumentParser:
-    """The arguments every script takes; training=False leaves out --steps, --seed and --jobs."""
+def parser(doc: str, training: bool = True, scale: str | None = None) -> argparse.ArgumentParser:
+    """The arguments every script takes; training=False leaves out --steps, --seed and --jobs; `scale` (the
+    default's description) adds --scale, the preset scale to start from."""
     ap = checks.parser(doc)
     ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS,
                     help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU"
@@ -58,6 +60,8 @@ def parser(doc: str, training: bool = True) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=checks.positive_int, default=None,
                     help="torch CPU threads (default: 1 for smoke, whose tiny matmuls only lose to thread "
                          "synchronisation, most of all on a shared CPU; torch's default otherwise)")
+    if scale:
+        ap.add_argument("--scale", default=None, help=f"preset scale {scale}")
     return ap
 
 
@@ -65,7 +69,7 @@ class Experiment:
     """One script run: its out dir, plan, data, TrainConfig and jobs (see the module docstring)."""
 
     def __init__(self, name: str, args: argparse.Namespace):
-        self.name, self.args, self.t0, self.data, self._ctx = name, args, time.time(), None, None
+        self.name, self.args, self.t0, self.data, self.queue = name, args, time.time(), None, []
         a = args
         self.plan = configs.PLANS[a.preset]
         self.steps = a.steps or configs.SWEEP_STEPS[a.preset]
@@ -92,12 +96,10 @@ class Experiment:
             self.data, _ = reproduce.stage_data(self.plan)
         return self.data
 
-    @property
+    @functools.cached_property
     def ctx(self) -> float:
         """The document length matches count FLOPs at (budget.preset_doc_length, as reproduce.stage_ladder)."""
-        if self._ctx is None:
-            self._ctx = budget.preset_doc_length(self.plan.ladder, self.load_data())
-        return self._ctx
+        return budget.preset_doc_length(self.plan.ladder, self.load_data())
 
     def cells(self) -> list[tuple[str, str, ModelConfig]]:
         vocab = self.load_data().vocab_size
@@ -116,11 +118,11 @@ class Experiment:
         for s, lab, c in cells:
             if s == scale and lab == label:
                 return s, lab, c
-        raise checks.UserError(f"no cell ({scale}, {label}) in preset {self.args.preset}: scales {scales}, labels {labels}")
+        raise checks.UserError(f"no cell ({scale}, {label}) in preset {self.args.preset}: "
+                               f"scales {scales}, labels {labels}")
 
     def dense_base(self, scale: str | None = None) -> ModelConfig:
-        """How-to-Loop's dense model: the preset scale (default the first) with a dense SwiGLU of the MoE's active
-        width top_k * d_ff, unlooped with `howto_loop()` (no 1/r residual scale)."""
+        """How-to-Loop's dense model: the scale's (default the first) with a dense SwiGLU of width top_k * d_ff."""
         scale = scale or self.cells()[0][0]
         _, _, c = self.base(scale, self.cells()[0][1])
         return replace(c, n_experts=0, d_ff=c.top_k * c.d_ff, loop=howto_loop())
@@ -157,10 +159,35 @@ class Experiment:
                                      howto_flops(cfg, self.plan.block_size))
         return replace(self.tc, stable_steps=stable, branch_steps=[])
 
+    def noloop_run(self, scale: str | None, **row) -> ModelConfig:
+        """Queue How-to-Loop's reference first: dense_base(scale) on curve_tc (its branches: the no-loop curve)."""
+        base = self.dense_base(scale)
+        self.add("no_loop", base, {"arch": "no_loop"}, row, base, self.curve_tc())
+        return base
+
     # -- training ------------------------------------------------------------------------
+    def add(self, name: str, cfg: ModelConfig, meta: dict, row: dict, ref: ModelConfig,
+            tc: trainer.TrainConfig | None = None) -> dict:
+        """Queue a run for train_rows; its row is `row`, then cfg's budgets against ref (returned: add to its end)."""
+        row.update(self.budgets(cfg, ref))
+        self.queue.append(((name, cfg, meta, tc or self.tc), row))
+        return row
+
+    def add_matched(self, name: str, cell: tuple[str, str, ModelConfig], loop: LoopConfig | None, row: dict) -> None:
+        """Queue cell's Baseline (loop None) or its `match` at `loop`, the row ending with within_tolerance."""
+        base = cell[2]
+        cfg, rep = (base, {"within_tolerance": True}) if loop is None else self.match(base, loop)
+        row = self.add(name, cfg, cell_meta(cell, "baseline" if loop is None else "looped"), row, base)
+        row["within_tolerance"] = rep["within_tolerance"]
+
+    def train_rows(self) -> list[dict]:
+        """train_all on the queued runs: each run's row, then its numbers."""
+        specs, rows = zip(*self.queue)
+        return [{**row, **r} for row, r in zip(rows, self.train_all(list(specs)))]
+
     def train_all(self, specs: list[tuple]) -> list[dict]:
         """Train every (name, config, meta[, TrainConfig]) in OUT/runs/NAME, `jobs` at a time (a finished run is
-        not retrained); each run's longest branch's numbers, in order, with every branch under "branches"."""
+        not retrained); each run's longest branch's numbers, every branch under "branches"."""
         data = self.load_data()
         jobs = [(spec[1].to_dict(), asdict(spec[3] if len(spec) > 3 else self.tc), str(data.dir),
                  str(self.out / "runs" / spec[0]), {"arch": spec[0], **spec[2]}) for spec in specs]
@@ -187,8 +214,7 @@ class Experiment:
         return out
 
     # -- output --------------------------------------------------------------------------
-    def finish(self, result: dict, columns: list[tuple[str, str, str]], rows_key: str = "rows",
-               trained: bool = True) -> dict:
+    def finish(self, result: dict, columns: list[tuple[str, str, str]], trained: bool = True) -> dict:
         """Write OUT/results.json (with the settings and wall time) and print the rows as a table."""
         head = {"script": self.name, "preset": self.args.preset}
         if trained:
@@ -197,7 +223,7 @@ class Experiment:
             head.update(steps=self.steps, train={k: getattr(self.tc, k) for k in keys})
         result = {**head, **result, "wall_s": time.time() - self.t0}
         reproduce.write_json(self.out / "results.json", result)
-        table = format_table(result[rows_key], columns)
+        table = format_table(result["rows"], columns)
         (self.out / "table.md").write_text(table + "\n")
         print(f"\n{self.name} ({self.args.preset}" + (f", {self.steps} steps per run" if trained else "")
               + f")\n{table}\n")
@@ -220,8 +246,7 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 def plot_lines(path: Path, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str,
                xlog: bool = False, ylog: bool = False) -> str:
     """One line per series {label: (xs, ys)}; returns the path written."""
-    plt = plots.pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plots.pyplot().subplots(figsize=(5, 3.5))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, "o-", label=label)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
@@ -239,8 +264,7 @@ def plot_lines(path: Path, series: dict[str, tuple[list, list]], xlabel: str, yl
 
 def plot_bars(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> str:
     """A bar per label, y-axis zoomed to the values' range (losses differ in the second decimal)."""
-    plt = plots.pyplot()
-    fig, ax = plt.subplots(figsize=(max(4, 0.7 * len(labels) + 1.5), 3.5))
+    fig, ax = plots.pyplot().subplots(figsize=(max(4, 0.7 * len(labels) + 1.5), 3.5))
     ax.bar(range(len(values)), values, color="tab:blue")
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
     lo, hi = min(values), max(values)
@@ -268,6 +292,12 @@ def add_pair_args(ap: argparse.ArgumentParser) -> None:
                          "(default: see --runs)")
 
 
+def cell_meta(cell: tuple[str, str, ModelConfig], arch: str) -> dict:
+    """The train meta of a run in a preset cell (scale, label, Baseline): the cell and its dense control."""
+    scale, label, base = cell
+    return {"control": budget.dense_control(base), "scale": scale, "sparsity_label": label, "arch": arch}
+
+
 def pair_runs(exp: Experiment) -> tuple[Path, Path]:
     """(Baseline, looped) run directories: --runs, --ladder's last cell, or the preset's pair trained here."""
     a = exp.args
@@ -284,11 +314,10 @@ def pair_runs(exp: Experiment) -> tuple[Path, Path]:
             raise checks.UserError(f"--ladder {a.ladder}: {getattr(e, 'strerror', None) or e}") from None
         (_, _, b), (_, _, s) = configs.run_dirs(Path(a.ladder), ladder[-1:])
         return b, s
-    scale, label, base = exp.base()
+    cell = exp.base()
+    base = cell[2]
     smelt, _ = exp.match(base, SMELT.at(base.n_layer))
-    cell = {"scale": scale, "sparsity_label": label, "control": budget.dense_control(base)}
-    b, s = exp.train_all([("baseline", base, {**cell, "arch": "baseline"}),
-                          ("smelt", smelt, {**cell, "arch": "smelt"})])
+    b, s = exp.train_all([(arch, cfg, cell_meta(cell, arch)) for arch, cfg in (("baseline", base), ("smelt", smelt))])
     return Path(b["run_dir"]), Path(s["run_dir"])
 
 
@@ -316,8 +345,7 @@ def howto_flops(cfg: ModelConfig, ctx: float) -> float:
 
 
 def compute_share_steps(stable_steps: int, decay_steps: int, flops_ref: float, flops_run: float) -> int:
-    """Stable steps of the looped run (flops_run per token) that spend the training compute of a reference run
-    (flops_ref, stable_steps + decay_steps steps): "two loops on half the tokens", to within half a step."""
+    """Stable steps at flops_run per token that spend the compute of stable + decay steps at flops_ref."""
     checks.positive_ints("compute_share_steps", stable_steps=stable_steps, decay_steps=decay_steps)
     for name, v in (("flops_ref", flops_ref), ("flops_run", flops_run)):
         if not (math.isfinite(v) and v > 0):
@@ -331,8 +359,7 @@ def compute_share_steps(stable_steps: int, decay_steps: int, flops_ref: float, f
 
 
 def val_bytes_per_token(data, block_size: int, max_tokens: int) -> dict:
-    """UTF-8 bytes per token of exactly the held-out targets the validation loss averages (<|endoftext|>: 0
-    bytes, a separator): {"bytes_per_token", "bytes", "tokens", "by_domain"}."""
+    """UTF-8 bytes per token of exactly the held-out targets the validation loss averages (<|endoftext|>: 0)."""
     tok = data.tokenizer()
     lens = np.array([len(tok.decode_single_token_bytes(i)) for i in range(data.vocab_size)], dtype=np.int64)
     lens[data.eot] = 0
@@ -352,8 +379,7 @@ def val_bytes_per_token(data, block_size: int, max_tokens: int) -> dict:
 
 
 def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
-    """Bits per byte from a token-averaged cross-entropy in nats and the bytes per token of the same text:
-    nats/token / ln 2 / (bytes/token), i.e. total bits / total bytes."""
+    """nats/token / ln 2 / (bytes/token) of the same text: total bits / total bytes."""
     if not (math.isfinite(bytes_per_token) and bytes_per_token > 0):
         raise ValueError(f"bits_per_byte: bytes_per_token must be a positive number, got {bytes_per_token!r}")
     if not math.isfinite(nats_per_token):
@@ -363,9 +389,8 @@ def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
 
 def fit_noloop_curve(tokens, losses, min_points: int = 4, min_span: float = 2.0,
                      alpha_bounds: tuple[float, float] = ALPHA_BOUNDS) -> dict:
-    """L(D) = E + A (D / D_ref)^-alpha (D_ref: the largest D) by least squares over alpha (E >= 0). Identified
-    only with >= min_points distinct D spanning >= min_span x, a strictly falling loss, A > 0 and alpha > 0 off
-    its bounds; else "why" says which check failed and no coefficients are returned."""
+    """L(D) = E + A (D / D_ref)^-alpha (D_ref: the largest D), least squares, E >= 0; unless identified (the
+    rules: docs/scripts.md), "why" names the failed rule and no coefficient is returned."""
     D, L = np.asarray(tokens, dtype=float), np.asarray(losses, dtype=float)
     if D.shape != L.shape or D.ndim != 1:
         raise ValueError(f"fit_noloop_curve: tokens and losses must be equal-length 1-D, got {D.shape}, {L.shape}")
@@ -377,17 +402,16 @@ def fit_noloop_curve(tokens, losses, min_points: int = 4, min_span: float = 2.0,
            "D_min": float(D.min()) if D.size else None, "D_max": float(D.max()) if D.size else None,
            "D_ref": None, "rmse": None}
     n_distinct = len(np.unique(D))
+    rises = [i for i in range(D.size - 1) if not L[i + 1] < L[i]]
     if n_distinct < min_points:
         out["why"] = f"{n_distinct} distinct token counts for 3 coefficients (need >= {min_points})"
-        return out
-    if D[-1] / D[0] < min_span:
+    elif D[-1] / D[0] < min_span:
         out["why"] = f"tokens span only x{D[-1] / D[0]:.2f} (need >= x{min_span:g})"
-        return out
-    rises = [(i, i + 1) for i in range(D.size - 1) if not L[i + 1] < L[i]]
-    if rises:
-        i, j = rises[0]
-        out["why"] = (f"non-monotone: loss {L[i]:.4f} at D={D[i]:.3g} -> {L[j]:.4f} at D={D[j]:.3g} "
+    elif rises:
+        i = rises[0]
+        out["why"] = (f"non-monotone: loss {L[i]:.4f} at D={D[i]:.3g} -> {L[i + 1]:.4f} at D={D[i + 1]:.3g} "
                       f"({len(rises)} of {D.size - 1} steps do not fall)")
+    if out["why"]:
         return out
     ref = float(D[-1])
 
@@ -407,24 +431,20 @@ def fit_noloop_curve(tokens, losses, min_points: int = 4, min_span: float = 2.0,
                           bounds=(math.log(grid[max(k - 1, 0)]), math.log(grid[min(k + 1, grid.size - 1)])))
     alpha = float(math.exp(res.x))
     sse, E, A = solve(alpha)
-    out.update(E=E, A=A, alpha=alpha, D_ref=ref, rmse=math.sqrt(sse / D.size))
-    near = 0.02
+    out.update(D_ref=ref, rmse=math.sqrt(sse / D.size))
     if not A > 0:
         out["why"] = "amplitude A <= 0: the fitted loss does not fall with tokens"   # no estimate printed
     elif not alpha > 0:
         out["why"] = "data exponent alpha <= 0"
-    elif math.log(alpha / lo) < near or math.log(hi / alpha) < near:
+    elif min(math.log(alpha / lo), math.log(hi / alpha)) < 0.02:   # within 2 % (in log) of a bound
         out["why"] = f"data exponent alpha at its search bound [{lo:g}, {hi:g}]"
     else:
-        out["identified"] = True
-        return out
-    out.update(E=None, A=None, alpha=None)
+        out.update(identified=True, E=E, A=A, alpha=alpha)
     return out
 
 
 def tokens_to_reach(fit: dict, loss: float) -> tuple[float | None, str | None]:
-    """(D, None): the tokens the fitted no-loop curve needs to reach `loss`; (None, "not identified (why)")
-    when the fit is not identified or the loss lies at or below its floor E."""
+    """(D, None): the tokens the fitted no-loop curve needs to reach `loss`; else (None, "not identified (why)")."""
     if not fit.get("identified"):
         return None, f"not identified ({fit.get('why')})"
     E, A, alpha, ref = fit["E"], fit["A"], fit["alpha"], fit["D_ref"]
@@ -434,8 +454,7 @@ def tokens_to_reach(fit: dict, loss: float) -> tuple[float | None, str | None]:
 
 
 def efficiency(fit: dict, loss: float, tokens: float, flops_run: float, flops_noloop: float) -> dict:
-    """How-to-Loop's multipliers of one looped run against the no-loop curve: tokens D_noloop(loss) / tokens and
-    FLOPs flops_noloop D_noloop / (flops_run tokens); "note": extrapolated, or why there are none."""
+    """How-to-Loop's tokens and FLOPs multipliers of one looped run against the no-loop curve, and a "note"."""
     D, why = tokens_to_reach(fit, loss)
     if D is None:
         return {"noloop_tokens": None, "tokens_multiplier": None, "flops_multiplier": None,
@@ -452,17 +471,13 @@ def efficiency(fit: dict, loss: float, tokens: float, flops_run: float, flops_no
 
 def range_verdict(iv: stats.Interval, lo: float, hi: float) -> str:
     """The claim "lo < quantity < hi": stats.verdict on both sides."""
-    v = (stats.verdict(iv, ">", lo), stats.verdict(iv, "<", hi))
-    if "contradicted" in v:
-        return "contradicted"
-    return "reproduced" if v == ("reproduced", "reproduced") else "not resolved"
+    return stats.all_of([stats.verdict(iv, ">", lo), stats.verdict(iv, "<", hi)])
 
 
 def howto_report(exp: Experiment, rows: list[dict], noloop: dict) -> dict:
-    """"bpb", "compute" (and its ratio to noloop's: the exp.curve_tc() row) and every looped row's `efficiency`,
-    in place; returns {"bytes_per_token", "noloop_curve": the fit and its points, "paper_ranges"}."""
-    data = exp.load_data()
-    bpt = val_bytes_per_token(data, exp.tc.block_size, exp.tc.eval_tokens)
+    """Add "bpb", "compute", its ratio to noloop's and each looped row's `efficiency` to the rows; returns the
+    bytes per token, the no-loop curve (fit and points) and the paper's ranges."""
+    bpt = val_bytes_per_token(exp.load_data(), exp.tc.block_size, exp.tc.eval_tokens)
     if noloop.get("val_tokens") not in (None, bpt["tokens"]):
         raise RuntimeError(f"howto_report: the loss was measured on {noloop['val_tokens']} tokens, the bytes on "
                            f"{bpt['tokens']}: not the same held-out text")
@@ -489,8 +504,7 @@ def howto_report(exp: Experiment, rows: list[dict], noloop: dict) -> dict:
 
 def plot_compute_axis(path: Path, curve: dict, runs: dict[str, tuple[list, list]], title: str) -> str:
     """Validation loss against training FLOPs: the no-loop points and fit, each looped series {label: (xs, ys)}."""
-    plt = plots.pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = plots.pyplot().subplots(figsize=(5.5, 3.8))
     pts = curve["points"]
     ax.plot([p["compute"] for p in pts], [p["val_loss"] for p in pts], "ks", label="no loop (decay branches)")
     if curve["identified"]:

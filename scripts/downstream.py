@@ -23,7 +23,8 @@ def build_parser():
     ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                     choices=["all", "real", "generated", *tasks.REAL_TASKS, *tasks.GENERATED_TASKS],
                     help="eval tasks or groups (default: the plan's)")
-    ap.add_argument("--shots", type=checks.nonneg_int, nargs="+", default=None, help="shot counts k (default: the plan's)")
+    ap.add_argument("--shots", type=checks.nonneg_int, nargs="+", default=None,
+                    help="shot counts k (default: the plan's)")
     ap.add_argument("--seeds", type=checks.positive_int, default=None, help="demonstration seeds (default: the plan's)")
     ap.add_argument("--max-items", type=checks.positive_int, default=None, help="items per task (default: the plan's)")
     return ap

@@ -3,14 +3,11 @@
   python scripts/grid_power.py --preset small [--noise 0.002 0.003 0.005] [--seeds 12] [--boot N]
       [--n-scales N] [--sparsities S ...] [--F-span X] [--horizons D ...]   (flags override the preset's shape)
 
-The shape comes from the preset: its fitted (sparse) cells' scales and sparsity columns, the F span
-of their matched models (budget.ladder_cells at the plan's block size) and the endpoints' D as
-fractions of the longest (branch + decay steps). SMELT's two Table 4.3 surfaces are drawn on that
-shape at the paper's F and D (scaling.paper_pair), with log-normal noise, and fitted
-(scaling.calibrate_rules): the share of datasets where both fits are identified and the CE gain's
-error at S = 0.95. --boot N also runs the whole analysis (scaling_analysis.analyse, N cell-bootstrap
-draws) and the report's CE-gain verdict. Writes results.json and a table; trains nothing. A geometric
-proxy, not a forecast of our losses: docs/scaling.md.
+The shape: the preset's fitted cells (scales, sparsity columns), the F span of their matched models and
+the endpoints' D as fractions of the longest. SMELT's two Table 4.3 surfaces are drawn on it with log-normal
+noise and fitted (scaling.calibrate_rules): how often both fits are identified, and the CE gain's error at
+S = 0.95; --boot N also runs scaling_analysis.analyse and the report's CE-gain verdict. Trains nothing; a
+geometric proxy, not a forecast of our losses (docs/scripts.md, docs/scaling.md).
 """
 from __future__ import annotations
 
@@ -25,12 +22,9 @@ import numpy as np
 import budget
 import checks
 import configs
-from lab import report
 import reproduce
 import scaling
-from lab import scaling_analysis
-from lab import downstream_claims
-from budget import flops_per_token
+from lab import downstream_claims, report, scaling_analysis
 from model import ModelConfig
 
 
@@ -40,7 +34,8 @@ def preset_shape(preset: str) -> dict:
     cells = [c for c in reproduce.plan_cells(plan, budget.ladder_cells(plan.ladder, float(plan.block_size),
                                                                    spec=plan.loop))
              if c["sparsity_label"] != configs.CONTROL_LABEL]
-    F = [flops_per_token(ModelConfig.from_dict(c[a]), float(plan.block_size)) for c in cells for a in ("baseline", "smelt")]
+    F = [budget.flops_per_token(ModelConfig.from_dict(c[a]), float(plan.block_size))
+         for c in cells for a in ("baseline", "smelt")]
     ends = [b + plan.decay_steps for b in plan.branch_steps]
     return dict(n_scales=len({c["scale"] for c in cells}), F_span=max(F) / min(F), horizons=[e / ends[-1] for e in ends],
                 sparsities=sorted({downstream_claims.label_percent(c["sparsity_label"]) / 100 for c in cells}))

@@ -2,9 +2,9 @@
 
   python scripts/howto_adapters.py --preset smoke|tiny|small [--loops 2 4 8] [--adapters ...] [--rank R]
 
-Full-stack looping (common.howto_loop: no 1/r residual scale) with each adapter of loop.ADAPTERS on every
-projection at rank R, its parameter overhead, and multipliers from the no-loop curve (common.howto_report).
-Writes results.json, a table and howto_adapters.png. In full: docs/scripts.md, "howto_adapters.py".
+Each adapter of loop.ADAPTERS on every projection at rank R, its parameter overhead, and multipliers from
+the no-loop curve (common.howto_report). Writes results.json, a table and howto_adapters.png.
+In full: docs/scripts.md, "howto_adapters.py".
 """
 from __future__ import annotations
 
@@ -20,32 +20,30 @@ LOOPS = {"smoke": [2, 4], "tiny": [2, 4], "small": [2, 4, 8]}
 
 
 def build_parser():
-    ap = common.parser(__doc__)
+    ap = common.parser(__doc__, scale="of the dense base (default: the first)")
     ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=None,
                     help="loop counts (default: smoke and tiny 2 4, small 2 4 8; the paper: 2 4 8)")
     ap.add_argument("--adapters", nargs="+", default=list(ADAPTERS), choices=list(ADAPTERS), help="adapter kinds")
-    ap.add_argument("--rank", type=checks.positive_int, default=None, help="adapter rank (default: the paper's 8 at d_model 1280 "
-                    "scaled to this width, at least 1, so the overhead stays near the paper's few per cent)")
-    ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
+    ap.add_argument("--rank", type=checks.positive_int, default=None,
+                    help="adapter rank (default: the paper's 8 at d_model 1280 scaled to this width, at least 1, "
+                         "so the overhead stays near the paper's few per cent)")
     return ap
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     exp = common.Experiment("howto_adapters", args)
-    base = exp.dense_base(args.scale)
+    base = exp.noloop_run(args.scale, loops=1, adapter="-", adapter_params=0, overhead_pct=0.0,
+                          overhead_blocks_pct=0.0)
     rank = args.rank or max(1, round(8 * base.d_model / 1280))
-    specs = [("no_loop", base, {"arch": "no_loop"}, exp.curve_tc())]
-    info = [{"loops": 1, "adapter": "-", "adapter_params": 0, "overhead_pct": 0.0, "overhead_blocks_pct": 0.0,
-             **exp.budgets(base, base)}]
     for r, kind, cfg in configs(base, args.loops or LOOPS[args.preset], args.adapters, rank):
         c0 = budget.count_params(replace(cfg, loop=replace(cfg.loop, adapter="none")))
         added = budget.count_params(cfg)["blocks"] - c0["blocks"]
-        specs.append((f"x{r}_{kind}", cfg, {"arch": f"adapter_{kind}"}))
-        info.append({"loops": r, "adapter": kind, "adapter_params": added,
-                     "overhead_pct": 100 * added / (c0["blocks"] + c0["head"]),
-                     "overhead_blocks_pct": 100 * added / c0["blocks"], **exp.budgets(cfg, base)})
-    rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
+        exp.add(f"x{r}_{kind}", cfg, {"arch": f"adapter_{kind}"}, {
+            "loops": r, "adapter": kind, "adapter_params": added,
+            "overhead_pct": 100 * added / (c0["blocks"] + c0["head"]),
+            "overhead_blocks_pct": 100 * added / c0["blocks"]}, base)
+    rows = exp.train_rows()
     report = common.howto_report(exp, rows, rows[0])
     for r in rows:   # the gain an adapter buys over exact sharing at the same loop count
         ref = next((x for x in rows if x["loops"] == r["loops"] and x["adapter"] == "none"), None)
@@ -63,8 +61,7 @@ def main(argv=None) -> dict:
 
 
 def configs(base, loops: list[int], kinds: list[str], rank: int) -> list[tuple[int, str, object]]:
-    """(r, adapter kind, config) for every loop count and adapter: full-stack looping of base (How-to-Loop's
-    loop: no 1/r residual scale) with the adapter on all projections at `rank`."""
+    """(r, adapter kind, config): full-stack looping of base with the adapter on all projections at `rank`."""
     return [(r, kind, replace(base, loop=common.howto_loop(start=0, length=base.n_layer, n_loops=r, adapter=kind,
                                                            adapter_rank=rank)))
             for r in loops for kind in kinds]

@@ -56,34 +56,31 @@ def state_ratio(model, data, block_size: int, batch_size: int, tokens_per_source
 
 
 def build_parser():
-    ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=None, help="loop counts (default: 2; small 2 4)")
+    ap = common.parser(__doc__, scale="of the dense base (default: the first)")
+    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=None,
+                    help="loop counts (default: 2; small 2 4)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="variants to run (no_loop, the reference of the fitted no-loop curve, always runs)")
-    ap.add_argument("--kv-window", type=checks.positive_int, default=None, help="KV-sharing window W (default: block_size / 4)")
-    ap.add_argument("--ratio-tokens", type=checks.positive_int, default=1024, help="held-out tokens per source for the RMS ratio")
-    ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
+    ap.add_argument("--kv-window", type=checks.positive_int, default=None,
+                    help="KV-sharing window W (default: block_size / 4)")
+    ap.add_argument("--ratio-tokens", type=checks.positive_int, default=1024,
+                    help="held-out tokens per source for the RMS ratio")
     return ap
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     exp = common.Experiment("howto_plt", args)
-    base = exp.dense_base(args.scale)
+    base = exp.noloop_run(args.scale, variant="no_loop", loops=1)   # always runs: the no-loop curve's reference
     window = args.kv_window or max(1, exp.plan.block_size // 4)
-    # the no-loop reference always runs (first): its decay branches are the fitted no-loop curve
-    specs = [("no_loop", base, {"arch": "no_loop"}, exp.curve_tc())]
-    info = [{"variant": "no_loop", "loops": 1, **exp.budgets(base, base)}]
     for r in args.loops or LOOPS[args.preset]:
         for v in [v for v in args.variants if VARIANTS[v] is not None]:
-            cfg = variant_config(base, v, r, window)
-            specs.append((f"{v}_x{r}", cfg, {"arch": v}))
-            info.append({"variant": v, "loops": r, **exp.budgets(cfg, base)})
-    rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
+            exp.add(f"{v}_x{r}", variant_config(base, v, r, window), {"arch": v}, {"variant": v, "loops": r}, base)
+    rows = exp.train_rows()
     report = common.howto_report(exp, rows, rows[0])
     data = exp.load_data()
     lo, hi = common.PAPER_RMS_RATIO
-    for row, (_, cfg, *_) in zip(rows, specs):
+    for row, ((_, cfg, _, _), _) in zip(rows, exp.queue):   # each row with its queued (spec, row)
         torch.manual_seed(args.seed)          # as train.py initialises: the same model before any step
         init = state_ratio(GPT(cfg), data, exp.plan.block_size, exp.plan.batch_size, args.ratio_tokens)
         row["rms_ratio_init"] = [iv.mean for iv in init]

@@ -31,62 +31,53 @@ FLOPS_ONLY = dict(tolerances={"params": 1e9, "kv": 1e9}, d_range=(0.25, 1.0))
 
 
 def build_parser():
-    ap = common.parser(__doc__)
+    ap = common.parser(__doc__, scale="of the dense base (default: the first)")
     ap.add_argument("--loops", type=checks.positive_int, nargs="+",
                     help="loop counts (default: smoke 2, tiny 2 4, small 2 4 8)")
     ap.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=list(DESIGNS), help="designs to run")
     ap.add_argument("--budgets", nargs="+", default=list(BUDGETS), choices=list(BUDGETS),
                     help="weights: same model and tokens; compute: same model on the token share that equalises "
                          "training FLOPs (How-to-Loop); flops: our extension, narrowed by budget.match")
-    ap.add_argument("--scale", default=None, help="preset scale of the dense base (default: the first)")
     return ap
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     exp = common.Experiment("howto_schedules", args)
-    base = exp.dense_base(args.scale)
-    L = base.n_layer
-    specs = [("no_loop", base, {"arch": "no_loop"}, exp.curve_tc())]
-    info = [{"budget": "-", "protocol": "reference", "design": "no_loop", "loops": 1, "span": "-",
-             **exp.budgets(base, base)}]
+    base = exp.noloop_run(args.scale, budget="-", protocol="reference", design="no_loop", loops=1, span="-")
     for r in args.loops or LOOPS[args.preset]:
         for design in args.designs:
-            lc = DESIGNS[design](L, r)
+            lc = DESIGNS[design](base.n_layer, r)
             for b in args.budgets:
-                if b == "flops":
-                    cfg, tc = exp.match(base, lc, **FLOPS_ONLY)[0], exp.tc
-                else:
-                    cfg = replace(base, loop=lc)
-                    tc = exp.compute_tc(cfg, base) if b == "compute" else exp.tc
-                specs.append((f"{design}_x{r}_{b}", cfg, {"arch": design, "budget": b}, tc))
-                info.append({"budget": LABEL[b], "protocol": PROTOCOL[b], "design": design, "loops": r,
-                             "span": f"{lc.start + 1}-{lc.start + lc.length}", **exp.budgets(cfg, base)})
-    rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
+                cfg = exp.match(base, lc, **FLOPS_ONLY)[0] if b == "flops" else replace(base, loop=lc)
+                exp.add(f"{design}_x{r}_{b}", cfg, {"arch": design, "budget": b},
+                        {"budget": LABEL[b], "protocol": PROTOCOL[b], "design": design, "loops": r,
+                         "span": f"{lc.start + 1}-{lc.start + lc.length}"},
+                        base, exp.compute_tc(cfg, base) if b == "compute" else None)
+    rows = exp.train_rows()
     report = common.howto_report(exp, rows, rows[0])
     figs = []
     for b in args.budgets:
-        sel = [r for r in rows if r["budget"] == LABEL[b]]
+        per = {d: [r for r in rows if r["budget"] == LABEL[b] and r["design"] == d] for d in args.designs}
         if b == "compute":
-            per = {d: [r for r in sel if r["design"] == d] for d in args.designs}
             series = {f"{d} (x{', x'.join(str(r['loops']) for r in rs)})":
                       ([r["compute"] for r in rs], [r["val_loss"] for r in rs]) for d, rs in per.items()}
             figs.append(common.plot_compute_axis(exp.out / "howto_schedules_compute.png", report["noloop_curve"],
                                                  series, "Loop designs at fixed training compute"))
-            continue
-        series = {d: ([1] + [r["loops"] for r in sel if r["design"] == d],
-                      [rows[0]["val_loss"]] + [r["val_loss"] for r in sel if r["design"] == d]) for d in args.designs}
-        title = ("Loop designs at fixed stored weights and data" if b == "weights"
-                 else "Our extension: loops narrowed to the no-loop FLOPs")
-        figs.append(common.plot_lines(exp.out / f"howto_schedules_{b}.png", series, "loops", "validation loss",
-                                      title, xlog=True))
+        else:   # each design's curve starts at the no-loop run (1 loop)
+            series = {d: ([1] + [r["loops"] for r in rs], [rows[0]["val_loss"]] + [r["val_loss"] for r in rs])
+                      for d, rs in per.items()}
+            title = ("Loop designs at fixed stored weights and data" if b == "weights"
+                     else "Our extension: loops narrowed to the no-loop FLOPs")
+            figs.append(common.plot_lines(exp.out / f"howto_schedules_{b}.png", series, "loops", "validation loss",
+                                          title, xlog=True))
     return exp.finish({"base": base.to_dict(), **report, "rows": rows, "figures": figs}, [
         ("budget", "budget", ""), ("protocol", "protocol", ""), ("design", "design", ""), ("loops", "loops", "d"),
         ("span", "span", ""), ("effective", "effective_layers", "d"), ("D", "d_model", "d"),
         ("params", "blocks", ",d"), ("tokens", "tokens", ",d"), ("F ratio", "flops_h2l_ratio", ".3f"),
-        ("F ratio (budget.match)", "flops_ratio", ".3f"),
-        ("C ratio", "compute_ratio", ".3f"), ("val loss", "val_loss", ".4f"), ("bpb", "bpb", ".4f"),
-        ("tokens x", "tokens_multiplier", ".2f"), ("FLOPs x", "flops_multiplier", ".2f"), ("note", "note", "")])
+        ("F ratio (budget.match)", "flops_ratio", ".3f"), ("C ratio", "compute_ratio", ".3f"),
+        ("val loss", "val_loss", ".4f"), ("bpb", "bpb", ".4f"), ("tokens x", "tokens_multiplier", ".2f"),
+        ("FLOPs x", "flops_multiplier", ".2f"), ("note", "note", "")])
 
 
 if __name__ == "__main__":

@@ -2,24 +2,22 @@
 
   python scripts/loop_count_sweep.py --preset smoke|tiny|small [--loops 1 2 3 4] [--scale S] [--sparsity LABEL]
 
-Middle half of the Baseline's depth (SMELT's span), physical depth fixed; each loop count is
-re-matched to the Baseline's FLOPs, parameters and KV cache with budget.match, so more visits
-mean a thinner model with more experts. Same batches for every run. Writes results.json, a
-table and loop_count_sweep.png.
+Middle half of the Baseline's depth (SMELT's span), physical depth fixed; each loop count is matched
+to the Baseline's FLOPs, parameters and KV cache (budget.match), so more visits mean a thinner model
+with more experts. Writes results.json, a table and loop_count_sweep.png.
 """
 from __future__ import annotations
 
 import common  # noqa: I001  (puts the repo root on sys.path)
 
-import budget
 import checks
 from loop import LoopSpec
 
 
 def build_parser():
-    ap = common.parser(__doc__)
-    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=[1, 2, 3, 4], help="visits of the span (1 = Baseline)")
-    ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
+    ap = common.parser(__doc__, scale="(default: the deepest)")
+    ap.add_argument("--loops", type=checks.positive_int, nargs="+", default=[1, 2, 3, 4],
+                    help="visits of the span (1 = Baseline)")
     ap.add_argument("--sparsity", default=None, help="sparsity label (default: the ~85 %% column)")
     return ap
 
@@ -27,16 +25,12 @@ def build_parser():
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     exp = common.Experiment("loop_count_sweep", args)
-    scale, label, base = exp.base(args.scale, args.sparsity)
-    control = budget.dense_control(base)
-    specs, info = [], []
+    cell = exp.base(args.scale, args.sparsity)
+    scale, label, base = cell
     for r in args.loops:
         loop = LoopSpec(n_loops=r).at(base.n_layer)   # SMELT's middle half, r passes
-        cfg, rep = (base, {"within_tolerance": True}) if r == 1 else exp.match(base, loop)
-        specs.append((f"loops{r}", cfg, {"control": control, "scale": scale, "sparsity_label": label,
-                                         "arch": "baseline" if r == 1 else "looped"}))
-        info.append({"loops": r, **exp.budgets(cfg, base), "within_tolerance": rep["within_tolerance"]})
-    rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
+        exp.add_matched(f"loops{r}", cell, loop if r > 1 else None, {"loops": r})
+    rows = exp.train_rows()
     fig = common.plot_lines(exp.out / "loop_count_sweep.png", {label: ([r["loops"] for r in rows],
                                                                        [r["val_loss"] for r in rows])},
                             "visits of the middle half", "validation loss", f"Loop-count sweep ({scale}, matched)")

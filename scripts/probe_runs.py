@@ -3,10 +3,9 @@
   python scripts/probe_runs.py --preset smoke|tiny|small [--runs BASELINE LOOPED | --ladder DIR] [--tokens N]
 
 The pairs: --runs (one), --ladder (every cell of a scaling_ladder / reproduce output), or the preset's
-Baseline and matched SMELT trained here. probe_pairs.probe_pairs runs every model on one held-out sample
-spanning every domain and the Dyck case study on each SMELT model; each Section 6 claim comes with a 95 %
-bootstrap interval over document groups and a verdict (probe_claims). Figures: probe_plots.plot_pairs.
-Writes probes.json, results.json (one row per claim), table.md and figures/. In full: docs/scripts.md.
+Baseline and matched SMELT trained here; each Section 6 claim with a 95 % bootstrap interval over document
+groups and a verdict. Writes probes.json, results.json (one row per claim), table.md and figures/.
+In full: docs/scripts.md.
 """
 from __future__ import annotations
 
@@ -20,25 +19,15 @@ import reproduce
 from lab import probe_pairs, probe_plots
 
 
-def pairs_of(exp: common.Experiment) -> list[tuple[str, str, str]]:
-    """[(name, Baseline run, SMELT run)]: every ladder cell with --ladder, else the one pair of common.pair_runs."""
-    a = exp.args
-    if a.ladder and not a.runs:
-        ladder = reproduce.read_ladder(a.ladder)
-        dirs = configs.run_dirs(Path(a.ladder), ladder)
-        return [(configs.cell_key(c["scale"], c["sparsity_label"]), str(b), str(s))
-                for (c, _, b), (_, _, s) in zip(dirs[::2], dirs[1::2])]
-    b, s = common.pair_runs(exp)
-    return [("pair", str(b), str(s))]
-
-
 def build_parser():
     ap = common.parser(__doc__)
     common.add_pair_args(ap)
-    ap.add_argument("--tokens", type=checks.positive_int, default=None, help="held-out tokens to probe (default: the plan's)")
+    ap.add_argument("--tokens", type=checks.positive_int, default=None,
+                    help="held-out tokens to probe (default: the plan's)")
     ap.add_argument("--batch-size", type=checks.positive_int, default=8,
                     help="probe batch (memory ~ visits x B x heads x T^2 x 4 bytes for attention maps)")
-    ap.add_argument("--dyck-items", type=checks.positive_int, default=8, help="Dyck query items, each at k = 1, 2, 4, 8")
+    ap.add_argument("--dyck-items", type=checks.positive_int, default=8,
+                    help="Dyck query items, each at k = 1, 2, 4, 8")
     ap.add_argument("--draws", type=checks.positive_int, default=1000, help="bootstrap draws per interval")
     return ap
 
@@ -47,7 +36,12 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     exp = common.Experiment("probe_runs", args)
     tokens = args.tokens or exp.plan.probe_tokens
-    pairs = pairs_of(exp)
+    if args.ladder and not args.runs:   # every ladder cell's (name, Baseline run, SMELT run)
+        dirs = configs.run_dirs(Path(args.ladder), reproduce.read_ladder(args.ladder))
+        pairs = [(configs.cell_key(c["scale"], c["sparsity_label"]), str(b), str(s))
+                 for (c, _, b), (_, _, s) in zip(dirs[::2], dirs[1::2])]
+    else:
+        pairs = [("pair", *map(str, common.pair_runs(exp)))]
     res = probe_pairs.probe_pairs(pairs, exp.load_data(), tokens, exp.plan.block_size, args.batch_size,
                              dyck_items=args.dyck_items, seed=args.seed, n_draws=args.draws, log=common.log)
     res["figures"] = probe_plots.plot_pairs(res, str(exp.out / "figures"))

@@ -13,24 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:   # as common.py does
-    sys.path.insert(0, str(ROOT))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import common  # noqa: F401,I001  (puts the repo root on sys.path)
 
-from lab import bench_harness  # noqa: E402
-import budget  # noqa: E402
-import checks  # noqa: E402
-import configs  # noqa: E402
-import data as data_mod  # noqa: E402
-import train  # noqa: E402
-from model import GPT, ModelConfig  # noqa: E402
+from lab import bench_harness
+import budget
+import checks
+import configs
+import data as data_mod
+import train
+from model import GPT, ModelConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,11 +68,7 @@ def main(argv=None) -> dict:
         train.update(gpt, opt, tc.grad_clip)
 
     with bench_harness.threads(1):   # as reproduce.py's CPU workers
-        times = []
-        for i in range(18):
-            t0 = time.perf_counter()
-            step(i)
-            times.append(time.perf_counter() - t0)
+        times = [bench_harness.timed(lambda: step(i), torch.device("cpu"))[0] for i in range(18)]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(args.steps):
                 step(i)
@@ -96,8 +88,7 @@ def main(argv=None) -> dict:
     res = {"preset": args.preset, "cell": list(cell), "arch": args.arch, "dtype": args.dtype, "step_s": med,
            "aten_calls_per_step": calls, "top": top}
     if args.out_dir:
-        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.out_dir) / "profile.json").write_text(json.dumps(res, indent=1))
+        checks.atomic_write_bytes(Path(args.out_dir) / "profile.json", json.dumps(res, indent=1).encode())
     return res
 
 

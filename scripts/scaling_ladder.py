@@ -2,9 +2,8 @@
 
   python scripts/scaling_ladder.py --preset smoke|tiny|small [--steps N] [--scales K] [--bootstrap B]
 
-reproduce.py's stages (stage_ladder, stage_train, stage_scaling) at a script's length: --steps stable
-steps per run, decay branches forked at the plan's fractions of it. Writes ladder.json, results.jsonl,
-runs/, figures/curves.png, scaling/ and results.json; downstream.py and probe_runs.py take it as --ladder.
+reproduce.py's stages at a script's length (--steps stable steps per run, decay branches at the plan's
+fractions of it); downstream.py and probe_runs.py take its output folder as --ladder.
 """
 from __future__ import annotations
 

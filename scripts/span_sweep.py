@@ -2,11 +2,10 @@
 
   python scripts/span_sweep.py --preset smoke|tiny|small [--scale S] [--sparsity LABEL ...] [--steps N]
 
-Physical depth L fixed (the preset Baseline's), two passes; the looped segment is contiguous,
-of length 0 (the Baseline), 2, 4, ... up to L (full-stack looping), placed by --placement (default
-SMELT's rule, loop.middle_span: floor((L - m) / 2) layers before it). Every looped config is matched to the
-Baseline on FLOPs, parameters and KV cache with budget.match, and every run trains on the same
-batches. Writes OUT/results.json (one row per sparsity and span), a table and span_sweep.png.
+Physical depth L fixed (the preset Baseline's), two passes over a contiguous span of 0 (the Baseline),
+2, 4, ... up to L layers, placed by --placement (default SMELT's loop.middle_span), each matched to the
+Baseline's FLOPs, parameters and KV cache (budget.match). Writes OUT/results.json (one row per sparsity
+and span), a table and span_sweep.png. In full: docs/scripts.md.
 """
 from __future__ import annotations
 
@@ -14,20 +13,13 @@ import common  # noqa: I001  (puts the repo root on sys.path)
 
 from dataclasses import replace
 
-import budget
 import checks
 import configs
 from loop import add_loop_args, loop_spec
 
 
-def spans(n_layer: int) -> list[int]:
-    """0, 2, 4, ... up to n_layer (n_layer itself included when odd)."""
-    return sorted(set(range(0, n_layer + 1, 2)) | {n_layer})
-
-
 def build_parser():
-    ap = common.parser(__doc__)
-    ap.add_argument("--scale", default=None, help="preset scale (default: the deepest)")
+    ap = common.parser(__doc__, scale="(default: the deepest)")
     ap.add_argument("--sparsity", nargs="+", default=None,
                     help="sparsity labels, or 'all' (default: the preset's ~85 %% column)")
     add_loop_args(ap, without=("span_fraction",))   # r, placement, ...: SMELT's unless given
@@ -41,30 +33,23 @@ def main(argv=None) -> dict:
     labels = args.sparsity or [None]
     if labels == ["all"]:
         labels = list(dict.fromkeys(lab for _, lab, _ in exp.cells()))
-    specs, info = [], []
     for label in labels:
-        scale, lab, base = exp.base(args.scale, label)
-        control = budget.dense_control(base)
+        cell = exp.base(args.scale, label)
+        scale, lab, base = cell
         L = base.n_layer
-        for m in spans(L):
-            if m == 0:
-                cfg, rep = base, {"within_tolerance": True}
-            else:
-                cfg, rep = exp.match(base, replace(spec, span_fraction=m / L).at(L))
-            specs.append((f"{configs.cell_key(scale, lab)}_span{m}", cfg,
-                          {"control": control, "scale": scale, "sparsity_label": lab,
-                           "arch": "baseline" if m == 0 else "looped"}))
-            info.append({"scale": scale, "sparsity_label": lab, "span": m, "span_pct": 100 * m / L,
-                         "looped_layers": f"{cfg.loop.start + 1}-{cfg.loop.start + cfg.loop.length}" if m else "-",
-                         **exp.budgets(cfg, base), "within_tolerance": rep["within_tolerance"]})
-    rows = [{**i, **r} for i, r in zip(info, exp.train_all(specs))]
-    series = {lab: ([r["span_pct"] for r in rows if r["sparsity_label"] == lab],
-                    [r["val_loss"] for r in rows if r["sparsity_label"] == lab])
-              for lab in dict.fromkeys(r["sparsity_label"] for r in rows)}
+        for m in sorted(set(range(0, L + 1, 2)) | {L}):   # 0, 2, 4, ... up to L (L itself when odd)
+            loop = replace(spec, span_fraction=m / L).at(L) if m else None
+            exp.add_matched(f"{configs.cell_key(scale, lab)}_span{m}", cell, loop,
+                            {"scale": scale, "sparsity_label": lab, "span": m, "span_pct": 100 * m / L,
+                             "looped_layers": f"{loop.start + 1}-{loop.start + loop.length}" if m else "-"})
+    rows = exp.train_rows()
+    by_label: dict[str, list[dict]] = {}
+    for r in rows:
+        by_label.setdefault(r["sparsity_label"], []).append(r)
+    series = {lab: ([r["span_pct"] for r in rs], [r["val_loss"] for r in rs]) for lab, rs in by_label.items()}
     fig = common.plot_lines(exp.out / "span_sweep.png", series, "looped span (% of layers)", "validation loss",
                             f"Loop-span sweep ({spec.n_loops} passes, matched budgets)")
-    best = {lab: min((r for r in rows if r["sparsity_label"] == lab), key=lambda r: r["val_loss"])["span"]
-            for lab in series}
+    best = {lab: min(rs, key=lambda r: r["val_loss"])["span"] for lab, rs in by_label.items()}
     return exp.finish({"rows": rows, "best_span": best, "figures": [fig]}, [
         ("S", "sparsity_label", ""), ("looped layers", "looped_layers", ""), ("span %", "span_pct", ".0f"),
         ("effective", "effective_layers", "d"), ("D", "d_model", "d"), ("E", "n_experts", "d"),
