@@ -92,8 +92,8 @@ def _read_task_json(path: Path, kind: str) -> dict:
     for p, part in enumerate(parts):
         where = f"{path}: subtask {p}" if "subtasks" in d else str(path)
         exs = part.get("examples") if isinstance(part, dict) else None
-        if not isinstance(exs, list) or not exs or (len(parts) > 1 and not isinstance(part.get("name"), str)):
-            raise JSONFileError(f"{where}: needs a non-empty 'examples' list (and a 'name' in a subtask)")
+        if not isinstance(exs, list) or not exs or not isinstance(part.get("name"), str):   # name: the items' group
+            raise JSONFileError(f"{where}: needs a non-empty 'examples' list and a string 'name'")
         for j, ex in enumerate(exs):
             ex = ex if isinstance(ex, dict) else {}
             scores, target = ex.get("target_scores"), ex.get("target")
@@ -162,6 +162,8 @@ def generate_task(name: str, n_items: int = 200, seed: int = 0, depth: int = 3, 
     `n_types` kinds, gen_copy / gen_reverse repeat / reverse `length` letters of `alphabet`, gen_kv picks the asked
     key's value among `n_pairs` (multiple choice), gen_modadd is a + b mod `modulus`. Chance: a guesser who knows
     the answer's format and length, but not the input."""
+    if name not in GENERATED_TASKS:
+        raise KeyError(f"unknown generated task {name!r}; available: {GENERATED_TASKS}")
     rng = random.Random(f"{name}/{seed}")
     letters = "abcdefghijklmnopqrstuvwxyz"[:alphabet]
     items = []
@@ -182,8 +184,6 @@ def generate_task(name: str, n_items: int = 200, seed: int = 0, depth: int = 3, 
         elif name == "gen_modadd":
             a, b = rng.randrange(modulus), rng.randrange(modulus)
             items.append(Item(f"{a} + {b} mod {modulus} =", f" {(a + b) % modulus}"))
-        else:
-            raise KeyError(f"unknown generated task {name!r}; available: {GENERATED_TASKS}")
     for it in items:
         it.group = name
     chance = {"gen_dyck": (1 / n_types) ** depth, "gen_copy": (1 / alphabet) ** length,

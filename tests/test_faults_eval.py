@@ -112,7 +112,9 @@ def test_damaged_task_files_are_named(tmp_path):
     good = (tasks.TASK_DIR / "operators.json").read_text()
     bad = {"truncated": (good[:100], "truncated"),
            "no examples": (json.dumps({"name": "operators"}), "needs a non-empty 'examples' list"),
-           "bad example": (json.dumps({"examples": [{"input": "a", "target": "b"}, {"input": 3, "target": "c"}]}),
+           "no name": (json.dumps({"examples": [{"input": "a", "target": "b"}]}), "and a string 'name'"),
+           "bad example": (json.dumps({"name": "operators",
+                                       "examples": [{"input": "a", "target": "b"}, {"input": 3, "target": "c"}]}),
                            "example 1 needs a string 'input'")}
     for why, (text, words) in bad.items():
         (tmp_path / "operators.json").write_text(text)
@@ -124,6 +126,12 @@ def test_damaged_task_files_are_named(tmp_path):
     (tmp_path / "language_identification.json").write_text(json.dumps(mc))
     with pytest.raises(checks.JSONFileError, match="example 5 needs .*'target_scores' object;"):
         tasks.load_bigbench("language_identification", tmp_path)
+
+
+@pytest.mark.fault("api")
+def test_an_unknown_generated_task_is_named_even_with_no_items():
+    with pytest.raises(KeyError, match="unknown generated task 'gen_x'"):
+        tasks.generate_task("gen_x", n_items=0)
 
 
 @pytest.mark.fault("api")
