@@ -160,7 +160,7 @@ def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(GPT, meta) from a run directory (RUN_DIR/ckpt.pt, the longest branch, with config.json), an endpoint file
-    (RUN_DIR/endpoints/branch_XXXXXXX.pt) or a training checkpoint (RUN_DIR/ckpt/*.pt). The ModelConfig comes
+    (RUN_DIR/endpoints/branch_BBBBBBB.pt) or a training checkpoint (RUN_DIR/ckpt/*.pt). The ModelConfig comes
     from the file's own "meta", else from the run's config.json; meta: config.json's keys plus "model",
     "checkpoint", "run_dir", "endpoint" (relative to the run dir), "branch_step", "step", "tokens"."""
     from model import GPT, ModelConfig

@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = checks.parser("Evaluate a run: validation loss by source/domain/length, "
                     "few-shot shot sweep, optional comparison and loss-to-score calibration.")
     ap.add_argument("--run", required=True, help="run directory with config.json and ckpt.pt, or an endpoint / "
-                                                 "checkpoint file (RUN_DIR/endpoints/branch_XXXXXXX.pt)")
+                                                 "checkpoint file (RUN_DIR/endpoints/branch_BBBBBBB.pt)")
     ap.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
                     choices=["all", "real", "generated", *REAL_TASKS, *GENERATED_TASKS],
                     help=f"task names or groups real|generated|all; real: {list(REAL_TASKS)}; "

@@ -200,8 +200,7 @@ def _ablation_claims(out: Path | None) -> list[list[str]]:
     one run per configuration (as in the paper), so a winner is a point, stated as such."""
     rows = []
     for name, won in ABLATIONS.items():
-        path = Path(out or ".") / name / "results.json"
-        if out is None or not path.exists():
+        if out is None or not (path := Path(out) / name / "results.json").exists():
             rows.append(_claim(name, f"not resolved: run `python scripts/{name}.py --out-dir OUT/{name}` (not part "
                                      "of reproduce.py)", "not resolved"))
         else:
