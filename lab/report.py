@@ -381,7 +381,8 @@ def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> 
     s = prb["sample"]
     L = _text("probes", visits=visits_label(r), n_pairs=len(prb["pairs"]), tokens=s["tokens"], units=s["units"],
               domains=", ".join(s["domains"]), rows=_rows(rows))
-    return L + _figures(prb.get("figures", []), out, sep=()) + [""]
+    # probe figure paths are as the stage made them (under out, from the working directory), not out-relative
+    return L + _figures(prb.get("figures", []), out, base=Path.cwd(), sep=()) + [""]
 
 
 def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev_sum, scal, prb, summary: dict,

@@ -2,6 +2,8 @@
 import json
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 
 from lab import probe_claims
@@ -352,6 +354,18 @@ def test_loop_count_and_figure_links(tmp_path):
     assert report.figure_link("figures/missing.png", out) is None
     with pytest.raises(ValueError, match=r"b\.png lies outside the out dir"):
         report.figure_link(tmp_path / "b.png", out)
+
+
+def test_probe_figures_are_linked_with_a_relative_out_dir(tmp_path, monkeypatch):
+    """The default run's out dir is relative (runs/reproduce_tiny): the probe stage's figure paths, which
+    include it, still become REPORT.md links relative to the out dir."""
+    monkeypatch.chdir(tmp_path)
+    out = Path("runs") / "reproduce_tiny"
+    (out / "figures" / "probes").mkdir(parents=True)
+    (out / "figures" / "probes" / "fig23_grid.png").write_bytes(b"png")
+    prb = {"pairs": {"t64_S85": {}}, "sample": {"tokens": 8, "units": 2, "domains": ["code"]},
+           "figures": [str(out / "figures" / "probes" / "fig23_grid.png")]}
+    assert "![fig23_grid](figures/probes/fig23_grid.png)" in report._section_probes(prb, [], out)
 
 
 def test_span_sweep_winner_is_50_percent_in_every_sparsity(tmp_path):
