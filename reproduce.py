@@ -221,6 +221,21 @@ def log_plan_cost(cost: dict) -> None:
         log(f"plan: WARNING: decay data {configs.decay_freshness(cost['epochs_per_run'])}")
 
 
+def plan_design(plan: configs.Plan, ladder: list[dict]) -> dict:
+    """Print and return what the plan's fitted grid can decide before it trains (SMELT 4.3's identification rules):
+    its spans and points per surface, and the power scaling_analysis.design_power simulates on that shape."""
+    from lab import scaling_analysis
+    shape = scaling_analysis.design_shape(plan, ladder)
+    power = scaling_analysis.design_power(shape)
+    verdict = (f"no fit can be identified ({'; '.join(power['why'])})" if power["why"] else
+               f"Table 4.3's surfaces drawn on this grid (log-noise {power['noise']:g}) refit identified in "
+               f"{power['identified']} of {power['datasets']} draws (a geometric proxy: scripts/grid_power.py)")
+    log(f"plan: design {shape['n_cells']} fitted cells x {len(shape['horizons'])} endpoints = {shape['points']} points "
+        f"per surface; F spans {shape['F_span']:.2f}x, D {shape['D_span']:.2f}x, C {shape['C_span']:.1f}x; expected "
+        f"power: {verdict}")
+    return {"shape": shape, "power": power}
+
+
 def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, refuse: bool = True) -> dict:
     """Print what training keeps on disk (costs.plan_disk_estimate); refuse (`refuse`) when `out` cannot hold it."""
     import shutil
@@ -449,7 +464,8 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     ladder = timed("ladder", stage_ladder, plan, data, out)
     cost = plan_cost(plan, ladder, len(data.train))
     log_plan_cost(cost)
-    checks.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost})
+    design = plan_design(plan, ladder)
+    checks.write_json(out / "plan.json", {"preset": args.preset, **asdict(plan), "cost": cost, "design": design})
     if args.plan_only:
         cuda = torch.cuda.is_available()
         host = {"cpus": os.cpu_count() or 1, "gpu_bytes": free_gpu_bytes()} if cuda else costs.GPU_HOST
@@ -465,7 +481,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
         f"<= {entropy - 1.5:.3f}); the unigram model scores {unigram_val:.3f} on the validation set")
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
     ms = train.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
-    runtime.update({k: ms[k] for k in ("cpus", "amx_bf16", "avx512_bf16", "cpu_dtype")},
+    runtime.update({k: ms[k] for k in ("cpus", "amx_bf16", "avx512_bf16", "cpu_dtype", "cpu_adamw")},
                    malloc="per worker: " + ("environment" if ms["malloc"] == "environment" else
                                             f"mmap threshold {train.MALLOC_MMAP_BYTES >> 20} MiB, "
                                             f"trim {train.MALLOC_TRIM_BYTES >> 20} MiB")

@@ -214,6 +214,45 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
     return out
 
 
+# ----------------------------------------------------------------------------- a plan's design, before training
+def design_shape(plan, ladder: Sequence[dict]) -> dict:
+    """The grid a plan fits (its sparse cells; S = 0 controls are never fitted): scales, sparsities, each
+    architecture's F span (the smaller of the two), the endpoints' D as fractions of the longest, and the D and
+    C = F D spans and the distinct points per surface they give (scripts/grid_power.py, reproduce's plan line)."""
+    import budget
+    from lab.downstream_claims import label_percent
+    from model import ModelConfig
+    cells = [c for c in ladder if c["sparsity_label"] != CONTROL_LABEL]
+    spans = []
+    for arch in ("baseline", "smelt"):
+        F = [budget.flops_per_token(ModelConfig.from_dict(c[arch]), c["ctx_len"]) for c in cells]
+        spans.append(max(F) / min(F))
+    ends = [b + plan.decay_steps for b in plan.branch_steps]
+    D_span = max(ends) / min(ends)
+    return dict(n_scales=len({c["scale"] for c in cells}), n_cells=len(cells), F_span=min(spans),
+                sparsities=sorted({label_percent(c["sparsity_label"]) / 100 for c in cells}),
+                horizons=[e / max(ends) for e in ends], D_span=D_span, C_span=min(spans) * D_span,
+                points=len(cells) * len(ends))
+
+
+def design_power(shape: Mapping, noise: float = 0.005, seeds: int = 8) -> dict:
+    """How often both of Table 4.3's surfaces, drawn on `shape` with log-normal `noise`, refit identified
+    (scaling.calibrate_rules): a geometric proxy of the design's power, not a forecast of our losses."""
+    from scaling import calibrate_rules
+    n_free = 6 - (len(shape["sparsities"]) == 1)          # one sparsity: b is pinned to 0 (_fit_all)
+    why = [f"{what} spans {shape[k]:.2f}x (< {lim:g}x)" for what, k, lim in (
+        ("F", "F_span", RULES.min_F_ratio), ("D", "D_span", RULES.min_D_ratio), ("compute", "C_span", RULES.min_C_ratio))
+        if shape[k] < lim]
+    if shape["points"] < RULES.min_points_per_coef * n_free:
+        why.append(f"{shape['points']} points for {n_free} coefficients (< {RULES.min_points_per_coef:g} per coefficient)")
+    if why:                                               # the data rules fail on any surface: nothing to simulate
+        return {"noise": noise, "datasets": 0, "identified": 0, "why": why}
+    grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}
+    res = calibrate_rules(F_spans=(shape["F_span"],), D_spans=(shape["D_span"],), noises=(noise,), seeds=seeds,
+                          grid=grid)
+    return {"noise": noise, "datasets": len(res), "identified": sum(r["identified"] for r in res), "why": []}
+
+
 # ----------------------------------------------------------------------------- analyse
 @dataclass
 class _Grid:

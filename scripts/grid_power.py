@@ -24,21 +24,14 @@ import checks
 import configs
 import reproduce
 import scaling
-from lab import downstream_claims, report, scaling_analysis
-from model import ModelConfig
+from lab import report, scaling_analysis
 
 
 def preset_shape(preset: str) -> dict:
-    """n_scales, sparsities, F_span, horizons of `preset`'s fitted cells and endpoints."""
+    """scaling_analysis.design_shape of `preset`'s plan, its ladder matched at the block size (no data needed)."""
     plan = configs.PLANS[preset]
-    cells = [c for c in reproduce.plan_cells(plan, budget.ladder_cells(plan.ladder, float(plan.block_size),
-                                                                   spec=plan.loop))
-             if c["sparsity_label"] != configs.CONTROL_LABEL]
-    F = [budget.flops_per_token(ModelConfig.from_dict(c[a]), float(plan.block_size))
-         for c in cells for a in ("baseline", "smelt")]
-    ends = [b + plan.decay_steps for b in plan.branch_steps]
-    return dict(n_scales=len({c["scale"] for c in cells}), F_span=max(F) / min(F), horizons=[e / ends[-1] for e in ends],
-                sparsities=sorted({downstream_claims.label_percent(c["sparsity_label"]) / 100 for c in cells}))
+    cells = budget.ladder_cells(plan.ladder, float(plan.block_size), spec=plan.loop)
+    return scaling_analysis.design_shape(plan, reproduce.plan_cells(plan, cells))
 
 
 def analysed(F_span: float, grid: dict, noise: float, seed: int, n_boot: int) -> str:
@@ -78,6 +71,8 @@ def main(argv=None) -> dict:
     shape.update({k: getattr(args, k) for k in ("n_scales", "sparsities", "F_span", "horizons") if getattr(args, k)})
     shape["horizons"] = [h / max(shape["horizons"]) for h in shape["horizons"]]
     D_span = 1 / min(shape["horizons"])
+    n_cells = shape["n_scales"] * len(shape["sparsities"])
+    shape.update(D_span=D_span, C_span=shape["F_span"] * D_span, n_cells=n_cells, points=n_cells * len(shape["horizons"]))
     common.log(f"{shape['n_scales']} scales x sparsities {shape['sparsities']}, F span {shape['F_span']:.2f}, endpoints "
                f"at D fractions {[round(h, 3) for h in shape['horizons']]} (D span {D_span:.1f})")
     grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}
@@ -93,7 +88,7 @@ def main(argv=None) -> dict:
             row.update({v.replace(" ", "_"): verdicts.count(v) for v in ("reproduced", "not resolved", "contradicted")})
         rows.append(row)
         common.log(f"noise {noise}: {row}")
-    return exp.finish({"shape": {**shape, "D_span": D_span}, "boot": args.boot, "rows": rows}, [
+    return exp.finish({"shape": shape, "boot": args.boot, "rows": rows}, [
         ("noise", "noise", "g"), ("identified", "identified", "d"), ("of", "datasets", "d"),
         ("median abs. gain error (pp)", "median_gain_err_pp", ".1f"), ("CE gain reproduced", "reproduced", "d"),
         ("not resolved", "not_resolved", "d"), ("contradicted", "contradicted", "d")], trained=False)

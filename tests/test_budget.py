@@ -435,8 +435,8 @@ def test_cli(capsys, tmp_path):
     out = tmp_path / "ladder_tiny.json"
     budget.main(["--ladder", "tiny", "--ctx-len", "120", "--out-dir", str(tmp_path)])
     text = capsys.readouterr().out
-    assert "SMELT" in text and "4/4 cells within tolerance" in text and "document length 120.0 (given)" in text
-    assert len(json.loads(out.read_text())) == 8
+    assert "SMELT" in text and "10/10 cells within tolerance" in text and "document length 120.0 (given)" in text
+    assert len(json.loads(out.read_text())) == 20
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(budget.preset_baselines("tiny")[0][2].to_json())
     budget.main(["--config", str(cfg_file)])
@@ -599,8 +599,7 @@ def test_plan_runs_names_every_run_and_repeats_one_cell():
     from pathlib import Path
     ladder = [{"scale": "t64", "sparsity_label": "S=0%"}, {"scale": "t64", "sparsity_label": "S~85%"},
               {"scale": "t96", "sparsity_label": "S~85%"}]
-    plan = configs.PLANS["tiny"]
-    assert (plan.repeat, plan.train_seeds) == (("t64", "S~85%"), 3)
+    plan = replace(configs.PLANS["tiny"], repeat=("t64", "S~85%"), train_seeds=3)
     runs = configs.plan_runs(Path("out"), ladder, plan)
     want = ["t64_S0_baseline", "t64_S0_smelt", "t64_S85_baseline", "t64_S85_smelt", "t64_S85_baseline_seed1",
             "t64_S85_smelt_seed1", "t64_S85_baseline_seed2", "t64_S85_smelt_seed2", "t96_S85_baseline", "t96_S85_smelt"]

@@ -218,6 +218,35 @@ def test_weight_decay_on_matrices_not_on_norms_embeddings_or_loop_mixing():
         torch.testing.assert_close(p.detach(), before[n] * (0.5 if n in decay else 1.0))
 
 
+def test_fused_adamw_on_cpu_agrees_with_the_for_loop_reference():
+    """make_optimizer uses fused AdamW on CPU (train.adamw_impl); fed the same gradients, its parameters stay within
+    float rounding of torch's plain for-loop AdamW over the same groups, weight decay and schedule."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=4, d_model=32, n_head=2, n_kv_head=1, head_dim=16,
+                      d_ff=32, n_experts=4, top_k=2, loop=LoopConfig(start=1, length=2, n_loops=2))
+    fast, ref = GPT(cfg), GPT(cfg)
+    ref.load_state_dict(fast.state_dict())
+    tc = T.TrainConfig(lr=3e-3, weight_decay=0.1)
+    assert T.adamw_impl(torch.device("cpu")) == "fused"
+    opt = T.make_optimizer(fast, tc)
+    assert all(g["fused"] for g in opt.param_groups)
+    groups = [{"params": [dict(ref.named_parameters())[n] for n in names], "weight_decay": wd}
+              for names, wd in zip(T.decay_split(ref), (tc.weight_decay, 0.0))]
+    opt_ref = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False)
+    idx = torch.randint(0, 64, (2, 16))
+    for step in range(5):
+        fast.zero_grad(), ref.zero_grad()
+        fast.run(idx, idx).loss.backward()
+        for p, q in zip(fast.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        for o in (opt, opt_ref):
+            for g in o.param_groups:
+                g["lr"] = tc.lr * (step + 1) / 5
+            o.step()
+        for (n, p), q in zip(fast.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_effective_doc_length_matches_budget_convention():
     docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [0] * 8])   # documents of length 4, 4 and 8
     assert data_mod.effective_doc_length(docs[:1]) == pytest.approx(4.0)
