@@ -44,7 +44,7 @@ PAPER_SMELT.update({("600M", "S~85%"): (1408, 16, 2, 88, 520, 96), ("600M", "S~9
 # Our ladders: tiny and smoke for a CPU, small and medium for one GPU (docs/configs.md). Every depth gives a
 # middle-half span of >= 2 layers; every head_dim is >= 16 (CUDA flex attention's minimum).
 #               (scale, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff)
-TINY_SCALES = [("t40", 40, 4, 4, 2, 16, 80), ("t48", 48, 4, 4, 2, 16, 96), ("t56", 56, 4, 4, 2, 16, 112),
+TINY_SCALES = [("t40", 40, 4, 2, 2, 20, 80), ("t48", 48, 4, 2, 2, 24, 96), ("t56", 56, 4, 2, 2, 28, 112),
                ("t64", 64, 4, 4, 2, 16, 128), ("t80", 80, 4, 4, 2, 20, 160)]
 SMALL_SCALES = [("s96", 96, 4, 4, 2, 24, 48), ("s128", 128, 4, 6, 2, 24, 64), ("s160", 160, 6, 6, 2, 24, 80),
                 ("s192", 192, 6, 8, 2, 24, 96)]
@@ -144,10 +144,10 @@ PLANS = {
                   stable_steps=30, branch_steps=[10, 20, 30], decay_steps=6, eval_tokens=2048,
                   tasks=("gen_copy", "gen_kv"), shots=(0, 2), seeds=2, max_items=8, bootstrap=20, probe_tokens=1024,
                   repeat=("m64", "S~85%"), train_seeds=2),
-    # tiny: five S~85 % cells for the fits (F 3x, D 3.7x), the S = 0 control, the headline cell over 3 seeds; a
+    # tiny: five S~85 % cells for the fits (F 3.4x, D 4x), the S = 0 control, the headline cell over 3 seeds; a
     # 150-step warmup (50 let one initialisation's router nearly collapse and lag 0.36 nats): docs/plans.md
     "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=4, lr=2e-3, warmup_steps=150,
-                 stable_steps=1040, branch_steps=[240, 590, 1040], decay_steps=60, eval_tokens=4096,
+                 stable_steps=1140, branch_steps=[240, 590, 1140], decay_steps=60, eval_tokens=4096,
                  cells=(("t40", CONTROL_LABEL),) + tuple((s, "S~85%") for s, *_ in TINY_SCALES),
                  tasks=("generated", "qa_wikidata", "dyck_languages", "cs_algorithms", "operators",
                         "repeat_copy_logic"), shots=(0, 2, 8), seeds=2, max_items=12, bootstrap=40,
