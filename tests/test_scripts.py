@@ -299,6 +299,30 @@ def test_grid_power_reads_the_preset_shape_and_the_fits_decide(tmp_path):
         grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "bad"), "--sparsities", "0.85", "95"])
 
 
+def test_plan_design_counts_the_fitted_grid_and_checks_the_data_rules_first():
+    """reproduce's plan line: the tiny plan's fitted grid (5 S~85 % cells x 3 endpoints, the control left out),
+    each architecture's F span, and design_power's data-rule check, which names what a grid lacks without
+    simulating; a grid that passes it is simulated (the count is seeded)."""
+    import budget
+    import configs
+    import reproduce
+    from lab import scaling_analysis
+    plan = configs.PLANS["tiny"]
+    ladder = reproduce.plan_cells(plan, budget.ladder_cells("tiny", 120.9, spec=plan.loop))
+    shape = scaling_analysis.design_shape(plan, ladder)
+    assert (shape["n_cells"], shape["points"], shape["sparsities"]) == (5, 15, [0.85])
+    assert shape["D_span"] == pytest.approx(1200 / 300) and 3.0 < shape["F_span"] < 3.6
+    assert shape["C_span"] == pytest.approx(shape["F_span"] * shape["D_span"])
+    short = dict(shape, points=8, D_span=1.5, C_span=4.0)
+    why = scaling_analysis.design_power(short)["why"]
+    assert why == ["D spans 1.50x (< 2x)", "compute spans 4.00x (< 10x)", "8 points for 5 coefficients (< 2 per "
+                   "coefficient)"]
+    wide = dict(shape, n_scales=4, sparsities=[0.85, 0.95, 0.97], F_span=5.0, horizons=[0.15, 0.33, 0.6, 1.0],
+                D_span=1 / 0.15, C_span=5 / 0.15, points=48)
+    p = scaling_analysis.design_power(wide, noise=0.003, seeds=2)
+    assert p["why"] == [] and p["datasets"] == 2 and p["identified"] == 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit; on a GPU the script runs for minutes")
 def test_gpu_check_script_refuses_clearly_without_a_gpu(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
