@@ -132,6 +132,8 @@ class Plan:
     repeat: tuple | None = None     # (scale, sparsity label) of the cell trained over `train_seeds` seeds
     train_seeds: int = 1            # training seeds of the repeated cell (every other cell: seed 0)
     eval_interval: int = 0          # validation during training every N steps (0: only at branch ends)
+    log_interval: int = 0           # a metrics row every N steps (0: stable_steps // 8); a divisor of every fork
+                                    # keeps each plotted window whole
     loop: LoopSpec = SMELT          # how every looped model loops (r, span, placement, ...): SMELT's by default
 
 
@@ -147,11 +149,11 @@ PLANS = {
     # tiny: five S~85 % cells for the fits (F 3.4x, D 4x), the S = 0 control, the headline cell over 3 seeds; a
     # 150-step warmup (50 let one initialisation's router nearly collapse and lag 0.36 nats): docs/plans.md
     "tiny": Plan(data="tiny", ladder="tiny", block_size=128, batch_size=4, lr=2e-3, warmup_steps=150,
-                 stable_steps=1140, branch_steps=[240, 590, 1140], decay_steps=60, eval_tokens=4096,
+                 stable_steps=1140, branch_steps=[240, 600, 1140], decay_steps=60, eval_tokens=4096,
                  cells=(("t40", CONTROL_LABEL),) + tuple((s, "S~85%") for s, *_ in TINY_SCALES),
                  tasks=("generated", "qa_wikidata", "dyck_languages", "cs_algorithms", "operators",
                         "repeat_copy_logic"), shots=(0, 2, 8), seeds=2, max_items=12, bootstrap=40,
-                 probe_tokens=4096, repeat=("t40", "S~85%"), train_seeds=3),
+                 probe_tokens=4096, repeat=("t40", "S~85%"), train_seeds=3, log_interval=60),
     # small: no repeated data (SMELT 3.1: plan_epochs < 1); four endpoints spanning D 6.5x (docs/configs.md)
     "small": Plan(data="small", ladder="small", block_size=1024, batch_size=32, lr=2e-3, warmup_steps=50,
                   stable_steps=465, branch_steps=[50, 135, 270, 465], decay_steps=25, eval_tokens=32768,

@@ -571,7 +571,8 @@ def train_config(plan: configs.Plan, seed: int = 0) -> TrainConfig:
     return TrainConfig(lr=plan.lr, warmup_steps=plan.warmup_steps, stable_steps=plan.stable_steps,
                        branch_steps=list(plan.branch_steps), decay_steps=plan.decay_steps,
                        batch_size=plan.batch_size, block_size=plan.block_size, eval_tokens=plan.eval_tokens,
-                       eval_interval=plan.eval_interval, log_interval=max(1, plan.stable_steps // 8), seed=seed)
+                       eval_interval=plan.eval_interval, seed=seed,
+                       log_interval=plan.log_interval or max(1, plan.stable_steps // 8))
 
 
 def preset_model(name: str, vocab_size: int) -> ModelConfig:

@@ -240,11 +240,12 @@ def design_power(shape: Mapping, noise: float = 0.005, seeds: int = 8) -> dict:
     (scaling.calibrate_rules): a geometric proxy of the design's power, not a forecast of our losses."""
     from scaling import calibrate_rules
     n_free = 6 - (len(shape["sparsities"]) == 1)          # one sparsity: b is pinned to 0 (_fit_all)
-    why = [f"{what} spans {shape[k]:.2f}x (< {lim:g}x)" for what, k, lim in (
-        ("F", "F_span", RULES.min_F_ratio), ("D", "D_span", RULES.min_D_ratio), ("compute", "C_span", RULES.min_C_ratio))
-        if shape[k] < lim]
+    spans = (("F", "F_span", RULES.min_F_ratio), ("D", "D_span", RULES.min_D_ratio),
+             ("compute", "C_span", RULES.min_C_ratio))
+    why = [f"{what} spans {shape[k]:.2f}x (< {lim:g}x)" for what, k, lim in spans if shape[k] < lim]
     if shape["points"] < RULES.min_points_per_coef * n_free:
-        why.append(f"{shape['points']} points for {n_free} coefficients (< {RULES.min_points_per_coef:g} per coefficient)")
+        why.append(f"{shape['points']} points for {n_free} coefficients "
+                   f"(< {RULES.min_points_per_coef:g} per coefficient)")
     if why:                                               # the data rules fail on any surface: nothing to simulate
         return {"noise": noise, "datasets": 0, "identified": 0, "why": why}
     grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}

@@ -72,7 +72,8 @@ def main(argv=None) -> dict:
     shape["horizons"] = [h / max(shape["horizons"]) for h in shape["horizons"]]
     D_span = 1 / min(shape["horizons"])
     n_cells = shape["n_scales"] * len(shape["sparsities"])
-    shape.update(D_span=D_span, C_span=shape["F_span"] * D_span, n_cells=n_cells, points=n_cells * len(shape["horizons"]))
+    shape.update(D_span=D_span, C_span=shape["F_span"] * D_span, n_cells=n_cells,
+                 points=n_cells * len(shape["horizons"]))
     common.log(f"{shape['n_scales']} scales x sparsities {shape['sparsities']}, F span {shape['F_span']:.2f}, endpoints "
                f"at D fractions {[round(h, 3) for h in shape['horizons']]} (D span {D_span:.1f})")
     grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}
