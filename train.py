@@ -202,7 +202,7 @@ def make_optimizer(gpt: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
 
 
 def adamw_impl(device: torch.device) -> str:
-    """AdamW's kernels on `device`: fused on CPU (one pass per tensor, measured faster: docs/train.md), else torch's
+    """AdamW's kernels on `device`: fused on CPU (one pass per tensor, measured faster: docs/bench.md), else torch's
     default (for-each). Printed in the machine line."""
     return "fused" if device.type == "cpu" else "foreach"
 
