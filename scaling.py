@@ -139,24 +139,33 @@ def short_num(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.3g}"
 
 
+def data_checks(n_points: int, n_free: int, spans: Mapping[str, float], b_free: bool,
+                rules: Rules = RULES) -> list[str]:
+    """`identify`'s checks of the data alone, before any fit: distinct points per free coefficient, and each span
+    hi / lo in `spans` ("C", "F", "D"; "one_minus_S" when b is free). Also what a plan's grid is judged by."""
+    why = []
+    if n_points < rules.min_points_per_coef * n_free:
+        why.append(f"too few points: {n_points} distinct for {n_free} coefficients "
+                   f"(< {rules.min_points_per_coef:g} per coefficient)")
+    rule = [("C", "compute range: compute", rules.min_C_ratio), ("F", "F range: F", rules.min_F_ratio),
+            ("D", "D range: D", rules.min_D_ratio)]
+    if b_free:
+        rule.append(("one_minus_S", "sparsity range: b is free but 1 - S", rules.min_one_minus_S_ratio))
+    for k, what, lim in rule:
+        if k in spans and spans[k] < lim:
+            why.append(f"{what} spans only {short_num(spans[k])}x (< {lim:g}x)")
+    return why
+
+
 def identify(res: FitResult, rules: Rules = RULES) -> list[str]:
     """Reasons (one "key: detail" string per failed check of `Rules`) why `res` is not identified; [] if it is."""
-    why = []
     co, rg, fixed = res.coeffs, res.ranges, res.fixed
     n_free = 6 - len(fixed)
-    if res.n_points < rules.min_points_per_coef * n_free:
-        why.append(f"too few points: {res.n_points} distinct for {n_free} coefficients "
-                   f"(< {rules.min_points_per_coef:g} per coefficient)")
-    if not {"C", "F", "D", "one_minus_S"} <= set(rg):
+    known = {"C", "F", "D", "one_minus_S"} <= set(rg)
+    spans = {k: hi / lo for k, (lo, hi) in rg.items()} if known else {}
+    why = data_checks(res.n_points, n_free, spans, "b" not in fixed, rules)
+    if not known:
         return why + ["data ranges: unknown (a FitResult from fit_result carries them)"]
-    spans = [("C", "compute range: compute", rules.min_C_ratio), ("F", "F range: F", rules.min_F_ratio),
-             ("D", "D range: D", rules.min_D_ratio)]
-    if "b" not in fixed:
-        spans.append(("one_minus_S", "sparsity range: b is free but 1 - S", rules.min_one_minus_S_ratio))
-    for k, what, lim in spans:
-        lo, hi = rg[k]
-        if hi / lo < lim:
-            why.append(f"{what} spans only {short_num(hi / lo)}x (< {lim:g}x)")
     if not res.converged:
         why.append("not converged: L-BFGS-B stopped away from a stationary point")
     free_ac = [k for k in ("a", "c") if k not in fixed]

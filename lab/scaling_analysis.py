@@ -228,24 +228,28 @@ def design_shape(plan, ladder: Sequence[dict]) -> dict:
         F = [budget.flops_per_token(ModelConfig.from_dict(c[arch]), c["ctx_len"]) for c in cells]
         spans.append(max(F) / min(F))
     ends = [b + plan.decay_steps for b in plan.branch_steps]
-    D_span = max(ends) / min(ends)
-    return dict(n_scales=len({c["scale"] for c in cells}), n_cells=len(cells), F_span=min(spans),
-                sparsities=sorted({label_percent(c["sparsity_label"]) / 100 for c in cells}),
-                horizons=[e / max(ends) for e in ends], D_span=D_span, C_span=min(spans) * D_span,
-                points=len(cells) * len(ends))
+    return grid_totals(dict(n_scales=len({c["scale"] for c in cells}), F_span=min(spans), horizons=ends,
+                            sparsities=sorted({label_percent(c["sparsity_label"]) / 100 for c in cells})),
+                       n_cells=len(cells))
+
+
+def grid_totals(shape: dict, n_cells: int | None = None) -> dict:
+    """`shape` (n_scales, sparsities, F_span, horizons in any unit) with its horizons as fractions of the longest, its
+    D and C spans, cells (default: every scale x sparsity) and distinct points per surface."""
+    h = [x / max(shape["horizons"]) for x in shape["horizons"]]
+    n = shape["n_scales"] * len(shape["sparsities"]) if n_cells is None else n_cells
+    return dict(shape, horizons=h, D_span=1 / min(h), C_span=shape["F_span"] / min(h), n_cells=n, points=n * len(h))
 
 
 def design_power(shape: Mapping, noise: float = 0.005, seeds: int = 8) -> dict:
     """How often both of Table 4.3's surfaces, drawn on `shape` with log-normal `noise`, refit identified
     (scaling.calibrate_rules): a geometric proxy of the design's power, not a forecast of our losses."""
-    from scaling import calibrate_rules
-    n_free = 6 - (len(shape["sparsities"]) == 1)          # one sparsity: b is pinned to 0 (_fit_all)
-    spans = (("F", "F_span", RULES.min_F_ratio), ("D", "D_span", RULES.min_D_ratio),
-             ("compute", "C_span", RULES.min_C_ratio))
-    why = [f"{what} spans {shape[k]:.2f}x (< {lim:g}x)" for what, k, lim in spans if shape[k] < lim]
-    if shape["points"] < RULES.min_points_per_coef * n_free:
-        why.append(f"{shape['points']} points for {n_free} coefficients "
-                   f"(< {RULES.min_points_per_coef:g} per coefficient)")
+    from scaling import calibrate_rules, data_checks
+    S = shape["sparsities"]
+    b_free = len(S) > 1                                   # one sparsity: b is pinned to 0 (_fit_all)
+    spans = {"C": shape["C_span"], "F": shape["F_span"], "D": shape["D_span"],
+             "one_minus_S": (1 - min(S)) / (1 - max(S))}
+    why = data_checks(shape["points"], 6 - (not b_free), spans, b_free)
     if why:                                               # the data rules fail on any surface: nothing to simulate
         return {"noise": noise, "datasets": 0, "identified": 0, "why": why}
     grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}

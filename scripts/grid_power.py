@@ -69,11 +69,8 @@ def main(argv=None) -> dict:
     exp = common.Experiment("grid_power", args)
     shape = preset_shape(args.preset)
     shape.update({k: getattr(args, k) for k in ("n_scales", "sparsities", "F_span", "horizons") if getattr(args, k)})
-    shape["horizons"] = [h / max(shape["horizons"]) for h in shape["horizons"]]
-    D_span = 1 / min(shape["horizons"])
-    n_cells = shape["n_scales"] * len(shape["sparsities"])
-    shape.update(D_span=D_span, C_span=shape["F_span"] * D_span, n_cells=n_cells,
-                 points=n_cells * len(shape["horizons"]))
+    shape = scaling_analysis.grid_totals(shape)
+    D_span = shape["D_span"]
     common.log(f"{shape['n_scales']} scales x sparsities {shape['sparsities']}, F span {shape['F_span']:.2f}, endpoints "
                f"at D fractions {[round(h, 3) for h in shape['horizons']]} (D span {D_span:.1f})")
     grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}

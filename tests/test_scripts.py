@@ -315,8 +315,12 @@ def test_plan_design_counts_the_fitted_grid_and_checks_the_data_rules_first():
     assert shape["C_span"] == pytest.approx(shape["F_span"] * shape["D_span"])
     short = dict(shape, points=8, D_span=1.5, C_span=4.0)
     why = scaling_analysis.design_power(short)["why"]
-    assert why == ["D spans 1.50x (< 2x)", "compute spans 4.00x (< 10x)", "8 points for 5 coefficients (< 2 per "
-                   "coefficient)"]
+    assert why == ["too few points: 8 distinct for 5 coefficients (< 2 per coefficient)",   # scaling.identify's words
+                   "compute range: compute spans only 4x (< 10x)", "D range: D spans only 1.5x (< 2x)"]
+    two = dict(shape, sparsities=[0.85, 0.9])             # b free (6 coefficients): 1 - S spans 1.5x, just enough
+    assert scaling_analysis.design_power(dict(two, points=11), seeds=0)["why"] == [
+        "too few points: 11 distinct for 6 coefficients (< 2 per coefficient)"]
+    assert "sparsity range" in scaling_analysis.design_power(dict(two, sparsities=[0.85, 0.88]), seeds=0)["why"][0]
     wide = dict(shape, n_scales=4, sparsities=[0.85, 0.95, 0.97], F_span=5.0, horizons=[0.15, 0.33, 0.6, 1.0],
                 D_span=1 / 0.15, C_span=5 / 0.15, points=48)
     p = scaling_analysis.design_power(wide, noise=0.003, seeds=2)
