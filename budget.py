@@ -35,8 +35,7 @@ TOLERANCES = {"flops": 0.04, "params": 0.01, "kv": 0.04}   # SMELT Table 3.2 (F 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}   # dense, datasheets: MFU
 
 
-# ----------------------------------------------------------------------------------------
-# Width-independent facts of a config: what is stored and what runs
+# ---- Width-independent facts of a config: what is stored and what runs ---------------------------
 
 @dataclass(frozen=True)
 class Plan:
@@ -82,9 +81,7 @@ def _widths(cfg: ModelConfig) -> dict:
                 sh=cfg.n_shared_experts)
 
 
-# ----------------------------------------------------------------------------------------
-# One table of sub-layers: how many are stored and run, the parameters of one and the weights one token passes
-# through per visit (each costs 6 training FLOPs). Python ints give exact counts, numpy arrays the match grid.
+# ---- The sub-layer table (6 FLOPs per weight passed); Python ints give exact counts, numpy arrays the grid ----
 
 def _adapters(p: Plan, shapes):
     """Loop adapters of the projections (d_in, d_out): L pairs A (rank x d_in), B (d_out x rank) each and,
@@ -161,8 +158,7 @@ def _kv_slots(p: Plan, ctx: float | None) -> float:
     return p.attn_visits - later
 
 
-# ----------------------------------------------------------------------------------------
-# The tolerance check (SMELT Table 3.2)
+# ---- The tolerance check (SMELT Table 3.2) -------------------------------------------------------
 
 def tolerance_bands(tolerances: dict | None = None) -> dict:
     """{"flops", "params", "kv"}: (lo, hi) of each SMELT / Baseline ratio; F one-sided, [1, 1 + tol]."""
@@ -182,8 +178,7 @@ def within_tolerance(flops_ratio, params_ratio, kv_ratio, tolerances: dict | Non
     return bool(mismatch(flops_ratio, params_ratio, kv_ratio, tolerances) <= 1 + 1e-9)
 
 
-# ----------------------------------------------------------------------------------------
-# Public accounting
+# ---- Public accounting ---------------------------------------------------------------------------
 
 def _check_cfg(cfg) -> None:
     if not isinstance(cfg, ModelConfig):
@@ -263,8 +258,7 @@ def config_sparsity(cfg: ModelConfig, ctx_len: float, control: ModelConfig | Non
                     flops_per_token(control, ctx_len, include_head=include_head), count_params(control)["blocks"])
 
 
-# ----------------------------------------------------------------------------------------
-# Budget matching (SMELT 3.2)
+# ---- Budget matching (SMELT 3.2) -----------------------------------------------------------------
 
 SEARCH_DEFAULTS = dict(
     d_range=(0.5, 1.0),      # d_model as a fraction of the Baseline's
@@ -311,8 +305,7 @@ def _search_options(base: ModelConfig, search: dict) -> dict:
     return o
 
 
-def _multiples(span: tuple, x: float, m: int):
-    """The multiples of m in [span[0] * x, span[1] * x]."""
+def _multiples(span: tuple, x: float, m: int):   # the multiples of m in [span[0] * x, span[1] * x]
     return np.arange(math.ceil(span[0] * x / m), math.floor(span[1] * x / m) + 1) * m
 
 
@@ -399,8 +392,7 @@ def fixed_match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, geometr
 def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: ModelConfig | None = None,
           **search) -> tuple[ModelConfig, dict]:
     """The looped config matching base_cfg's FLOPs per token, blocks and KV cache (depth, top_k, vocab and
-    n_shared_experts the Baseline's, the loop `loop`), and the report: the three ratios, within_tolerance, the
-    worst mismatch, both models' counts, candidates scored, seconds, a message. search: SEARCH_DEFAULTS options.
+    n_shared_experts the Baseline's, the loop `loop`) and its _match_report; search: SEARCH_DEFAULTS options.
     target: match target's budgets instead, base_cfg still giving the depth and the widths the search is centred
     on (scripts/depth_sweep.py: a depth-P model against a depth-L reference)."""
     t0, b, tgt = time.perf_counter(), base_cfg, base_cfg if target is None else target
@@ -432,8 +424,7 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: Model
     return cfg, _match_report(tgt, cfg, ctx_len, o, int(D.size), t0)
 
 
-# ----------------------------------------------------------------------------------------
-# Ladders (SMELT Appendix A; the preset tables are configs.LADDERS)
+# ---- Ladders (SMELT Appendix A; the preset tables are configs.LADDERS) ---------------------------
 
 def _ladder(preset: str) -> dict:
     if preset not in configs.LADDERS:

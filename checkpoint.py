@@ -52,7 +52,6 @@ def divergence_limit(vocab_size: int) -> float:
     return math.log(vocab_size) + DIVERGENCE_MARGIN
 
 
-# ---------------------------------------------------------------------------------------- does it belong to this run
 def _rng_state() -> dict[str, Tensor]:
     np_state = np.random.get_state()
     st = {"torch": torch.get_rng_state(),
@@ -110,9 +109,8 @@ def config_diff(stored: dict, current: dict, prefix: str) -> list[str]:
 
 
 def with_defaults(stored: dict, default: dict) -> dict:
-    """A stored config as this code reads it: each field it lacks (added since) takes its default, nested too.
-
-    So a new field whose default is the old behaviour leaves finished runs resumable."""
+    """A stored config as this code reads it: each field it lacks (added since) takes its default, nested too,
+    so a new field whose default is the old behaviour leaves finished runs resumable."""
     out = {**default, **stored}
     return {k: with_defaults(v, default[k]) if isinstance(v, dict) and isinstance(default.get(k), dict) else v
             for k, v in out.items()}
@@ -140,7 +138,6 @@ def endpoint_path(run_dir: str | Path, branch: int) -> Path:
     return Path(run_dir) / "endpoints" / f"branch_{branch:07d}.pt"
 
 
-# ---------------------------------------------------------------------------------------- what a run writes and keeps
 def save_kind(tc: TrainConfig, branch: int | None, done: int, end: int) -> str | None:
     """What the Trainer writes after optimizer step `done` of a segment ending at `end` (a stable segment ends at
     a fork point): "endpoint" at a branch's end, "full" at a fork point and every ckpt_interval steps, else None."""
@@ -196,7 +193,6 @@ def quarantine_damaged_rows(path: str | Path) -> list[int]:
     return [n for n, _ in bad]
 
 
-# ---------------------------------------------------------------------------------------- a finished run's weights
 def branches(branch_steps: list[int], stable_steps: int) -> list[int]:
     """The branch steps a run trains (TrainConfig.branches): its fork points, else stable_steps."""
     return sorted(set(branch_steps)) or [stable_steps]
@@ -248,8 +244,6 @@ def load_weights(path: str | Path) -> tuple[dict, dict]:
     ck = load_file(path)
     return ck["model"], json.loads(ck["meta"])
 
-
-# ---------------------------------------------------------------------------------------- the Trainer's side
 
 class Checkpoints:
     """The Trainer's checkpoint side (train.Trainer inherits it): naming, pruning, saving, loading, resuming.
@@ -505,7 +499,6 @@ class Checkpoints:
         return list({r["branch_step"]: r for r in rows if r["branch_step"] in self.tc.branches}.values())
 
 
-# ---------------------------------------------------------------------------------------- refused before a run starts
 def memory_floor(model_cfg: ModelConfig, tc: TrainConfig, world: int = 1) -> int:
     """A lower bound on the bytes of one training step per rank: its batch (three int64 (B, T) tensors) and one
     micro-batch's fp32 logits with their gradient (B/grad_accum, T, V)."""

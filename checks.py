@@ -59,7 +59,6 @@ class OutDirError(UserError, RuntimeError):
     """An output location that cannot be written: a file, a read-only folder, too little free space."""
 
 
-# ---------------------------------------------------------------------------------------- config fields
 def _kind(v) -> str:
     return f"{v!r} ({type(v).__name__})"
 
@@ -134,7 +133,6 @@ def positive_ints(where: str, **values) -> None:
             raise ValueError(f"{where}: {name} must not be empty")
 
 
-# ---------------------------------------------------------------------------------------- JSON files
 def parse_json(text: str, path: str | Path, line: int | None = None):
     """json.loads(text), else a JSONFileError naming `path` and the line (`line`: the line of `text` within a
     JSON-lines file; None when text is the whole file)."""
@@ -168,7 +166,6 @@ def require_keys(obj, keys, where: str) -> None:
         raise JSONFileError(f"{where}: missing key(s) {missing}")
 
 
-# ---------------------------------------------------------------------------------------- command-line flags
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps a module docstring's layout and appends "(default: X)" to an option's help unless it says
     "default" already, is a flag, or has no default (None: computed, explained in the help)."""
@@ -236,7 +233,6 @@ def read_config(path: str, cls, flag: str, key: str | None = None):
     return config_from(cls, d, f"{flag} {path}", f"fix the file (it holds {cls.__name__}.to_dict()'s fields)")
 
 
-# ---------------------------------------------------------------------------------------- types (argparse)
 def _ranged(name: str, cast, ok, rule: str):
     """An argparse type: cast(text) (a finite number) for which ok(x) holds, else the error "RULE, got TEXT"."""
     def check(text: str):
@@ -262,7 +258,6 @@ unit_fraction = _ranged("unit_fraction", float, lambda x: 0 < x <= 1, "must lie 
 
 
 def int_range(lo: int, hi: int):
-    """An integer in [lo, hi]."""
     return _ranged(f"int in [{lo}, {hi}]", int, lambda n: lo <= n <= hi, f"must lie in [{lo}, {hi}]")
 
 
@@ -290,12 +285,11 @@ def add_out_dir(ap: argparse.ArgumentParser, help: str, default: str | None = No
     ap.add_argument("--out-dir", default=default, metavar="DIR", help=help)
 
 
-def add_device(ap: argparse.ArgumentParser, help: str = "where to run: auto (cuda when available, else cpu), "
-                                                          "cpu, cuda or cuda:N") -> None:
-    ap.add_argument("--device", type=device, default="auto", help=help)
+def add_device(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", type=device, default="auto",
+                    help="where to run: auto (cuda when available, else cpu), cpu, cuda or cuda:N")
 
 
-# ---------------------------------------------------------------------------------------- run files, atomic writes
 # torch.save's bytes + this trailer + their sha256 in hex (torch.load ignores it; why: docs/checks.md)
 HASH_TRAILER = b"\nlooped-moe-sha256:"
 _TRAILER_LEN = len(HASH_TRAILER) + 64 + 1
@@ -338,8 +332,7 @@ def remove_stale_tmp(directory: str | Path) -> list[Path]:
 
 
 def _atomic_write(path: str | Path, write) -> None:
-    """write(f) into PATH.tmpPID, fsync, os.replace: `path` is always a complete file or absent.
-    Stale temp files of dead writers in the same directory are removed first."""
+    """write(f) into PATH.tmpPID, fsync, os.replace: `path` is always a complete file or absent."""
     path = Path(path)
     remove_stale_tmp(path.parent)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -428,7 +421,6 @@ def load_file(path: str | Path) -> dict:
     return ck
 
 
-# ---------------------------------------------------------------------------------------- hashed JSON and rows
 ROW_HASH = "sha256"   # the key of a JSON-lines row's (or a JSON object's) own hash
 
 
@@ -513,7 +505,6 @@ def repair_torn_tail(path: str | Path) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------------------- output folders, locks
 def check_out_dir(path: str | Path, need_bytes: int = 0, what: str = "out dir") -> Path:
     """Make `path` (and its parents) and prove it writable with a probe file; OutDirError naming the path
     when it or a parent is a file, it is read-only, or fewer than need_bytes are free."""

@@ -15,8 +15,7 @@ from pathlib import Path
 from loop import SMELT, LoopSpec
 
 
-# ----------------------------------------------------------------------------------------
-# Model ladders (SMELT Appendix A): the Baselines budget.ladder_cells matches a SMELT to
+# ---- Model ladders (SMELT Appendix A): the Baselines budget.ladder_cells matches a SMELT to ------
 
 # Appendix A's Baselines, expert width and heads solved from its columns: (scale, H, L, expert d_ff, head_dim,
 # n_head; n_kv_head = 2).
@@ -73,8 +72,7 @@ LADDERS = {  # pools (label, experts), top_k, vocab, block_size, data preset who
 }
 
 
-# ----------------------------------------------------------------------------------------
-# Data presets: the corpus sizes corpus.prepare builds
+# ---- Data presets: the corpus sizes corpus.prepare builds ----------------------------------------
 
 @dataclass(frozen=True)
 class DataPreset:
@@ -105,8 +103,7 @@ def data_preset(name: str) -> DataPreset:
     return DATA_PRESETS[name]
 
 
-# ----------------------------------------------------------------------------------------
-# Run plans: what reproduce.py trains and evaluates at each run size
+# ---- Run plans: what reproduce.py trains and evaluates at each run size --------------------------
 
 @dataclass
 class Plan:
@@ -187,8 +184,7 @@ def decay_freshness(epochs: float) -> str:
             f"the stable phase trained on (SMELT 3.1 decays on data not seen in the stable phase)")
 
 
-# ----------------------------------------------------------------------------------------
-# A plan's runs: which runs it trains, named and placed how (reproduce.py, report.py, train_plots.py)
+# ---- A plan's runs: which runs it trains, named and placed how (reproduce.py, report.py, train_plots.py) ----
 
 def cell_key(scale: str, label: str) -> str:
     """A file-name-safe id of one grid cell: ("t64", "S~85%") -> "t64_S85", ("t64", "S=0%") -> "t64_S0"."""
@@ -229,8 +225,7 @@ def run_dirs(out: Path, ladder: list[dict]) -> list[tuple[dict, str, Path]]:
     return [(r.cell, r.arch, r.dir) for r in plan_runs(out, ladder)]
 
 
-# ----------------------------------------------------------------------------------------
-# Smoke models (`python train.py --preset NAME`) and the experiment scripts' sizes
+# ---- Smoke models (`python train.py --preset NAME`) and the experiment scripts' sizes ------------
 
 SMOKE_MODEL_BASE = dict(block_size=64, n_layer=4, d_model=32, n_head=2, n_kv_head=1, d_ff=32)
 SMOKE_MODELS = {   # train.preset_model: SMOKE_MODEL_BASE with these fields; n_loops: the middle half looped

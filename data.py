@@ -32,7 +32,6 @@ from checks import JSONFileError, UserError, atomic_write_bytes, read_hashed_jso
 FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
 
 
-# ---------------------------------------------------------------------------- the tokenizer
 EOT = "<|endoftext|>"
 GPT2_VOCAB = 50257
 
@@ -89,7 +88,6 @@ def _data_gym_alphabet() -> dict[str, int]:
     return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
 
 
-# ----------------------------------------------------------------------------- the cache and the BPE files
 def cache_root() -> Path:
     """Where packages, BPE files and prepared datasets live: $LOOPED_MOE_CACHE or <repo>/.cache."""
     return Path(os.environ.get("LOOPED_MOE_CACHE") or Path(__file__).resolve().parent / ".cache")
@@ -124,15 +122,14 @@ def fetch_gpt2_files(cache_dir: Path) -> Path:
     return tk_dir
 
 
-# ---------------------------------------------------------------------------- token streams
 class CorruptDataError(UserError, RuntimeError):
     """A prepared file does not match the sha256 recorded in manifest.json."""
 
 
 def default_data_dir(preset: str, vocab_size: int | None = None) -> str:
     """The prepared dataset's directory; versioned by format and (non-default) vocabulary."""
-    vocab = vocab_size or configs.data_preset(preset).vocab_size
-    suffix = "" if vocab == configs.DATA_PRESETS[preset].vocab_size else f"-vocab{vocab}"
+    default = configs.data_preset(preset).vocab_size
+    suffix = "" if (vocab_size or default) == default else f"-vocab{vocab_size}"
     return str(cache_root() / "data" / f"{preset}-v{FORMAT_VERSION}{suffix}")
 
 
@@ -193,13 +190,12 @@ def check_files(root: Path, files: dict, listing: str, fix: str) -> None:
             raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {listing}); {fix}")
 
 
-# ----------------------------------------------------------------------------- reading batches
 class TokenData:
     """A prepared dataset (hashes checked on open): deterministic training batches, per-source validation."""
 
-    def __init__(self, data_dir: str | Path, verify_hashes: bool = True):
+    def __init__(self, data_dir: str | Path):
         self.dir = Path(data_dir)
-        m = self.manifest = verify(self.dir) if verify_hashes else read_manifest(self.dir)
+        m = self.manifest = verify(self.dir)
         self.vocab_size: int = m["vocab_size"]
         self.eot: int = m["eot_id"]
         self.domains: dict[str, str] = {n: r["domain"] for n, r in m["sources"].items() if r["status"] == "ok"}
@@ -283,15 +279,14 @@ class TokenData:
             yield batch
 
 
-# ----------------------------------------------------------------------------- a corpus-free stand-in
 class SyntheticData:
     """Documents of Zipf-distributed tokens (learnable unigram statistics), no files: TokenData's batches
     (the same rank rows, a pure function of (seed, step)); each document's last target is -1 (ignored)."""
 
-    def __init__(self, vocab_size: int = 256, mean_doc_len: int = 24, n_sources: int = 2):
+    def __init__(self, vocab_size: int = 256, mean_doc_len: int = 24):
         self.vocab_size, self.mean_doc_len = vocab_size, mean_doc_len
-        self.sources = [f"synthetic{i}" for i in range(n_sources)]
-        self.domains = {s: ("code", "prose")[i % 2] for i, s in enumerate(self.sources)}
+        self.domains = {"synthetic0": "code", "synthetic1": "prose"}
+        self.sources = list(self.domains)
         self.manifest = {"preset": "synthetic", "vocab_size": vocab_size}
 
     def _rows(self, gen: torch.Generator, n: int, T: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -321,7 +316,6 @@ class SyntheticData:
             yield idx[b:b + batch_size], tgt[b:b + batch_size], doc[b:b + batch_size]
 
 
-# ----------------------------------------------------------------------------- measures
 def effective_doc_length(doc_ids: torch.Tensor) -> float:
     """2 x (mean keys a token sees under a causal document mask) - 1: the document length L that
     budget.flops_per_token charges the same attention FLOPs for (exactly L for documents of length L)."""
@@ -363,10 +357,10 @@ def unigram_val_loss(data, block_size: int, max_tokens: int | None = None) -> fl
 DOC_LENGTH_CONTEXTS = 256   # training contexts the document length is measured on (batch 0, seed 0)
 
 
-def measured_doc_length(data, block_size: int, n_contexts: int = DOC_LENGTH_CONTEXTS) -> float:
+def measured_doc_length(data, block_size: int) -> float:
     """The effective document length (SMELT 3.2 measures FLOPs "at the document length") of one fixed sample
     of training contexts (batch 0 of seed 0), so every run on the same data uses the same number."""
-    return effective_doc_length(data.train_batch(0, n_contexts, block_size, seed=0)[2])
+    return effective_doc_length(data.train_batch(0, DOC_LENGTH_CONTEXTS, block_size, seed=0)[2])
 
 
 def token_weighted(sums: dict[str, tuple[float, int]], domains: dict[str, str]) -> dict:

@@ -23,8 +23,6 @@ import checks
 import data as data_mod
 
 
-# ================================================================ validation loss
-
 def length_bounds(block_size: int, n_buckets: int = 8) -> list[int]:
     """Bucket upper bounds: powers of two ending at the first one >= block_size (32..4096 at 4096)."""
     top = 1 << max(0, math.ceil(math.log2(block_size)))
@@ -54,8 +52,7 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def pad_batch(batch: tuple, batch_size: int) -> tuple:
-    """(idx, targets, doc_ids[, lengths]) with fewer than batch_size rows -> batch_size rows: idx / doc ids 0,
-    targets -1 (ignored), lengths 1 in the added rows. A full batch is returned as it is."""
+    """(idx, targets, doc_ids[, lengths]) padded to batch_size rows with 0, -1 (ignored), 0, 1; a full batch as is."""
     n = batch[0].shape[0]
     if n > batch_size:
         raise ValueError(f"pad_batch: a validation batch of {n} rows exceeds batch_size={batch_size}")
@@ -77,7 +74,7 @@ def _batches(data, src: str, batch_size: int, block_size: int, max_tokens: int |
 
 @torch.no_grad()
 def val_loss_by(nll_fn, data, block_size: int, batch_size: int, max_tokens_per_source: int | None = None,
-                    n_buckets: int = 8, device: torch.device | str = "cpu", autocast=contextlib.nullcontext) -> dict:
+                n_buckets: int = 8, device: torch.device | str = "cpu", autocast=contextlib.nullcontext) -> dict:
     """Token-weighted validation loss in one pass: overall, by source, by domain, by document-length bucket.
     nll_fn(idx, targets, doc_ids) -> (B, T) per-token cross-entropy (0 at ignored targets); data: a TokenData."""
     bounds = length_bounds(block_size, n_buckets)
@@ -148,21 +145,18 @@ def long_short_ratio(shape: dict) -> float:
     return float(np.mean(vals[len(vals) - h:]) / np.mean(vals[:h])) if h else float("nan")
 
 
-def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int,
-                    max_tokens_per_source: int | None = None, n_buckets: int = 8) -> dict:
+def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int, max_tokens_per_source: int | None = None,
+                    n_buckets: int = 8) -> dict:
     """val_loss_by of a model (GPT or any module returning logits), in eval mode."""
     model.eval()
-    return val_loss_by(lambda i, t, d: token_nll(forward_logits(model, i, d), t), data, block_size,
-                                      batch_size, max_tokens_per_source, n_buckets, device=model_device(model))
+    return val_loss_by(lambda i, t, d: token_nll(forward_logits(model, i, d), t), data, block_size, batch_size,
+                       max_tokens_per_source, n_buckets, device=model_device(model))
 
-
-# ================================================================ endpoints and runs
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(GPT, meta) from a run directory (RUN_DIR/ckpt.pt, the longest branch, with config.json), an endpoint file
     (RUN_DIR/endpoints/branch_BBBBBBB.pt) or a training checkpoint (RUN_DIR/ckpt/*.pt). The ModelConfig comes
-    from the file's own "meta", else from the run's config.json; meta: config.json's keys plus "model",
-    "checkpoint", "run_dir", "endpoint" (relative to the run dir), "branch_step", "step", "tokens"."""
+    from the file's own "meta", else from the run's config.json; meta: config.json's keys plus those below."""
     from model import GPT, ModelConfig
     p = Path(path)
     if p.is_dir():
@@ -217,9 +211,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 
 
 def run_endpoints(run_dir: str | Path) -> list[dict]:
-    """Every finished decay branch of RUN_DIR/results.jsonl (its last row wins), by branch step: [{"run",
-    "branch_step", "endpoint", "path"}]; the file is the row's "endpoint", else endpoints/branch_B.pt, else
-    the branch's final checkpoint ckpt/branchB_E.pt (E = B + decay steps), whichever exists first."""
+    """Every finished decay branch of RUN_DIR/results.jsonl (its last row wins), by branch step, with the first
+    endpoint file that exists: the row's "endpoint", endpoints/branch_B.pt, the branch's last ckpt/branchB_E.pt."""
     run = Path(run_dir)
     res = run / "results.jsonl"
     if not res.is_file():
@@ -249,6 +242,5 @@ def forward_logits(model: nn.Module, idx: torch.Tensor, doc_ids: torch.Tensor | 
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (CPU for a model without parameters)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")

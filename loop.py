@@ -59,8 +59,7 @@ class LoopConfig:
                 and not (moe and sublayer == "mlp"))
 
     def validate(self, n_layer: int | None = None) -> None:
-        """Raise ValueError naming the field and the rule it breaks (n_layer None: the rules that need no
-        stack, checked at construction; ModelConfig checks the span against its stack)."""
+        """ValueError naming the field and its rule; n_layer None (construction): those that need no stack."""
         check_fields(self, "LoopConfig")
 
         def one_of(name, choices):
@@ -118,9 +117,8 @@ class LoopSpec:
 
     def __post_init__(self):
         LoopConfig(length=1, n_loops=self.n_loops, part=self.part, adapter=self.adapter)   # LoopConfig's rules
-        def number(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-        for ok, rule in ((number(self.span_fraction) and 0 < self.span_fraction <= 1,
+        f = self.span_fraction
+        for ok, rule in ((isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1,
                           "span_fraction must lie in (0, 1]"),
                          (self.placement in PLACEMENTS, f"placement must be one of {PLACEMENTS}"),
                          (isinstance(self.n_shared_experts, int) and not isinstance(self.n_shared_experts, bool)
@@ -220,8 +218,7 @@ def executed_visits(n_layer: int, loop: LoopConfig) -> tuple[int, int]:
     return sum(v.attn for v in p), sum(v.mlp for v in p)
 
 
-# ----------------------------------------------------------------------------------------
-# Per-loop adapters (How-to-Loop Definition 1)
+# ---- Per-loop adapters (How-to-Loop Definition 1) ------------------------------------------------
 
 class LoopAdapter(nn.Module):
     """Per-loop low-rank correction Delta W_l of one shared projection d_in -> d_out: "lora" B_l A_l, "matrix"
@@ -276,8 +273,7 @@ def make_adapters(shapes: dict[str, tuple[int, int]], loop: LoopConfig) -> nn.Mo
                           for name, (di, do) in shapes.items()})
 
 
-# ----------------------------------------------------------------------------------------
-# RMSNorm: every block's pre-norm (model.py imports it from here) and PLT's re-injection norms
+# ---- RMSNorm: every block's pre-norm (model.py imports it from here) and PLT's re-injection norms ----
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -289,8 +285,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-# ----------------------------------------------------------------------------------------
-# Parallel Loop Transformer: the input of loop l >= 2 (How-to-Loop Definition 2)
+# ---- Parallel Loop Transformer: the input of loop l >= 2 (How-to-Loop Definition 2) --------------
 
 class PLTInject(nn.Module):
     """combine(e, h) for one loop l >= 2; e and h are (..., D)."""

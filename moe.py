@@ -272,12 +272,11 @@ class MoE(nn.Module):
                             ("top_k", top_k, 1), ("n_shared", n_shared, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"MoE: {name} must be an int >= {lo}, got {v!r}")
-        if not isinstance(renormalize, bool):
-            raise ValueError(f"MoE: renormalize must be True or False, got {renormalize!r}")
-        if top_k > n_experts:
-            raise ValueError(f"MoE: need top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
-        if impl not in IMPLS:
-            raise ValueError(f"MoE: impl must be one of {'|'.join(IMPLS)}, got {impl!r}")
+        for ok, rule in ((isinstance(renormalize, bool), f"renormalize must be True or False, got {renormalize!r}"),
+                         (top_k <= n_experts, f"need top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}"),
+                         (impl in IMPLS, f"impl must be one of {'|'.join(IMPLS)}, got {impl!r}")):
+            if not ok:
+                raise ValueError(f"MoE: {rule}")
         self.n_experts, self.top_k, self.d_ff, self.impl, self.n_shared = n_experts, top_k, d_ff, impl, n_shared
         self.router = Router(d_model, n_experts, top_k, renormalize)
         self.w_in = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_ff))   # [gate | up] fused

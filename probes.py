@@ -42,9 +42,6 @@ def visit_labels(plan: Sequence[Visit]) -> dict[tuple[int, int], str]:
     return {(v.layer, v.visit): label(v.layer, v.visit + 1 if n[v.layer] > 1 else None) for v in plan}
 
 
-# ----------------------------------------------------------------------------------------
-# Pure metric functions (tensors in, tensors out; no state)
-
 def doc_positions(doc_ids: Tensor | None, B: int, T: int, device=None) -> tuple[Tensor, Tensor]:
     """(start (B, T): index of the first token of each token's document, pos (B, T): offset in it)."""
     t = torch.arange(T, device=device).expand(B, T)
@@ -93,11 +90,8 @@ def mass_overlap(p1: Tensor, p2: Tensor) -> Tensor:
 
 
 def control_heads(n_head: int) -> list[int] | None:
-    """SMELT Sec. 6.3's control pairing: head h with head (h + H/2) mod H of the same layer and visit
-    (a fixed offset of half the head count, so every head is used exactly once). None for one head."""
-    if n_head < 2:
-        return None
-    return [(h + n_head // 2) % n_head for h in range(n_head)]
+    """SMELT Sec. 6.3's control: head h against head (h + H/2) mod H of the same layer and visit; None for one head."""
+    return None if n_head < 2 else [(h + n_head // 2) % n_head for h in range(n_head)]
 
 
 def sink_mass(p_BHTS: Tensor, start_BT: Tensor) -> Tensor:
@@ -135,9 +129,6 @@ def _avg(xs: Iterable) -> float | None:   # of the values that are not None
     return sum(xs) / len(xs) if xs else None
 
 
-# ----------------------------------------------------------------------------------------
-# Streaming accumulator (sums per unit)
-
 class ProbeAccumulator:
     """Running sums of every probe, kept per unit (a held-out document group; any hashable key): every sum
     has shape (n_units, *shape) with a count (n_units,), so global means are sum / count over units and a
@@ -159,7 +150,6 @@ class ProbeAccumulator:
         self._rows = torch.zeros(0, dtype=torch.long)
         self.tokens = 0
 
-    # -- bookkeeping ---------------------------------------------------------------------
     def _add(self, name: str, total: Tensor, n: Tensor) -> None:
         """total (B, *shape): one row per context; n (B,): what each row's total counts."""
         total, n = total.detach().double().cpu(), n.detach().double().cpu().reshape(-1)
@@ -205,7 +195,6 @@ class ProbeAccumulator:
         """Shape of every running sum (what tests check stays fixed as batches of known units stream in)."""
         return {k: tuple(v.shape) for k, v in self.sums.items()}
 
-    # -- one batch -----------------------------------------------------------------------
     @torch.no_grad()
     def update(self, capture: dict, doc_ids: Tensor | None = None, units: Sequence | None = None) -> None:
         """Reduce one batch's capture {(layer, visit): {name: tensor}} into the running sums; units: one key per
@@ -257,7 +246,6 @@ class ProbeAccumulator:
                         self._add_heads(f"{name}/top{k}/{side}", topk_overlap(p, q, k), pos + 1 > k)
                 self._add_heads(f"{name}/mass/{side}", mass_overlap(p, q), pos >= 1)
 
-    # -- summary -------------------------------------------------------------------------
     def _unit_block(self) -> dict:
         """Per-unit sums of the quantities Section 6's claims rest on (for bootstrap intervals)."""
         q: dict[str, dict] = {}
@@ -349,9 +337,6 @@ class ProbeAccumulator:
                 "cross_visit": cross, "summary": summary, "units": self._unit_block()}
 
 
-# ----------------------------------------------------------------------------------------
-# Running a model
-
 @torch.no_grad()
 def probe(model, batches: Iterable, max_tokens: int | None = None, attn_topk: Sequence[int] = (1, 8),
           units: Sequence | None = None) -> dict:
@@ -386,9 +371,6 @@ def probe(model, batches: Iterable, max_tokens: int | None = None, attn_topk: Se
     out["config"] = cfg.to_dict()
     return out
 
-
-# ----------------------------------------------------------------------------------------
-# The held-out sample: every domain, equal shares, document groups as units
 
 @dataclass
 class Sample:

@@ -31,9 +31,8 @@ import configs
 import data as data_mod
 import eval as ev
 import train
-from lab import costs
+from lab import costs, train_plots
 from lab import report as reporting
-from lab import train_plots
 from loop import add_loop_args, executed_visits, loop_spec
 from model import ModelConfig
 
@@ -57,15 +56,12 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-# ----------------------------------------------------------------------------------------
-# Stages
+# ---- Stages --------------------------------------------------------------------------------------
 
-def stage_data(plan: configs.Plan, data_dir: str | None = None):
+def stage_data(plan: configs.Plan):   # --data-dir reaches it as the cache root (corpus.use_pack, in main)
     from lab import corpus
-    if data_dir is None:
-        corpus.prepare(plan.data)
-        data_dir = data_mod.default_data_dir(plan.data)
-    d = data_mod.TokenData(data_dir)
+    corpus.prepare(plan.data)
+    d = data_mod.TokenData(data_mod.default_data_dir(plan.data))
     log(f"data: {plan.data} preset ({d.dir}), vocab {d.vocab_size}, {len(d.sources)} sources, "
         f"domains {sorted(set(d.domains.values()))}")
     return d, d.manifest
@@ -302,8 +298,7 @@ def _eval_one(job: tuple) -> dict:
 
 def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1) -> dict:
     """SMELT 5 on every branch endpoint, then downstream_claims.downstream_report (App. C, 5.3, Eq. 6), figures."""
-    from lab import eval_plots
-    from lab import downstream_claims
+    from lab import downstream_claims, eval_plots
     (out / "eval").mkdir(exist_ok=True)
     eps = [e for r in configs.plan_runs(out, ladder, plan) for e in ev.run_endpoints(r.dir)]
     records, todo = {}, []
@@ -352,8 +347,7 @@ def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
 
 def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dict:
     """SMELT 6 on every matched pair (probe_pairs.probe_pairs), one held-out sample over all domains."""
-    from lab import probe_pairs
-    from lab import probe_plots
+    from lab import probe_pairs, probe_plots
     path = out / "probes.json"
     cached = probe_pairs.load_result(path)                             # None when absent or damaged (named)
     if cached is not None:
@@ -377,8 +371,7 @@ def probe_verdicts(prb: dict) -> list[dict]:
     return probe_claims.claims(prb)
 
 
-# ----------------------------------------------------------------------------------------
-# Command line
+# ---- Command line --------------------------------------------------------------------------------
 
 def free_gpu_bytes() -> int:
     return checkpoint.available_memory(torch.device("cuda"))
@@ -482,9 +475,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     jobs, runtime = choose_jobs(args.jobs, plan, ladder)
     ms = train.machine_settings()   # each training worker also sets the CPU allocator thresholds (train.py)
     runtime.update({k: ms[k] for k in ("cpus", "amx_bf16", "avx512_bf16", "cpu_dtype", "cpu_adamw")},
-                   malloc="per worker: " + ("environment" if ms["malloc"] == "environment" else
-                                            f"mmap threshold {train.MALLOC_MMAP_BYTES >> 20} MiB, "
-                                            f"trim {train.MALLOC_TRIM_BYTES >> 20} MiB")
+                   malloc=f"per worker: {'environment' if ms['malloc'] == 'environment' else train.MALLOC_SETTING}"
                    if runtime["device"] == "cpu" else ms["malloc"])
     log("runtime: " + ", ".join(f"{k} {v}" for k, v in runtime.items()))
     check_disk(plan, ladder, out, jobs)

@@ -78,7 +78,6 @@ class Rules:
 RULES = Rules()
 
 
-# ----------------------------------------------------------------------------- Eq. 2
 def loss(co: Coeffs, F, S, D) -> np.ndarray:
     """SMELT Eq. 2, vectorised over broadcastable F (FLOPs/token), S (fraction < 1), D (tokens)."""
     F, S, D = (np.asarray(x, dtype=float) for x in (F, S, D))
@@ -112,7 +111,6 @@ def check_points(F, S, D, L) -> tuple[np.ndarray, ...]:
     return tuple(arrs)
 
 
-# ----------------------------------------------------------------------------- the fit
 @dataclass
 class FitResult:
     coeffs: Coeffs
@@ -141,8 +139,7 @@ def short_num(x: float) -> str:
 
 def data_checks(n_points: int, n_free: int, spans: Mapping[str, float], b_free: bool,
                 rules: Rules = RULES) -> list[str]:
-    """`identify`'s checks of the data alone, before any fit: distinct points per free coefficient, and each span
-    hi / lo in `spans` ("C", "F", "D"; "one_minus_S" when b is free). Also what a plan's grid is judged by."""
+    """`identify`'s checks of the data alone (points per free coefficient, spans hi / lo); a plan's grid's too."""
     why = []
     if n_points < rules.min_points_per_coef * n_free:
         why.append(f"too few points: {n_points} distinct for {n_free} coefficients "
@@ -334,7 +331,6 @@ def fit(F, S, D, L, **opts) -> Coeffs:
     return fit_result(F, S, D, L, **opts).coeffs
 
 
-# ----------------------------------------------------------------------------- Eqs. 3-5
 def check_budget(C, S, co: Coeffs | None = None) -> tuple[np.ndarray, np.ndarray]:
     if co is not None and min(co.A, co.K, co.a, co.c) <= 0:
         raise ValueError(f"a compute-optimal frontier needs A, K, a and c > 0; got {co}")
@@ -381,7 +377,6 @@ def tpp(co: Coeffs, C, S) -> float | np.ndarray:
     return (6.0 * np.asarray(C, dtype=float) / F ** 2)[()]
 
 
-# ----------------------------------------------------------------------------- fit data; calibration of the rules
 @dataclass
 class Points:
     """One architecture's fit data: (N,) arrays and the grid cell each point belongs to."""
@@ -435,7 +430,6 @@ def calibrate_rules(F_spans=(1.5, 2, 3, 5, 16), D_spans=(1.5, 2, 4, 10), noises=
     return out
 
 
-# ----------------------------------------------------------------------------- results rows -> points
 REQUIRED_KEYS = ("arch", "scale", "sparsity_label", "F", "S", "D", "val_loss")
 
 

@@ -8,9 +8,8 @@ each b in `branch_steps` starts from the stable state after b steps and cosine-d
 RUN_DIR/results.jsonl: its validation report (eval.py) with D, F (budget.flops_per_token, no head, at the measured
 document length), C = F*D, S (SMELT Eq. 1) and N, the points scaling.py fits. RUN_DIR also holds config.json,
 metrics.jsonl, ckpt/ (resume points while unfinished), endpoints/ and ckpt.pt (the longest branch's endpoint,
-what eval.py and probes.py load). Cross-entropy is summed per micro-batch over the global batch's target count;
-a non-finite loss or gradient norm raises DivergenceError before the update, a finite blow-up
-(checkpoint.divergence_limit) at a logged step. CUDA: bf16 autocast and torch.compile; CPU: fp32, eager.
+what eval.py and probes.py load). A non-finite loss or gradient norm raises DivergenceError before the update,
+a finite blow-up (checkpoint.divergence_limit) at a logged step. CUDA: bf16 autocast, torch.compile; CPU: fp32, eager.
 Read first: model.py, budget.py; then checkpoint.py (resume) and checks.py. Design notes: docs/train.md.
 """
 from __future__ import annotations
@@ -50,6 +49,7 @@ from loop import LoopConfig, LoopSpec
 from model import GPT, ModelConfig, compile_model
 
 MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES = 1 << 25, 1 << 30   # glibc caps the mmap threshold at 32 MiB (64-bit)
+MALLOC_SETTING = f"mmap threshold {MALLOC_MMAP_BYTES >> 20} MiB, trim {MALLOC_TRIM_BYTES >> 20} MiB"
 
 
 def machine_settings(allocator: bool = False) -> dict:
@@ -69,7 +69,7 @@ def machine_settings(allocator: bool = False) -> dict:
             import ctypes
             libc = ctypes.CDLL(None)   # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3 (glibc malloc.h)
             if libc.mallopt(-3, MALLOC_MMAP_BYTES) and libc.mallopt(-1, MALLOC_TRIM_BYTES):
-                out["malloc"] = f"mmap threshold {MALLOC_MMAP_BYTES >> 20} MiB, trim {MALLOC_TRIM_BYTES >> 20} MiB"
+                out["malloc"] = MALLOC_SETTING
     return out
 
 
@@ -124,8 +124,7 @@ class TrainConfig:
         self.validate()
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        """TrainConfig(**d) of a stored config; unknown keys are named in a ValueError."""
+    def from_dict(cls, d: dict) -> "TrainConfig":   # unknown keys are named in a ValueError
         return from_dict(cls, d)
 
     @property
@@ -168,8 +167,7 @@ NON_NEGATIVE = ("warmup_steps", "block_size", "weight_decay", "grad_clip", "eval
                 "flops_ctx", "seed")
 
 
-# ----------------------------------------------------------------------------------------
-# Schedule and optimizer
+# ---- Schedule and optimizer ----------------------------------------------------------------------
 
 def lr_at(tc: TrainConfig, step: int, branch: int | None = None) -> float:
     """Learning rate of optimizer step `step` (0-based) on the stable run or on the branch forked at `branch`."""
@@ -259,8 +257,7 @@ def step_scale(tgt: Tensor) -> Tensor:
     return 1 / (tgt != -1).sum().clamp(min=1)
 
 
-# ----------------------------------------------------------------------------------------
-# The trainer
+# ---- The trainer ---------------------------------------------------------------------------------
 
 @dataclass
 class Dist:
@@ -349,7 +346,6 @@ class Trainer(Checkpoints):
         self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
         self.device, self.autocast = select_device(tc, self.d)
         refuse_unrunnable(model_cfg, tc, self.d.world, self.device)
-        cuda = self.device.type == "cuda"
         torch.manual_seed(tc.seed)
         random.seed(tc.seed)
         np.random.seed(tc.seed)
@@ -357,7 +353,7 @@ class Trainer(Checkpoints):
         self.objective = Objective(self.gpt)
         model, self.ddp = wrap_parallel(self.objective, self.d, tc.fsdp, self.device)
         self.opt = make_optimizer(self.gpt, tc)
-        self.model = compile_model(model) if (tc.compile and cuda) else model   # static shapes, fresh per run
+        self.model = compile_model(model) if (tc.compile and self.device.type == "cuda") else model   # fresh per run
         self.tokens_per_step = tc.batch_size * tc.block_size
         self.micro = tc.batch_size // (self.d.world * tc.grad_accum)
         self.peak = peak_flops(self.device)
@@ -560,8 +556,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, run_dir: str | P
             dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------------------
-# CLI
+# ---- CLI -----------------------------------------------------------------------------------------
 
 PRESETS = tuple(configs.SMOKE_MODELS)
 

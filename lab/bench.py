@@ -26,7 +26,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import attention
+import budget
 import checks
+import configs
+import data as data_mod
+import model as model_lib   # model.SKINNY_ROWS: the few-row rule's switch
+import train
 from lab.bench_harness import clock_for, interleaved, machine, run_benchmarks, threads, timed, update_json
 from loop import SMELT, LoopConfig
 from model import GPT, ModelConfig, compile_model
@@ -108,9 +113,6 @@ def bench_moe(device, tokens=4096, d_model=256, d_ff=128, n_experts=64, top_k=8,
 
 def tiny_cells():
     """The tiny preset's ladder cells as reproduce.py builds them, and the prepared data they are sized to."""
-    import budget
-    import configs
-    import data as data_mod
     d = data_mod.TokenData(data_mod.default_data_dir("tiny"))
     return budget.ladder_cells("tiny", budget.preset_doc_length("tiny", d), vocab_size=d.vocab_size,
                                spec=configs.PLANS["tiny"].loop), d
@@ -160,7 +162,6 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
     """Per tiny ladder cell, Baseline and SMELT training steps side by side (one thread on CPU, as
     reproduce.py's workers): tok/s, the head-excluded F ratio of the match, the time ratio, and the
     forward+backward and optimizer (clip + AdamW) parts apart. All eight models take turns each round."""
-    import train
     ladder, d = tiny_cells()
     cells = {f"{c['scale']} {c['sparsity_label']}": c for c in ladder}
     tc = train.TrainConfig()
@@ -237,13 +238,9 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
 
 
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
-    """Median per-token time of greedy decoding, under both CPU projection layouts (model.few_row_projections).
-
-    Models and layouts take turns token by token, so drift hits all alike; per model, the median over reps
-    of the median time per token. "skinny" is the default (few-row products as W x^T on CPU), "F.linear"
-    turns that rule off; on CUDA only the default is timed (the rule never applies).
-    """
-    import model as model_lib   # model.SKINNY_ROWS: the few-row rule's switch
+    """Median over reps of the median per-token time of greedy decoding, models and layouts taking turns token
+    by token: "skinny" (the default: few-row products as W x^T on CPU, model.few_row_projections) and, on CPU
+    only (on CUDA the rule never applies), "F.linear", that rule off."""
     models = {}
     for name, cfg in decode_models().items():
         torch.manual_seed(0)
@@ -298,10 +295,6 @@ def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, sav
     """Training tokens/s of a matched Baseline / SMELT pair at the preset's (upper) middle scale, S~85 %, as
     train.py runs it (on CUDA compiled, on rows with document ids): each first step alone (compile_s: it minus
     the median step), then the two in turns. save(res), when given, gets the pair, then each first step."""
-    import budget
-    import configs
-    import data as data_mod
-    import train
     cells = budget.preset_baselines(preset)
     scales = list(dict.fromkeys(sc for sc, _, _ in cells))
     scale, label, base_cfg = next(c for c in cells if c[0] == scales[len(scales) // 2] and c[1] == "S~85%")
@@ -436,7 +429,6 @@ def bench_steps(device, batch_size=8, steps=10, save=None, deadline=None) -> dic
     """Compiled (fullgraph) training steps of dense, MoE, SMELT and PLT configs: compile time, graphs, syncs.
     save(res), when given, is called after each config, so a time limit keeps the finished ones. deadline
     (a time.monotonic() value): a config whose start leaves less than the slowest config's time is skipped."""
-    import train
     from torch._dynamo.utils import counters
     print(f"\nCompiled training steps ({device.type}{', bf16 autocast' if device.type == 'cuda' else ''}):")
     res, T = {}, 512
@@ -489,7 +481,6 @@ LIMITS = {"flex": (110, 40), "steps": (190, 60), "train": (130, 50), "decode": (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import configs
     ap = checks.parser(__doc__)
     ap.add_argument("which", nargs="*", metavar="{" + ",".join(BENCHMARKS) + "}",
                     help="benchmarks to run (default: moe, decode, train on CPU; all of them on CUDA, in the order listed)")

@@ -64,7 +64,6 @@ SOURCES = [Source(s["domain"], s["name"], tuple(s["packages"]), tuple(s.get("glo
 _SKIP_FILES = re.compile(r"__pycache__|_mj\.html$|\.(dat|u8|pyc)$")  # caches, MathJax duplicates, fortune indexes
 
 
-# ----------------------------------------------------------------------------- fetching packages
 def _licence(text: str) -> str:
     """Licence names from a Debian copyright file or PKG-INFO: DEP-5 / License: fields, else keywords."""
     fields = sorted({m.strip() for m in re.findall(r"^License:[ \t]*(\S.*)$", text, re.M) if len(m.strip()) < 40})
@@ -161,7 +160,6 @@ class Fetcher:
                 "origin": f"pypi:{spec}"}
 
 
-# ----------------------------------------------------------------------------- text extraction
 Doc = Callable[[], str]  # a document's loader: its text is read only if the document is used
 
 
@@ -436,7 +434,6 @@ def _npy(a) -> bytes:
     return buf.getvalue()
 
 
-# ----------------------------------------------------------------------------- offline packs
 PACK_LIMIT = 64 << 20   # what travels with a working tree to a machine without network
 
 
@@ -448,9 +445,9 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
     if any(dest.iterdir()) and not (dest / "PACK.json").exists():
         raise FileExistsError(f"{dest} is a non-empty folder without PACK.json: give a new or an existing pack folder")
     vocab = vocab_size or configs.data_preset(preset).vocab_size
-    prepare(preset, vocab_size=vocab)
+    manifest = prepare(preset, vocab_size=vocab)
     root, src = cache_root(), Path(default_data_dir(preset, vocab))
-    files = {src.relative_to(root) / rel: src / rel for rel in ["manifest.json", *read_manifest(src)["files"]]}
+    files = {src.relative_to(root) / rel: src / rel for rel in ["manifest.json", *manifest["files"]]}
     if needs_bpe_files(vocab):
         fetch_gpt2_files(root)
         files |= {Path("tiktoken") / p.name: p for p in gpt2_files(root / "tiktoken").values()}

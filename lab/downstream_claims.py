@@ -30,8 +30,7 @@ ARMS = ("baseline", "smelt")
 def check_grid(records: Sequence[dict]) -> None:
     """Refuse, naming the endpoint, a record without the arch / scale / sparsity_label the grid is keyed by."""
     for r in records:
-        missing = [k for k in ("arch", "scale", "sparsity_label") if r.get(k) is None]
-        if missing:
+        if missing := [k for k in ("arch", "scale", "sparsity_label") if r.get(k) is None]:
             raise ValueError(f"endpoint {endpoint_id(r)} has no {', '.join(missing)}: the grid analysis needs each "
                              f"run's arch, scale and sparsity_label (train.py's meta / config.json 'meta')")
 
@@ -324,10 +323,9 @@ def _family(fam: str, cons: list, runs: dict, n_boot: int, seed: int, min_tokens
 
 
 def length_families(records: Sequence[dict], n_boot: int = 2000, seed: int = 0, min_tokens: int = 1000) -> dict:
-    """SMELT 5.3 / Fig. 20a's three families of contrasts (same seed) in loss by document length: SMELT vs
-    Baseline, consecutive sparsities ("more experts") and scales ("more parameters") of the Baseline. A family
-    averages its contrasts' normalised shapes and bootstraps its long/short ratio; buckets under `min_tokens`
-    tokens are left out (docs/wins.md)."""
+    """SMELT 5.3 / Fig. 20a's families of same-seed contrasts in loss by document length (SMELT vs Baseline, and
+    the Baseline's next sparsity / scale), each with its mean shape and bootstrapped long/short ratio; buckets
+    under `min_tokens` tokens are left out (docs/wins.md)."""
     recs = [r for r in records if r.get("val") and r["val"].get("by_length")]
     check_grid(recs)
     runs, contrasts = _runs_and_contrasts(recs)
@@ -458,9 +456,8 @@ def _noise_verdict(noise: dict, direction: str, why: str | None) -> tuple[str | 
 
 def downstream_claims(records: Sequence[dict], calibration: dict | None = None, families: dict | None = None,
                       unit: str = "run", icl: dict | None = None, n_boot: int = 1000) -> list[dict]:
-    """SMELT 5.1 and 5.3's downstream claims ({"id", "claim", "paper", "direction", "value", "interval",
-    "verdict", "n", "unit", "why"}): per origin, SMELT - Baseline gold-completion loss and centred accuracy over
-    run (or endpoint) pairs with _item_noise's intervals; the Eq. 7 residuals and their growth; the length tilt;
+    """SMELT 5.1 and 5.3's downstream claims: per origin, SMELT - Baseline gold-completion loss and centred accuracy
+    over run (or endpoint) pairs with _item_noise's intervals; Eq. 7 residuals and their growth; the length tilt;
     icl_claims."""
     if unit not in ("endpoint", "run"):
         raise ValueError(f"unit must be 'endpoint' or 'run', got {unit!r}")

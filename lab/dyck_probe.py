@@ -54,15 +54,14 @@ def _char_spans_to_tokens(enc, tokens: list[int], text: str, spans: list[tuple[i
 
 
 def dyck_prompts(enc, block_size: int, ks: Sequence[int] = DYCK_KS, n_items: int = 8, n_targets: int = 3,
-                 seed: int = 0, task=None) -> dict:
+                 seed: int = 0) -> dict:
     """Few-shot prompts (tasks.build_prompt) at every k that fits block_size, nested across k: {"prompts": [{"k",
     "item", "tokens", "targets" (positions whose next token is a closing bracket of the gold answer), "answer"
     (those brackets' tokens), "demo" (positions of demonstration-answer tokens)}], "ks", "skipped_k", ...}."""
     checks.positive_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
     from lab import tasks as ev   # build_prompt, load_bigbench
-    task = task or ev.load_bigbench("dyck_languages")
     encode = getattr(enc, "encode_ordinary", None) or enc.encode
-    items = task.items
+    items = ev.load_bigbench("dyck_languages").items
     length = [len(encode(it.query + it.answer + it.sep)) for it in items]
     pool = sorted(range(len(items)), key=lambda j: (length[j], j))[:max(4 * max(ks), len(items) // 4)]
     prefix = len(encode(items[0].prefix)) + 1

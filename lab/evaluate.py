@@ -24,8 +24,7 @@ from checks import JSONFileError, check_out_dir, endpoint_id
 from eval import load_model, long_short_ratio, normalised_shape, run_endpoints, stored_report, val_loss_report
 from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
 from lab.eval_plots import plot_calibration, plot_shot_sweep
-from lab.tasks import (GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, get_task,
-                       resolve_tasks)
+from lab.tasks import GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, get_task, resolve_tasks
 
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -151,8 +150,7 @@ def evaluate_endpoints(run_dir: str | Path, branches: Sequence[int] | None = Non
     """evaluate_endpoint on every finished branch of a run (run_endpoints), or on the given branch steps."""
     eps = run_endpoints(run_dir)
     if branches is not None:
-        missing = sorted(set(branches) - {e["branch_step"] for e in eps})
-        if missing:
+        if missing := sorted(set(branches) - {e["branch_step"] for e in eps}):
             raise ValueError(f"{run_dir}: no finished branch at steps {missing}; finished: "
                              f"{[e['branch_step'] for e in eps]}")
         eps = [e for e in eps if e["branch_step"] in set(branches)]
@@ -272,19 +270,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if base:
         try:
             res["calibration"] = calibration_report(base, [res])
-            note = plot_calibration(base, [res], res["calibration"], f"{stem}_calibration.png")
-            if note:
+            if note := plot_calibration(base, [res], res["calibration"], f"{stem}_calibration.png"):
                 print(note)
         except ValueError as e:   # e.g. this run's data_dir was unreadable: keep the task results
             res["calibration"] = {"error": str(e)}
             print(f"calibration skipped: {e}")
     checks.write_json(out_json, json.loads(json.dumps(res, default=float)))   # hashed: read_eval checks it
-    note = plot_shot_sweep(res, f"{stem}_shots.png", other)
-    if note:
+    if note := plot_shot_sweep(res, f"{stem}_shots.png", other):
         print(note)
     for origin in ("real", "generated"):
-        s = res["summary"].get(origin)
-        if s:
+        if s := res["summary"].get(origin):
             print(f"{origin} tasks: mean centred accuracy {s['core']}, gold-completion loss {s['completion']}")
     if res["summary"]["not_reported"]:
         print(f"left out of the shot sweep (most prompts hold fewer than k demonstrations at block "

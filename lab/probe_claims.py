@@ -176,8 +176,7 @@ def panels() -> list[tuple[str, Panel]]:
 
 
 def visit_words(n_visits: int) -> dict[str, str]:
-    """How a label names the visits a cross-visit quantity compares: 1 and 2 at r = 2, else v and v+1 (every
-    consecutive pair, averaged). Keys: a, b, and the short forms va, vb."""
+    """How labels name the visits compared: 1 and 2 at r = 2, else v and v+1 (every consecutive pair, averaged)."""
     if n_visits <= 2:
         return {"a": "1", "b": "2", "va": "v1", "vb": "v2"}
     return {"a": "v", "b": "v+1", "va": "v", "vb": "v+1"}
@@ -199,9 +198,6 @@ def aggregate(result: dict) -> dict:
             out[f"{arch}/{k}"] = sum(xs) / len(xs) if xs else None
     return out
 
-
-# ----------------------------------------------------------------------------------------
-# Quantities with intervals (units: held-out document groups, the same for every pair)
 
 class _Cell:
     """One SMELT result's per-unit sums, each quantity a (units, values + 1 count) matrix, for fast bootstrap draws."""
@@ -280,9 +276,6 @@ def panel_intervals(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of:
             for q, _ in panels()}
 
 
-# ----------------------------------------------------------------------------------------
-# Claims
-
 def _verdict(d: dict, direction: str, value: float) -> str:
     """The held-out interval's verdict where the across-pairs (training noise) interval agrees, else not resolved."""
     v = stats.verdict(d["interval"], direction, value)
@@ -290,11 +283,9 @@ def _verdict(d: dict, direction: str, value: float) -> str:
 
 
 def claims(result: dict, n_draws: int = 1000, seed: int = 0, _cells_of: tuple | None = None) -> list[dict]:
-    """Section 6's claims on a `probe_pairs.probe_pairs` result: "quantity direction value", with its
-    held-out intervals (`_bootstraps`: units resampled jointly for all pairs; prompts for Dyck), "across_pairs"
-    (t-interval over the pairs' point estimates: training noise) and "parts" (the two sides). The verdict is the
-    held-out interval's where the across-pairs one agrees; a claim of every cell (Claim.every_cell) also needs
-    "weakest". A quantity no pair has (a dense pair has no expert overlap) gives interval None."""
+    """Section 6's claims on a `probe_pairs.probe_pairs` result: held-out intervals (units resampled jointly for
+    all pairs; prompts for Dyck), "across_pairs" (t-interval over the pairs: training noise), "parts", the verdict
+    (`_verdict`; a claim of every cell also needs "weakest"). A quantity no pair has gives interval None."""
     names, cells = _cells_of or _cells(result)
     U = len(cells[0].keys) if cells else 0
     words = visit_words(max_visits(result))
@@ -354,9 +345,8 @@ def _dyck_claims(result: dict, n_draws: int, seed: int) -> list[dict]:
 
 
 def overlap_by_sparsity(result: dict, n_draws: int = 1000, seed: int = 0) -> dict:
-    """Sec. 6.1: expert overlap / k falls as sparsity rises.  Pairs grouped by scale (their Baseline's width
-    and depth); per scale with two pool sizes, the largest pool's SMELT minus the smallest's, averaged over
-    scales, with the held-out bootstrap (the same units for every pair).  -> {"interval", "n_scales", "why"}."""
+    """Sec. 6.1: expert overlap / k falls as sparsity rises. Per scale (its Baseline's width and depth) with two
+    pool sizes, the largest pool's SMELT minus the smallest's, averaged over scales, held-out bootstrap."""
     names, cells = _cells(result)
     groups: dict = {}
     for n, c in zip(names, cells):

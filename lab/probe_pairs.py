@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 import checks
-from checks import positive_ints
 from lab import dyck_probe, probe_claims, probe_plots, stats
 from model import ModelConfig
 from probes import held_out_sample, probe
@@ -142,14 +141,13 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
                 dyck_block_size: int | None = None, seed: int = 0,
                 attn_topk: Sequence[int] = (1, 8), device: str | None = None, n_draws: int = 1000,
                 log: Callable[[str], None] | None = print) -> dict:
-    """SMELT Section 6 on every matched pair [(name, baseline, smelt)], each a GPT or a run directory /
-    endpoint file (loaded one at a time), over one held-out sample of about `tokens` tokens in contexts of
-    block_size. The SMELT model also runs the Dyck case study in contexts of dyck_block_size (default
-    block_size; a k whose prompts do not fit is in "skipped_k", never truncated). Returns a JSON-able dict:
-    "sample", "pairs" {name: {"baseline", "smelt", "dyck", "seconds"}}, "aggregate", "claims",
-    "pair_intervals", "seconds"; for figures pass it to `probe_plots.plot_pairs`."""
-    positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size, dyck_items=dyck_items,
-                   dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
+    """SMELT Section 6 on every matched pair (name, baseline, smelt), each a GPT or a run directory / endpoint
+    file (loaded one at a time), over one held-out sample; the SMELT model also runs the Dyck case study at
+    dyck_block_size (default block_size; a k whose prompts do not fit is in "skipped_k", never truncated).
+    JSON-able: "sample", "pairs" {name: {"baseline", "smelt", "dyck", "seconds"}}, "aggregate", "claims",
+    "pair_intervals", "seconds"; figures: `probe_plots.plot_pairs`."""
+    checks.positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
+                         dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
     check_fit(pairs, check_pairs(pairs), data, block_size)   # before any model runs
     from eval import load_model   # one loader for run directories and endpoint files
     log, t0 = log or (lambda m: None), time.time()

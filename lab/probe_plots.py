@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lab import plots
-from lab import stats
+from lab import plots, stats
 from lab.probe_claims import _cells, max_visits, pair_intervals, panels, visit_words
 
 VISIT_COLORS = ["tab:blue", "tab:red", "tab:green", "tab:purple"]
@@ -63,9 +62,6 @@ def _heat(ax, grid, cmap: str, symmetric: bool = False, annotate: bool = True, v
                         fontsize=6, color="white" if dark else "black")
     return im
 
-
-# ----------------------------------------------------------------------------------------
-# One looped model (its Baseline beside it)
 
 def _fig21_expert_overlap(result: dict, out_dir: str, tag: str, paths: list[str]) -> None:
     hists = [d["expert_overlap"] for d in result["cross_visit"].values() if "expert_overlap" in d]
@@ -227,13 +223,9 @@ def _sink_profile(ax, result: dict, baseline: dict | None) -> None:
     ax.set(xlabel="physical layer", ylabel="attention on segment start")
 
 
-# ----------------------------------------------------------------------------------------
-# Every matched pair
-
 def plot_grid(result: dict, path: str, n_draws: int = 1000) -> str:
-    """Figure 23: the registered cross-visit diagnostics (probe_claims.panels), one point per matched pair with
-    its 95 % bootstrap interval over held-out document groups; grey: the quantity's reference (control, random
-    routing, 1)."""
+    """Fig. 23: each probe_claims.panels quantity per matched pair, its 95 % bootstrap interval over held-out
+    document groups; grey: its reference (control, random routing, 1)."""
     names, cells = _cells(result)
     rows = panels()
     w = visit_words(max_visits(result))

@@ -23,14 +23,14 @@ import torch
 
 import configs
 from lab import probe_claims, stats
+from lab.scaling_report import failed_text
 
 _parts = re.split(r"^@@ (\S+)\n", Path(__file__).with_name("report_text.md").read_text(encoding="utf-8"), flags=re.M)
 TEXT = {name: body.rstrip("\n") for name, body in zip(_parts[1::2], _parts[2::2])}   # report_text.md's blocks
 
 
 def _text(name: str, **fields) -> list[str]:
-    """Block `name` filled in with `fields` as REPORT.md lines, each paragraph followed by a blank line; a
-    paragraph that comes out empty (an optional sentence, not said) is left out."""
+    """Block `name` filled in as REPORT.md lines; a paragraph that comes out empty (an optional sentence) is dropped."""
     paras = (p.format(**fields).rstrip("\n") for p in TEXT[name].split("\n\n"))
     return [line for p in paras if p for line in (*p.split("\n"), "")]
 
@@ -39,8 +39,6 @@ def _skipped(name: str, why: str, **fields) -> list[str]:
     """Block `name`'s heading with `why` in place of its body: the stage was skipped or failed."""
     return [TEXT[name].split("\n", 1)[0].format(**fields), "", why, ""]
 
-
-# -------------------------------------------------------- claims: training summary, probe verdicts, claims table
 
 def finals(rows: list[dict]) -> dict[str, dict]:
     """{run name: its longest branch's results row}."""
@@ -53,9 +51,8 @@ def finals(rows: list[dict]) -> dict[str, dict]:
 
 
 def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], entropy: float) -> dict:
-    """The training claims, with their noise: did every model learn (each endpoint's validation loss vs the
-    corpus's unigram entropy); SMELT - Baseline final validation loss, paired over seeds in the repeated
-    cell (t-interval) and per cell at seed 0 with the seed noise measured in the repeated cell."""
+    """The training claims with their noise: did every model learn (validation loss vs unigram entropy); SMELT -
+    Baseline final loss, paired over the repeated cell's seeds and per cell at seed 0 with that cell's seed noise."""
     fin = finals(rows)
     margins = [entropy - r["val_loss"] for r in rows]
     least_final = min((entropy - r["val_loss"] for r in fin.values()), default=None)
@@ -108,8 +105,7 @@ ABLATIONS = {
 
 
 def _claim(name: str, result: str, verdict: str, **fields) -> list[str]:
-    """A claims-table row: report_text.md's claim.<name> (the claim with `fields` filled in, the paper's words),
-    then this run's result and verdict."""
+    """A claims-table row: report_text.md's claim.<name> (claim, paper's words), this run's result and verdict."""
     what, paper = TEXT[f"claim.{name}"].split("\n")
     return [what.format(**fields), paper, result, verdict]
 
@@ -131,8 +127,7 @@ def _claim_rows(ts: dict, scal: dict, pclaims: list[dict], ev_sum: dict, prb: di
     for c in pclaims:
         iv = c["interval"].fmt(3) if c["interval"] else "no pair has it"
         tr = f"; over pairs {c['across_pairs'].fmt(3)}" if c.get("across_pairs") else ""
-        rows.append([f"{c['what']} {c['direction']} {c['value']:g} ({c['figure']})", c["paper"], iv + tr,
-                     c["verdict"]])
+        rows.append([f"{c['what']} {c['direction']} {c['value']:g} ({c['figure']})", c["paper"], iv + tr, c["verdict"]])
     for cl in (ev_sum.get("report") or {}).get("claims", []):
         iv = _iv(cl["interval"], 3) if cl.get("interval") else "no interval"
         if cl.get("items_interval"):   # the same difference over the items, both noises (downstream_claims._item_noise)
@@ -149,8 +144,7 @@ def _derived_text(d: dict | None, nd: int = 3) -> str:
         return "n/a"
     if d.get("interval") is None:
         return f"{d['point']:+.{nd}f} (no interval: {d.get('interval_why') or 'no bootstrap'})"
-    fail = f" ({100 * d['failed_share']:.1f} % of draws failed)" if d.get("failed_share") is not None else ""
-    return stats.Interval(**d["interval"]).fmt(nd) + fail
+    return stats.Interval(**d["interval"]).fmt(nd) + failed_text(d.get("failed_share"))
 
 
 def _scaling_claims(scal: dict) -> list[list[str]]:
@@ -229,8 +223,6 @@ def _ce_gain_claim(scal: dict) -> list[str]:
                   stats.all_of([stats.verdict(iv, ">", 0.0) for iv in ivs]))
 
 
-# ---------------------------------------------------------------------------------------- markdown
-
 def _rows(rows: list[list]) -> str:
     """A markdown table's rows (its header is report_text.md's)."""
     return "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
@@ -265,8 +257,7 @@ def figure_link(path: str | Path, out: Path, base: Path | None = None) -> str | 
 
 
 def _figures(paths, out: Path, base: Path | None = None, sep: tuple = ("",)) -> list[str]:
-    """REPORT.md's image lines of the figures in `paths` ((name, path) pairs, or paths named by their stem)
-    that exist, each followed by `sep`."""
+    """Image lines of the `paths` that exist ((name, path) pairs, or paths named by their stem), each then `sep`."""
     pairs = [p if isinstance(p, tuple) else (Path(p).stem, p) for p in paths]
     links = [(name, p and figure_link(p, out, base)) for name, p in pairs]
     return [line for name, link in links if link for line in (f"![{name}]({link})", *sep)]
@@ -285,26 +276,23 @@ def visits_label(r: int | None) -> str:
     return f"visits 2-{r} (visit v+1 vs v)" if r else "later visits (visit v+1 vs v)"
 
 
-# ---------------------------------------------------------------------------------------- REPORT.md's sections
-
 def _section_plan(plan: configs.Plan, ladder: list[dict], rows: list[dict], cost: dict) -> list[str]:
     import budget   # here, not at the top: rendering markdown needs no model code
     from loop import SMELT
     from model import ModelConfig
     counts = [budget.count_params(ModelConfig.from_dict(c[a])) for c in ladder for a in ("baseline", "smelt")]
-    params, active = [n["blocks"] for n in counts], [n["active"] for n in counts]
-    D = sorted({r["D"] for r in rows})
+    span = lambda v: f"{_sci(min(v))}-{_sci(max(v))}"
+    D = {r["D"] for r in rows}
     runs = TEXT["plan.repeat" if plan.repeat else "plan.runs"].format_map({
         **vars(plan), "n_cells": len(ladder), "n_runs": len(cost["runs"]),
         "branches": ", ".join(map(str, plan.branch_steps)), "tokens": cost["tokens_per_run"] / 1e6})
     changed = ", ".join(f"{k} {v}" for k, v in vars(plan.loop).items() if getattr(SMELT, k) != v)
     return _text("plan", runs=runs,
                  decay=f"Decay data: {configs.decay_freshness(cost['epochs_per_run'])}." if cost.get("epochs_per_run")
-                 else "", params=f"{_sci(min(params))}-{_sci(max(params))}",
-                 active=f"{_sci(min(active))}-{_sci(max(active))}",
-                 tokens=f"{_sci(D[0])}-{_sci(D[-1])} tokens" if D else "no tokens",
+                 else "", params=span([n["blocks"] for n in counts]), active=span([n["active"] for n in counts]),
+                 tokens=f"{span(D)} tokens" if D else "no tokens",
                  loop=f"Loop: not SMELT's ({changed}; loop.LoopSpec): every SMELT column below is this looped model."
-                 if plan.loop != SMELT else "")   # a researcher's variant: every "SMELT" below is this looped model
+                 if plan.loop != SMELT else "")
 
 
 def _section_ladder(ladder: list[dict]) -> list[str]:
@@ -400,8 +388,6 @@ def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev
     path.write_text("\n".join(L))
     return path
 
-
-# ---------------------------------------------------------------------------------------- where and when
 
 def budget_machine() -> str:
     if torch.cuda.is_available():

@@ -30,7 +30,6 @@ from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, Fi
                      read_results, seed_means, short_num, split_control, subset_points, to_points, tpp)
 
 
-# ----------------------------------------------------------------------------- cell bootstrap (SMELT 4.3's brackets)
 @dataclass
 class Bootstrap:
     gain: np.ndarray | None  # (n_ok, nC, nS) CE gain of target over reference (None: one surface)
@@ -122,7 +121,6 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
                      names[:len(surfaces)])
 
 
-# ----------------------------------------------------------------------------- per-subset fits (SMELT 5.2)
 def fit_subsets(subsets: Mapping[str, Points], shared: Coeffs, **opts) -> dict[str, Coeffs]:
     """Per subset (domain or source), fit only E, A and K, with the aggregate fit's exponents."""
     return {name: _intercept_fit(p, shared, **opts).coeffs for name, p in subsets.items()}
@@ -160,7 +158,6 @@ def quartile_gains(gain: Mapping[str, float], baseline_losses: Sequence[Mapping[
     return np.mean(per_pair, axis=0)
 
 
-# ----------------------------------------------------------------------------- extrapolation flags and intervals
 def frontier_extrapolation(co: Coeffs, C: float, S: float, ranges: Mapping, who: str) -> list[str]:
     """Why `co`'s frontier point at budget C extrapolates its data: C, F* or D* outside its C, F or D ranges."""
     out = []
@@ -214,21 +211,17 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
     return out
 
 
-# ----------------------------------------------------------------------------- a plan's design, before training
 def design_shape(plan, ladder: Sequence[dict]) -> dict:
-    """The grid a plan fits (its sparse cells; S = 0 controls are never fitted): scales, sparsities, each
-    architecture's F span (the smaller of the two), the endpoints' D as fractions of the longest, and the D and
-    C = F D spans and the distinct points per surface they give (scripts/grid_power.py, reproduce's plan line)."""
+    """The grid a plan fits (its sparse cells; S = 0 controls are never fitted) with `grid_totals`' spans and points;
+    F span: the smaller of the two architectures' (scripts/grid_power.py, reproduce's plan line)."""
     import budget
     from lab.downstream_claims import label_percent
     from model import ModelConfig
     cells = [c for c in ladder if c["sparsity_label"] != CONTROL_LABEL]
-    spans = []
-    for arch in ("baseline", "smelt"):
-        F = [budget.flops_per_token(ModelConfig.from_dict(c[arch]), c["ctx_len"]) for c in cells]
-        spans.append(max(F) / min(F))
-    ends = [b + plan.decay_steps for b in plan.branch_steps]
-    return grid_totals(dict(n_scales=len({c["scale"] for c in cells}), F_span=min(spans), horizons=ends,
+    F = [[budget.flops_per_token(ModelConfig.from_dict(c[a]), c["ctx_len"]) for c in cells]
+         for a in ("baseline", "smelt")]
+    return grid_totals(dict(n_scales=len({c["scale"] for c in cells}), F_span=min(max(f) / min(f) for f in F),
+                            horizons=[b + plan.decay_steps for b in plan.branch_steps],
                             sparsities=sorted({label_percent(c["sparsity_label"]) / 100 for c in cells})),
                        n_cells=len(cells))
 
@@ -258,7 +251,6 @@ def design_power(shape: Mapping, noise: float = 0.005, seeds: int = 8) -> dict:
     return {"noise": noise, "datasets": len(res), "identified": sum(r["identified"] for r in res), "why": []}
 
 
-# ----------------------------------------------------------------------------- analyse
 @dataclass
 class _Grid:
     """analyse's rows per architecture (only the cells both target and ref have), then their fits."""
@@ -306,9 +298,8 @@ def _group(rows: Sequence[dict], include_dense: bool, target: str, ref: str) -> 
     pts = {a: to_points(rs) for a, rs in by_arch.items() if rs}
     control = {a: to_points(rs) for a in archs if (rs := [r for r in control_rows if r["arch"] == a])}
     by_label: dict[str, list] = defaultdict(list)
-    for a, rs in by_arch.items():
-        for r in rs:
-            by_label[str(r["sparsity_label"])].append(max(float(r["S"]), 0.0))
+    for r in (r for rs in by_arch.values() for r in rs):
+        by_label[str(r["sparsity_label"])].append(max(float(r["S"]), 0.0))
     cols = dict(sorted(((k, float(np.mean(v))) for k, v in by_label.items()), key=lambda kv: kv[1]))
     return _Grid(archs, by_arch, pts, control, cols, np.array(list(cols.values())), len(control_rows),
                  {r["arch"] for r in fit_rows}, unmatched, pair, (target, ref))
@@ -574,7 +565,6 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     return report
 
 
-# ----------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     ap = checks.parser("Fit SMELT Eq. 2 loss surfaces per architecture, say whether each fit is identified, and "
                     "from identified fits report CE gain, TPP, cell-bootstrap brackets, per-subset gains and plots.")

@@ -123,8 +123,7 @@ def _reducible_loss(plt, pts: dict, fits: dict, ident: list, cols: dict, xlim: t
         ax.set_title(f"{lab}: reducible loss" + (f" ({dropped} points below E not shown)" if dropped else ""),
                      fontsize=9)
         ax.legend(fontsize=7)
-    missing = sorted(set(pts) - set(ident))
-    if missing:
+    if missing := sorted(set(pts) - set(ident)):
         fig.suptitle(f"not drawn (fit not identified): {', '.join(missing)}", fontsize=9)
     return fig
 
@@ -145,7 +144,8 @@ def _ce_gain(plt, gain_plot: dict, cols: dict, colours: dict, names: tuple[str, 
     ax.axhline(0, color="0.4", lw=0.8)
     shown = [g[np.isfinite(g)], [0.0]] + ([np.maximum(band[0], lo_show).ravel(), band[1].ravel()] if band else [])
     ax.set_ylim(*_lin_limits(np.concatenate(shown)))
-    ax.set(xscale="log", xlim=_log_limits(Cg, 0.02), xlabel=f"{names[0]} compute C (FLOPs), over both fits' common compute range",
+    ax.set(xscale="log", xlim=_log_limits(Cg, 0.02),
+           xlabel=f"{names[0]} compute C (FLOPs), over both fits' common compute range",
            ylabel="CE gain (% of reference compute saved)")
     t = f"CE gain of {names[0]} over {names[1]} on the frontier"
     if band is not None:
@@ -166,11 +166,11 @@ def format_table(title: str, row_names: Sequence[str], col_names: Sequence[str],
     return "\n".join(lines) + "\n"
 
 
-def pct_text(g: float | None, nd: int = 1) -> str:
+def pct_text(g: float | None) -> str:
     """A gain (fraction) as a signed percentage with at most 4 integer digits."""
     if g is None or g < GAIN_FLOOR:
         return "< -9999"
-    return f"{100 * g:+.{nd}f}"
+    return f"{100 * g:+.1f}"
 
 
 def failed_text(share: float | None) -> str:
@@ -220,7 +220,8 @@ def markdown(report: dict) -> str:
     md = ["## Scaling-law fits (SMELT Eq. 2)\n"]
     ctl = (f"The {report['n_control_rows']} rows of the `{CONTROL_LABEL}` control cells are left out of the fits "
            f"(SMELT 4.3)." if report["n_control_rows"] else
-           ("The control cells are included (--include-dense)." if report["include_dense"] else "There are no control cells."))
+           "The control cells are included (--include-dense)." if report["include_dense"] else
+           "There are no control cells.")
     reps = report.get("seed_means") or {}
     md.append(ctl + (f" Cells only one architecture has (left out): {', '.join(report['unmatched_cells'])}."
                      if report["unmatched_cells"] else "")
@@ -238,9 +239,8 @@ def markdown(report: dict) -> str:
                           f"{e['gamma']:.3f}", f"{e['rmse_nats']:.4f}", *data])
         else:
             cells.append([why_text(e["why"]), *["–"] * 8, *data])
-    md.append(format_table("Coefficients (± Gauss-Newton standard error)", list(report["fits"]),
-                           ["status", "E", "A", "K", "a", "b", "c", "gamma", "RMSE (nats)", "points", "C range (FLOPs)"],
-                           cells))
+    head = ["status", "E", "A", "K", "a", "b", "c", "gamma", "RMSE (nats)", "points", "C range (FLOPs)"]
+    md.append(format_table("Coefficients (± Gauss-Newton standard error)", list(report["fits"]), head, cells))
     short = {a: f"{a} {why_short(e['why'])}" for a, e in report["fits"].items() if not e["identified"]}
     g, budgets = report["gains"], report["budgets"]
     g_why = [short[a] for a in (target, ref) if a in short] or g["why"]

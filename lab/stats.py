@@ -41,13 +41,13 @@ class Interval:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def fmt(self, nd: int = 3, scale: float = 1.0, unit: str = "") -> str:
+    def fmt(self, nd: int = 3) -> str:
         """'+0.012 [-0.004, +0.028]' (or '+0.012 (no interval: n = 1)')."""
-        m = f"{self.mean * scale:+.{nd}f}{unit}"
+        m = f"{self.mean:+.{nd}f}"
         if not self.resolved:
             return f"{m} (no interval: n = {self.n})"
         few = f" (bootstrap over {self.n} units: too few to decide)" if self.few_units else ""
-        return f"{m} [{self.lo * scale:+.{nd}f}, {self.hi * scale:+.{nd}f}]{unit}{few}"
+        return f"{m} [{self.lo:+.{nd}f}, {self.hi:+.{nd}f}]{few}"
 
 
 def _vector(x, name: str) -> np.ndarray:

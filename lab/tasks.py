@@ -59,7 +59,6 @@ def _head_at(model: nn.Module, pos_BM: torch.Tensor | None):
         handle.remove()
 
 
-# ================================================================ tasks
 @dataclass
 class Item:
     query: str                      # the formatted input; the answer follows it directly
@@ -207,7 +206,6 @@ def resolve_tasks(names: Iterable[str]) -> list[str]:
     return out
 
 
-# ================================================================ prompts and batched scoring
 def build_prompt(item: Item, demos: Sequence[Item]) -> tuple[str, list[str]]:
     """(context, continuations): BIG-bench layout; the context's trailing spaces open each continuation."""
     ctx = item.prefix + "".join(d.query + d.answer + item.sep for d in demos) + item.query
@@ -337,10 +335,9 @@ def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]],
     dev = model_device(model)
     head = truncate_left(head, block_size - longest)
     cache = model.new_cache(1, len(head) + longest)
-    with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"), \
-            _head_at(model, torch.tensor([[len(head) - 1]], device=dev)):   # the head at the last position only
-        first = model.forward_step(torch.tensor([head], device=dev), cache)[0, -1].float()   # (V,)
     with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"):
+        with _head_at(model, torch.tensor([[len(head) - 1]], device=dev)):   # the head at the last position only
+            first = model.forward_step(torch.tensor([head], device=dev), cache)[0, -1].float()   # (V,)
         rest = None
         if longest > 1:
             x = torch.full((len(tails), longest - 1), pad_id, dtype=torch.long)

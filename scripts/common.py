@@ -41,8 +41,7 @@ from reproduce import log  # noqa: E402
 
 
 def parser(doc: str, training: bool = True, scale: str | None = None) -> argparse.ArgumentParser:
-    """The arguments every script takes; training=False leaves out --steps, --seed and --jobs; `scale` (the
-    default's description) adds --scale, the preset scale to start from."""
+    """The arguments every script takes (training=False: no --steps, --seed or --jobs; `scale`: --scale's default)."""
     ap = checks.parser(doc)
     ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS,
                     help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU"
@@ -89,7 +88,6 @@ class Experiment:
         torch.manual_seed(a.seed)
         log(f"{self.name}: preset {a.preset} -> {self.out}")
 
-    # -- data and configs ----------------------------------------------------------------
     def load_data(self):
         """The preset's prepared corpus (built on first use; smoke downloads nothing)."""
         if self.data is None:
@@ -148,7 +146,6 @@ class Experiment:
                        params_ratio=out["blocks"] / r["blocks"], kv_ratio=out["kv_bytes"] / r["kv_bytes"])
         return out
 
-    # -- How-to-Loop training plans ------------------------------------------------------
     def curve_tc(self) -> trainer.TrainConfig:
         """The no-loop reference run: decay branches at CURVE_FRACTIONS of the stable phase (the curve's points)."""
         return replace(self.tc, branch_steps=sorted({max(1, round(f * self.steps)) for f in CURVE_FRACTIONS}))
@@ -165,7 +162,6 @@ class Experiment:
         self.add("no_loop", base, {"arch": "no_loop"}, row, base, self.curve_tc())
         return base
 
-    # -- training ------------------------------------------------------------------------
     def add(self, name: str, cfg: ModelConfig, meta: dict, row: dict, ref: ModelConfig,
             tc: trainer.TrainConfig | None = None) -> dict:
         """Queue a run for train_rows; its row is `row`, then cfg's budgets against ref (returned: add to its end)."""
@@ -213,7 +209,6 @@ class Experiment:
         log(f"trained {len(jobs)} run(s) in {time.time() - t0:.1f} s")
         return out
 
-    # -- output --------------------------------------------------------------------------
     def finish(self, result: dict, columns: list[tuple[str, str, str]], trained: bool = True) -> dict:
         """Write OUT/results.json (with the settings and wall time) and print the rows as a table."""
         head = {"script": self.name, "preset": self.args.preset}
@@ -274,9 +269,6 @@ def plot_bars(path: Path, labels: list[str], values: list[float], ylabel: str, t
     return plots.save(fig, path, dpi=110)
 
 
-# ----------------------------------------------------------------------------------------
-# Trained runs: loading, and the (Baseline, looped) pair of the analysis scripts
-
 def load_trained(run_dir: str | Path, device: str | None = None):
     """(GPT, meta) of a finished run: eval.load_model on the RUN_DIR/ckpt.pt that train.py exports."""
     import eval as ev
@@ -320,9 +312,6 @@ def pair_runs(exp: Experiment) -> tuple[Path, Path]:
     b, s = exp.train_all([(arch, cfg, cell_meta(cell, arch)) for arch, cfg in (("baseline", base), ("smelt", smelt))])
     return Path(b["run_dir"]), Path(s["run_dir"])
 
-
-# ----------------------------------------------------------------------------------------
-# How to Loop: its loop configs, its compute accounting, bits per byte, the fitted no-loop curve
 
 # The paper's reported ranges, printed beside what we measure.
 PAPER_RMS_RATIO = (10.0, 600.0)        # state RMS / embedding RMS, "roughly 10 to 600 times larger"

@@ -24,8 +24,6 @@ if str(HERE.parent) not in sys.path:   # the repo root, for checks.py (imported 
     sys.path.insert(0, str(HERE.parent))
 
 
-# ---------------------------------------------------------------- the plugin (loaded in pytest with -p fault_table)
-
 def pytest_addoption(parser) -> None:
     parser.addoption("--fault-table-json", default=None, help="write each fault case's class and outcome here")
 
@@ -64,8 +62,6 @@ class Recorder:
     def pytest_sessionfinish(self, session) -> None:
         Path(self.path).write_text(json.dumps(self.cases, indent=1))
 
-
-# ---------------------------------------------------------------- running the campaign and the table
 
 def run_campaign(tests: str | Path, pytest_args: list[str] = ()) -> dict[str, dict]:
     """{nodeid: {"class", "outcome"}} of every fault case under `tests` (a pytest run in a subprocess)."""

@@ -54,7 +54,7 @@ def modules_sha256(nb) -> dict:
             elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
                 names |= {f"{n.module}.{a.name}" for a in n.names} | {n.module}   # `from lab import x`: lab/x.py
     paths = {m.replace(".", "/") + ".py" for m in names}
-    return {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest() for f in sorted(paths) if (ROOT / f).is_file()}
+    return {f: checks.sha256_of(ROOT / f) for f in sorted(paths) if (ROOT / f).is_file()}
 
 
 def stale(path: Path, out_dir: Path = RENDERED) -> str | None:
@@ -90,9 +90,8 @@ def render(path: Path, out_dir: Path = RENDERED) -> Path:
         "rendered_by": "python scripts/render_notebooks.py",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "matplotlib": matplotlib.__version__}}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    text = nbformat.writes(nb)
-    checks.atomic_write_text(out_dir / path.name, text if text.endswith("\n") else text + "\n")   # as nbformat.write
+    text = nbformat.writes(nb)   # written as nbformat.write would: with a final newline
+    checks.atomic_write_bytes(out_dir / path.name, (text if text.endswith("\n") else text + "\n").encode())
     return out_dir / path.name
 
 
