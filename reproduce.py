@@ -96,27 +96,35 @@ def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
 
 
 CUDA_WORKER_OVERHEAD_BYTES = 2 << 30   # a worker's GPU memory beyond its step's floor (CUDA context, slack)
+CPU_WORKER_OVERHEAD_BYTES = 1 << 30    # a worker's RAM beyond its step's floor (torch itself, weights, Adam, slack)
 CUDA_MAX_JOBS = 4        # runs sharing one GPU by default: their compiles overlap, their kernels take turns
 
 
-def default_jobs(device: str, cpus: int, gpu_free: int | None = None, gpu_per_run: int | None = None) -> int:
-    """Runs trained at once by default. CPU: min(2, cpus), one thread each. CUDA: min(CUDA_MAX_JOBS, cpus // 4)
-    (4+ cores each for inductor), at most the runs that fit gpu_free at gpu_per_run bytes each, at least 1."""
+def default_jobs(device: str, cpus: int, mem_free: int | None = None, mem_per_run: int | None = None) -> int:
+    """Runs trained at once by default. CPU: one per core, one thread each. CUDA: min(CUDA_MAX_JOBS, cpus // 4)
+    (4+ cores each for inductor). Both: at most the runs that fit mem_free (RAM on CPU, the GPU's on CUDA) at
+    mem_per_run bytes each, at least 1."""
     if device not in ("cpu", "cuda") or cpus < 1:
         raise ValueError(f"default_jobs: device must be 'cpu' or 'cuda' and cpus >= 1, got {device!r}, {cpus}")
-    if device == "cpu":
-        return min(2, cpus)
-    jobs = min(CUDA_MAX_JOBS, cpus // 4)
-    if gpu_free is not None and gpu_per_run:
-        jobs = min(jobs, gpu_free // gpu_per_run)
+    jobs = cpus if device == "cpu" else min(CUDA_MAX_JOBS, cpus // 4)
+    if mem_free is not None and mem_per_run:
+        jobs = min(jobs, mem_free // mem_per_run)
     return max(1, jobs)
 
 
-def gpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
-    """A lower bound on one worker's GPU memory: the largest run's checkpoint.memory_floor + the overhead."""
+def bytes_per_run(plan: configs.Plan, ladder: list[dict], overhead: int) -> int:
+    """A lower bound on one worker's memory: the largest run's checkpoint.memory_floor + `overhead`."""
     tc = train.train_config(plan)
-    return CUDA_WORKER_OVERHEAD_BYTES + max(checkpoint.memory_floor(ModelConfig.from_dict(r.cell[r.arch]), tc)
-                                            for r in configs.plan_runs(Path("."), ladder, plan))
+    return overhead + max(checkpoint.memory_floor(ModelConfig.from_dict(r.cell[r.arch]), tc)
+                          for r in configs.plan_runs(Path("."), ladder, plan))
+
+
+def gpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
+    return bytes_per_run(plan, ladder, CUDA_WORKER_OVERHEAD_BYTES)
+
+
+def cpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
+    return bytes_per_run(plan, ladder, CPU_WORKER_OVERHEAD_BYTES)
 
 
 def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str, threads: int = 1) -> list:
@@ -223,9 +231,10 @@ def plan_design(plan: configs.Plan, ladder: list[dict]) -> dict:
     from lab import scaling_analysis
     shape = scaling_analysis.design_shape(plan, ladder)
     power = scaling_analysis.design_power(shape)
+    by = ", ".join(f"{a} {n}" for a, n in power["identified_by_arch"].items())
     verdict = (f"no fit can be identified ({'; '.join(power['why'])})" if power["why"] else
-               f"Table 4.3's surfaces drawn on this grid (log-noise {power['noise']:g}) refit identified in "
-               f"{power['identified']} of {power['datasets']} draws (a geometric proxy: scripts/grid_power.py)")
+               f"the surfaces {power['prior']}, drawn at this plan's F, S and D with their measured noise, refit "
+               f"identified in {by} of {power['datasets']} draws, both in {power['identified']} (scripts/grid_power.py)")
     log(f"plan: design {shape['n_cells']} fitted cells x {len(shape['horizons'])} endpoints = {shape['points']} points "
         f"per surface; F spans {shape['F_span']:.2f}x, D {shape['D_span']:.2f}x, C {shape['C_span']:.1f}x; expected "
         f"power: {verdict}")
@@ -377,21 +386,30 @@ def free_gpu_bytes() -> int:
     return checkpoint.available_memory(torch.device("cuda"))
 
 
+def free_cpu_bytes() -> int | None:
+    return checkpoint.available_memory(torch.device("cpu"))   # MemAvailable; None where the OS does not say
+
+
 def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tuple[int, dict]:
-    """(jobs, the runtime entries): --jobs, else default_jobs; on CUDA, cores // jobs threads each, and a --jobs
+    """(jobs, the runtime entries, "jobs_from" saying why): --jobs, else default_jobs; on CPU, one thread each and
+    at most the runs that fit RAM (cpu_bytes_per_run each); on CUDA, cores // jobs threads each, and a --jobs
     whose runs cannot fit the free GPU memory (gpu_bytes_per_run each) is refused before any training."""
     cpus = os.cpu_count() or 1
+    fmt = lambda n: f"{n / 2**30:.1f} GiB"
+    source = "--jobs" if asked else "default_jobs"
     if not torch.cuda.is_available():
-        jobs = asked or default_jobs("cpu", cpus)
-        return jobs, {"jobs": jobs, "threads_per_worker": 1 if jobs > 1 else torch.get_num_threads(), "device": "cpu"}
+        per_run, free = cpu_bytes_per_run(plan, ladder), free_cpu_bytes()
+        jobs = asked or default_jobs("cpu", cpus, free, per_run)
+        have = "memory unknown" if free is None else f"{fmt(free)} available"
+        return jobs, {"jobs": jobs, "jobs_from": f"{source}: {cpus} cores, {have}, >= {fmt(per_run)} per run",
+                      "threads_per_worker": 1 if jobs > 1 else torch.get_num_threads(), "device": "cpu"}
     per_run, free = gpu_bytes_per_run(plan, ladder), free_gpu_bytes()
     jobs = asked or default_jobs("cuda", cpus, free, per_run)
-    fmt = lambda n: f"{n / 2**30:.1f} GiB"
     if jobs > 1 and jobs * per_run > free:
         raise checks.UserError(f"--jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "
                             f"({fmt(per_run)} per run: reproduce.gpu_bytes_per_run), {fmt(free)} is free; "
                             f"use --jobs {max(1, free // per_run)}")
-    return jobs, {"jobs": jobs, "jobs_from": f"{'--jobs' if asked else 'default_jobs'}, sharing the GPU: {cpus} "
+    return jobs, {"jobs": jobs, "jobs_from": f"{source}, sharing the GPU: {cpus} "
                                        f"cores, {fmt(free)} free, >= {fmt(per_run)} per run",
                   "threads_per_worker": max(1, cpus // jobs) if jobs > 1 else torch.get_num_threads(),
                   "device": "cuda"}
@@ -406,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read the data from a pack made by `python -m lab.corpus --preset PRESET --pack DIR` "
                          "(for a machine without network: nothing is downloaded; default: prepare the preset's)")
     ap.add_argument("--jobs", type=checks.positive_int, default=None,
-                    help="runs trained at once (default: 2 on a CPU with >= 2 cores, one thread each; on CUDA "
-                         "min(4, cores // 4) sharing the GPU, capped by GPU memory: reproduce.default_jobs)")
+                    help="runs trained at once (default: one per CPU core, one thread each; on CUDA min(4, cores // 4) "
+                         "sharing the GPU; both capped by memory: reproduce.default_jobs)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
     add_loop_args(ap)   # how every looped model loops, matched again to the same Baselines (default: the plan's)

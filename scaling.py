@@ -3,7 +3,8 @@
 `loss` is Eq. 2, L(F, S, D) = E + A (1 - S)^b / F^a + K / D^c (F FLOPs/token, S the compute-equivalent
 sparsity of budget.py's Eq. 1, D tokens); `fit_result` fits it as the paper does (4.3: Huber on log-loss
 residuals, L-BFGS-B from a grid of starts) and `identify` says whether the fit means anything.  Eqs. 3-5:
-`optimal_flops_per_token`, `frontier_loss`, `ce_gain`, `tpp`.  Results rows -> `Points`: `seed_means`,
+`optimal_flops_per_token`, `frontier_loss`, `ce_gain`, `tpp`; `law_gap` and `data_crossover`: what two surfaces
+say of a matched pair (SMELT 4.3's data-term crossover).  Results rows -> `Points`: `seed_means`,
 `split_control` (the S = 0 controls left out), `to_points`.
 
 Read first: budget.py.  Read next: lab/scaling_analysis.py, lab/scaling_report.py; the rules: docs/scaling.md.
@@ -82,6 +83,21 @@ def loss(co: Coeffs, F, S, D) -> np.ndarray:
     """SMELT Eq. 2, vectorised over broadcastable F (FLOPs/token), S (fraction < 1), D (tokens)."""
     F, S, D = (np.asarray(x, dtype=float) for x in (F, S, D))
     return co.E + co.A * (1.0 - S) ** co.b / F ** co.a + co.K / D ** co.c
+
+
+def law_gap(target: Coeffs, ref: Coeffs, F_t, S_t, F_r, S_r, D) -> np.ndarray:
+    """L_target - L_ref by Eq. 2 at each model's own F and S and the same tokens D (a matched pair's gap)."""
+    return loss(target, F_t, S_t, D) - loss(ref, F_r, S_r, D)
+
+
+def data_crossover(target: Coeffs, ref: Coeffs) -> float:
+    """D* where the data terms K / D^c are equal, (K_t / K_r)^(1 / (c_t - c_r)); below it the target's is higher
+    when K_t > K_r and c_t > c_r (SMELT 4.3: ~1.6e10 tokens for Table 4.3); nan when c_t = c_r."""
+    dc = target.c - ref.c
+    return math.exp(math.log(target.K / ref.K) / dc) if dc else math.nan
+
+
+PAPER_CROSSOVER_D = data_crossover(PAPER_SMELT, PAPER_BASELINE)   # 1.62e10 tokens ("D ~ 1.6 x 10^10", Sec. 4.3)
 
 
 def check_points(F, S, D, L) -> tuple[np.ndarray, ...]:

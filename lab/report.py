@@ -24,6 +24,7 @@ import torch
 import configs
 from lab import probe_claims, stats
 from lab.scaling_report import failed_text
+from scaling import PAPER_BASELINE, PAPER_CROSSOVER_D, PAPER_SMELT, law_gap
 
 _parts = re.split(r"^@@ (\S+)\n", Path(__file__).with_name("report_text.md").read_text(encoding="utf-8"), flags=re.M)
 TEXT = {name: body.rstrip("\n") for name, body in zip(_parts[1::2], _parts[2::2])}   # report_text.md's blocks
@@ -50,6 +51,40 @@ def finals(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def law_here(b: dict, m: dict) -> dict:
+    """Table 4.3's SMELT - Baseline loss at a pair's own F, S (a control's clipped at 0) and tokens D, and the
+    direction it gives; the law is extrapolated decades below its window, so only the sign is read."""
+    g = float(law_gap(PAPER_SMELT, PAPER_BASELINE, m["F"], max(m["S"], 0.0), b["F"], max(b["S"], 0.0), b["D"]))
+    return {"gap": g, "direction": ">" if g > 0 else "<"}
+
+
+def gap_vs_tokens(rows: list[dict]) -> dict:
+    """SMELT - Baseline validation loss against log10 D per matched run pair (the endpoints both have): each pair's
+    slope per decade with its OLS interval and the law's; the mean over pairs with its t-interval (SMELT 4.3:
+    below the crossover the law's gap is positive and falls as D grows)."""
+    runs: dict = {}
+    for r in rows:
+        runs.setdefault((r["scale"], r["sparsity_label"], r.get("seed", 0), r["arch"]), {})[float(r["D"])] = r
+    pairs = []
+    for (scale, lab, seed, arch), b in sorted(runs.items()):
+        m = runs.get((scale, lab, seed, "smelt"))
+        Ds = sorted(set(b) & set(m or {}))
+        if arch != "baseline" or len(Ds) < 2:
+            continue
+        x = np.log10(Ds)
+        gap = [m[D]["val_loss"] - b[D]["val_loss"] for D in Ds]
+        law = [law_here(b[D], m[D])["gap"] for D in Ds]
+        pairs.append({"cell": configs.cell_key(scale, lab), "seed": seed, "D": Ds, "gap": gap,
+                      "slope": stats.slope_interval(x, gap).to_dict(), "law_slope": stats.slope_interval(x, law).mean})
+    out = {"pairs": pairs, "mean": None, "verdict": "not resolved", "law_direction": None}
+    if pairs:
+        iv = stats.mean_interval([p["slope"]["mean"] for p in pairs])
+        law_dir = "<" if np.mean([p["law_slope"] for p in pairs]) < 0 else ">"
+        out.update(mean=iv.to_dict(), verdict=stats.verdict(iv, "<"), law_direction=law_dir,
+                   verdict_here=stats.verdict(iv, law_dir))
+    return out
+
+
 def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], entropy: float) -> dict:
     """The training claims with their noise: did every model learn (validation loss vs unigram entropy); SMELT -
     Baseline final loss, paired over the repeated cell's seeds and per cell at seed 0 with that cell's seed noise."""
@@ -73,9 +108,11 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
             iv = stats.paired_difference(base, smelt)
             d = np.array(smelt) - np.array(base)
             noise_sd, noise_n = (float(d.std(ddof=1)) if len(d) > 1 else None), len(d)
+            law = law_here(*pairs[0])
             out["repeat"] = {"cell": configs.cell_key(*plan.repeat), "seeds": len(pairs), "baseline": base,
                              "smelt": smelt, "diff": iv.to_dict(), "verdict": stats.verdict(iv, "<"),
-                             "baseline_seed_sd": float(np.std(base, ddof=1)) if len(base) > 1 else None}
+                             "baseline_seed_sd": float(np.std(base, ddof=1)) if len(base) > 1 else None,
+                             "law": law, "verdict_here": stats.verdict(iv, law["direction"])}
     for cell in ladder:
         b, m = (fin.get(configs.run_name(cell["scale"], cell["sparsity_label"], a)) for a in ("baseline", "smelt"))
         if not (b and m):
@@ -86,12 +123,24 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
             iv = stats.Interval(d, d - half, d + half, 1, 0.95, f"seed sd of {noise_n} seeds in the repeated cell")
         else:
             iv = stats.Interval(d, math.nan, math.nan, 1)
+        law = law_here(b, m)
         out["cells"].append({"scale": cell["scale"], "sparsity_label": cell["sparsity_label"], "S": b["S"],
                              "S_smelt": m["S"], "baseline": b["val_loss"], "smelt": m["val_loss"],
-                             "diff": iv.to_dict(), "verdict": stats.verdict(iv, "<")})
+                             "diff": iv.to_dict(), "verdict": stats.verdict(iv, "<"), "law": law,
+                             "verdict_here": stats.verdict(iv, law["direction"])})
     v = [c["verdict"] for c in out["cells"]]
     out["cells_reproduced"], out["cells_contradicted"] = v.count("reproduced"), v.count("contradicted")
     out["all_cells_verdict"] = stats.all_of(v)
+    here = [c["verdict_here"] for c in out["cells"]]
+    out["cells_law_higher"] = sum(c["law"]["direction"] == ">" for c in out["cells"])
+    out["cells_here"] = {"reproduced": here.count("reproduced"), "contradicted": here.count("contradicted"),
+                         "verdict": stats.all_of(here)}
+    if len(out["cells"]) >= 2:   # every cell's seed-0 pair as one unit: the mean gap over cells, with a t-interval
+        iv = stats.paired_difference([c["baseline"] for c in out["cells"]], [c["smelt"] for c in out["cells"]])
+        law_dir = ">" if 2 * out["cells_law_higher"] > len(out["cells"]) else "<"
+        out["over_cells"] = {"diff": iv.to_dict(), "verdict": stats.verdict(iv, "<"), "law_direction": law_dir,
+                             "verdict_here": stats.verdict(iv, law_dir)}
+    out["gap_vs_D"] = gap_vs_tokens(rows)
     return out
 
 
@@ -104,37 +153,74 @@ ABLATIONS = {
 }
 
 
-def _claim(name: str, result: str, verdict: str, **fields) -> list[str]:
-    """A claims-table row: report_text.md's claim.<name> (claim, paper's words), this run's result and verdict."""
+def _claim(name: str, result: str, verdict: str, here: str | None = None, **fields) -> list[str]:
+    """A claims-table row: report_text.md's claim.<name> (claim, paper's words), this run's result and verdict, and
+    `here`: what Table 4.3's law gives at this run's scale with the verdict read against it (None: not a loss claim)."""
     what, paper = TEXT[f"claim.{name}"].split("\n")
-    return [what.format(**fields), paper, result, verdict]
+    return [what.format(**fields), paper, result, verdict, NOT_LOSS if here is None else here]
 
 
 def _short(why: str, n: int = 160) -> str:   # the claims table's reasons; the full text is in the stage's JSON
     return why if len(why) < n else why[:n - 3] + "..."
 
 
+NOT_LOSS = "n/a (Eq. 2 predicts validation loss, not this)"
+NO_TERM = "n/a (Eq. 2 has no span, depth or loop-count term)"
+SCALE_FREE = "the same: Eq. 2's coefficients do not depend on the scale they are read at"
+
+
+def _gap_here(direction: str | None, verdict: str) -> str:
+    """The at-our-scale cell of a SMELT - Baseline loss claim: the sign Table 4.3 gives here, the verdict against it."""
+    if direction is None:
+        return "n/a (no matched pair)"
+    said = "higher" if direction == ">" else "lower"
+    why = f" (the paper: SMELT's data term is higher below D ~{_sci(PAPER_CROSSOVER_D)} tokens, Sec. 4.3)" \
+        if said == "higher" else ""
+    outcome = {"reproduced": f"SMELT measured {said}, as predicted here" +
+                             ("; not a contradiction of the paper" if said == "higher" else ""),
+               "contradicted": "SMELT measured the other way: against the law at this scale",
+               "not resolved": "the interval straddles 0"}[verdict]
+    return f"Table 4.3's law gives SMELT {said} at this F, S, D{why}: {outcome} (**{verdict}**)"
+
+
 def _claim_rows(ts: dict, scal: dict, pclaims: list[dict], ev_sum: dict, prb: dict | None = None,
                 out: Path | None = None) -> list[list[str]]:
-    rows = [_claim("lower", f"{ts['cells_reproduced']} of {len(ts['cells'])} cells lower, {ts['cells_contradicted']} "
-                            "higher (95 % intervals)", ts["all_cells_verdict"])]
+    ch, n = ts.get("cells_here") or {}, len(ts["cells"])
+    rows = [_claim("lower", f"{ts['cells_reproduced']} of {n} cells lower, {ts['cells_contradicted']} "
+                            "higher (95 % intervals)", ts["all_cells_verdict"],
+                   f"Table 4.3's law gives SMELT higher in {ts.get('cells_law_higher', 0)} of {n} cells at their F, S, "
+                   f"D; against it {ch.get('reproduced', 0)} agree, {ch.get('contradicted', 0)} disagree "
+                   f"(**{ch.get('verdict', 'not resolved')}**)")]
+    if ts.get("over_cells"):
+        o = ts["over_cells"]
+        rows.append(_claim("mean", _iv(o["diff"], 4), o["verdict"], _gap_here(o["law_direction"], o["verdict_here"]),
+                           n=n))
     if ts.get("repeat"):
         r = ts["repeat"]
-        rows.append(_claim("repeat", _iv(r["diff"], 4), r["verdict"], seeds=r["seeds"], cell=r["cell"]))
+        rows.append(_claim("repeat", _iv(r["diff"], 4), r["verdict"], _gap_here(r["law"]["direction"],
+                                                                                 r["verdict_here"]),
+                           seeds=r["seeds"], cell=r["cell"]))
+    if ts.get("gap_vs_D", {}).get("mean"):
+        gd = ts["gap_vs_D"]
+        said = "falling" if gd["law_direction"] == "<" else "rising"
+        rows.append(_claim("gap_d", f"{_iv(gd['mean'], 4)} nats per decade of D", gd["verdict"],
+                           f"Table 4.3's law gives the gap {said} as D grows here: **{gd['verdict_here']}**",
+                           n=len(gd["pairs"])))
     rows += [_ce_gain_claim(scal), *_scaling_claims(scal)]
     if prb and prb.get("pairs"):
         rows.append(_overlap_claim(prb))
     for c in pclaims:
         iv = c["interval"].fmt(3) if c["interval"] else "no pair has it"
         tr = f"; over pairs {c['across_pairs'].fmt(3)}" if c.get("across_pairs") else ""
-        rows.append([f"{c['what']} {c['direction']} {c['value']:g} ({c['figure']})", c["paper"], iv + tr, c["verdict"]])
+        rows.append([f"{c['what']} {c['direction']} {c['value']:g} ({c['figure']})", c["paper"], iv + tr, c["verdict"],
+                     NOT_LOSS])
     for cl in (ev_sum.get("report") or {}).get("claims", []):
         iv = _iv(cl["interval"], 3) if cl.get("interval") else "no interval"
         if cl.get("items_interval"):   # the same difference over the items, both noises (downstream_claims._item_noise)
             iv += f"; over the items {_iv(cl['items_interval'], 3)}; both noises {_iv(cl.get('both_interval'), 3)}"
         rows.append([cl["claim"] + (f" ({cl['n']} {cl['unit']}s)" if cl.get("n") else ""),
                      cl["paper"] or "none: the paper has no generated tasks",
-                     iv + (f"; {cl['why']}" if cl.get("why") else ""), cl["verdict"]])
+                     iv + (f"; {cl['why']}" if cl.get("why") else ""), cl["verdict"], NOT_LOSS])
     return rows + _ablation_claims(out)
 
 
@@ -149,22 +235,42 @@ def _derived_text(d: dict | None, nd: int = 3) -> str:
 
 def _scaling_claims(scal: dict) -> list[list[str]]:
     """SMELT 4.3 / 5.2's further claims from scaling_analysis's `derived` entries and per-domain gains."""
-    der = scal.get("derived") or {}
+    der, law = scal.get("derived") or {}, scal.get("law_here") or {}
     why = "not resolved at this scale: " + _short(scal.get("error") or "; ".join(scal.get("gains", {}).get("why", []))
                                                   or "no pair bootstrap (two identified surfaces and n_boot > 0)")
     verdict = lambda d, direction, value=0.0: stats.verdict(_interval(d.get("interval")), direction, value)
     parts = [(k, der.get(f"{k}_diff")) for k in ("gamma", "a", "c")]
     grow = {k.split("/", 1)[1]: d for k, d in der.items() if k.startswith("growth/")}
     tpp = {k.split("/", 1)[1]: d for k, d in der.items() if k.startswith("tpp_ratio/")}
-    return [_claim("gamma", "; ".join(f"{k} diff {_derived_text(d, 4)}" for k, d in parts) if der else why,
-                   stats.all_of([verdict(d, ">") for _, d in parts]) if der else "not resolved"),
+    v_gamma = stats.all_of([verdict(d, ">") for _, d in parts]) if der else "not resolved"
+    v_grow = stats.all_of([verdict(d, ">") for d in grow.values()])
+    law_grow = law.get("growth_pp") or {}
+    grow_here = ("n/a (fewer than two budgets)" if not law_grow else
+                 f"Table 4.3's law gives {', '.join(f'{lab} {v:+.0f}' for lab, v in law_grow.items())} pp per decade "
+                 f"at these budgets: **{stats.all_of([verdict(d, '>' if law_grow.get(lab, 0) > 0 else '<') for lab, d in grow.items()])}**")
+    law_tpp = law.get("tpp_ratio") or {}
+    tpp_here = ("n/a (no budget)" if not law_tpp else
+                f"Table 4.3's law gives a ratio of {', '.join(f'{lab} {v:.3f}' for lab, v in law_tpp.items())} at this "
+                f"budget; the side of 1 against it: **{stats.all_of([verdict(d, '>' if law_tpp.get(lab, 1) > 1 else '<', 1.0) for lab, d in tpp.items()])}**")
+    dk, dc, cross = der.get("log10K_diff"), der.get("c_diff"), der.get("log10_crossover")
+    v_data = stats.all_of([verdict(dk, ">"), verdict(dc, ">")]) if dk else "not resolved"
+    v_cross = (stats.all_of([verdict(cross, ">", math.log10(PAPER_CROSSOVER_D) - 1),
+                             verdict(cross, "<", math.log10(PAPER_CROSSOVER_D) + 1)]) if cross else "not resolved")
+    return [_claim("gamma", "; ".join(f"{k} diff {_derived_text(d, 4)}" for k, d in parts) if der else why, v_gamma,
+                   f"{SCALE_FREE} (**{v_gamma}**)"),
+            _claim("data_term", f"log10 K diff {_derived_text(dk, 3)}; c diff {_derived_text(dc, 4)}" if dk else why,
+                   v_data, f"{SCALE_FREE} (**{v_data}**)"),
+            _claim("crossover", f"log10 D* {_derived_text(cross, 2)} (paper: {math.log10(PAPER_CROSSOVER_D):.2f})"
+                   if cross else why, v_cross, f"{SCALE_FREE}; D* is a property of the two surfaces (**{v_cross}**)",
+                   paper_D=_sci(PAPER_CROSSOVER_D)),
             _claim("growth", "; ".join(f"{lab} ({d['from']:.2g} to {d['to']:.2g}): {_derived_text(d, 1)} pp"
                                        for lab, d in grow.items()) if grow else
-                   (why if not der else "not resolved at this scale: fewer than two in-window budgets"),
-                   stats.all_of([verdict(d, ">") for d in grow.values()])),
+                   (why if not der else "not resolved at this scale: fewer than two in-window budgets"), v_grow,
+                   grow_here),
             _claim("tpp", "; ".join(f"{lab}: {_derived_text(d, 3)}" for lab, d in tpp.items()) if tpp else why,
-                   stats.all_of([v for d in tpp.values() for v in (verdict(d, ">", 0.94), verdict(d, "<", 1.06))])),
-            _claim("code", _code_claim(scal), "not resolved")]
+                   stats.all_of([v for d in tpp.values() for v in (verdict(d, ">", 0.94), verdict(d, "<", 1.06))]),
+                   tpp_here),
+            _claim("code", _code_claim(scal), "not resolved", "n/a (per-domain intercept refits carry no interval)")]
 
 
 def _code_claim(scal: dict) -> str:
@@ -186,7 +292,7 @@ def _overlap_claim(prb: dict) -> list[str]:
     iv = o["interval"]
     return ["expert overlap falls as sparsity rises: overlap / k at the largest pool minus the smallest, mean over "
             f"scales < 0 ({o['n_scales']} scales)", probe_claims.OVERLAP_FALLS,
-            iv.fmt(3) if iv else f"not resolved at this scale: {o['why']}", stats.verdict(iv, "<")]
+            iv.fmt(3) if iv else f"not resolved at this scale: {o['why']}", stats.verdict(iv, "<"), NOT_LOSS]
 
 
 def _ablation_claims(out: Path | None) -> list[list[str]]:
@@ -196,31 +302,38 @@ def _ablation_claims(out: Path | None) -> list[list[str]]:
     for name, won in ABLATIONS.items():
         if out is None or not (path := Path(out) / name / "results.json").exists():
             rows.append(_claim(name, f"not resolved: run `python scripts/{name}.py --out-dir OUT/{name}` (not part "
-                                     "of reproduce.py)", "not resolved"))
+                                     "of reproduce.py)", "not resolved", NO_TERM))
         else:
             ok = won(json.loads(path.read_text()))
             rows.append(_claim(name, f"{'same' if ok else 'another'} winner in {name}/results.json (one run per "
-                                     "configuration: no interval)", "reproduced" if ok else "contradicted"))
+                                     "configuration: no interval)", "reproduced" if ok else "contradicted", NO_TERM))
     return rows
 
 
 def _ce_gain_claim(scal: dict) -> list[str]:
     """CE gain > 0 at budgets inside the data: reproduced when every non-extrapolated cell's bootstrap interval
-    is above 0, contradicted when one is wholly below, else not resolved (also: no identified fit)."""
-    g = scal.get("gains", {})
+    is above 0, contradicted when one is wholly below, else not resolved (also: no identified fit); beside it, the
+    sign Table 4.3's law gives at these budgets and the verdict read against it."""
+    g, law = scal.get("gains", {}), (scal.get("law_here") or {}).get("gain") or {}
+    vals = [v for gs in law.values() for v in gs]
+    law_dir = ">" if vals and min(vals) > 0 else "<" if vals and max(vals) < 0 else None
+    law_text = (f"Table 4.3's law gives {100 * min(vals):+.0f} to {100 * max(vals):+.0f} % at these budgets"
+                if vals else "n/a (no budget inside the data)")
     inside = [c for c in g.get("cells", []) if not c.get("extrapolated")]
     if "error" in scal or not g.get("available"):
         why = _short(scal.get("error") or "; ".join(g.get("why", [])) or "no gains")
-        return _claim("ce_gain", f"no number: {why}", "not resolved")
+        return _claim("ce_gain", f"no number: {why}", "not resolved", f"{law_text} (**not resolved**)")
     if not inside:
-        return _claim("ce_gain", "every budget extrapolated (see the scaling tables)", "not resolved")
+        return _claim("ce_gain", "every budget extrapolated (see the scaling tables)", "not resolved",
+                      f"{law_text} (**not resolved**)")
     ivs = [_interval(c.get("interval")) for c in inside]
     text = "; ".join(f"{c['sparsity_label']} at {c['budget']:.2g}: {c['text']}" for c in inside)
     few = next((iv.n for iv in ivs if iv is not None and iv.few_units), None)
     text += (f"; a cell bootstrap over {few} cells decides nothing (fewer than {stats.MIN_BOOTSTRAP_UNITS} units: "
              f"too narrow, docs/wins.md)" if few else "")
+    here = stats.all_of([stats.verdict(iv, law_dir, 0.0) for iv in ivs]) if law_dir else "not resolved"
     return _claim("ce_gain", text + f" (budgets: {scal.get('budget_rule', 'n/a')})",
-                  stats.all_of([stats.verdict(iv, ">", 0.0) for iv in ivs]))
+                  stats.all_of([stats.verdict(iv, ">", 0.0) for iv in ivs]), f"{law_text} (**{here}**)")
 
 
 def _rows(rows: list[list]) -> str:
@@ -309,16 +422,28 @@ def _section_training(ts: dict, rows: list[dict], ladder: list[dict]) -> list[st
     rank = lambda r: (order.get(configs.cell_key(r["scale"], r["sparsity_label"]), 99), r.get("seed", 0), r["arch"])
     noise = TEXT["training.noise"].format_map({
         **rep, "diff": _iv(rep["diff"], 4), "sd": "n/a" if rep.get("baseline_seed_sd") is None
-        else f"{rep['baseline_seed_sd']:.4f}"}) if rep else ""
+        else f"{rep['baseline_seed_sd']:.4f}", "here": _gap_here(rep["law"]["direction"], rep["verdict_here"]) + "."})\
+        if rep else ""
     unigram = (f" On this validation set (the same tokens every model is scored on) the unigram model fitted on the "
                f"training stream scores {lr['unigram_val_loss']:.3f}." if lr.get("unigram_val_loss") else "")
     fin = sorted(finals(rows).items(), key=lambda kv: rank(kv[1]))   # ladder order, then seed, then arch
+    said = lambda law: "SMELT higher" if law["direction"] == ">" else "SMELT lower"
+    oc, gd, D = ts.get("over_cells"), ts.get("gap_vs_D") or {}, [r["D"] for r in rows]
+    over = (f" Over the {len(ts['cells'])} cells, each cell's seed-0 pair one unit, SMELT - Baseline is "
+            f"**{_iv(oc['diff'], 4)}** nats ({oc['verdict']}; against the law here: {oc['verdict_here']})." if oc else "")
     return _text("training", **lr, target=lr["entropy"] - 1.5, met="met" if lr["all_final"] else "**not met**",
-                 unigram=unigram, noise=noise,
+                 unigram=unigram, noise=noise, over_cells=over, crossover=_sci(PAPER_CROSSOVER_D),
+                 tokens=f"{_sci(min(D))}-{_sci(max(D))}" if D else "none",
                  runs=_rows([name, f"{r['D'] / 1e6:.2f}M", f"{r['val_loss']:.3f}",
                              f"{lr['entropy'] - r['val_loss']:.2f}"] for name, r in fin),
                  cells=_rows([c["scale"], c["sparsity_label"], f"{100 * c['S']:.1f} %", f"{c['baseline']:.4f}",
-                              f"{c['smelt']:.4f}", _iv(c["diff"], 4), c["verdict"]] for c in ts["cells"]))
+                              f"{c['smelt']:.4f}", _iv(c["diff"], 4), c["verdict"], said(c["law"]), c["verdict_here"]]
+                             for c in ts["cells"]),
+                 gap_rows=_rows([p["cell"] + (f" seed {p['seed']}" if p["seed"] else ""),
+                                 ", ".join(f"{d / 1e6:.2f}M" for d in p["D"]), ", ".join(f"{g:+.3f}" for g in p["gap"]),
+                                 _iv(p["slope"], 4), f"{p['law_slope']:+.3g} (sign only)"] for p in gd.get("pairs", [])),
+                 gap_n=len(gd.get("pairs", [])), gap_mean=_iv(gd.get("mean"), 4),
+                 gap_verdict=gd.get("verdict", "not resolved"))
 
 
 def _section_scaling(scal: dict, out: Path) -> list[str]:
@@ -383,7 +508,7 @@ def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev
     L += _section_plan(plan, ladder, rows, cost) + _section_ladder(ladder) + _section_training(ts, rows, ladder)
     L += _section_scaling(scal, out) + _section_downstream(ev_sum, out)
     L += _section_probes(prb, pclaims, out, loop_count(ladder))
-    L += _text("claims", rows=_rows(_claim_rows(ts, scal, pclaims, ev_sum, prb, out)))
+    L += _text("claims", rows=_rows(_claim_rows(ts, scal, pclaims, ev_sum, prb, out)), crossover=_sci(PAPER_CROSSOVER_D))
     path = out / "REPORT.md"
     path.write_text("\n".join(L))
     return path

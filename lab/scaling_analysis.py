@@ -18,6 +18,7 @@ import warnings
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -25,9 +26,10 @@ import numpy as np
 import checks
 from lab import scaling_report, stats
 from lab.scaling_report import cell_text, markdown, paper_tables, pct_text, tpp_text, why_text
-from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BUDGETS, RULES, Coeffs, FitResult, Points, Rules, ce_gain,
-                     cell_id, check_budget, check_rows, data_ranges, fit, fit_result, optimal_flops_per_token,
-                     read_results, seed_means, short_num, split_control, subset_points, to_points, tpp)
+from scaling import (CONTROL_LABEL, GAIN_FLOOR, PAPER_BASELINE, PAPER_BUDGETS, PAPER_CROSSOVER_D, PAPER_SMELT,
+                     RULES, Coeffs, FitResult, Points, Rules, ce_gain, cell_id, check_budget, check_rows,
+                     data_crossover, data_ranges, fit, fit_result, loss, optimal_flops_per_token, read_results, seed_means,
+                     short_num, split_control, subset_points, to_points, tpp)
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Bootstrap:
     n_draws: int = 0
     n_failed: int = 0        # failed draws: a refit raised, was not identified, or gave a non-finite number
     failures: dict = field(default_factory=dict)   # "surface: reason key" -> count
-    coefs: np.ndarray | None = None   # (n_ok, n_surfaces, 3): each refit's a, c and gamma = ac / (a + c)
+    coefs: np.ndarray | None = None   # (n_ok, n_surfaces, 4): each refit's a, c, gamma = ac / (a + c), log10 K
     names: tuple = ()                 # the surfaces' names
 
     @property
@@ -78,7 +80,7 @@ def _bootstrap_chunk(args) -> tuple[list, list, list, Counter]:
                     reason = "non-finite gain or TPP"
         if reason is None:
             gains.append(g); tpps.append(t)
-            coefs.append([[f.a, f.c, f.gamma] for f in fits])
+            coefs.append([[f.a, f.c, f.gamma, math.log10(f.K)] for f in fits])
         else:
             failed[reason] += 1
     return gains, tpps, coefs, failed
@@ -117,7 +119,7 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
                       f"(counted as failures in every interval): {dict(failures)}", stacklevel=2)
     gain = None if ref is None else (np.array(gains) if gains else np.empty((0, len(C), len(S))))
     return Bootstrap(gain, np.array(tpps) if tpps else np.empty((0, len(surfaces), len(S))), n_draws, n_failed,
-                     dict(failures), np.array(coefs) if coefs else np.empty((0, len(surfaces), 3)),
+                     dict(failures), np.array(coefs) if coefs else np.empty((0, len(surfaces), 4)),
                      names[:len(surfaces)])
 
 
@@ -213,16 +215,23 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
 
 def design_shape(plan, ladder: Sequence[dict]) -> dict:
     """The grid a plan fits (its sparse cells; S = 0 controls are never fitted) with `grid_totals`' spans and points;
-    F span: the smaller of the two architectures' (scripts/grid_power.py, reproduce's plan line)."""
+    F span: the smaller of the two architectures' (scripts/grid_power.py, reproduce's plan line). Also each
+    architecture's F and S per cell and the endpoints' tokens D, as its training rows will record them."""
     import budget
     from lab.downstream_claims import label_percent
     from model import ModelConfig
     cells = [c for c in ladder if c["sparsity_label"] != CONTROL_LABEL]
-    F = [[budget.flops_per_token(ModelConfig.from_dict(c[a]), c["ctx_len"]) for c in cells]
-         for a in ("baseline", "smelt")]
-    return grid_totals(dict(n_scales=len({c["scale"] for c in cells}), F_span=min(max(f) / min(f) for f in F),
-                            horizons=[b + plan.decay_steps for b in plan.branch_steps],
-                            sparsities=sorted({label_percent(c["sparsity_label"]) / 100 for c in cells})),
+    cfgs = {a: [ModelConfig.from_dict(c[a]) for c in cells] for a in ("baseline", "smelt")}
+    F = {a: [budget.flops_per_token(m, c["ctx_len"]) for m, c in zip(cfgs[a], cells)] for a in cfgs}
+    ctrl = [budget.dense_control(m) for m in cfgs["baseline"]]          # train.py's S: against the dense control
+    S = {a: [budget.sparsity(f, budget.count_params(m)["blocks"], budget.flops_per_token(k, c["ctx_len"]),
+                             budget.count_params(k)["blocks"]) for f, m, k, c in zip(F[a], cfgs[a], ctrl, cells)]
+         for a in cfgs}
+    steps = [b + plan.decay_steps for b in plan.branch_steps]
+    return grid_totals(dict(n_scales=len({c["scale"] for c in cells}), F_span=min(max(f) / min(f) for f in F.values()),
+                            horizons=steps, sparsities=sorted({label_percent(c["sparsity_label"]) / 100 for c in cells}),
+                            F=F, S=S, D=[s * plan.batch_size * plan.block_size for s in steps],
+                            cells=[cell_id(c) for c in cells]),
                        n_cells=len(cells))
 
 
@@ -234,21 +243,79 @@ def grid_totals(shape: dict, n_cells: int | None = None) -> dict:
     return dict(shape, horizons=h, D_span=1 / min(h), C_span=shape["F_span"] / min(h), n_cells=n, points=n * len(h))
 
 
-def design_power(shape: Mapping, noise: float = 0.005, seeds: int = 8) -> dict:
-    """How often both of Table 4.3's surfaces, drawn on `shape` with log-normal `noise`, refit identified
-    (scaling.calibrate_rules): a geometric proxy of the design's power, not a forecast of our losses."""
+MEASURED_PRIOR = Path(__file__).with_name("measured_surfaces.json")   # the fits run's surfaces (docs/plans.md)
+
+
+def load_prior(path: str | Path = MEASURED_PRIOR) -> dict:
+    """{"source": str, "surfaces": {arch: (Coeffs, log-noise)}, "why": {arch: [...]}} from a prior file
+    (save_prior); a surface with reasons in "why" is a best fit that `identify` did not accept."""
+    d = checks.read_hashed_json(Path(path), ("source", "surfaces"))
+    return {"source": d["source"], "why": {a: v["why"] for a, v in d["surfaces"].items()},
+            "surfaces": {a: (Coeffs(**{k: v[k] for k in "EAKabc"}), float(v["log_noise"]))
+                         for a, v in d["surfaces"].items()}}
+
+
+def save_prior(path: str | Path, rows: Sequence[dict], source: str) -> dict:
+    """Fit each architecture's rows as analyse does and write the surfaces with their log-noise (the RMS of the log
+    residuals) as a prior for design_power: a forecast needs the best estimate of our surface, so one that is not
+    identified is kept, with its reasons (a prior, never a reported result)."""
+    g = _group(seed_means(rows), False, "smelt", "baseline")
+    _fit_all(g, RULES)
+    surfaces = {}
+    for a, res in sorted(g.results.items()):
+        p, co = g.pts[a], res.coeffs
+        noise = float(np.sqrt(np.mean((np.log(loss(co, p.F, p.S, p.D)) - np.log(p.L)) ** 2)))
+        surfaces[a] = {**asdict(co), "log_noise": noise, "why": list(g.why[a])}
+    checks.write_json(Path(path), {"source": source, "surfaces": surfaces})
+    return surfaces
+
+
+def design_power(shape: Mapping, noise: float | None = None, seeds: int = 8, prior: str | Path = "measured") -> dict:
+    """How often each surface refits identified when drawn on `shape` with log-normal noise. prior "measured" (or a
+    prior file): surfaces measured at our scale (load_prior), drawn at the plan's own F, S and D with each one's
+    measured noise (`noise` overrides it): a forecast of what a run will identify. "paper": Table 4.3's surfaces at
+    the paper's F and D (scaling.calibrate_rules, noise 0.005): a geometric proxy only."""
     from scaling import calibrate_rules, data_checks
     S = shape["sparsities"]
     b_free = len(S) > 1                                   # one sparsity: b is pinned to 0 (_fit_all)
     spans = {"C": shape["C_span"], "F": shape["F_span"], "D": shape["D_span"],
              "one_minus_S": (1 - min(S)) / (1 - max(S))}
     why = data_checks(shape["points"], 6 - (not b_free), spans, b_free)
+    out = {"prior": "Table 4.3 at the paper's F and D" if prior == "paper" else None, "noise": noise,
+           "datasets": 0, "identified": 0, "identified_by_arch": {}, "why": why}
     if why:                                               # the data rules fail on any surface: nothing to simulate
-        return {"noise": noise, "datasets": 0, "identified": 0, "why": why}
-    grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}
-    res = calibrate_rules(F_spans=(shape["F_span"],), D_spans=(shape["D_span"],), noises=(noise,), seeds=seeds,
-                          grid=grid)
-    return {"noise": noise, "datasets": len(res), "identified": sum(r["identified"] for r in res), "why": []}
+        return out
+    if prior == "paper":
+        noise = 0.005 if noise is None else noise
+        grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}
+        res = calibrate_rules(F_spans=(shape["F_span"],), D_spans=(shape["D_span"],), noises=(noise,), seeds=seeds,
+                              grid=grid)
+        return dict(out, noise=noise, datasets=len(res), identified=sum(r["identified"] for r in res))
+    pr = load_prior(MEASURED_PRIOR if prior == "measured" else prior)
+    hits = {a: [] for a in pr["surfaces"]}
+    for seed in range(seeds):
+        for a, p in prior_points(shape, pr, noise, seed).items():
+            with warnings.catch_warnings(action="ignore"):
+                hits[a].append(fit_result(p.F, p.S, p.D, p.L, fixed={} if b_free else {"b": 0.0}, n_starts=8).identified)
+    weak = [a for a, w in pr["why"].items() if w]
+    src = f"measured: {pr['source']}" + (f" ({', '.join(weak)}: a best fit that is not identified)" if weak else "")
+    return dict(out, prior=src, noise={a: sd if noise is None else noise
+                                                               for a, (_, sd) in pr["surfaces"].items()},
+                datasets=seeds, identified=int(sum(all(h) for h in zip(*hits.values()))),
+                identified_by_arch={a: int(sum(h)) for a, h in hits.items()})
+
+
+def prior_points(shape: Mapping, prior: dict, noise: float | None = None, seed: int = 0) -> dict[str, Points]:
+    """Each prior surface (load_prior) drawn at `shape`'s own F and S per cell and D per endpoint, with log-normal
+    noise (its measured one unless `noise`), one independent draw per surface and seed."""
+    D, out = np.asarray(shape["D"], dtype=float), {}
+    for k, (a, (co, sd)) in enumerate(sorted(prior["surfaces"].items())):
+        rng = np.random.default_rng([seed, k])
+        F, S = (np.repeat(np.asarray(shape[x][a], dtype=float), len(D)) for x in ("F", "S"))
+        Da = np.tile(D, len(shape["F"][a]))
+        L = loss(co, F, S, Da) * np.exp((sd if noise is None else noise) * rng.standard_normal(len(F)))
+        out[a] = Points(F, S, Da, L, np.repeat(shape["cells"], len(D)))
+    return out
 
 
 @dataclass
@@ -458,6 +525,10 @@ def _derived(g: _Grid, gains: dict, budgets: list, tpp_C, boots: dict) -> dict:
 
     out = {f"{k}_diff": claim(getattr(ft, k) - getattr(fr, k), bs.coefs[:, 0, i] - bs.coefs[:, 1, i])
            for i, k in enumerate(("a", "c", "gamma"))}
+    dlogK, dc = bs.coefs[:, 0, 3] - bs.coefs[:, 1, 3], bs.coefs[:, 0, 1] - bs.coefs[:, 1, 1]
+    out["log10K_diff"] = claim(math.log10(ft.K / fr.K), dlogK)            # K_target > K_ref: > 0
+    with np.errstate(divide="ignore", invalid="ignore"):                  # c_t = c_r: no crossover (inf / nan)
+        out["log10_crossover"] = claim(math.log10(data_crossover(ft, fr)) if ft.c != fr.c else math.nan, dlogK / dc)
     for j, (lab, s) in enumerate(g.cols.items()):
         column = gains["cells"][j::len(g.cols)]                        # this column's cell at every budget
         inside = [i for i, c in enumerate(column) if not (c["extrapolated"] or c["gain"] is None)]
@@ -469,6 +540,20 @@ def _derived(g: _Grid, gains: dict, budgets: list, tpp_C, boots: dict) -> dict:
                                          **{"from": budgets[i1], "to": budgets[i2]})
         ratio = float(tpp(ft, tpp_C, s) / tpp(fr, tpp_C, s))      # not |ratio - 1|: folded, biased
         out[f"tpp_ratio/{lab}"] = claim(ratio, bs.tpp[:, 0, j] / bs.tpp[:, 1, j])
+    return out
+
+
+def law_here(budgets: Sequence[float], cols: Mapping[str, float], tpp_C: float | None) -> dict:
+    """What Table 4.3's surfaces predict at this run's budgets and sparsity columns (SMELT over Baseline): CE gain,
+    its growth per decade and the TPP ratio. Extrapolated decades below the paper's window: read signs only."""
+    t, r = PAPER_SMELT, PAPER_BASELINE
+    out = {"gain": {lab: [float(ce_gain(t, r, C, s)) for C in budgets] for lab, s in cols.items()},
+           "crossover_D": PAPER_CROSSOVER_D, "budgets": list(budgets)}
+    if len(budgets) >= 2:
+        dec = math.log10(budgets[-1] / budgets[0])
+        out["growth_pp"] = {lab: 100 * (g[-1] - g[0]) / dec for lab, g in out["gain"].items()}
+    if tpp_C is not None:
+        out["tpp_ratio"] = {lab: float(tpp(t, tpp_C, s) / tpp(r, tpp_C, s)) for lab, s in cols.items()}
     return out
 
 
@@ -549,6 +634,7 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     gains = report["gains"] = _gain_cells(g, budgets, boots, no_boot)
     report["tpp"] = {a: _tpp_cells(g, a, tpp_C, boots, no_boot) for a in g.archs}
     report["derived"] = _derived(g, gains, budgets, tpp_C, boots)
+    report["law_here"] = law_here(budgets, g.cols, tpp_C)
     if gains["available"]:           # per-subset gains and quartiles (SMELT 5.2): only from two identified surfaces
         report["subsets"], report["quartiles"] = _subset_report(g, tpp_C, [r for r in means if r["arch"] == ref])
     else:

@@ -80,6 +80,21 @@ def mean_interval(x: Sequence[float], level: float = 0.95) -> Interval:
     return Interval(m, m - half, m + half, n, level, "t")
 
 
+def slope_interval(x: Sequence[float], y: Sequence[float], level: float = 0.95) -> Interval:
+    """OLS slope of y on x with its t-interval (n - 2 degrees of freedom); none (bounds nan) from 2 points."""
+    _check_level(level)
+    vx, vy = _vector(x, "x"), _vector(y, "y")
+    if vx.shape != vy.shape or vx.size < 2 or np.ptp(vx) == 0:
+        raise ValueError(f"slope_interval: needs x and y of equal length >= 2 with x spread, got {vx.size}, {vy.size}")
+    xc = vx - vx.mean()
+    slope = float(xc @ (vy - vy.mean()) / (xc @ xc))
+    if vx.size < 3:
+        return Interval(slope, math.nan, math.nan, vx.size, level, "ols")
+    resid = vy - vy.mean() - slope * xc
+    half = t_quantile(0.5 + level / 2, vx.size - 2) * math.sqrt(float(resid @ resid) / (vx.size - 2) / float(xc @ xc))
+    return Interval(slope, slope - half, slope + half, vx.size, level, "ols")
+
+
 def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
     """Interval of mean(b - a) over paired units (a[i] and b[i] share seed / batch / item)."""
     va, vb = _vector(a, "a"), _vector(b, "b")

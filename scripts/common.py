@@ -40,10 +40,11 @@ from model import ModelConfig  # noqa: E402
 from reproduce import log  # noqa: E402
 
 
-def parser(doc: str, training: bool = True, scale: str | None = None) -> argparse.ArgumentParser:
+def parser(doc: str, training: bool = True, scale: str | None = None,
+           presets: tuple = configs.SCRIPT_PRESETS) -> argparse.ArgumentParser:
     """The arguments every script takes (training=False: no --steps, --seed or --jobs; `scale`: --scale's default)."""
     ap = checks.parser(doc)
-    ap.add_argument("--preset", default="tiny", choices=configs.SCRIPT_PRESETS,
+    ap.add_argument("--preset", default="tiny", choices=presets,
                     help="smoke: seconds on any CPU; tiny: minutes on 2 CPU cores; small: one GPU"
                          + (" (a medium-length sweep: --preset small --steps N)" if training else ""))
     checks.add_out_dir(ap, "output directory (default: runs/scripts/NAME_PRESET[_sSTEPS])")

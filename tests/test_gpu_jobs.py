@@ -1,5 +1,6 @@
 """Several runs sharing one GPU (issue 24): --jobs on CUDA, the default rule, the workers' threads, and the
-cost model's wall time by jobs. CUDA is reported available by a patch (restored); nothing runs on a GPU."""
+cost model's wall time by jobs; on a CPU, one run per core within RAM (issue 52). CUDA is reported available (or
+not) by a patch (restored); nothing runs on a GPU."""
 from __future__ import annotations
 
 import operator
@@ -37,7 +38,9 @@ def test_parse_args_accepts_several_jobs_and_leaves_the_default_to_the_machine(c
 
 
 @pytest.mark.parametrize("device,cpus,free,per_run,want", [
-    ("cpu", 1, None, None, 1), ("cpu", 2, None, None, 2), ("cpu", 64, None, None, 2),
+    ("cpu", 1, None, None, 1), ("cpu", 2, None, None, 2), ("cpu", 64, None, None, 64),   # one per core
+    ("cpu", 16, 100 * GiB, 13 * GiB // 10, 16), ("cpu", 2, 100 * GiB, GiB, 2),            # plenty of RAM
+    ("cpu", 16, 7 * GiB, 2 * GiB, 3), ("cpu", 16, GiB // 2, GiB, 1),                       # capped by RAM, never 0
     ("cuda", 2, None, None, 1), ("cuda", 8, None, None, 2), ("cuda", 16, None, None, 4), ("cuda", 64, None, None, 4),
     ("cuda", 16, 139 * GiB, 7 * GiB, 4),                       # the lent H200 host at the small preset: not capped
     ("cuda", 16, 10 * GiB, 4 * GiB, 2), ("cuda", 16, 3 * GiB, 4 * GiB, 1)])   # capped by memory, never below 1
@@ -64,6 +67,28 @@ def test_choose_jobs_on_cuda_shares_the_cores_and_refuses_jobs_beyond_gpu_memory
     with mock.patch.object(reproduce, "free_gpu_bytes", return_value=3 * per_run // 2):
         with pytest.raises(checks.UserError, match="--jobs 3 on one GPU needs .* use --jobs 1"):
             reproduce.choose_jobs(3, plan, ladder)
+
+
+def test_choose_jobs_on_cpu_follows_the_cores_and_the_memory(smoke_plan):
+    """One single-threaded worker per core, at most the runs RAM holds at cpu_bytes_per_run; the why is printed."""
+    plan, ladder, *_ = smoke_plan
+    per_run = reproduce.cpu_bytes_per_run(plan, ladder)
+    assert per_run > reproduce.CPU_WORKER_OVERHEAD_BYTES
+    with mock.patch.object(torch.cuda, "is_available", return_value=False), \
+            mock.patch.object(reproduce.os, "cpu_count", return_value=16):
+        for free, want in ((100 * GiB, 16), (3 * per_run + per_run // 2, 3), (per_run // 2, 1), (None, 16)):
+            with mock.patch.object(reproduce, "free_cpu_bytes", return_value=free):
+                jobs, rt = reproduce.choose_jobs(None, plan, ladder)
+                threads = 1 if want > 1 else torch.get_num_threads()   # one job trains in-process
+                assert (jobs, rt["jobs"], rt["threads_per_worker"], rt["device"]) == (want, want, threads, "cpu"), free
+                assert rt["jobs_from"].startswith("default_jobs: 16 cores, ")
+                assert ("memory unknown" if free is None else f"{free / GiB:.1f} GiB available") in rt["jobs_from"]
+        with mock.patch.object(reproduce, "free_cpu_bytes", return_value=100 * GiB):
+            jobs, rt = reproduce.choose_jobs(5, plan, ladder)
+            assert (jobs, rt["jobs_from"][:len("--jobs: 16 cores")]) == (5, "--jobs: 16 cores")
+        with mock.patch.object(reproduce.os, "cpu_count", return_value=2), \
+                mock.patch.object(reproduce, "free_cpu_bytes", return_value=100 * GiB):
+            assert reproduce.choose_jobs(None, plan, ladder)[0] == 2
 
 
 def test_pool_workers_get_the_threads_they_are_given():

@@ -261,7 +261,8 @@ def test_failed_draw_share_counts_unidentified_refits():
 
 
 def test_noise_free_cell_bootstrap_refits_record_the_true_a_c_gamma_gain_and_tpp():
-    """Noise-free grids: every identified refit is the truth, so coefs = (a, c, ac/(a+c)) and gain / TPP are the true ones."""
+    """Noise-free grids: every identified refit is the truth, so coefs = (a, c, ac/(a+c), log10 K) and gain / TPP are the
+    true ones."""
     kw = dict(sparsities=(0.85, 0.95), fracs=(0.25, 0.5, 1.0))
     tgt, ref = grid(PAPER_SMELT, **kw), grid(PAPER_BASELINE, **kw)
     with warnings.catch_warnings():
@@ -269,7 +270,7 @@ def test_noise_free_cell_bootstrap_refits_record_the_true_a_c_gamma_gain_and_tpp
         bs = cell_bootstrap(tgt, ref, 1e19, 0.9, tpp_C=1e20, n_draws=4, seed=1, n_jobs=1,
                             init=(PAPER_SMELT, PAPER_BASELINE), n_starts=1)
     assert len(bs.coefs) >= 2
-    want = np.array([[co.a, co.c, co.a * co.c / (co.a + co.c)] for co in (PAPER_SMELT, PAPER_BASELINE)])
+    want = np.array([[co.a, co.c, co.a * co.c / (co.a + co.c), np.log10(co.K)] for co in (PAPER_SMELT, PAPER_BASELINE)])
     np.testing.assert_allclose(bs.coefs, np.broadcast_to(want, bs.coefs.shape), rtol=1e-5)
     np.testing.assert_allclose(bs.gain[:, 0, 0], ce_gain(PAPER_SMELT, PAPER_BASELINE, 1e19, 0.9), rtol=1e-4)
     np.testing.assert_allclose(bs.tpp[:, :, 0], np.broadcast_to(
@@ -870,6 +871,9 @@ def test_derived_claims_and_failed_share_beside_every_interval(good_report):
         assert d[f"{k}_diff"]["point"] == pytest.approx(rep["fits"]["smelt"][k] - rep["fits"]["baseline"][k])
         assert abs(d[f"{k}_diff"]["point"] - truth[k]) < 0.08
     g = rep["fits"]
+    assert d["log10K_diff"]["point"] == pytest.approx(np.log10(g["smelt"]["K"] / g["baseline"]["K"]))
+    assert 10 ** d["log10_crossover"]["point"] == pytest.approx(scaling.data_crossover(
+        scaling.Coeffs(**{k: g["smelt"][k] for k in "EAKabc"}), scaling.Coeffs(**{k: g["baseline"][k] for k in "EAKabc"})))
     assert d["gamma_diff"]["point"] == pytest.approx(g["smelt"]["gamma"] - g["baseline"]["gamma"])
     for lab in rep["sparsity"]:
         tr, t = d[f"tpp_ratio/{lab}"], {a: next(c for c in rep["tpp"][a]["cells"] if c["sparsity_label"] == lab)
@@ -921,3 +925,24 @@ def test_quartiles_rank_sources_over_every_baseline_cell_with_the_control(tmp_pa
     sparse_only = scaling_analysis.quartile_gains(
         gains, [r["val_loss_by_source"] for r in base if r["sparsity_label"] != "S=0%"], n_groups=4)
     assert q["gain"] == pytest.approx(want.tolist()) and not np.allclose(want, sparse_only)
+
+
+def test_data_crossover_and_law_gap():
+    """D* = (K_t / K_r)^(1 / (c_t - c_r)) equalises the two data terms; Table 4.3's is the paper's ~1.6e10; equal
+    c: no crossover. law_gap is Eq. 2's difference at each model's own F and S."""
+    D = scaling.data_crossover(PAPER_SMELT, PAPER_BASELINE)
+    assert PAPER_SMELT.K / D ** PAPER_SMELT.c == pytest.approx(PAPER_BASELINE.K / D ** PAPER_BASELINE.c)
+    assert 1.5e10 < D < 1.7e10 and D == scaling.PAPER_CROSSOVER_D
+    assert math.isnan(scaling.data_crossover(PAPER_SMELT, replace(PAPER_BASELINE, c=PAPER_SMELT.c)))
+    g = scaling.law_gap(PAPER_SMELT, PAPER_BASELINE, np.array([2e6, 2e9]), 0.83, np.array([2.1e6, 2e9]), 0.84,
+                        np.array([1e5, 1e11]))
+    assert g[0] > 0 > g[1]                                       # SMELT higher at our F and D, lower at the paper's
+    assert g[0] == pytest.approx(loss(PAPER_SMELT, 2e6, 0.83, 1e5) - loss(PAPER_BASELINE, 2.1e6, 0.84, 1e5))
+
+
+def test_law_here_at_our_budgets_gives_a_negative_ce_gain():
+    """The paper's own surfaces at a tiny run's compute (~1e12 FLOPs): CE gain < 0 and TPP ratio != 1; only signs
+    are read (Table 4.3 extrapolated eight decades)."""
+    law = scaling_analysis.law_here([6e11, 1.2e12, 2.5e12], {"S~85%": 0.83}, 1.2e12)
+    assert all(g < 0 for g in law["gain"]["S~85%"]) and law["growth_pp"]["S~85%"] > 0
+    assert law["crossover_D"] == scaling.PAPER_CROSSOVER_D and law["tpp_ratio"]["S~85%"] > 1
