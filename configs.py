@@ -1,4 +1,4 @@
-"""Every preset in one place, as plain tables; a preset names a size (smoke | tiny | small | medium | paper):
+"""Every preset in one place, as plain tables; a preset names a size (smoke | tiny | fits | small | medium | paper):
   * LADDERS       each size's Baseline grid (SMELT Appendix A for `paper`) and budget.match's search options;
                   budget.ladder_cells matches a SMELT to each (SMELT 3.2).
   * DATA_PRESETS  the corpus sizes corpus.prepare builds.

@@ -244,14 +244,14 @@ def _scaling_claims(scal: dict) -> list[list[str]]:
     tpp = {k.split("/", 1)[1]: d for k, d in der.items() if k.startswith("tpp_ratio/")}
     v_gamma = stats.all_of([verdict(d, ">") for _, d in parts]) if der else "not resolved"
     v_grow = stats.all_of([verdict(d, ">") for d in grow.values()])
-    law_grow = law.get("growth_pp") or {}
-    grow_here = ("n/a (fewer than two budgets)" if not law_grow else
-                 f"Table 4.3's law gives {', '.join(f'{lab} {v:+.0f}' for lab, v in law_grow.items())} pp per decade "
-                 f"at these budgets: **{stats.all_of([verdict(d, '>' if law_grow.get(lab, 0) > 0 else '<') for lab, d in grow.items()])}**")
-    law_tpp = law.get("tpp_ratio") or {}
-    tpp_here = ("n/a (no budget)" if not law_tpp else
-                f"Table 4.3's law gives a ratio of {', '.join(f'{lab} {v:.3f}' for lab, v in law_tpp.items())} at this "
-                f"budget; the side of 1 against it: **{stats.all_of([verdict(d, '>' if law_tpp.get(lab, 1) > 1 else '<', 1.0) for lab, d in tpp.items()])}**")
+    law_grow, law_tpp = law.get("growth_pp") or {}, law.get("tpp_ratio") or {}
+    side = lambda x, mid: ">" if x > mid else "<"                          # the side of `mid` the law gives
+    here_grow = stats.all_of([verdict(d, side(law_grow.get(lab, 0.0), 0.0)) for lab, d in grow.items()])
+    here_tpp = stats.all_of([verdict(d, side(law_tpp.get(lab, 1.0), 1.0), 1.0) for lab, d in tpp.items()])
+    grow_here = ("n/a (fewer than two budgets)" if not law_grow else "Table 4.3's law gives " + ", ".join(
+        f"{lab} {v:+.0f}" for lab, v in law_grow.items()) + f" pp per decade at these budgets: **{here_grow}**")
+    tpp_here = ("n/a (no budget)" if not law_tpp else "Table 4.3's law gives a ratio of " + ", ".join(
+        f"{lab} {v:.3f}" for lab, v in law_tpp.items()) + f" at this budget; the side of 1 against it: **{here_tpp}**")
     dk, dc, cross = der.get("log10K_diff"), der.get("c_diff"), der.get("log10_crossover")
     v_data = stats.all_of([verdict(dk, ">"), verdict(dc, ">")]) if dk else "not resolved"
     v_cross = (stats.all_of([verdict(cross, ">", math.log10(PAPER_CROSSOVER_D) - 1),

@@ -261,6 +261,8 @@ def save_prior(path: str | Path, rows: Sequence[dict], source: str) -> dict:
     identified is kept, with its reasons (a prior, never a reported result)."""
     g = _group(seed_means(rows), False, "smelt", "baseline")
     _fit_all(g, RULES)
+    if missing := [a for a in g.archs if a not in g.results]:
+        raise ValueError(f"no surface to save for {', '.join(missing)}: {'; '.join(w for a in missing for w in g.why[a])}")
     surfaces = {}
     for a, res in sorted(g.results.items()):
         p, co = g.pts[a], res.coeffs

@@ -53,8 +53,8 @@ def parser(doc: str, training: bool = True, scale: str | None = None,
                         help="stable training steps per run (default: smoke 30, tiny 40, small 600)")
         ap.add_argument("--seed", type=checks.nonneg_int, default=0, help="initialisation and data-order seed")
         ap.add_argument("--jobs", type=checks.positive_int, default=None,
-                        help="runs trained at once, one thread each (default: 2 on a CPU with >= 2 cores for tiny, "
-                             "else 1; small runs on one CUDA device one at a time)")
+                        help="runs trained at once, one thread each (default: one per CPU core for tiny, else 1; "
+                             "small runs on one CUDA device one at a time)")
     else:
         ap.set_defaults(steps=None, seed=0, jobs=None)
     ap.add_argument("--threads", type=checks.positive_int, default=None,
@@ -72,7 +72,7 @@ class Experiment:
         self.name, self.args, self.t0, self.data, self.queue = name, args, time.time(), None, []
         a = args
         self.plan = configs.PLANS[a.preset]
-        self.steps = a.steps or configs.SWEEP_STEPS[a.preset]
+        self.steps = a.steps or configs.SWEEP_STEPS.get(a.preset, self.plan.stable_steps)   # a plan-only preset: its own
         suffix = f"_s{a.steps}" if a.steps else ""
         self.out = Path(a.out_dir or ROOT / "runs" / "scripts" / f"{self.name}_{a.preset}{suffix}")
         self.out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ class Experiment:
         self.tc = trainer.TrainConfig(
             lr=p.lr, warmup_steps=max(1, round(p.warmup_steps * frac)), stable_steps=self.steps,
             decay_steps=max(1, round(p.decay_steps * frac)), batch_size=p.batch_size, block_size=p.block_size,
-            eval_tokens=configs.SWEEP_EVAL_TOKENS[a.preset], log_interval=max(1, self.steps // 4), seed=a.seed)
+            eval_tokens=configs.SWEEP_EVAL_TOKENS.get(a.preset, p.eval_tokens), log_interval=max(1, self.steps // 4), seed=a.seed)
         cpus = 1 if torch.cuda.is_available() else reproduce.default_jobs("cpu", os.cpu_count() or 1)
         self.jobs = a.jobs or (cpus if a.preset == "tiny" else 1)
         threads = a.threads or (1 if a.preset == "smoke" else None)

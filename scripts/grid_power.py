@@ -81,9 +81,11 @@ def analysed(shape: dict, prior: str, noise: float | None, seed: int, n_boot: in
 def build_parser():
     ap = common.parser(__doc__, training=False, presets=tuple(configs.PLANS))
     ap.add_argument("--prior", default="measured",
-                    help="measured (lab/measured_surfaces.json), paper (Table 4.3 at the paper's F and D), or a prior file")
+                    help="measured (lab/measured_surfaces.json), paper (Table 4.3 at the paper's F and D), or a prior file "
+                         "(default: measured)")
     ap.add_argument("--save-prior", metavar="RUN_DIR", default=None,
-                    help="fit RUN_DIR's results as its report does and write the surfaces as the measured prior, then stop")
+                    help="fit RUN_DIR's results as its report does and write the surfaces as the measured prior, then stop "
+                         "(default: none, simulate)")
     ap.add_argument("--noise", type=checks.positive_float, nargs="+", default=None,
                     help="log-normal noise of each simulated loss (default: measured prior, each surface's own; "
                          "paper prior, 0.002 0.003 0.005)")
@@ -93,12 +95,12 @@ def build_parser():
     ap.add_argument("--branch-steps", type=checks.positive_int, nargs="+", default=None,
                     help="the endpoints' branch steps (default: the plan's; the stable phase ends at the last)")
     ap.add_argument("--decay-steps", type=checks.positive_int, default=None, help="decay steps (default: the plan's)")
-    ap.add_argument("--n-scales", type=checks.positive_int, default=None, help="--prior paper: scales")
+    ap.add_argument("--n-scales", type=checks.positive_int, default=None, help="--prior paper: scales (default: the preset's fitted cells')")
     ap.add_argument("--sparsities", type=checks.positive_float, nargs="+", default=None,
                     help="--prior paper: sparse columns' S (default: the preset's)")
-    ap.add_argument("--F-span", type=checks.positive_float, default=None, help="--prior paper: largest / smallest F")
+    ap.add_argument("--F-span", type=checks.positive_float, default=None, help="--prior paper: largest / smallest F (default: the preset's)")
     ap.add_argument("--horizons", type=checks.positive_float, nargs="+", default=None,
-                    help="--prior paper: endpoints' D in any unit, divided by the largest")
+                    help="--prior paper: endpoints' D in any unit, divided by the largest (default: the plan's)")
     return ap
 
 
@@ -128,7 +130,8 @@ def main(argv=None) -> dict:
         if p["why"]:
             raise checks.UserError(f"no fit can be identified on this grid: {'; '.join(p['why'])}")
         common.log(f"prior: {p['prior']}")
-        row = {"noise": noise if noise is not None else p["noise"], "identified": p["identified"],
+        measured = ", ".join(f"{a} {v:.4f}" for a, v in p["noise"].items()) if isinstance(p["noise"], dict) else None
+        row = {"noise": noise if noise is not None else f"measured ({measured})", "identified": p["identified"],
                "datasets": p["datasets"], **{f"identified_{a}": n for a, n in p["identified_by_arch"].items()}}
         if args.prior == "paper":
             grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}

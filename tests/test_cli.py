@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("scripts_importable")   # scripts/ on sys.p
 MODULES = ["reproduce", "train", "lab.evaluate", "lab.scaling_analysis", "budget", "lab.bench", "lab.probe_pairs", "lab.corpus"]
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem != "common")
 ENTRY_POINTS = MODULES + SCRIPTS
-RUN_PRESETS = {"smoke", "tiny", "small", "medium", "paper"}
+RUN_PRESETS = {"smoke", "tiny", "fits", "small", "medium", "paper"}
 # options without a default that need none: inputs that are given or not (no computed default to explain)
 NO_DEFAULT_INPUTS = {"--run", "--pair", "--config", "--ladder", "--results", "--compare", "--baselines", "--model-json",
                      "--preset", "--data-dir", "--arch", "--scale", "--sparsity-label", "--source"}
@@ -79,7 +79,7 @@ def test_help_follows_the_convention(name):
 
 
 def test_presets_are_one_set():
-    """reproduce.py and budget.py --ladder take every run size; the scripts take the same three;
+    """reproduce.py and budget.py --ladder take every run size; the scripts take the same three (grid_power every one);
     the corpus presets (data.py --preset, train.py --data) are the sizes with their own corpus."""
     import configs
     runs = set(options(parser_of("reproduce"))["--preset"].choices)
@@ -87,8 +87,9 @@ def test_presets_are_one_set():
     assert set(options(parser_of("budget"))["--ladder"].choices) == RUN_PRESETS
     sized = [n for n in SCRIPTS if "--preset" in options(parser_of(n))]
     assert set(SCRIPTS) - set(sized) == {"render_notebooks", "fault_table"}   # the tools that have no run size
-    for name in sized:
-        assert set(options(parser_of(name))["--preset"].choices) == {"smoke", "tiny", "small"}, name
+    for name in sized:   # grid_power trains nothing: it takes every plan (fits, medium, paper too)
+        want = RUN_PRESETS if name == "grid_power" else {"smoke", "tiny", "small"}
+        assert set(options(parser_of(name))["--preset"].choices) == want, name
     assert set(options(parser_of("lab.corpus"))["--preset"].choices) == set(configs.DATA_PRESETS) == {"smoke", "tiny", "small"}
     assert set(options(parser_of("train"))["--data"].choices) == set(configs.DATA_PRESETS) | {"synthetic"}
 

@@ -51,11 +51,15 @@ def test_report_states_noise_and_verdicts(smoke):
     assert rep["seeds"] == configs.PLANS["smoke"].train_seeds
     iv = stats.paired_difference(rep["baseline"], rep["smelt"])
     assert rep["diff"]["mean"] == pytest.approx(iv.mean) and rep["verdict"] == stats.verdict(iv, "<")
-    # every claims row ends in one of the three verdicts
+    # every claims row: a verdict against the paper's own scale, then the law at this scale with its verdict or n/a
     claims = text.split("## Claims")[1].splitlines()
-    verdict_rows = [line for line in claims if line.startswith("| ") and not line.startswith("| paper claim")]
-    assert verdict_rows and all(line.rstrip(" |").rsplit("| ", 1)[-1].strip() in stats.VERDICTS
-                                for line in verdict_rows)
+    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in claims
+            if line.startswith("| ") and not line.startswith("| paper claim")]
+    assert rows and all(len(r) == 5 and r[3] in stats.VERDICTS for r in rows)
+    here = [re.search(r"\*\*(reproduced|contradicted|not resolved)\*\*", r[4]) for r in rows]
+    assert all(m or r[4].startswith("n/a") for m, r in zip(here, rows))
+    head = next(r for r in rows if r[0].startswith("SMELT - Baseline < 0, paired"))
+    assert ("SMELT higher" in head[4]) == (ts["repeat"]["law"]["direction"] == ">")
     # no number a degenerate fit produced: nothing with more than 8 digits
     body = "\n".join(line for line in text.splitlines() if not line.startswith("> **Run summary"))  # commit hash
     assert not re.search(r"\d{9,}", body), re.findall(r"\S*\d{9,}\S*", body)[:5]

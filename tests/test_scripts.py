@@ -286,17 +286,20 @@ def test_grid_power_reads_the_preset_shape_and_the_fits_decide(tmp_path):
     shape = grid_power.preset_shape("small")
     assert shape["n_scales"] == 4 and shape["sparsities"] == [0.85, 0.95, 0.97] and 4.5 < shape["F_span"] < 5.5
     assert shape["horizons"] == [75 / 490, 160 / 490, 295 / 490, 1.0]
-    new = grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "new"), "--noise", "0.005", "--seeds", "3"])
-    old = grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "old"), "--noise", "0.005", "--seeds", "3",
+    paper = ["--preset", "small", "--prior", "paper"]          # Table 4.3's surfaces on the shape: the geometric proxy
+    new = grid_power.main([*paper, "--out-dir", str(tmp_path / "new"), "--noise", "0.005", "--seeds", "3"])
+    old = grid_power.main([*paper, "--out-dir", str(tmp_path / "old"), "--noise", "0.005", "--seeds", "3",
                            "--n-scales", "3", "--sparsities", "0.85", "0.95", "--F-span", "2.92",
                            "--horizons", "140", "280", "490"])
     assert (new["rows"][0]["identified"], old["rows"][0]["identified"]) == (3, 0)
     assert json.loads((tmp_path / "new" / "results.json").read_text())["shape"]["D_span"] == pytest.approx(490 / 75)
-    boot = grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "boot"), "--noise", "0.002", "--seeds",
+    boot = grid_power.main([*paper, "--out-dir", str(tmp_path / "boot"), "--noise", "0.002", "--seeds",
                             "1", "--boot", "12"])["rows"][0]
     assert (boot["reproduced"], boot["not_resolved"], boot["contradicted"]) == (1, 0, 0)   # seeded: decided
     with pytest.raises(checks.UserError, match="below 1"):
-        grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "bad"), "--sparsities", "0.85", "95"])
+        grid_power.main([*paper, "--out-dir", str(tmp_path / "bad"), "--sparsities", "0.85", "95"])
+    with pytest.raises(SystemExit):                              # the shape flags belong to the paper prior
+        grid_power.main(["--preset", "small", "--out-dir", str(tmp_path / "bad"), "--F-span", "3"])
 
 
 def test_plan_design_counts_the_fitted_grid_and_checks_the_data_rules_first():
@@ -323,8 +326,40 @@ def test_plan_design_counts_the_fitted_grid_and_checks_the_data_rules_first():
     assert "sparsity range" in scaling_analysis.design_power(dict(two, sparsities=[0.85, 0.88]), seeds=0)["why"][0]
     wide = dict(shape, n_scales=4, sparsities=[0.85, 0.95, 0.97], F_span=5.0, horizons=[0.15, 0.33, 0.6, 1.0],
                 D_span=1 / 0.15, C_span=5 / 0.15, points=48)
-    p = scaling_analysis.design_power(wide, noise=0.003, seeds=2)
-    assert p["why"] == [] and p["datasets"] == 2 and p["identified"] == 2
+    p = scaling_analysis.design_power(wide, noise=0.003, seeds=2, prior="paper")
+    assert p["why"] == [] and p["datasets"] == 2 and p["identified"] == 2 and "Table 4.3" in p["prior"]
+
+
+def test_design_power_draws_a_measured_prior_at_the_plans_own_points(tmp_path):
+    """The measured prior: surfaces fitted from a run's rows (save_prior keeps one that is not identified, with its
+    reasons) are drawn at the plan's own F, S per cell and D per endpoint with their measured log-noise. A noise-free
+    prior drawn on a grid of its own points refits identified every time; on a grid too narrow in F it does not."""
+    import budget
+    import configs
+    import reproduce
+    import scaling
+    from lab import scaling_analysis
+    plan = configs.PLANS["fits"]
+    ladder = reproduce.plan_cells(plan, budget.ladder_cells("fits", 120.9, spec=plan.loop))
+    shape = scaling_analysis.design_shape(plan, ladder)
+    assert shape["cells"] == [f"{c['scale']}/S~85%" for c in ladder] and len(shape["D"]) == 4
+    assert shape["D"][-1] == (3420 + 180) * 4 * 128 and shape["F_span"] == pytest.approx(9.78, abs=0.05)
+    truth = {"baseline": scaling.Coeffs(E=3.0, A=40.0, K=5000.0, a=0.4, b=0.0, c=0.66),
+             "smelt": scaling.Coeffs(E=3.3, A=3e5, K=8000.0, a=1.0, b=0.0, c=0.70)}
+    rows = [dict(arch=a, scale=cell.split("/")[0], sparsity_label="S~85%", F=float(F), S=float(S), D=float(D),
+                 val_loss=float(L))
+            for a, p in scaling_analysis.prior_points(shape, {"surfaces": {a: (co, 0.0) for a, co in truth.items()}}
+                                                      ).items()
+            for F, S, D, L, cell in zip(p.F, p.S, p.D, p.L, p.cell)]
+    path = tmp_path / "prior.json"
+    saved = scaling_analysis.save_prior(path, rows, "a test")
+    assert saved["baseline"]["a"] == pytest.approx(0.4, rel=1e-3) and saved["baseline"]["log_noise"] < 1e-6
+    p = scaling_analysis.design_power(shape, noise=0.002, seeds=3, prior=path)
+    assert p["identified_by_arch"] == {"baseline": 3, "smelt": 3} and p["prior"] == "measured: a test"
+    narrow = dict(shape, F={a: [f[0], f[0] * 1.0001] * 3 for a, f in shape["F"].items()})
+    assert scaling_analysis.design_power(narrow, noise=0.002, seeds=2, prior=path)["identified"] == 0
+    same_F = [dict(r, F=1e6 * (1 + 1e-4 * (i % 2))) for i, r in enumerate(rows)]   # F cannot be separated
+    assert scaling_analysis.save_prior(path, same_F, "one F")["baseline"]["why"]       # kept, with its reasons
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit; on a GPU the script runs for minutes")
