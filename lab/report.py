@@ -51,7 +51,7 @@ def finals(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def law_here(b: dict, m: dict) -> dict:
+def law_for_pair(b: dict, m: dict) -> dict:
     """Table 4.3's SMELT - Baseline loss at a pair's own F, S (a control's clipped at 0) and tokens D, and the
     direction it gives; the law is extrapolated decades below its window, so only the sign is read."""
     g = float(law_gap(PAPER_SMELT, PAPER_BASELINE, m["F"], max(m["S"], 0.0), b["F"], max(b["S"], 0.0), b["D"]))
@@ -73,7 +73,7 @@ def gap_vs_tokens(rows: list[dict]) -> dict:
             continue
         x = np.log10(Ds)
         gap = [m[D]["val_loss"] - b[D]["val_loss"] for D in Ds]
-        law = [law_here(b[D], m[D])["gap"] for D in Ds]
+        law = [law_for_pair(b[D], m[D])["gap"] for D in Ds]
         pairs.append({"cell": configs.cell_key(scale, lab), "seed": seed, "D": Ds, "gap": gap,
                       "slope": stats.slope_interval(x, gap).to_dict(), "law_slope": stats.slope_interval(x, law).mean})
     out = {"pairs": pairs, "mean": None, "verdict": "not resolved", "law_direction": None}
@@ -108,7 +108,7 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
             iv = stats.paired_difference(base, smelt)
             d = np.array(smelt) - np.array(base)
             noise_sd, noise_n = (float(d.std(ddof=1)) if len(d) > 1 else None), len(d)
-            law = law_here(*pairs[0])
+            law = law_for_pair(*pairs[0])
             out["repeat"] = {"cell": configs.cell_key(*plan.repeat), "seeds": len(pairs), "baseline": base,
                              "smelt": smelt, "diff": iv.to_dict(), "verdict": stats.verdict(iv, "<"),
                              "baseline_seed_sd": float(np.std(base, ddof=1)) if len(base) > 1 else None,
@@ -123,7 +123,7 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
             iv = stats.Interval(d, d - half, d + half, 1, 0.95, f"seed sd of {noise_n} seeds in the repeated cell")
         else:
             iv = stats.Interval(d, math.nan, math.nan, 1)
-        law = law_here(b, m)
+        law = law_for_pair(b, m)
         out["cells"].append({"scale": cell["scale"], "sparsity_label": cell["sparsity_label"], "S": b["S"],
                              "S_smelt": m["S"], "baseline": b["val_loss"], "smelt": m["val_loss"],
                              "diff": iv.to_dict(), "verdict": stats.verdict(iv, "<"), "law": law,

@@ -224,9 +224,7 @@ def design_shape(plan, ladder: Sequence[dict]) -> dict:
     cfgs = {a: [ModelConfig.from_dict(c[a]) for c in cells] for a in ("baseline", "smelt")}
     F = {a: [budget.flops_per_token(m, c["ctx_len"]) for m, c in zip(cfgs[a], cells)] for a in cfgs}
     ctrl = [budget.dense_control(m) for m in cfgs["baseline"]]          # train.py's S: against the dense control
-    S = {a: [budget.sparsity(f, budget.count_params(m)["blocks"], budget.flops_per_token(k, c["ctx_len"]),
-                             budget.count_params(k)["blocks"]) for f, m, k, c in zip(F[a], cfgs[a], ctrl, cells)]
-         for a in cfgs}
+    S = {a: [budget.config_sparsity(m, c["ctx_len"], k) for m, k, c in zip(cfgs[a], ctrl, cells)] for a in cfgs}
     steps = [b + plan.decay_steps for b in plan.branch_steps]
     return grid_totals(dict(n_scales=len({c["scale"] for c in cells}), F_span=min(max(f) / min(f) for f in F.values()),
                             horizons=steps, sparsities=sorted({label_percent(c["sparsity_label"]) / 100 for c in cells}),
@@ -292,7 +290,8 @@ def design_power(shape: Mapping, noise: float | None = None, seeds: int = 8, pri
         grid = {k: shape[k] for k in ("n_scales", "sparsities", "horizons")}
         res = calibrate_rules(F_spans=(shape["F_span"],), D_spans=(shape["D_span"],), noises=(noise,), seeds=seeds,
                               grid=grid)
-        return dict(out, noise=noise, datasets=len(res), identified=sum(r["identified"] for r in res))
+        return dict(out, noise=noise, datasets=len(res), identified=sum(r["identified"] for r in res),
+                    gain_err_pp=[r["gain_err_pp"] for r in res if r["identified"]])   # CE gain at S = 0.95 vs truth
     pr = load_prior(MEASURED_PRIOR if prior == "measured" else prior)
     hits = {a: [] for a in pr["surfaces"]}
     for seed in range(seeds):

@@ -411,12 +411,12 @@ def test_the_law_at_our_scale_gives_smelt_higher_and_the_verdict_is_read_against
     import configs
     rows = _pair_rows({("t40", 0): [0.09, 0.07, 0.05], ("t40", 1): [0.08, 0.07, 0.04], ("t40", 2): [0.10, 0.06, 0.05],
                        ("t48", 0): [0.07, 0.06, 0.03]})
-    law = report.law_here(rows[4], rows[5])
+    law = report.law_for_pair(rows[4], rows[5])
     assert law["direction"] == ">" and law["gap"] > 0
     import scaling
     assert scaling.PAPER_CROSSOVER_D == pytest.approx(1.62e10, rel=0.01)
     big = {**rows[4], "F": 2e9, "D": 1e11}, {**rows[5], "F": 2e9, "D": 1e11}           # the paper's scale: SMELT lower
-    assert report.law_here(*big)["direction"] == "<"
+    assert report.law_for_pair(*big)["direction"] == "<"
     plan = configs.Plan(data="tiny", ladder="tiny", block_size=128, batch_size=4, lr=1e-3, warmup_steps=1,
                         stable_steps=10, branch_steps=[10], decay_steps=1, eval_tokens=1, repeat=("t40", "S~85%"),
                         train_seeds=3)
