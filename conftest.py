@@ -17,6 +17,25 @@ import train  # noqa: E402  -- imported once, before any test's snapshot
 train.machine_settings(allocator=True)
 
 
+FAULT_CLASSES = ("kills", "corruption", "disk", "cli", "api", "numerical", "concurrency")   # docs/faults.md
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every @pytest.mark.fault("<class>") case names one of FAULT_CLASSES: a typo would drop it from its class."""
+    for item in items:
+        m = item.get_closest_marker("fault")
+        if m is not None and (len(m.args) != 1 or m.args[0] not in FAULT_CLASSES):
+            raise pytest.UsageError(f"{item.nodeid}: fault class {m.args} is not one of {', '.join(FAULT_CLASSES)}")
+
+
+def pytest_report_collectionfinish(config, items):
+    """Under -m fault, one line: the selected cases per class (each parametrization is a case)."""
+    if "fault" not in (config.option.markexpr or ""):
+        return []
+    got = [m.args[0] for m in (i.get_closest_marker("fault") for i in items) if m is not None]
+    return "fault cases: " + ", ".join(f"{k} {got.count(k)}" for k in FAULT_CLASSES) + f", all {len(got)}"
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread: far faster for tiny tensors on a shared CPU (opt in with usefixtures("one_thread"))."""

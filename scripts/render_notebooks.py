@@ -2,11 +2,12 @@
 
   python scripts/render_notebooks.py                 # all of them (about 2 minutes on 2 CPU cores)
   python scripts/render_notebooks.py 02_moe_routing_and_grouped_mm   # one
-  python scripts/render_notebooks.py --check         # stale or missing copies? (nothing runs; exit 1 if any)
+  python scripts/render_notebooks.py --check         # stale or missing copies, and why (nothing runs; exit 1 if any)
 
 Each notebook (stored without outputs) runs in a fresh kernel (cwd notebooks/); its copy, figures at 60 dpi,
 goes to notebooks/rendered/ with the sha256 of its cells and of the project modules it imports, which
-tests/test_notebooks.py compares with the files, so no copy shows numbers older than the code.
+--check compares with the files (the tests do not: a stale copy blocks no edit). Re-render a copy when
+the numbers or figures it shows change.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def build_parser():
                     help="notebooks to render, by file name or stem (default: every notebooks/*.ipynb)")
     checks.add_out_dir(ap, "where the rendered copies go", default=str(RENDERED.relative_to(ROOT)))
     ap.add_argument("--check", action="store_true",
-                    help="execute nothing: list the copies that are missing or stale, exit 1 if any")
+                    help="execute nothing: list the copies that are missing or stale and why, exit 1 if any")
     return ap
 
 
@@ -119,7 +120,8 @@ def main(argv=None) -> list[Path]:
         problems = [why for p in paths if (why := stale(p, out_dir))]
         if problems:
             print("\n".join(problems))
-            raise SystemExit(f"{len(problems)} rendered notebook(s) out of date: run python scripts/render_notebooks.py")
+            raise SystemExit(f"{len(problems)} rendered notebook(s) out of date: if what they show changed, "
+                             f"run python scripts/render_notebooks.py")
         print(f"all {len(paths)} rendered notebooks are current")
         return []
     import nbclient

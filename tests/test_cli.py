@@ -86,7 +86,7 @@ def test_presets_are_one_set():
     assert runs == RUN_PRESETS
     assert set(options(parser_of("budget"))["--ladder"].choices) == RUN_PRESETS
     sized = [n for n in SCRIPTS if "--preset" in options(parser_of(n))]
-    assert set(SCRIPTS) - set(sized) == {"render_notebooks", "fault_table"}   # the tools that have no run size
+    assert set(SCRIPTS) - set(sized) == {"render_notebooks"}   # the tool that has no run size
     for name in sized:   # grid_power trains nothing: it takes every plan (fits, medium, paper too)
         want = RUN_PRESETS if name == "grid_power" else {"smoke", "tiny", "small"}
         assert set(options(parser_of(name))["--preset"].choices) == want, name

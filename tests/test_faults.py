@@ -14,12 +14,11 @@ accepted silently, ending in a deep torch / numpy error, or corrupting a run:
   * a killed reproduce.py -> its pool_run workers die too;
   * crashes at several points -> the resumed run equals the uninterrupted one bit for bit;
   * the disk estimate -> within 20 % of what a run really keeps (peak and final).
-  * probes (issue 26): unmatched pairs, bad values, a damaged probes.json; the campaign table's script.
+  * probes (issue 26): unmatched pairs, bad values, a damaged probes.json.
 """
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -719,60 +718,20 @@ def test_damaged_probes_json_is_named_and_recomputed(tmp_path, capsys, damage):
     assert str(path) in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------------------
-# The campaign's table (scripts/fault_table.py) on a synthetic test directory
+def test_fault_cases_are_counted_by_a_known_class():
+    """conftest.py's hooks: `pytest -m fault --collect-only -qq` counts each class; an unknown class stops collection."""
+    import types
+    import conftest
 
-SYNTHETIC = '''
-import pytest
-@pytest.mark.fault("kills")
-def test_ok(): pass
-
-@pytest.mark.fault("corruption")
-def test_fails(): assert False
-
-@pytest.mark.fault("corruption")
-@pytest.mark.xfail(strict=True, reason="a known-bad case")
-def test_known_bad(): assert False
-
-@pytest.mark.fault("api")
-@pytest.mark.parametrize("x", [1, 2, 3])
-def test_each_parameter_counts(x): assert x != 3
-
-@pytest.mark.fault("disk")
-def test_skipped(): pytest.skip("not here")
-
-def test_unmarked(): pass
-
-@pytest.fixture
-def broken(): raise RuntimeError("setup fails")
-
-@pytest.mark.fault("cli")
-class TestGroup:
-    def test_a(self): pass
-    def test_setup_error(self, broken): pass
-'''
-
-
-def test_fault_table_counts_each_case_by_its_class(tmp_path, capsys):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("fault_table", os.path.join(ROOT, "scripts", "fault_table.py"))
-    fault_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fault_table)
-    (tmp_path / "test_synthetic.py").write_text(SYNTHETIC)
-    text = fault_table.main(["--tests", str(tmp_path)])
-    assert text.splitlines()[:10] == [
-        "| class | tried | good | bad |", "|---|---|---|---|", "| kills | 1 | 1 | 0 |", "| corruption | 2 | 0 | 2 |",
-        "| disk | 0 | 0 | 0 |", "| cli | 2 | 1 | 1 |", "| api | 3 | 2 | 1 |", "| numerical | 0 | 0 | 0 |",
-        "| concurrency | 0 | 0 | 0 |", "| all | 8 | 4 | 4 |"]
-    # node ids are relative to pytest's rootdir, which depends on where the checkout and tmp_path lie
-    assert re.search(r"skipped \(not tried\): \S*test_synthetic.py::test_skipped", text)
-    assert re.search(r"bad \(xfailed\): \S*test_synthetic.py::test_known_bad", text) and "test_unmarked" not in text
-    (tmp_path / "test_synthetic.py").write_text('import pytest\n\n@pytest.mark.fault("network")\ndef test_x(): pass\n')
-    with pytest.raises(SystemExit, match=r"test_x: fault class 'network' is not one of kills"):
-        fault_table.main(["--tests", str(tmp_path)])
-    (tmp_path / "test_synthetic.py").write_text("def test_x(): pass\n")
-    with pytest.raises(SystemExit, match="no @pytest.mark.fault cases"):
-        fault_table.main(["--tests", str(tmp_path)])
+    def item(cls):
+        return types.SimpleNamespace(nodeid=f"t.py::test_{cls}", get_closest_marker=lambda _: pytest.mark.fault(cls).mark)
+    items = [item("kills"), item("api"), item("api"), types.SimpleNamespace(get_closest_marker=lambda _: None)]
+    config = types.SimpleNamespace(option=types.SimpleNamespace(markexpr="fault"))
+    conftest.pytest_collection_modifyitems(config, items)
+    assert conftest.pytest_report_collectionfinish(config, items) == (
+        "fault cases: kills 1, corruption 0, disk 0, cli 0, api 2, numerical 0, concurrency 0, all 3")
+    with pytest.raises(pytest.UsageError, match=r"t.py::test_network: fault class \('network',\) is not one of kills"):
+        conftest.pytest_collection_modifyitems(config, [item("network")])
 
 
 @pytest.mark.fault("api")
