@@ -29,6 +29,7 @@ import shutil
 import sys
 import traceback
 from dataclasses import fields
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -475,9 +476,31 @@ def read_hashed_json(path: str | Path, keys: tuple[str, ...] = ()) -> dict:
         raise JSONFileError(f"{path}: no sha256 (written by an older version, or edited): delete it to recompute it")
     require_keys(obj, (), str(path))
     if obj.pop(ROW_HASH) != _row_digest(obj):
-        raise JSONFileError(f"{path}: content differs from its sha256 (edited or corrupt)")
+        raise JSONFileError(f"{path}: content differs from its sha256 (edited or corrupt); if you edited it on "
+                            f"purpose: python -m checks restamp {path}")
     require_keys(obj, keys, str(path))
     return obj
+
+
+def restamp(path: str | Path) -> str:
+    """Re-hash a `write_json` file edited on purpose, appending {"date", "previous_sha256"} to its "edited" list;
+    a file that is not a JSON object with a hash is refused as `read_hashed_json` refuses it."""
+    path = Path(path)
+    obj = read_json(path, (ROW_HASH,))
+    old = obj.pop(ROW_HASH)
+    if old == _row_digest(obj):
+        return f"{path}: unchanged (its sha256 matches), not restamped"
+    stamp = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "previous_sha256": old}
+    write_json(path, {**obj, "edited": [*obj.get("edited", []), stamp]})
+    return f"{path}: restamped, edit recorded under \"edited\""
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser("Run files: `restamp FILE...` accepts hashed JSON files (ladder.json, ...) you edited by hand.")
+    p.add_argument("command", choices=["restamp"])
+    p.add_argument("files", nargs="+", metavar="FILE")
+    for f in p.parse_args(argv).files:
+        print(restamp(f), flush=True)
 
 
 def read_cache(path: str | Path, keys: tuple[str, ...] = ()) -> dict | None:
@@ -562,3 +585,7 @@ def endpoint_id(rec: dict) -> str:
     """'RUN_NAME@BRANCH_STEP' (or RUN_NAME alone for an endpoint without a branch): the key of an endpoint."""
     name = rec.get("name") or Path(str(rec.get("run", "?"))).name
     return name if rec.get("branch_step") is None else f"{name}@{rec['branch_step']}"
+
+
+if __name__ == "__main__":
+    run_main(main)

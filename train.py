@@ -207,7 +207,8 @@ def adamw_impl(device: torch.device) -> str:
 
 class Objective(nn.Module):
     """The training step's forward as plain tensors (what DDP, FSDP and torch.compile wrap): (cross-entropy
-    summed over non-ignored targets, their count, load-balance loss, z-loss, tokens per expert (visits, E))."""
+    summed over non-ignored targets, their count, load-balance loss, z-loss, {"L{layer}.v{visit}": tokens per expert
+    (E,)} in execution order)."""
 
     def __init__(self, gpt: GPT):
         super().__init__()
@@ -219,15 +220,15 @@ class Objective(nn.Module):
         if per_token:   # validation: (B, T) cross-entropy, 0 at ignored targets
             return token_nll(logits, targets)
         ce_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="sum")
-        load = (torch.stack([s.tokens_per_expert for _, s in out.router]) if out.router
-                else logits.new_zeros(0, 0))
+        load = {f"L{v.layer}.v{v.visit}": s.tokens_per_expert for v, s in out.router}   # labelled: no plan rebuild
         return ce_sum, (targets != -1).sum(), out.aux_loss, out.z_loss, load
 
 
 def forward_backward(model, cfg: ModelConfig, idx, tgt, doc, scale, accum: int = 1, sync=None,
                      autocast=contextlib.nullcontext):
     """Forward and backward over `accum` micro-batches: loss = CE sum x scale + router losses / accum; sync(last
-    micro): DDP's context. Returns (CE sum, aux, z), tokens per expert (layers, E) or None, the detached loss."""
+    micro): DDP's context. Returns (CE sum, aux, z), the objective's load summed over micro-batches (None: dense),
+    the detached loss."""
     micro = idx.shape[0] // accum
     stats, load, total = torch.zeros(3, device=idx.device), None, 0.0
     for m in range(accum):
@@ -238,9 +239,10 @@ def forward_backward(model, cfg: ModelConfig, idx, tgt, doc, scale, accum: int =
         loss.backward()
         total = total + loss.detach()
         stats += torch.stack([ce_sum.detach().float(), aux.detach().float() / accum, z.detach().float() / accum])
-        if tpe is not None and tpe.numel():   # (MoE layers, E) tokens per expert, summed over micro-batches
-            load = tpe.float() if load is None else load + tpe.float()
-    return stats, load, total
+        if tpe:   # (visits, E) tokens per expert in the objective's label order, summed over micro-batches
+            t = torch.stack(list(tpe.values())).float()
+            load = t if load is None else load + t
+    return stats, None if load is None else dict(zip(tpe, load)), total
 
 
 def update(gpt: nn.Module, opt, grad_clip: float, check=None):
@@ -397,6 +399,7 @@ class Trainer(Checkpoints):
     def _check_step(self, step, lr, stats, load, gn, n_global) -> dict:
         """The step's metrics row over the global batch; a non-finite loss or grad norm raises DivergenceError."""
         cfg, d = self.model_cfg, self.d
+        load = None if load is None else torch.stack(list(load.values()))   # (visits, E)
         if d.world > 1:
             dist.all_reduce(stats)
             if load is not None:

@@ -180,6 +180,33 @@ def test_train_data_dir_manifest(tmp_path, capsys, forbid):
 
 
 @pytest.mark.fault("cli")
+def test_a_deliberate_edit_is_restamped_damage_is_not(tmp_path, capsys):
+    """A hand-edited ladder.json is refused naming `python -m checks restamp FILE`; restamped, it reads back marked
+    edited (date, previous sha256); a file that does not parse, or has no hash, is still refused by name."""
+    f = tmp_path / "ladder.json"
+    checks.write_json(f, {"cells": [{"d_ff": 64}]})
+    old = json.loads(f.read_text())["sha256"]
+    f.write_text(f.read_text().replace('"d_ff": 64', '"d_ff": 96'))
+    with pytest.raises(checks.JSONFileError, match=re.escape(f"edited it on purpose: python -m checks restamp {f}")):
+        reproduce.read_ladder(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "checks", "restamp", str(f)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout == f'{f}: restamped, edit recorded under "edited"\n', p.stderr
+    assert reproduce.read_ladder(tmp_path) == [{"d_ff": 96}]
+    (edit,) = checks.read_hashed_json(f)["edited"]
+    assert edit["previous_sha256"] == old and edit["date"][:4].isdigit()
+    checks.run_main(checks.main, ["restamp", str(f)], prog="checks.py")
+    assert "unchanged (its sha256 matches), not restamped" in capsys.readouterr().out
+    with pytest.raises(checks.JSONFileError, match=r"missing key\(s\) \['x'\]"):   # the reader's keys still count
+        checks.read_hashed_json(f, ("cells", "x"))
+    (tmp_path / "torn.json").write_text('{"cells": [')
+    (tmp_path / "bare.json").write_text('{"cells": []}')
+    refused(checks.main, ["restamp", str(tmp_path / "torn.json")], "checks.py", capsys, "torn.json", "not valid JSON")
+    refused(checks.main, ["restamp", str(tmp_path / "bare.json")], "checks.py", capsys, "bare.json",
+            "missing key(s) ['sha256']")
+
+
+@pytest.mark.fault("cli")
 def test_a_locked_run_is_refused_naming_its_holder(tmp_path, capsys, monkeypatch):
     """train.py on a run directory another trainer holds, and reproduce.py on a held out dir: refused at once
     (no waiting), one line naming the holder's pid and its lock file."""

@@ -148,6 +148,25 @@ def test_load_max_pools_every_micro_batch(tmp_path):
     assert t.step(0, 0, 1e-3)["load_max"] == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.parametrize("loop", [dict(), dict(schedule="per_layer"), dict(part="attn"), dict(parallel=True)])
+def test_load_is_labelled_by_layer_and_visit_in_plan_order(loop):
+    """The objective's and forward_backward's load: {"L{layer}.v{visit}": (E,)} per MoE visit, in the plan's order
+    (the looped middle layers twice), so a per-layer reading needs no reconstruction."""
+    from loop import plan
+    cfg = tiny_model(loop=LoopConfig(start=1, length=2, n_loops=2, **loop))
+    gpt = GPT(cfg)
+    idx, tgt, doc = T.SyntheticData(64).train_batch(0, 4, 32)
+    want = [f"L{v.layer}.v{v.visit}" for v in plan(cfg.n_layer, cfg.loop) if v.mlp]
+    if not loop:
+        assert want == ["L0.v0", "L1.v0", "L2.v0", "L1.v1", "L2.v1", "L3.v0"]
+    with torch.no_grad():
+        load = T.Objective(gpt)(idx, tgt, doc)[4]
+    assert list(load) == want and all(t.sum() == 4 * 32 * cfg.top_k for t in load.values())
+    summed = T.forward_backward(T.Objective(gpt), cfg, idx, tgt, doc, T.step_scale(tgt), accum=2)[1]
+    assert list(summed) == want and all(torch.equal(summed[k], load[k].float()) for k in want)
+    assert T.Objective(GPT(tiny_model(n_experts=0)))(idx, tgt, doc)[4] == {}   # dense: no load
+
+
 def test_a_looped_model_without_the_baselines_control_is_said(tmp_path, capsys):
     """S of a looped model is measured at its Baseline's scale (SMELT Eq. 1): without meta["control"] the Trainer
     says, before training, that it falls back to the model's own dense control; with one it says nothing."""
@@ -566,7 +585,7 @@ def test_torchrun_two_ranks_match_one_process(runs, mode):
     ref, got = read_jsonl(d / "one" / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4]
     for a, b in zip(ref, got):
-        for k in ("loss", "ce", "z", "grad_norm", "lr"):
+        for k in ("loss", "ce", "z", "grad_norm", "lr", "load_max"):
             assert abs(a[k] - b[k]) < 1e-5, (k, a, b)
     rows = read_jsonl(out / "results.jsonl")
     assert len(rows) == 1 and abs(rows[0]["val_loss"] - ref_rows[0]["val_loss"]) < 1e-5
