@@ -6,8 +6,8 @@ non-embedding parameters and KV cache. One table, `_sublayers`, gives per sub-la
 (6 per weight passed, plus 12*q*ctx/2 attention-score FLOPs per attention visit at the *document* length ctx;
 SMELT's F leaves the output head out) both sum it; kv_bytes_per_token counts executed attention visits.
 sparsity is SMELT Eq. 1 against `dense_control`. `match` keeps depth, top_k, the loop and the shared experts and
-searches d_model, d_ff and heads (numpy grid, experts in closed form) for the least `mismatch`: F in [1, 1.04],
-N +-1 %, KV +-4 %. ladder_cells / ladder: a preset's Baseline and matched SMELT per cell.
+searches d_model, d_ff and heads (numpy grid, experts in closed form): of the candidates within F in [1, 1.04],
+N +-1 %, KV +-4 % the shape nearest the Baseline's (so a small change of a count moves it at most a step). ladder_cells / ladder: a preset's Baseline and matched SMELT per cell.
 Formulas, conventions and measured figures: docs/budget.md. Read before: model.py, loop.py, moe.py.
 Read next: train.py (what a run costs), scaling.py (S, C and TPP in the fits).
 """
@@ -272,7 +272,6 @@ SEARCH_DEFAULTS = dict(
     n_kv_heads=None,         # explicit n_kv_head candidates (default 1 .. 2 * Baseline's)
     expert_multiple=1,       # expert count alignment
     tolerances=None,         # {"flops", "params", "kv"} (default SMELT's 4 %, 1 %, 4 %)
-    resolution=0.1,          # worst mismatches this close (in half-bands, `mismatch`) count as ties
     include_head=None,       # count the output head in FLOPs (None: the convention's choice; SMELT: no)
     min_head_dim=16,         # CUDA flex attention needs head_dim >= 16 (inductor: "NYI ... at least 16")
     convention="smelt",
@@ -299,9 +298,8 @@ def _search_options(base: ModelConfig, search: dict) -> dict:
     for k, v in o["tolerances"].items():
         if k not in TOLERANCES or not v > 0:
             raise ValueError(f"match: tolerances must map flops/params/kv to values > 0, got {k}={v!r}")
-    if not (0 < o["resolution"] < math.inf and 0 <= o["ff_band"] < math.inf and 0 <= o["q_band"] < math.inf):
-        raise ValueError("match: resolution must be > 0 and ff_band, q_band >= 0, all finite, "   # NaN fails too
-                         f"got {o['resolution']}, {o['ff_band']}, {o['q_band']}")
+    if not (0 <= o["ff_band"] < math.inf and 0 <= o["q_band"] < math.inf):   # NaN fails too
+        raise ValueError(f"match: ff_band and q_band must be >= 0 and finite, got {o['ff_band']}, {o['q_band']}")
     return o
 
 
@@ -393,6 +391,7 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: Model
           **search) -> tuple[ModelConfig, dict]:
     """The looped config matching base_cfg's FLOPs per token, blocks and KV cache (depth, top_k, vocab and
     n_shared_experts the Baseline's, the loop `loop`) and its _match_report; search: SEARCH_DEFAULTS options.
+    Of the candidates within tolerance the one whose shape is nearest the Baseline's, else the least mismatch.
     target: match target's budgets instead, base_cfg still giving the depth and the widths the search is centred
     on (scripts/depth_sweep.py: a depth-P model against a depth-L reference)."""
     t0, b, tgt = time.perf_counter(), base_cfg, base_cfg if target is None else target
@@ -419,7 +418,11 @@ def match(base_cfg: ModelConfig, loop: LoopConfig, ctx_len: float, target: Model
     shape = (np.abs(np.log(ff / (b.d_ff / b.d_model * D)))
              + np.abs(np.log(nh * hd / D / (b.n_head * b.hd / b.d_model)))
              + np.abs(np.log(hd / b.hd)) + np.abs(np.log(nkv / b.n_kv_head)))
-    best = np.lexsort((shape, np.floor(worst / o["resolution"] + 1e-9)))[0]
+    # within tolerance: the shape nearest the Baseline's (the accounting only decides who is in), equal shapes
+    # (the two expert counts of one geometry) by mismatch; none within: the least mismatch (docs/budget.md)
+    within = worst <= 1 + 1e-9                                      # = within_tolerance
+    best = (np.lexsort((worst, np.where(within, shape, np.inf))) if within.any()
+            else np.lexsort((shape, worst)))[0]
     cfg = replace(b, loop=loop, **{k: int(a[best]) for k, a in zip(GEOMETRY, (D, nh, nkv, hd, ff, E))})
     return cfg, _match_report(tgt, cfg, ctx_len, o, int(D.size), t0)
 
@@ -472,36 +475,42 @@ def _row(scale, label, arch, cfg, ctx, control) -> dict:
                 kv_bytes=kv_bytes_per_token(cfg, 2, ctx))
 
 
-def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, spec: LoopSpec = SMELT,
+def ladder_cells(preset: str, ctx_len: float, vocab_size: int | None = None, arms: dict | None = None,
                  **search) -> list[dict]:
     """Every cell of a preset's grid (the one ladder builder, for `ladder` and reproduce.py): {"scale",
-    "sparsity_label", "ctx_len", "baseline", "smelt" (ModelConfig dicts), "match" (match's report, "source":
-    "matched" | "published": LADDERS "smelt" geometries, for SMELT's own loop)}. The looped model loops
-    spec.at(n_layer), and both models get spec.n_shared_experts; vocab_size: the data's (not in F)."""
+    "sparsity_label", "ctx_len", "baseline" and each arm of `arms` (name -> loop.LoopSpec, default {"smelt": SMELT})
+    as a ModelConfig dict, "match": {arm: match's report, "source": "matched" | "published" (LADDERS "smelt"
+    geometries, for SMELT's own loop)}}. Each arm loops spec.at(n_layer); every model gets the arms' common
+    n_shared_experts (configs.Plan checks it); vocab_size: the data's (not in F)."""
+    arms = {"smelt": SMELT} if arms is None else arms
     cells, opts = [], {**preset_search(preset), **search}
+    shared = next(iter(arms.values())).n_shared_experts
     for scale, label, base in preset_baselines(preset):
-        base = replace(base, vocab_size=vocab_size or base.vocab_size, n_shared_experts=spec.n_shared_experts)
-        loop = spec.at(base.n_layer)
-        fixed = configs.LADDERS[preset].get("smelt", {}).get((scale, label))
-        published = fixed is not None and loop == SMELT.at(base.n_layer) and not spec.n_shared_experts
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
-            cfg, rep = (fixed_match(base, loop, ctx_len, fixed, **opts) if published
-                        else match(base, loop, ctx_len, **opts))
-        rep["source"] = "published" if published else "matched"
-        cells.append({"scale": scale, "sparsity_label": label, "ctx_len": float(ctx_len),
-                      "baseline": base.to_dict(), "smelt": cfg.to_dict(), "match": rep})
+        base = replace(base, vocab_size=vocab_size or base.vocab_size, n_shared_experts=shared)
+        cell = {"scale": scale, "sparsity_label": label, "ctx_len": float(ctx_len), "baseline": base.to_dict(),
+                "match": {}}
+        for arm, spec in arms.items():
+            loop = spec.at(base.n_layer)
+            fixed = configs.LADDERS[preset].get("smelt", {}).get((scale, label))
+            published = fixed is not None and loop == SMELT.at(base.n_layer) and not spec.n_shared_experts
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)   # the report and the table say it instead
+                cfg, rep = (fixed_match(base, loop, ctx_len, fixed, **opts) if published
+                            else match(base, loop, ctx_len, **opts))
+            rep["source"] = "published" if published else "matched"
+            cell[arm], cell["match"][arm] = cfg.to_dict(), rep
+        cells.append(cell)
     return cells
 
 
 def ladder(preset: str, ctx_len: float | None = None, spec: LoopSpec = SMELT, **search) -> list[dict]:
-    """Baseline and SMELT table rows of every ladder_cells cell at document length ctx_len (default
+    """Baseline and SMELT (looping `spec`) table rows of every ladder_cells cell at document length ctx_len (default
     preset_doc_length(preset)); F leaves the head out (SMELT's), the rows also give F with it."""
     ctx = preset_doc_length(preset) if ctx_len is None else ctx_len
     rows = []
-    for i, cell in enumerate(ladder_cells(preset, ctx, spec=spec, **search)):
-        base, cfg, rep = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"]), cell["match"]
-        scale, label, control = cell["scale"], cell["sparsity_label"], dense_control(base)
+    for i, cell in enumerate(ladder_cells(preset, ctx, arms={"smelt": spec}, **search)):
+        base, cfg = ModelConfig.from_dict(cell["baseline"]), ModelConfig.from_dict(cell["smelt"])
+        scale, label, control, rep = cell["scale"], cell["sparsity_label"], dense_control(base), cell["match"]["smelt"]
         rows.append(_row(scale, label, "Baseline", base, ctx, control))
         row = _row(scale, label, "SMELT", cfg, ctx, control)
         row.update(flops_ratio=rep["flops_ratio"], params_ratio=rep["params_ratio"], kv_ratio=rep["kv_ratio"],

@@ -2,17 +2,20 @@
   * LADDERS       each size's Baseline grid (SMELT Appendix A for `paper`) and budget.match's search options;
                   budget.ladder_cells matches a SMELT to each (SMELT 3.2).
   * DATA_PRESETS  the corpus sizes corpus.prepare builds.
-  * PLANS         what reproduce.py trains and evaluates (WSD schedule, SMELT 3.1) with which loop.LoopSpec.
+  * PLANS         what reproduce.py trains and evaluates (WSD schedule, SMELT 3.1) and its arms: the Baseline and
+                  each looped arm by name, a loop.LoopSpec (SMELT's by default).
   * SMOKE_MODELS, SCRIPT_PRESETS, SWEEP_STEPS, SWEEP_EVAL_TOKENS  train.py's smoke models; the scripts' sizes.
   * plan_runs     every run (cell, arch, seed) of a plan and its directory (cell_key / run_name).
 Why each number is: docs/configs.md. Read next: budget.py (the ladders matched), reproduce.py (the plans run).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loop import SMELT, LoopSpec
+
+BASELINE = "baseline"   # the reference arm every looped arm is matched to and compared with
 
 
 # ---- Model ladders (SMELT Appendix A): the Baselines budget.ladder_cells matches a SMELT to ------
@@ -137,7 +140,19 @@ class Plan:
     eval_interval: int = 0          # validation during training every N steps (0: only at branch ends)
     log_interval: int = 0           # a metrics row every N steps (0: stable_steps // 8); a divisor of every fork
                                     # keeps each plotted window whole
-    loop: LoopSpec = SMELT          # how every looped model loops (r, span, placement, ...): SMELT's by default
+    # the looped arms by name, each matched to the same Baselines and compared with them (adding one is one entry)
+    arms: dict = field(default_factory=lambda: {"smelt": SMELT})
+
+    def __post_init__(self):
+        if not self.arms or BASELINE in self.arms or not all(isinstance(s, LoopSpec) for s in self.arms.values()):
+            raise ValueError(f"Plan: arms must map names other than {BASELINE!r} to loop.LoopSpec, got {self.arms}")
+        if len({s.n_shared_experts for s in self.arms.values()}) > 1:   # the Baseline has them too: one value
+            raise ValueError("Plan: every arm must have the same n_shared_experts (the Baseline shares it)")
+
+    @property
+    def loop(self) -> LoopSpec:
+        """The first arm's LoopSpec: what the sweep scripts loop and the out dir's tag names."""
+        return next(iter(self.arms.values()))
 
 
 # small: every sparse cell (a cell bootstrap needs >= 10) and the S = 0 control at two consecutive scales
@@ -203,10 +218,20 @@ def cell_key(scale: str, label: str) -> str:
     return f"{scale}_{label.replace('~', '').replace('=', '').replace('%', '')}"
 
 
+def cell_arms(cell: dict) -> list[str]:
+    """A ladder cell's arms: the Baseline, then each looped arm matched to it (budget.ladder_cells)."""
+    return [BASELINE, *cell["match"]]
+
+
+def arm_label(arm: str) -> str:
+    """How the report names an arm: "baseline" -> "Baseline", "smelt" -> "SMELT", others as written."""
+    return {BASELINE: "Baseline", "smelt": "SMELT"}.get(arm, arm)
+
+
 @dataclass(frozen=True)
 class Run:
     cell: dict
-    arch: str        # "baseline" | "smelt"
+    arch: str        # an arm: "baseline" or a looped arm's name ("smelt", ...)
     seed: int
     dir: Path
 
@@ -223,17 +248,23 @@ def run_name(scale: str, label: str, arch: str, seed: int = 0) -> str:
     return f"{cell_key(scale, label)}_{arch}" + (f"_seed{seed}" if seed else "")
 
 
+def arm_dir(out: Path, plan: Plan, arm: str) -> Path:
+    """Where one looped arm's comparison with the Baseline is written: OUT for the plan's first arm, else
+    OUT/arms/NAME (the same files, so a one-arm plan's folder is as before)."""
+    return out if arm == next(iter(plan.arms)) else out / "arms" / arm
+
+
 def plan_runs(out: Path, ladder: list[dict], plan: Plan | None = None) -> list[Run]:
-    """Every run: each cell's Baseline and SMELT at seed 0, the repeated cell's also at seeds 1 .. train_seeds-1
-    (both models of a cell and seed see identical batches: the batch order is a function of the seed)."""
+    """Every run: each cell's arms (cell_arms) at seed 0, the repeated cell's also at seeds 1 .. train_seeds-1
+    (every model of a cell and seed sees identical batches: the batch order is a function of the seed)."""
     rep = plan is not None and plan.repeat is not None and tuple(plan.repeat)
     return [Run(c, arch, seed, out / "runs" / run_name(c["scale"], c["sparsity_label"], arch, seed))
             for c in ladder for seed in range(plan.train_seeds if (c["scale"], c["sparsity_label"]) == rep else 1)
-            for arch in ("baseline", "smelt")]
+            for arch in cell_arms(c)]
 
 
 def run_dirs(out: Path, ladder: list[dict]) -> list[tuple[dict, str, Path]]:
-    """(cell, arch, run dir) of every cell's seed-0 Baseline and SMELT (the matched pairs)."""
+    """(cell, arch, run dir) of every cell's seed-0 arms (the matched Baseline first)."""
     return [(r.cell, r.arch, r.dir) for r in plan_runs(out, ladder)]
 
 

@@ -4,12 +4,13 @@
 
 Stages (each reads the JSON the previous one wrote; finished work is skipped on re-run):
   1. data      the offline multi-domain corpus (lab/corpus.py, or a pack: --data-dir).
-  2. ladder    budget.ladder_cells: each SMELT matched to its Baseline (SMELT 3.2) with the plan's loop.LoopSpec.
+  2. ladder    budget.ladder_cells: each of the plan's looped arms (SMELT by default) matched to its Baseline (SMELT 3.2).
   3. train     train.train for every run of configs.plan_runs: WSD with decay branches (SMELT 3.1).
   4. eval      lab/evaluate.py on every branch endpoint, then lab/downstream_claims.py (SMELT 5, App. C, Eq. 6-7).
   5. scaling   lab/scaling_analysis.py: surfaces per architecture, CE gain and TPP (SMELT 4, 5.2).
   6. probes    lab/probe_pairs.py on every matched pair (SMELT 6).
   7. report    lab/report.py: REPORT.md, each claim reproduced / contradicted / not resolved; the curves.
+Stages 4-7 compare each looped arm with the Baseline by name, the plan's first arm in OUT, any other in OUT/arms/NAME.
 Also here: the worker pool (`--jobs`), the plan's cost and disk check. Why the scheduling and run-folder
 rules: docs/reproduce.md. Read first: configs.py (the presets), budget.py, train.py.
 """
@@ -84,13 +85,13 @@ def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
         raise ValueError(f"Plan: block_size={plan.block_size} differs from configs.LADDERS[{plan.ladder!r}]'s "
                          f"{block}: the ladder is matched at that context")
     ctx = budget.preset_doc_length(plan.ladder, data)
-    cells = plan_cells(plan, budget.ladder_cells(plan.ladder, ctx, vocab_size=data.vocab_size, spec=plan.loop))
+    cells = plan_cells(plan, budget.ladder_cells(plan.ladder, ctx, vocab_size=data.vocab_size, arms=plan.arms))
     log(f"ladder: {plan.ladder}, FLOPs without the head at the measured document length {ctx:.1f} (block {block})")
     for c in cells:
-        m = c["match"]
-        log(f"ladder {c['scale']} {c['sparsity_label']}: SMELT d_model {c['smelt']['d_model']}, "
-            f"{c['smelt']['n_experts']} experts; F {m['flops_ratio']:.3f}  N {m['params_ratio']:.3f}  "
-            f"KV {m['kv_ratio']:.3f}" + ("" if m["within_tolerance"] else "  (outside SMELT's tolerances)"))
+        for arm, m in c["match"].items():
+            log(f"ladder {c['scale']} {c['sparsity_label']}: {configs.arm_label(arm)} d_model {c[arm]['d_model']}, "
+                f"{c[arm]['n_experts']} experts; F {m['flops_ratio']:.3f}  N {m['params_ratio']:.3f}  "
+                f"KV {m['kv_ratio']:.3f}" + ("" if m["within_tolerance"] else "  (outside SMELT's tolerances)"))
     checks.write_json(out / "ladder.json", {"cells": cells})
     return cells
 
@@ -305,11 +306,20 @@ def _eval_one(job: tuple) -> dict:
     return rec
 
 
-def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1) -> dict:
-    """SMELT 5 on every branch endpoint, then downstream_claims.downstream_report (App. C, 5.3, Eq. 6), figures."""
+def pair_runs(plan: configs.Plan, ladder: list[dict], out: Path, arm: str) -> list[configs.Run]:
+    """The runs one arm's comparison reads: the Baseline's and the arm's, paired by cell and seed."""
+    return [r for r in configs.plan_runs(out, ladder, plan) if r.arch in (configs.BASELINE, arm)]
+
+
+def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: int, threads: int = 1,
+               arm: str = "smelt") -> dict:
+    """SMELT 5 on every branch endpoint of the Baseline and `arm` (cached in OUT/eval, shared by the arms), then
+    downstream_claims.downstream_report (App. C, 5.3, Eq. 6) and its figures in arm_dir."""
     from lab import downstream_claims, eval_plots
     (out / "eval").mkdir(exist_ok=True)
-    eps = [e for r in configs.plan_runs(out, ladder, plan) for e in ev.run_endpoints(r.dir)]
+    where = configs.arm_dir(out, plan, arm)
+    where.mkdir(parents=True, exist_ok=True)
+    eps = [e for r in pair_runs(plan, ladder, out, arm) for e in ev.run_endpoints(r.dir)]
     records, todo = {}, []
     for e in eps:
         key = f"{Path(e['run']).name}@{e['branch_step']}"
@@ -330,44 +340,48 @@ def stage_eval(plan: configs.Plan, ladder: list[dict], data, out: Path, jobs: in
     res = pool_run(_eval_one, todo, jobs, lambda j: Path(j[0]).stat().st_size, on_done=on_done, name=lambda j: j[4],
                    threads=threads)
     records.update(zip((j[4] for j in todo), res))
-    recs = list(records.values())
+    recs = downstream_claims.as_pair(list(records.values()), arm)
     report = downstream_claims.downstream_report(recs, n_boot=plan.bootstrap * 10, unit="run")
-    figs = eval_plots.plot_downstream(report, recs, out / "figures")
+    figs = eval_plots.plot_downstream(report, recs, where / "figures")
     figs = {**figs, "figures": {k: p and os.path.relpath(p, out) for k, p in (figs.get("figures") or {}).items()}}
     summary = {"report": report, "figures": figs, "n_endpoints": len(recs),
                "runs": {k: {"arch": v["arch"], "scale": v["scale"], "sparsity_label": v["sparsity_label"],
                             "seed": v.get("seed"), "branch_step": v.get("branch_step"),
                             "val_loss": v["val"]["loss"] if v.get("val") else None, "summary": v["summary"]}
                         for k, v in sorted(records.items())}}
-    checks.write_json(out / "eval_summary.json", summary)
+    checks.write_json(where / "eval_summary.json", summary)
     return summary
 
 
-def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path) -> dict:
-    """SMELT 4 (scaling_analysis.analyse); {"error": ...} when the fits fail."""
+def stage_scaling(plan: configs.Plan, rows: list[dict], out: Path, arm: str = "smelt") -> dict:
+    """SMELT 4 (scaling_analysis.analyse) on the Baseline's and `arm`'s rows; {"error": ...} when the fits fail."""
     from lab import scaling_analysis
+    rows = [r for r in rows if r["arch"] in (configs.BASELINE, arm)]
     try:
-        return scaling_analysis.analyse(rows, str(out / "scaling"), n_boot=plan.bootstrap, n_jobs=2,
+        return scaling_analysis.analyse(rows, str(configs.arm_dir(out, plan, arm) / "scaling"),
+                                        n_boot=plan.bootstrap, n_jobs=2, target=arm,
                                         budgets=scaling_analysis.preset_budgets(plan.ladder))
     except (ValueError, RuntimeError) as e:
         log(f"scaling fits failed: {e}")
         return {"error": str(e)}
 
 
-def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path) -> dict:
-    """SMELT 6 on every matched pair (probe_pairs.probe_pairs), one held-out sample over all domains."""
+def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path, arm: str = "smelt") -> dict:
+    """SMELT 6 on every matched pair of the Baseline and `arm` (probe_pairs.probe_pairs), one held-out sample over
+    all domains."""
     from lab import probe_pairs, probe_plots
-    path = out / "probes.json"
+    where = configs.arm_dir(out, plan, arm)
+    path = where / "probes.json"
     cached = probe_pairs.load_result(path)                             # None when absent or damaged (named)
     if cached is not None:
         return cached
-    runs = configs.plan_runs(out, ladder, plan)
-    pairs = [(b.key + (f"_seed{b.seed}" if b.seed else ""), str(b.dir), str(s.dir))
-             for b, s in zip(runs[::2], runs[1::2])]            # every matched pair, seed replicates included
-    log(f"probes: {len(pairs)} matched pairs, {plan.probe_tokens} held-out tokens over every domain")
+    runs = {(r.key, r.seed, r.arch): r for r in pair_runs(plan, ladder, out, arm)}
+    pairs = [(key + (f"_seed{seed}" if seed else ""), str(b.dir), str(runs[key, seed, arm].dir))
+             for (key, seed, a), b in runs.items() if a == configs.BASELINE]   # by cell, seed and arm name
+    log(f"probes: {len(pairs)} {configs.arm_label(arm)} pairs, {plan.probe_tokens} held-out tokens over every domain")
     res = probe_pairs.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
     largest = configs.cell_key(ladder[-1]["scale"], ladder[-1]["sparsity_label"])   # the per-pair figures: largest cell
-    res["figures"] = probe_plots.plot_pairs(res, str(out / "figures" / "probes"), detail=[largest])
+    res["figures"] = probe_plots.plot_pairs(res, str(where / "figures" / "probes"), detail=[largest])
     probe_pairs.save_result(path, res)                                 # hashed, figure paths relative to out
     return res
 
@@ -450,7 +464,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> Path:
     args = parse_args(argv)
     plan = configs.PLANS[args.preset]
-    plan = replace(plan, loop=loop_spec(args, plan.loop))
+    plan = replace(plan, arms={a: loop_spec(args, s) for a, s in plan.arms.items()})   # the loop options: every arm
     out = checks.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{plan.loop.tag()}")   # before any work
     with checks.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
         if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
@@ -499,17 +513,21 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
     check_disk(plan, ladder, out, jobs)
     threads = runtime["threads_per_worker"]   # 1 per CPU worker; in-process (jobs 1) it is not used
     rows = timed("train", stage_train, plan, ladder, data, out, jobs, threads)
-    train_sum = reporting.training_summary(plan, ladder, rows, entropy)
-    train_sum["learned"]["unigram_val_loss"] = unigram_val
-    checks.write_json(out / "training_summary.json", train_sum)
     train_plots.plot_curves(out, ladder, entropy, plan)
-    ev_sum = timed("eval", stage_eval, plan, ladder, data, out, jobs, threads) if "eval" not in args.skip else {}
-    scal = timed("scaling", stage_scaling, plan, rows, out) if "scaling" not in args.skip else {"error": "skipped"}
-    prb = timed("probes", stage_probes, plan, ladder, data, out) if "probes" not in args.skip else {}
+    compared = {}   # each looped arm against the Baseline, by name
+    for arm in plan.arms:
+        (where := configs.arm_dir(out, plan, arm)).mkdir(parents=True, exist_ok=True)
+        ts = reporting.training_summary(plan, ladder, rows, entropy, arm)
+        ts["learned"]["unigram_val_loss"] = unigram_val
+        checks.write_json(where / "training_summary.json", ts)
+        ev_sum = timed("eval", stage_eval, plan, ladder, data, out, jobs, threads, arm) if "eval" not in args.skip else {}
+        scal = (timed("scaling", stage_scaling, plan, rows, out, arm) if "scaling" not in args.skip
+                else {"error": "skipped"})
+        prb = timed("probes", stage_probes, plan, ladder, data, out, arm) if "probes" not in args.skip else {}
+        compared[arm] = reporting.Compared(ts, ev_sum, scal, prb, probe_verdicts(prb))
     summary = {**reporting.run_summary(args.preset, stage_s, time.time() - t0), "runtime": runtime}
     checks.write_json(out / "summary.json", summary)
-    report = reporting.write_report(args.preset, plan, out, ladder, rows, ev_sum, scal, prb, summary, train_sum, cost,
-                                    probe_verdicts(prb))
+    report = reporting.write_report(args.preset, plan, out, ladder, rows, compared, summary, cost)
     log(f"done in {(time.time() - t0) / 60:.1f} min: {report}")
     return report
 

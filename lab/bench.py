@@ -30,7 +30,6 @@ import budget
 import checks
 import configs
 import data as data_mod
-import model as model_lib   # model.SKINNY_ROWS: the few-row rule's switch
 import train
 from lab.bench_harness import clock_for, interleaved, machine, run_benchmarks, threads, timed, update_json
 from loop import SMELT, LoopConfig
@@ -115,7 +114,7 @@ def tiny_cells():
     """The tiny preset's ladder cells as reproduce.py builds them, and the prepared data they are sized to."""
     d = data_mod.TokenData(data_mod.default_data_dir("tiny"))
     return budget.ladder_cells("tiny", budget.preset_doc_length("tiny", d), vocab_size=d.vocab_size,
-                               spec=configs.PLANS["tiny"].loop), d
+                               arms=configs.PLANS["tiny"].arms), d
 
 
 def bench_moe_shapes(device) -> dict:
@@ -200,14 +199,14 @@ def bench_cells(device, batch_size=4, steps=20) -> dict:
     res, tok = {}, batch_size * T
     for name, c in cells.items():
         kb, ks = (name, "baseline"), (name, "smelt")
-        b, s, fr = med[kb], med[ks], c["match"]["flops_ratio"]
+        b, s, fr = med[kb], med[ks], c["match"]["smelt"]["flops_ratio"]
         # a block visit's FLOPs are F / visits (head excluded): SMELT's per visit over the Baseline's
         Vb, Vs = len(runs[kb][0].plan), len(runs[ks][0].plan)
         f_visit = fr * Vb / Vs
         time_over_flops = s[0] / b[0] / fr
         res[name] = r = {
             "baseline_tok_s": tok / b[0], "smelt_tok_s": tok / s[0], "flops_ratio": fr, "time_ratio": s[0] / b[0],
-            "fwd_bwd_ratio": s[1] / b[1], "optimizer_ratio": s[2] / b[2], "params_ratio": c["match"]["params_ratio"],
+            "fwd_bwd_ratio": s[1] / b[1], "optimizer_ratio": s[2] / b[2], "params_ratio": c["match"]["smelt"]["params_ratio"],
             "optimizer_share_smelt": s[2] / s[0], "moe_excess_s": {"baseline": excess[kb], "smelt": excess[ks]},
             "time_ratio_moe_at_dense_cost": (s[0] - excess[ks]) / (b[0] - excess[kb]),
             "time_over_flops": time_over_flops, "within_10_percent": abs(time_over_flops - 1) <= 0.10,
@@ -238,48 +237,34 @@ def decode_models(d_model=512, n_layer=8, n_head=8, d_ff=1536, vocab=4096):
 
 
 def bench_decode(device, dtype, prompt=64, new_tokens=64, reps=7) -> dict:
-    """Median over reps of the median per-token time of greedy decoding, models and layouts taking turns token
-    by token: "skinny" (the default: few-row products as W x^T on CPU, model.few_row_projections) and, on CPU
-    only (on CUDA the rule never applies), "F.linear", that rule off."""
+    """Median over reps of the median per-token time of greedy decoding, the models taking turns token by token."""
     models = {}
     for name, cfg in decode_models().items():
         torch.manual_seed(0)
         models[name] = GPT(cfg).to(device, dtype).eval()
     idx = torch.randint(0, models["unlooped"].cfg.vocab_size, (1, prompt), device=device)
-    layouts = {"skinny": model_lib.SKINNY_ROWS} | ({"F.linear": 0} if device.type == "cpu" else {})
 
-    def decoder(lay, m):   # prefill (not timed), then one greedy token per call
-        model_lib.SKINNY_ROWS = layouts[lay]
+    def decoder(m):   # prefill (not timed), then one greedy token per call
         cache = m.new_cache(1, prompt + new_tokens)
         logits = m.forward_step(idx, cache)[:, -1]
 
         def next_token():
             nonlocal logits
-            model_lib.SKINNY_ROWS = layouts[lay]
             logits = m.forward_step(logits.argmax(-1, keepdim=True), cache)[:, -1]
         return next_token
 
-    default, per_rep = model_lib.SKINNY_ROWS, []
-    try:
-        for _ in range(reps + 1):                                  # the first rep is the warm-up
-            steps = {(lay, name): decoder(lay, m) for lay in layouts for name, m in models.items()}
-            per_rep.append(interleaved(steps, device, warmup=0, iters=new_tokens))   # token by token, in turn
-    finally:
-        model_lib.SKINNY_ROWS = default
-    med = {k: statistics.median(r[k] for r in per_rep[1:]) for k in per_rep[0]}
+    per_rep = []
+    for _ in range(reps + 1):                                      # the first rep is the warm-up
+        steps = {name: decoder(m) for name, m in models.items()}
+        per_rep.append(interleaved(steps, device, warmup=0, iters=new_tokens))   # token by token, in turn
+    r = {k: statistics.median(rep[k] for rep in per_rep[1:]) for k in per_rep[0]}
     depth = len(models["sequential_2loop"].plan) / models["unlooped"].cfg.n_layer
-    res = {}
+    res = r | {"plt_ratio": r["plt_2loop"] / r["unlooped"], "sequential_ratio": r["sequential_2loop"] / r["unlooped"]}
     print(f"\nBatch-1 decode, per token ({device.type}, {dtype}):")
-    for lay in layouts:
-        r = {name: med[(lay, name)] for name in models}
-        res[lay] = r | {"plt_ratio": r["plt_2loop"] / r["unlooped"],
-                        "sequential_ratio": r["sequential_2loop"] / r["unlooped"]}
-        print(f"  projections: {lay}")
-        for name, v in r.items():
-            print(f"    {name:18s} {v * 1e3:8.3f} ms   {v / r['unlooped']:5.2f}x unlooped")
+    for name, v in r.items():
+        print(f"    {name:18s} {v * 1e3:8.3f} ms   {v / r['unlooped']:5.2f}x unlooped")
     print(f"  executed-depth ratio of the sequential model: {depth:.2f}")
-    ok = res["skinny"]["plt_ratio"] <= 1.15
-    print(f"  target: PLT <= 1.15x unlooped (default layout) -> {'met' if ok else 'NOT met'}")
+    print(f"  target: PLT <= 1.15x unlooped -> {'met' if res['plt_ratio'] <= 1.15 else 'NOT met'}")
     return res | {"executed_depth_ratio": depth}
 
 

@@ -24,7 +24,13 @@ from lab.calibration import calibration_report
 from lab.tasks import centred_accuracy, chance_of
 from eval import long_short_ratio, normalised_shape
 
-ARMS = ("baseline", "smelt")
+ARMS = ("baseline", "smelt")   # the roles of a pair: the reference and the looped arm ("smelt" by default)
+
+
+def as_pair(records: Sequence[dict], arm: str) -> list[dict]:
+    """The Baseline's and `arm`'s records, `arm` in the looped role ("smelt"): how reproduce.py reads any arm."""
+    return [r if r["arch"] in ARMS else {**r, "arch": ARMS[1], "arm": arm} for r in records
+            if r["arch"] in (ARMS[0], arm)]
 
 
 def check_grid(records: Sequence[dict]) -> None:

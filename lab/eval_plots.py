@@ -66,7 +66,8 @@ def plot_icl_sweep(sweep: dict, path: str | Path) -> str:
     for ax, name in zip(axes.flat, drawn):
         t = sweep[name]
         ks = [k for k in t["ks"] if t["by_k"][str(k)]["cells_above"]]
-        for arch, style, color in (("baseline", "--", "tab:blue"), ("smelt", "-", "tab:red")):
+        for arch, style in (("baseline", "--"), ("smelt", "-")):
+            color = plots.ARM_COLORS[arch]
             se = [float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
                   for v in (t["by_k"][str(k)][f"{arch}_by_seed"] for k in ks)]
             ax.errorbar(range(len(ks)), [t["by_k"][str(k)][arch] for k in ks], se, ls=style, marker="o", ms=3,

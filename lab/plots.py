@@ -23,3 +23,13 @@ def save(fig, path, dpi: int = 120, tight: bool = True, paths: list | None = Non
     if paths is not None:
         paths.append(str(path))
     return str(path)
+
+
+ARM_COLORS = {"baseline": "tab:blue", "smelt": "tab:red"}   # every figure's arm colours; other arms: OTHER_COLORS
+OTHER_COLORS = ("tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
+
+def arm_colors(arms) -> dict[str, str]:
+    """{arm: colour} for arms in plan order: the Baseline and SMELT fixed, any other the next of OTHER_COLORS."""
+    others = iter(OTHER_COLORS * (len(arms) // len(OTHER_COLORS) + 1))
+    return {a: ARM_COLORS.get(a) or next(others) for a in arms}

@@ -1,8 +1,9 @@
 """REPORT.md: the reproduction's claims, verdict tables and markdown, read from the run's JSON (nothing here trains).
 
-`training_summary`: did every model learn, and SMELT - Baseline loss per cell with its seed noise (SMELT 4.1).
+`training_summary`: did every model learn, and an arm - Baseline loss per cell with its seed noise (SMELT 4.1).
 `_claim_rows`: every claim of the paper as reproduced / contradicted / not resolved by its 95 % interval.
-`write_report`: REPORT.md's sections; their prose and the paper's quotes are report_text.md's blocks.
+`write_report`: REPORT.md's sections, the comparisons once per looped arm (`Compared`); their prose and the paper's
+quotes are report_text.md's blocks. In a comparison the looped arm has the role the paper gives SMELT.
 `run_summary`: where and when the report was made.
 Read first: reproduce.py (the stages), stats.py (intervals and verdicts).
 """
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,7 +60,16 @@ def law_for_pair(b: dict, m: dict) -> dict:
     return {"gap": g, "direction": ">" if g > 0 else "<"}
 
 
-def gap_vs_tokens(rows: list[dict]) -> dict:
+class Compared(NamedTuple):
+    """One looped arm against the Baseline: what each comparing stage of reproduce.py returned."""
+    ts: dict        # training_summary
+    ev_sum: dict    # stage_eval ({} when skipped)
+    scal: dict      # stage_scaling ({"error"} when skipped or failed)
+    prb: dict       # stage_probes ({} when skipped)
+    pclaims: list   # probe_claims.claims(prb)
+
+
+def gap_vs_tokens(rows: list[dict], arm: str = "smelt") -> dict:
     """SMELT - Baseline validation loss against log10 D per matched run pair (the endpoints both have): each pair's
     slope per decade with its OLS interval and the law's; the mean over pairs with its t-interval (SMELT 4.3:
     below the crossover the law's gap is positive and falls as D grows)."""
@@ -67,7 +78,7 @@ def gap_vs_tokens(rows: list[dict]) -> dict:
         runs.setdefault((r["scale"], r["sparsity_label"], r.get("seed", 0), r["arch"]), {})[float(r["D"])] = r
     pairs = []
     for (scale, lab, seed, arch), b in sorted(runs.items()):
-        m = runs.get((scale, lab, seed, "smelt"))
+        m = runs.get((scale, lab, seed, arm))
         Ds = sorted(set(b) & set(m or {}))
         if arch != "baseline" or len(Ds) < 2:
             continue
@@ -85,9 +96,11 @@ def gap_vs_tokens(rows: list[dict]) -> dict:
     return out
 
 
-def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], entropy: float) -> dict:
-    """The training claims with their noise: did every model learn (validation loss vs unigram entropy); SMELT -
-    Baseline final loss, paired over the repeated cell's seeds and per cell at seed 0 with that cell's seed noise."""
+def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], entropy: float,
+                     arm: str = "smelt") -> dict:
+    """The training claims with their noise: did every model learn (validation loss vs unigram entropy); `arm` -
+    Baseline final loss, paired over the repeated cell's seeds and per cell at seed 0 with that cell's seed noise
+    (the arm's values under the key "smelt", its role)."""
     fin = finals(rows)
     margins = [entropy - r["val_loss"] for r in rows]
     least_final = min((entropy - r["val_loss"] for r in fin.values()), default=None)
@@ -95,13 +108,13 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
                "min_margin": min(margins, default=None), "min_margin_final": least_final,
                "below": sum(m >= 1.5 for m in margins), "all_final": least_final is not None and least_final >= 1.5,
                "all_endpoints": bool(margins) and min(margins) >= 1.5}
-    out = {"learned": learned, "cells": [], "repeat": None}
+    out = {"arm": arm, "learned": learned, "cells": [], "repeat": None}
     noise_sd, noise_n = None, 0
     if plan.repeat:
         seeds = sorted({r.get("seed", 0) for r in fin.values()
                         if (r["scale"], r["sparsity_label"]) == tuple(plan.repeat)})
         pairs = [(fin.get(configs.run_name(*plan.repeat, "baseline", s)),
-                  fin.get(configs.run_name(*plan.repeat, "smelt", s))) for s in seeds]
+                  fin.get(configs.run_name(*plan.repeat, arm, s))) for s in seeds]
         pairs = [(b, m) for b, m in pairs if b and m]
         if pairs:
             base, smelt = [b["val_loss"] for b, _ in pairs], [m["val_loss"] for _, m in pairs]
@@ -114,7 +127,7 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
                              "baseline_seed_sd": float(np.std(base, ddof=1)) if len(base) > 1 else None,
                              "law": law, "verdict_here": stats.verdict(iv, law["direction"])}
     for cell in ladder:
-        b, m = (fin.get(configs.run_name(cell["scale"], cell["sparsity_label"], a)) for a in ("baseline", "smelt"))
+        b, m = (fin.get(configs.run_name(cell["scale"], cell["sparsity_label"], a)) for a in (configs.BASELINE, arm))
         if not (b and m):
             continue
         d = m["val_loss"] - b["val_loss"]
@@ -140,7 +153,7 @@ def training_summary(plan: configs.Plan, ladder: list[dict], rows: list[dict], e
         law_dir = ">" if 2 * out["cells_law_higher"] > len(out["cells"]) else "<"
         out["over_cells"] = {"diff": iv.to_dict(), "verdict": stats.verdict(iv, "<"), "law_direction": law_dir,
                              "verdict_here": stats.verdict(iv, law_dir)}
-    out["gap_vs_D"] = gap_vs_tokens(rows)
+    out["gap_vs_D"] = gap_vs_tokens(rows, arm)
     return out
 
 
@@ -376,9 +389,9 @@ def _figures(paths, out: Path, base: Path | None = None, sep: tuple = ("",)) -> 
     return [line for name, link in links if link for line in (f"![{name}]({link})", *sep)]
 
 
-def loop_count(ladder: list[dict]) -> int | None:
-    """r, the loop count of the ladder's matched SMELTs (None when they differ or the ladder is empty)."""
-    rs = {c["smelt"]["loop"]["n_loops"] for c in ladder}
+def loop_count(ladder: list[dict], arm: str = "smelt") -> int | None:
+    """r, the loop count of the ladder's matched `arm` models (None when they differ or the ladder is empty)."""
+    rs = {c[arm]["loop"]["n_loops"] for c in ladder}
     return rs.pop() if len(rs) == 1 else None
 
 
@@ -393,49 +406,58 @@ def _section_plan(plan: configs.Plan, ladder: list[dict], rows: list[dict], cost
     import budget   # here, not at the top: rendering markdown needs no model code
     from loop import SMELT
     from model import ModelConfig
-    counts = [budget.count_params(ModelConfig.from_dict(c[a])) for c in ladder for a in ("baseline", "smelt")]
+    counts = [budget.count_params(ModelConfig.from_dict(c[a])) for c in ladder for a in configs.cell_arms(c)]
     span = lambda v: f"{_sci(min(v))}-{_sci(max(v))}"
     D = {r["D"] for r in rows}
     runs = TEXT["plan.repeat" if plan.repeat else "plan.runs"].format_map({
         **vars(plan), "n_cells": len(ladder), "n_runs": len(cost["runs"]),
+        "arms": ", ".join(configs.arm_label(a) for a in (configs.BASELINE, *plan.arms)),
         "branches": ", ".join(map(str, plan.branch_steps)), "tokens": cost["tokens_per_run"] / 1e6})
     changed = ", ".join(f"{k} {v}" for k, v in vars(plan.loop).items() if getattr(SMELT, k) != v)
+    first = configs.arm_label(next(iter(plan.arms)))
     return _text("plan", runs=runs,
                  decay=f"Decay data: {configs.decay_freshness(cost['epochs_per_run'])}." if cost.get("epochs_per_run")
                  else "", params=span([n["blocks"] for n in counts]), active=span([n["active"] for n in counts]),
                  tokens=f"{span(D)} tokens" if D else "no tokens",
-                 loop=f"Loop: not SMELT's ({changed}; loop.LoopSpec): every SMELT column below is this looped model."
-                 if plan.loop != SMELT else "")
+                 loop=f"Loop: not SMELT's ({changed}; loop.LoopSpec): every {first} column below is this looped "
+                 f"model." if plan.loop != SMELT else "")
 
 
 def _section_ladder(ladder: list[dict]) -> list[str]:
+    many = any(len(c["match"]) > 1 for c in ladder)   # more than one looped arm: name it beside the scale
     return _text("ladder", ctx=ladder[0]["ctx_len"] if ladder else float("nan"), rows=_rows(
-        [c["scale"], c["sparsity_label"], f"{c['baseline']['d_model']} -> {c['smelt']['d_model']}",
-         f"{c['baseline']['n_experts']} -> {c['smelt']['n_experts']}",
-         *(f"{c['match'][k]:.3f}" for k in ("flops_ratio", "flops_ratio_other_head", "params_ratio", "kv_ratio")),
-         "yes" if c["match"]["within_tolerance"] else "**no**"] for c in ladder))
+        [c["scale"] + (f" ({configs.arm_label(a)})" if many else ""), c["sparsity_label"],
+         f"{c['baseline']['d_model']} -> {c[a]['d_model']}", f"{c['baseline']['n_experts']} -> {c[a]['n_experts']}",
+         *(f"{m[k]:.3f}" for k in ("flops_ratio", "flops_ratio_other_head", "params_ratio", "kv_ratio")),
+         "yes" if m["within_tolerance"] else "**no**"] for c in ladder for a, m in c["match"].items()))
 
 
-def _section_training(ts: dict, rows: list[dict], ladder: list[dict]) -> list[str]:
-    lr, rep = ts["learned"], ts.get("repeat")
+def _section_learned(ts: dict, rows: list[dict], ladder: list[dict]) -> list[str]:
+    """Did every model of every arm learn: the unigram target and the final loss of each run."""
+    lr = ts["learned"]
     order = {configs.cell_key(c["scale"], c["sparsity_label"]): i for i, c in enumerate(ladder)}
     rank = lambda r: (order.get(configs.cell_key(r["scale"], r["sparsity_label"]), 99), r.get("seed", 0), r["arch"])
+    unigram = (f" On this validation set (the same tokens every model is scored on) the unigram model fitted on the "
+               f"training stream scores {lr['unigram_val_loss']:.3f}." if lr.get("unigram_val_loss") else "")
+    fin = sorted(finals(rows).items(), key=lambda kv: rank(kv[1]))   # ladder order, then seed, then arch
+    return _text("training", **lr, target=lr["entropy"] - 1.5, met="met" if lr["all_final"] else "**not met**",
+                 unigram=unigram, runs=_rows([name, f"{r['D'] / 1e6:.2f}M", f"{r['val_loss']:.3f}",
+                                              f"{lr['entropy'] - r['val_loss']:.2f}"] for name, r in fin))
+
+
+def _section_training(ts: dict, rows: list[dict]) -> list[str]:
+    """One arm against the Baseline: seed noise, the per-cell table, the law here and the gap against D."""
+    rep = ts.get("repeat")
     noise = TEXT["training.noise"].format_map({
         **rep, "diff": _iv(rep["diff"], 4), "sd": "n/a" if rep.get("baseline_seed_sd") is None
         else f"{rep['baseline_seed_sd']:.4f}", "here": _gap_here(rep["law"]["direction"], rep["verdict_here"]) + "."})\
         if rep else ""
-    unigram = (f" On this validation set (the same tokens every model is scored on) the unigram model fitted on the "
-               f"training stream scores {lr['unigram_val_loss']:.3f}." if lr.get("unigram_val_loss") else "")
-    fin = sorted(finals(rows).items(), key=lambda kv: rank(kv[1]))   # ladder order, then seed, then arch
     said = lambda law: "SMELT higher" if law["direction"] == ">" else "SMELT lower"
     oc, gd, D = ts.get("over_cells"), ts.get("gap_vs_D") or {}, [r["D"] for r in rows]
     over = (f" Over the {len(ts['cells'])} cells, each cell's seed-0 pair one unit, SMELT - Baseline is "
             f"**{_iv(oc['diff'], 4)}** nats ({oc['verdict']}; against the law here: {oc['verdict_here']})." if oc else "")
-    return _text("training", **lr, target=lr["entropy"] - 1.5, met="met" if lr["all_final"] else "**not met**",
-                 unigram=unigram, noise=noise, over_cells=over, crossover=_sci(PAPER_CROSSOVER_D),
+    return _text("training.pair", noise=noise, over_cells=over, crossover=_sci(PAPER_CROSSOVER_D),
                  tokens=f"{_sci(min(D))}-{_sci(max(D))}" if D else "none",
-                 runs=_rows([name, f"{r['D'] / 1e6:.2f}M", f"{r['val_loss']:.3f}",
-                             f"{lr['entropy'] - r['val_loss']:.2f}"] for name, r in fin),
                  cells=_rows([c["scale"], c["sparsity_label"], f"{100 * c['S']:.1f} %", f"{c['baseline']:.4f}",
                               f"{c['smelt']:.4f}", _iv(c["diff"], 4), c["verdict"], said(c["law"]), c["verdict_here"]]
                              for c in ts["cells"]),
@@ -446,16 +468,17 @@ def _section_training(ts: dict, rows: list[dict], ladder: list[dict]) -> list[st
                  gap_verdict=gd.get("verdict", "not resolved"))
 
 
-def _section_scaling(scal: dict, out: Path) -> list[str]:
+def _section_scaling(scal: dict, out: Path, where: Path | None = None) -> list[str]:
     if "error" in scal:
         return _skipped("scaling", f"Not available: {scal['error']}")
     fits = scal.get("fits", {})
     L = _text("scaling", identified=", ".join(a for a, f in fits.items() if f.get("identified")) or "none",
               fits=", ".join(fits))
-    tables = out / "scaling" / (scal.get("tables_md") or "tables.md")
+    where = where or out   # the arm's folder (configs.arm_dir)
+    tables = where / "scaling" / (scal.get("tables_md") or "tables.md")
     if tables.exists():
         L += [re.sub(r"^(#{2,}) ", r"#\1 ", tables.read_text(), flags=re.M), ""]   # nest under this section
-    return L + _figures(scal.get("figures", []), out, base=out / "scaling")
+    return L + _figures(scal.get("figures", []), out, base=where / "scaling")
 
 
 def _section_downstream(ev_sum: dict, out: Path) -> list[str]:
@@ -498,17 +521,32 @@ def _section_probes(prb: dict, cl: list[dict], out: Path, r: int | None = 2) -> 
     return L + _figures(prb.get("figures", []), out, base=Path.cwd(), sep=()) + [""]
 
 
-def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, ev_sum, scal, prb, summary: dict,
-                 ts: dict, cost: dict, pclaims: list[dict] = ()) -> Path:
-    """REPORT.md from the stages' results; pclaims: probe_claims.claims(prb) ([] without probes)."""
-    pclaims = list(pclaims) if prb.get("pairs") else []
+def _section_arm(arm: str, c: Compared, plan: configs.Plan, out: Path, ladder, rows) -> list[str]:
+    """Every comparison of one looped arm with the Baseline, over the pair's own runs."""
+    rows = [r for r in rows if r["arch"] in (configs.BASELINE, arm)]
+    pclaims = list(c.pclaims) if c.prb.get("pairs") else []
+    return (_section_training(c.ts, rows) + _section_scaling(c.scal, out, configs.arm_dir(out, plan, arm))
+            + _section_downstream(c.ev_sum, out)
+            + _section_probes(c.prb, pclaims, out, loop_count(ladder, arm))
+            + _text("claims", rows=_rows(_claim_rows(c.ts, c.scal, pclaims, c.ev_sum, c.prb, out)),
+                    crossover=_sci(PAPER_CROSSOVER_D)))
+
+
+def write_report(plan_name: str, plan: configs.Plan, out: Path, ladder, rows, compared: dict[str, Compared],
+                 summary: dict, cost: dict) -> Path:
+    """REPORT.md from the stages' results: the runs once, then each looped arm's comparison (`compared`, by name;
+    the first arm's as the report's own sections, every other one under its own heading, one level down)."""
     L = _text("summary", **{**summary, "plan_name": plan_name,
                             "dirty": " (with uncommitted changes)" if summary["dirty"] else "",
                             "stages": ", ".join(f"{k} {v:.1f}" for k, v in summary["stage_minutes"].items())})
-    L += _section_plan(plan, ladder, rows, cost) + _section_ladder(ladder) + _section_training(ts, rows, ladder)
-    L += _section_scaling(scal, out) + _section_downstream(ev_sum, out)
-    L += _section_probes(prb, pclaims, out, loop_count(ladder))
-    L += _text("claims", rows=_rows(_claim_rows(ts, scal, pclaims, ev_sum, prb, out)), crossover=_sci(PAPER_CROSSOVER_D))
+    first = next(iter(compared.values()))
+    L += _section_plan(plan, ladder, rows, cost) + _section_ladder(ladder) + _section_learned(first.ts, rows, ladder)
+    for k, (arm, c) in enumerate(compared.items()):
+        part = _section_arm(arm, c, plan, out, ladder, rows)
+        if k:   # another arm: its heading, then its sections nested under it
+            L += _text("arm", arm=arm, spec=plan.arms[arm]) + [re.sub(r"^(#{1,5}) ", r"#\1 ", x) for x in part]
+        else:
+            L += part
     path = out / "REPORT.md"
     path.write_text("\n".join(L))
     return path

@@ -215,13 +215,14 @@ def _interval(point: float | None, draws: np.ndarray, bs: Bootstrap, n_units: in
 
 def design_shape(plan, ladder: Sequence[dict]) -> dict:
     """The grid a plan fits (its sparse cells; S = 0 controls are never fitted) with `grid_totals`' spans and points;
-    F span: the smaller of the two architectures' (scripts/grid_power.py, reproduce's plan line). Also each
-    architecture's F and S per cell and the endpoints' tokens D, as its training rows will record them."""
+    F span: the smallest of its arms' (scripts/grid_power.py, reproduce's plan line). Also each
+    arm's F and S per cell and the endpoints' tokens D, as its training rows will record them."""
     import budget
+    import configs
     from lab.downstream_claims import label_percent
     from model import ModelConfig
     cells = [c for c in ladder if c["sparsity_label"] != CONTROL_LABEL]
-    cfgs = {a: [ModelConfig.from_dict(c[a]) for c in cells] for a in ("baseline", "smelt")}
+    cfgs = {a: [ModelConfig.from_dict(c[a]) for c in cells] for a in configs.cell_arms(cells[0])}
     F = {a: [budget.flops_per_token(m, c["ctx_len"]) for m, c in zip(cfgs[a], cells)] for a in cfgs}
     ctrl = [budget.dense_control(m) for m in cfgs["baseline"]]          # train.py's S: against the dense control
     S = {a: [budget.config_sparsity(m, c["ctx_len"], k) for m, k, c in zip(cfgs[a], ctrl, cells)] for a in cfgs}
@@ -308,9 +309,12 @@ def design_power(shape: Mapping, noise: float | None = None, seeds: int = 8, pri
 
 def prior_points(shape: Mapping, prior: dict, noise: float | None = None, seed: int = 0) -> dict[str, Points]:
     """Each prior surface (load_prior) drawn at `shape`'s own F and S per cell and D per endpoint, with log-normal
-    noise (its measured one unless `noise`), one independent draw per surface and seed."""
+    noise (its measured one unless `noise`), one independent draw per surface and seed; a surface of an arm the
+    plan does not have is not drawn."""
     D, out = np.asarray(shape["D"], dtype=float), {}
     for k, (a, (co, sd)) in enumerate(sorted(prior["surfaces"].items())):
+        if a not in shape["F"]:
+            continue
         rng = np.random.default_rng([seed, k])
         F, S = (np.repeat(np.asarray(shape[x][a], dtype=float), len(D)) for x in ("F", "S"))
         Da = np.tile(D, len(shape["F"][a]))

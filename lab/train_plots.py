@@ -39,8 +39,8 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
     n = len(ladder)
     cols = min(n, 4)
     rows_ = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.0 * rows_ + 0.6), squeeze=False, sharey=True)
-    colors = {"baseline": "tab:blue", "smelt": "tab:red"}
+    fig, axes = plt.subplots(rows_, cols, figsize=(max(3.6 * cols, 7.2), 3.0 * rows_ + 0.6), squeeze=False, sharey=True)
+    colors = plots.arm_colors(configs.cell_arms(ladder[0]) if ladder else [])
     lo, hi, drew_val = math.inf, -math.inf, False
     for ax, cell in zip(axes.flat, ladder):
         for r in configs.plan_runs(out, [cell]):
@@ -78,8 +78,7 @@ def plot_curves(out: Path, ladder: list[dict], entropy: float | None = None, pla
     if math.isfinite(lo):
         top = hi if entropy is None else max(min(hi, entropy + 1.0), entropy + 0.2)
         axes[0, 0].set_ylim(lo - 0.1, top)
-    handles = [Line2D([], [], color="tab:blue", lw=1.4, label="Baseline"),
-               Line2D([], [], color="tab:red", lw=1.4, label="SMELT"),
+    handles = [*(Line2D([], [], color=c, lw=1.4, label=configs.arm_label(a)) for a, c in colors.items()),
                Line2D([], [], color="k", lw=1.4, label="train CE, stable (window mean)"),
                Line2D([], [], color="k", lw=0.9, alpha=0.75, label="train CE, decay branches"),
                *([Line2D([], [], color="k", ls="--", marker=".", label="validation, stable")] if drew_val else []),

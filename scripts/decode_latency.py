@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     if ctx > cfgs["unlooped"].block_size:
         raise checks.UserError(f"prompt + tokens = {ctx} exceeds the bench models' block_size {cfgs['unlooped'].block_size}")
     timed = bench.bench_decode(device, dtype, prompt=prompt, new_tokens=new)
-    timing, plt = timed["skinny"], cfgs["plt_2loop"]
+    timing, plt = timed, cfgs["plt_2loop"]
     cfgs["plt_2loop_kv_shared"] = replace(plt, loop=replace(plt.loop, kv_window=max(1, ctx // 4)))
     base_kv = budget.kv_bytes_per_token(cfgs["unlooped"], 2, ctx)
     rows = []
@@ -53,8 +53,7 @@ def main(argv=None) -> dict:
                      "flops_per_token": budget.flops_per_token(cfg, ctx), "params": budget.count_params(cfg)["blocks"]})
     return exp.finish({"device": bench_harness.machine(), "dtype": str(dtype), "prompt": prompt, "new_tokens": new,
                        "plt_ratio": timing["plt_ratio"], "sequential_ratio": timing["sequential_ratio"],
-                       "executed_depth_ratio": timed["executed_depth_ratio"], "rows": rows,
-                       "f_linear": timed.get("F.linear")}, [
+                       "executed_depth_ratio": timed["executed_depth_ratio"], "rows": rows}, [
         ("model", "model", ""), ("ms / token", "ms_per_token", ".3f"), ("x unlooped", "vs_unlooped", ".2f"),
         ("KV B/token", "kv_bytes_per_token", ",.0f"), ("KV ratio", "kv_ratio", ".2f"),
         ("KV MiB @ctx", "kv_mib_at_ctx", ".3f"), ("train FLOPs/token", "flops_per_token", ".3g")], trained=False)

@@ -41,7 +41,7 @@ def preset_shape(preset: str, branch_steps=None, decay_steps=None) -> dict:
         plan = replace(plan, branch_steps=sorted(branch_steps), stable_steps=max(branch_steps))
     if decay_steps:
         plan = replace(plan, decay_steps=decay_steps)
-    cells = budget.ladder_cells(plan.ladder, float(plan.block_size), spec=plan.loop)
+    cells = budget.ladder_cells(plan.ladder, float(plan.block_size), arms=plan.arms)
     return scaling_analysis.design_shape(plan, reproduce.plan_cells(plan, cells))
 
 

@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     plan = configs.PLANS[args.preset]
     d = data_mod.TokenData(data_mod.default_data_dir(plan.data))
     ladder = budget.ladder_cells(plan.ladder, budget.preset_doc_length(plan.ladder, d), vocab_size=d.vocab_size,
-                                 spec=plan.loop)
+                                 arms=plan.arms)
     cell = (args.scale or ladder[-1]["scale"], args.sparsity_label or ladder[-1]["sparsity_label"])
     cells = {(c["scale"], c["sparsity_label"]): c for c in ladder}
     if cell not in cells:

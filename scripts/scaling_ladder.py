@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     scal = reproduce.stage_scaling(plan, results, exp.out)
     rows = []
     for cell in ladder:
-        key, m = (cell["scale"], cell["sparsity_label"]), cell["match"]
+        key, m = (cell["scale"], cell["sparsity_label"]), cell["match"]["smelt"]
         b, s = (max((r for r in results if (r["scale"], r["sparsity_label"], r["arch"]) == (*key, arch)),
                     key=lambda r: r["D"]) for arch in ("baseline", "smelt"))
         rows.append({"scale": cell["scale"], "sparsity_label": cell["sparsity_label"], "S": b["S"],

@@ -76,6 +76,43 @@ def test_rerun_skips_finished_work(smoke):
     assert {p: p.stat().st_mtime_ns for p in work} == work
 
 
+def test_a_third_arm_is_one_entry_and_follows_through_every_stage(tmp_path, monkeypatch):
+    """An arm added to a plan (here How to Loop's last-half span beside SMELT) is matched to the same Baselines,
+    trained, paired with them by cell, seed and name, fitted, evaluated, probed and reported under its own
+    heading, with its own colour, with no other edit; the first arm's files stay where they were."""
+    from dataclasses import replace
+
+    from lab import plots
+    from loop import SMELT, LoopSpec
+    plan = replace(configs.PLANS["smoke"], cells=(("m48", "S~85%"),), repeat=None,
+                   arms={"smelt": SMELT, "last": LoopSpec(placement="last")})
+    monkeypatch.setitem(configs.PLANS, "smoke", plan)
+    out = tmp_path / "out"
+    reproduce.main(["--preset", "smoke", "--out-dir", str(out)])
+    (cell,) = reproduce.read_ladder(out)
+    assert configs.cell_arms(cell) == ["baseline", "smelt", "last"]
+    assert cell["last"]["loop"]["start"] == 2 and cell["smelt"]["loop"]["start"] == 1   # 4 layers: last half
+    assert cell["match"]["last"]["within_tolerance"]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["arch"] for r in rows} == {"baseline", "smelt", "last"}
+    final = {r["arch"]: r["val_loss"] for r in rows if r["branch_step"] == max(plan.branch_steps)}
+    probed = {}
+    for arm, where in (("smelt", out), ("last", out / "arms" / "last")):
+        ts = json.loads((where / "training_summary.json").read_text())
+        (c,) = ts["cells"]
+        assert ts["arm"] == arm and (c["baseline"], c["smelt"]) == (final["baseline"], final[arm])   # by name
+        assert (where / "eval_summary.json").exists() and (where / "scaling").is_dir()
+        probed[arm] = json.loads((where / "probes.json").read_text())["pairs"]["m48_S85"]
+    assert probed["last"]["baseline"]["summary"] == probed["smelt"]["baseline"]["summary"]   # one Baseline run
+    assert probed["last"]["smelt"]["summary"] != probed["smelt"]["smelt"]["summary"]         # each its own arm
+    text = (out / "REPORT.md").read_text()
+    assert text.count("\n## Claims: reproduced") == 1 and "# Arm `last` against the Baseline" in text
+    assert "### Claims: reproduced" in text.split("# Arm `last`")[1]          # its sections nested under it
+    assert "cells x {Baseline, SMELT, last}" in text
+    colors = plots.arm_colors(configs.cell_arms(cell))
+    assert len(set(colors.values())) == 3 and colors["smelt"] == plots.ARM_COLORS["smelt"]
+
+
 def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
     """The loop knobs come from one setting, the run plan's LoopSpec (or the loop options): the default plan
     passes SMELT's to budget.ladder_cells, another is passed on whole, and the report's labels read r from
@@ -96,19 +133,24 @@ def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(budget, "preset_doc_length", lambda preset, data=None: 32.0)
     data = type("D", (), {"vocab_size": 512})()
     with pytest.raises(RuntimeError, match="stop"):
-        reproduce.stage_ladder(replace(plan, loop=LoopSpec(n_loops=3, placement="last")), data, tmp_path)
-    assert seen == {"spec": LoopSpec(n_loops=3, placement="last")}
+        reproduce.stage_ladder(replace(plan, arms={"smelt": LoopSpec(n_loops=3, placement="last")}), data, tmp_path)
+    assert seen == {"arms": {"smelt": LoopSpec(n_loops=3, placement="last")}}
     assert reproduce.build_parser().parse_args(["--loops", "3"]).n_loops == 3
     assert report.visits_label(2) == "the second visit"
     assert "visit v+1 vs v" in report.visits_label(3) and "2-3" in report.visits_label(3)
-    cell = {"smelt": {"loop": {"n_loops": 3}}}
+    cell = {"smelt": {"loop": {"n_loops": 3}}, "last": {"loop": {"n_loops": 2}}}
     assert report.loop_count([cell, cell]) == 3 and report.loop_count([]) is None
+    assert report.loop_count([cell], "last") == 2
+    with pytest.raises(ValueError, match="arms must map names other than 'baseline'"):
+        replace(plan, arms={"baseline": SMELT})
+    with pytest.raises(ValueError, match="same n_shared_experts"):
+        replace(plan, arms={"smelt": SMELT, "shared": LoopSpec(n_shared_experts=1)})
 
 
 def _fake_cells():
     """Four ladder cells as budget.ladder_cells returns them, with only the fields stage_ladder reads."""
     match = {"flops_ratio": 1.0, "params_ratio": 1.0, "kv_ratio": 1.0, "within_tolerance": True}
-    return [{"scale": s, "sparsity_label": lab, "match": match, "smelt": {"d_model": 32, "n_experts": 2}}
+    return [{"scale": s, "sparsity_label": lab, "match": {"smelt": match}, "smelt": {"d_model": 32, "n_experts": 2}}
             for s in ("m48", "m64") for lab in ("S=0%", "S~85%")]
 
 
@@ -168,7 +210,7 @@ def test_disk_check_counts_what_earlier_invocations_wrote(tmp_path, monkeypatch)
 
     from toys import tiny_model
     cfg = tiny_model().to_dict()
-    ladder = [{"scale": "m48", "sparsity_label": "S=0%", "baseline": cfg, "smelt": cfg}]
+    ladder = [{"scale": "m48", "sparsity_label": "S=0%", "baseline": cfg, "smelt": cfg, "match": {"smelt": {}}}]
     est = {"runs": 2, "final": 800, "peak": 1000}
     monkeypatch.setattr(costs, "plan_disk_estimate", lambda cfgs, tc, jobs: est)
     (tmp_path / "runs" / "a").mkdir(parents=True)
@@ -217,7 +259,8 @@ def test_probes_stage_names_every_matched_pair_with_its_seed(tmp_path, monkeypat
         seen.extend(pairs)
         raise RuntimeError("stop")
     monkeypatch.setattr(probe_pairs, "probe_pairs", stop)
-    ladder = [{"scale": "m48", "sparsity_label": "S=0%"}, {"scale": "m64", "sparsity_label": "S~85%"}]
+    ladder = [{"scale": "m48", "sparsity_label": "S=0%", "match": {"smelt": {}}},
+              {"scale": "m64", "sparsity_label": "S~85%", "match": {"smelt": {}}}]
     with pytest.raises(RuntimeError, match="stop"):
         reproduce.stage_probes(configs.PLANS["smoke"], ladder, None, tmp_path)
     runs = tmp_path / "runs"

@@ -311,7 +311,7 @@ def test_plan_design_counts_the_fitted_grid_and_checks_the_data_rules_first():
     import reproduce
     from lab import scaling_analysis
     plan = configs.PLANS["tiny"]
-    ladder = reproduce.plan_cells(plan, budget.ladder_cells("tiny", 120.9, spec=plan.loop))
+    ladder = reproduce.plan_cells(plan, budget.ladder_cells("tiny", 120.9, arms=plan.arms))
     shape = scaling_analysis.design_shape(plan, ladder)
     assert (shape["n_cells"], shape["points"], shape["sparsities"]) == (5, 15, [0.85])
     assert shape["D_span"] == pytest.approx(1200 / 300) and 3.0 < shape["F_span"] < 3.6
@@ -340,10 +340,10 @@ def test_design_power_draws_a_measured_prior_at_the_plans_own_points(tmp_path):
     import scaling
     from lab import scaling_analysis
     plan = configs.PLANS["fits"]
-    ladder = reproduce.plan_cells(plan, budget.ladder_cells("fits", 120.9, spec=plan.loop))
+    ladder = reproduce.plan_cells(plan, budget.ladder_cells("fits", 120.9, arms=plan.arms))
     shape = scaling_analysis.design_shape(plan, ladder)
     assert shape["cells"] == [f"{c['scale']}/S~85%" for c in ladder] and len(shape["D"]) == 4
-    assert shape["D"][-1] == (3420 + 180) * 4 * 128 and shape["F_span"] == pytest.approx(9.78, abs=0.05)
+    assert shape["D"][-1] == (3420 + 180) * 4 * 128 and shape["F_span"] == pytest.approx(9.48, abs=0.05)
     truth = {"baseline": scaling.Coeffs(E=3.0, A=40.0, K=5000.0, a=0.4, b=0.0, c=0.66),
              "smelt": scaling.Coeffs(E=3.3, A=3e5, K=8000.0, a=1.0, b=0.0, c=0.70)}
     rows = [dict(arch=a, scale=cell.split("/")[0], sparsity_label="S~85%", F=float(F), S=float(S), D=float(D),
