@@ -181,7 +181,6 @@ class Cache:
 class Attention(nn.Module):
     RESIDUAL_OUT = ("wo.weight",)                       # GPT.init_weights: depth-scaled std
     OWN_INIT = ("kv_gate.weight",)                      # zero-initialised here, skipped by GPT.init_weights
-    DECODE_PROJECTIONS = ("wq", "wk", "wv", "wo")       # model.few_row_projections
 
     def __init__(self, cfg, layer: int, adapters=None):
         """cfg: a model.ModelConfig; adapters: None or loop.make_adapters bound to cfg.loop (model.Block)."""

@@ -14,10 +14,8 @@ Read loop.py, attention.py and moe.py next; design notes and measurements: docs/
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from numbers import Integral, Real
@@ -122,7 +120,6 @@ class Output:
 
 class SwiGLU(nn.Module):
     RESIDUAL_OUT = ("down.weight",)                     # GPT.init_weights: depth-scaled std
-    DECODE_PROJECTIONS = ("gate", "up", "down")         # few_row_projections
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -373,8 +370,7 @@ class GPT(nn.Module):
         p0 = cache.length
         ctx = Ctx(torch.arange(p0, p0 + T, device=idx.device), self.rope_cos[p0:p0 + T], self.rope_sin[p0:p0 + T],
                   None, B, cache=cache, start=p0)
-        with few_row_projections(self):   # a CPU speed switch only (below); same logits
-            logits = self._head(self._body(self.tok_emb(idx), ctx, None, []), None, []).logits
+        logits = self._head(self._body(self.tok_emb(idx), ctx, None, []), None, []).logits
         for ring, slots, keep in ctx.ring_pos_updates:
             ring.pos[slots] = keep
         cache.length += T
@@ -439,51 +435,3 @@ def compile_model(module: nn.Module, *, fullgraph: bool = False, backend="induct
     training run owns the process (train.Trainer; docs/model.md). fullgraph=True: graph breaks are errors."""
     torch._dynamo.reset()
     return torch.compile(module, fullgraph=fullgraph, dynamic=False, backend=backend)
-
-
-# ---- CPU decoding: a few rows times a large matrix run as W @ x^T (docs/model.md) ----------------
-SKINNY_ROWS = 16   # at most this many rows (batch-1 decoding; PLT's r loops); 0 turns it off (bench.py times both)
-
-
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """F.linear(x, weight), except that in CPU inference a product of 1..SKINNY_ROWS rows runs as W @ x^T."""
-    rows = x.numel() // x.shape[-1]
-    if (not 0 < rows <= SKINNY_ROWS or x.device.type != "cpu" or torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or (rows == 1 and torch.get_num_threads() == 1)):
-        return F.linear(x, weight)
-    x_RD = x.reshape(rows, x.shape[-1])
-    if rows == 1:   # MKL's GEMV runs on one thread; a two-column GEMM uses them all
-        x_RD = torch.cat([x_RD, x_RD])
-    y_RO = torch.mm(weight, x_RD.t())[:, :rows].t().contiguous()   # (rows, d_out), F.linear's layout
-    return y_RO.view(*x.shape[:-1], weight.shape[0])
-
-
-# model -> [(projection, its few-row forward)]: weak keys, so a model's entry goes with the model
-_BOUND: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-
-
-def _projections(model: nn.Module) -> list[nn.Linear]:
-    """The matrices a decoded token passes: each module's DECODE_PROJECTIONS, then the head."""
-    lins = [getattr(m, name) for m in model.modules() for name in getattr(m, "DECODE_PROJECTIONS", ())]
-    lins += [model.lm_head] if getattr(model, "lm_head", None) is not None else []
-    if biased := [type(m).__name__ for m in lins if m.bias is not None]:   # the few-row forward drops a bias
-        raise ValueError(f"few_row_projections: projections with a bias are not supported ({biased})")
-    return lins
-
-
-@contextlib.contextmanager
-def few_row_projections(model: nn.Module):
-    """Within this block the model's `_projections` get an instance `forward` that calls `linear` (on CPU);
-    a nested block leaves the outer one's. A projection swapped in later runs plain F.linear."""
-    pairs = _BOUND.get(model)
-    if pairs is None:   # built once per model: this runs for every decoded token
-        pairs = _BOUND[model] = [(m, lambda x, m=m: linear(x, m.weight)) for m in _projections(model)]
-    on_cpu = bool(pairs) and pairs[0][0].weight.device.type == "cpu"
-    mine = [(m, f) for m, f in pairs if on_cpu and "forward" not in m.__dict__]
-    for m, f in mine:
-        m.__dict__["forward"] = f
-    try:
-        yield model
-    finally:
-        for m, _ in mine:
-            m.__dict__.pop("forward", None)

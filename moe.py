@@ -187,44 +187,10 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-class _WeightedSwiGLU(torch.autograd.Function):
-    """A backward writing both gradient halves into one (N, 2F) buffer, in place where it can (docs/moe.md)."""
-
-    @staticmethod
-    def forward(ctx, gu, w):
-        ctx.save_for_backward(gu, w)
-        return weighted_swiglu_reference(gu, w)
-
-    @staticmethod
-    def backward(ctx, dh):
-        gu, w = ctx.saved_tensors
-        g, u = gu.chunk(2, dim=-1)
-        w_ = w[:, None]
-        sig = torch.sigmoid(g)
-        silu = g * sig
-        dgu = torch.empty_like(gu)
-        dg, du = dgu.chunk(2, dim=-1)
-        torch.mul(dh, w_, out=du)
-        du.mul_(silu)                                          # du = dh w silu(g)
-        t = dh * u
-        dw = torch.linalg.vecdot(t, silu) if ctx.needs_input_grad[1] else None   # sum_f dh silu(g) u
-        torch.sub(g, silu, out=silu)                           # g (1 - s), reusing silu's buffer
-        torch.addcmul(sig, sig, silu, out=silu)                # d silu / dg = s (1 + g (1 - s))
-        torch.mul(t, w_, out=dg)
-        dg.mul_(silu)                                          # dg = dh u w silu'(g)
-        return dgu, dw
-
-
-def weighted_swiglu_reference(gu: Tensor, w: Tensor) -> Tensor:   # plain ops: what torch.compile fuses
+def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
+    """silu(g) * u * w for gu = [g | u] (N, 2F), w (N,) -> (N, F): plain ops, which inductor fuses when compiled."""
     g, u = gu.chunk(2, dim=-1)
     return F.silu(g) * u * w[:, None]
-
-
-def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
-    """silu(g) * u * w for gu = [g | u] (N, 2F), w (N,) -> (N, F); compiled: plain ops, which inductor fuses."""
-    if torch.compiler.is_compiling():
-        return weighted_swiglu_reference(gu, w)
-    return _WeightedSwiGLU.apply(gu, w)
 
 
 # ---- Router and MoE layer ------------------------------------------------------------------------
