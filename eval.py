@@ -38,10 +38,9 @@ def segment_lengths(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.bincount(seg.flatten())[seg]
 
 
-def length_bucket(lengths: torch.Tensor, block_size: int, n_buckets: int = 8) -> torch.Tensor:
-    """Each length -> the smallest bucket bound >= it (longer than every bound -> the top bucket)."""
-    bounds = torch.tensor(length_bounds(block_size, n_buckets), device=lengths.device)
-    return bounds[torch.bucketize(lengths, bounds).clamp(max=len(bounds) - 1)]
+def length_bucket(lengths: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Each length -> the index of the smallest bucket bound >= it (longer than every bound -> the top bucket)."""
+    return torch.bucketize(lengths, bounds).clamp(max=len(bounds) - 1)
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -91,7 +90,7 @@ def val_loss_by(nll_fn, data, block_size: int, batch_size: int, max_tokens_per_s
             valid = targets >= 0
             src_sum[src] += float(nll[valid].sum())
             src_n[src] += int(valid.sum())
-            which = torch.bucketize(lengths, bounds_t).clamp(max=len(bounds) - 1)
+            which = length_bucket(lengths, bounds_t)
             len_sum += torch.bincount(which[valid], nll[valid].double(), len(bounds)).cpu().numpy()
             len_n += torch.bincount(which[valid], minlength=len(bounds)).cpu().numpy()
     agg = data_mod.token_weighted({s: (src_sum[s], src_n[s]) for s in src_n}, data.domains)

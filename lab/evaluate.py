@@ -21,7 +21,7 @@ import torch
 import checks
 import data as data_mod
 from checks import JSONFileError, check_out_dir, endpoint_id
-from eval import load_model, long_short_ratio, normalised_shape, run_endpoints, stored_report, val_loss_report
+from eval import load_model, long_short_ratio, normalised_shape, stored_report, val_loss_report
 from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
 from lab.eval_plots import plot_calibration, plot_shot_sweep
 from lab.tasks import GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, get_task, resolve_tasks
@@ -141,20 +141,6 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     log(f"{label}: done in {result['seconds']:.1f} s; task scoring: {counts['forward_calls']} forward calls, "
         f"{counts['sequences']} sequences, {counts['tokens']} tokens ({counts['padded_tokens']} padded)")
     return result
-
-
-evaluate_run = evaluate_endpoint   # given a run directory: its longest branch's endpoint (RUN_DIR/ckpt.pt)
-
-
-def evaluate_endpoints(run_dir: str | Path, branches: Sequence[int] | None = None, **kw) -> list[dict]:
-    """evaluate_endpoint on every finished branch of a run (run_endpoints), or on the given branch steps."""
-    eps = run_endpoints(run_dir)
-    if branches is not None:
-        if missing := sorted(set(branches) - {e["branch_step"] for e in eps}):
-            raise ValueError(f"{run_dir}: no finished branch at steps {missing}; finished: "
-                             f"{[e['branch_step'] for e in eps]}")
-        eps = [e for e in eps if e["branch_step"] in set(branches)]
-    return [evaluate_endpoint(e["path"], **kw) for e in eps]
 
 
 def compare(a: dict, b: dict, n: int = 10000) -> dict:

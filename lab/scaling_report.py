@@ -99,10 +99,11 @@ def _loss_vs_compute(plt, pts: dict, control: dict, fits: dict, why: dict, cols:
 
 def _reducible_loss(plt, pts: dict, fits: dict, ident: list, cols: dict, xlim: tuple):
     fig, axes = plt.subplots(1, len(cols), figsize=(4.8 * len(cols), 4.2), squeeze=False)
+    colours = plots.arm_colors(ident)
     for ax, (lab, s) in zip(axes[0], cols.items()):
         ys, dropped = [], 0
         for i, arch in enumerate(ident):
-            p, co, col = pts[arch], fits[arch], f"C{i}"
+            p, co, col = pts[arch], fits[arch], colours[arch]
             m = _labels(p) == lab
             r = p.L[m] - co.E
             dropped += int((r <= 0).sum())

@@ -132,18 +132,6 @@ def bootstrap_interval(x: Sequence[float], stat: Callable[[np.ndarray], float] =
     return Interval(point, float(lo), float(hi), a.size, level, "bootstrap")
 
 
-def ratio_interval(num: Sequence[float], den: Sequence[float], n_draws: int = 2000, level: float = 0.95,
-                   seed: int = 0) -> Interval:
-    """sum(num) / sum(den) with a bootstrap interval over paired units (e.g. per-token norms)."""
-    vn, vd = _vector(num, "num"), _vector(den, "den")
-    if vn.shape != vd.shape:
-        raise ValueError(f"ratio_interval: num and den must pair up, got {vn.size} and {vd.size} values")
-    both = np.stack([vn, vd], 1)
-    iv = bootstrap_interval(np.arange(vn.size), lambda ix: (lambda s: s[0] / s[1])(both[ix.astype(int)].sum(0)),
-                            n_draws, level, seed)
-    return Interval(float(vn.sum() / vd.sum()), iv.lo, iv.hi, iv.n, level, "bootstrap")
-
-
 def percentiles_with_failures(ok: np.ndarray, n_failed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
     """The level interval's percentiles along axis 0 over the draws `ok` and n_failed failed ones, counted as
     -inf for the lower bound and +inf for the upper (not conditional on success)."""

@@ -420,8 +420,9 @@ def test_length_buckets_from_doc_ids():
     assert lengths[0].tolist() == [3] * 3 + [2] * 2 + [11] * 11 and lengths[1].tolist() == [16] * 16
     assert validation.length_bounds(4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert validation.length_bounds(16) == [1, 2, 4, 8, 16] and validation.length_bounds(100)[-1] == 128
-    assert validation.length_bucket(lengths, 16)[0].tolist() == [4] * 3 + [2] * 2 + [16] * 11
-    assert validation.length_bucket(torch.tensor([40, 9000]), 4096).tolist() == [64, 4096]   # longer: top bucket
+    b16, b4096 = (torch.tensor(validation.length_bounds(n)) for n in (16, 4096))
+    assert b16[validation.length_bucket(lengths, b16)][0].tolist() == [4] * 3 + [2] * 2 + [16] * 11
+    assert b4096[validation.length_bucket(torch.tensor([40, 9000]), b4096)].tolist() == [64, 4096]   # longer: top
 
 
 class FakeData:
@@ -690,7 +691,7 @@ def test_load_model_round_trip_and_errors(tmp_path):
 def test_evaluate_run_compare_and_calibration(tmp_path):
     save_run(tmp_path / "run", block_size=512)   # 2-shot prompts fit, 32-shot ones do not
     logs = []
-    res = evaluate.evaluate_run(tmp_path / "run", tasks=["gen_kv", "operators", "repeat_copy_logic"],
+    res = evaluate.evaluate_endpoint(tmp_path / "run", tasks=["gen_kv", "operators", "repeat_copy_logic"],
                           shots=[0, 2, 32], seeds=2, max_items=4, enc=CharTok(), data=FakeData(True), batch_size=2,
                           log=logs.append)
     assert res["val"]["tokens"] == 96 and res["val"]["length_from"] == "document"
@@ -804,12 +805,12 @@ def test_run_endpoints_finds_every_branch(trained_run, tmp_path):
                                                               "ckpt/branch0000006_0000008.pt"]
 
 
-def test_evaluate_endpoints_every_branch_with_progress(trained_run):
+def test_evaluate_every_branch_with_progress(trained_run):
     import train as T
     logs = []
-    recs = evaluate.evaluate_endpoints(trained_run, tasks=["gen_kv", "gen_copy"], shots=[0, 2], seeds=2, max_items=3,
-                                 enc=CharTok(), data=T.SyntheticData(V), batch_size=2, val_tokens_per_source=64,
-                                 log=logs.append)
+    recs = [evaluate.evaluate_endpoint(e["path"], tasks=["gen_kv", "gen_copy"], shots=[0, 2], seeds=2, max_items=3,
+                                       enc=CharTok(), data=T.SyntheticData(V), batch_size=2, val_tokens_per_source=64,
+                                       log=logs.append) for e in ev.run_endpoints(trained_run)]
     assert [(r["branch_step"], r["endpoint"]) for r in recs] == [(3, "endpoints/branch_0000003.pt"),
                                                                 (6, "endpoints/branch_0000006.pt")]
     r = recs[0]
@@ -833,8 +834,6 @@ def test_evaluate_endpoints_every_branch_with_progress(trained_run):
     assert again["val"] == recs[1]["val"] and again["branch_step"] == 6
     with pytest.raises(ValueError, match="val must be"):
         evaluate.evaluate_endpoint(trained_run, tasks=["gen_copy"], shots=[0], enc=CharTok(), val={"loss": 1.0})
-    with pytest.raises(ValueError, match="no finished branch at steps \\[4\\]"):
-        evaluate.evaluate_endpoints(trained_run, branches=[4])
 
 
 # ---------------------------------------------------------------------------- the grid (hand-made endpoints)
