@@ -12,6 +12,8 @@
       "padded"  static shapes, nothing read back: groups padded to tiles, one bmm (compiled, other CUDA)
       "auto"    torch where it is fused, padded on other CUDA or when compiling, else loop
   * bf16: the experts compute in the autocast dtype (`compute_dtype`), the output in the input's.
+  * `combine`: each token's k rows summed back by a gather and k adds, no atomics (deterministic on CUDA),
+    bit-identical on CPU to the index_add_ it replaced (`_combine_reference`).
   * `MoE.forward_reference`: the per-token, per-expert loop that defines the layer's output.
 
 Read next: model.py (Block picks MoE or SwiGLU), budget.py (what it costs); timings: docs/moe.md.
@@ -193,6 +195,30 @@ def weighted_swiglu(gu: Tensor, w: Tensor) -> Tensor:
     return F.silu(g) * u * w[:, None]
 
 
+# ---- Combine: each token's k expert rows summed back -------------------------------------------
+
+def _combine_reference(y_sorted: Tensor, token: Tensor, n_tokens: int, dtype: torch.dtype) -> Tensor:
+    """The combine before issue 54: one index_add_ (on CUDA atomic adds, whose order, so bits, vary)."""
+    return y_sorted.new_zeros(n_tokens, y_sorted.shape[1], dtype=dtype).index_add_(0, token, y_sorted.to(dtype))
+
+
+def combine(y_sorted: Tensor, token: Tensor, n_tokens: int, dtype: torch.dtype) -> Tensor:
+    """Each token's k rows summed: y_sorted (N*k, D) sorted by expert, token (N*k,) their tokens -> (N, D) dtype.
+
+    A gather and k adds in a fixed order: deterministic on every device (the gather's backward writes each
+    row once, so no two atomic adds meet). Each token's rows are added to zero in ascending row order, the
+    order CPU index_add_ visits them, so it is bit-identical to `_combine_reference` there, values and
+    gradients; bf16 / fp16 accumulate in fp32 and round once, as CPU index_add_ does (tests/test_moe.py).
+    """
+    k, D = token.shape[0] // n_tokens, y_sorted.shape[1]
+    rows_Nk = torch.argsort(token, stable=True).view(n_tokens, k)   # token n's rows, ascending: index_add_'s order
+    y_NkD = y_sorted.to(dtype).index_select(0, rows_Nk.flatten()).view(n_tokens, k, D)   # dtype's values, as there
+    y_ND = y_NkD.new_zeros(n_tokens, D, dtype=torch.promote_types(dtype, torch.float32))
+    for y_j in y_NkD.unbind(1):   # from zero, like index_add_ (-0.0 + 0 = +0.0); unbind's backward: one stack
+        y_ND = y_ND + y_j
+    return y_ND.to(dtype)
+
+
 # ---- Router and MoE layer ------------------------------------------------------------------------
 
 @dataclass
@@ -288,7 +314,7 @@ class MoE(nn.Module):
         # index_select, not x[token] / w[order]: its backward is an index_add, faster than indexing's index_put
         w_sorted = w.flatten().index_select(0, order)
         y_sorted = self.experts(xc.index_select(0, token), counts, w_sorted)   # (N*k, D), weighted
-        y = torch.zeros_like(x).index_add_(0, token, y_sorted.to(x.dtype))
+        y = combine(y_sorted, token, x.shape[0], x.dtype)              # (N, D): no atomics (see combine)
         if self.n_shared:
             y = y + self.shared_experts(xc).to(x.dtype)
         return y.view(B, T, D), RouterStats(aux, z, counts, idx.view(B, T, -1), w.view(B, T, -1))

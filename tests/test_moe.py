@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe import MoE, grouped_mm, grouped_mm_reference
+from moe import MoE, _combine_reference, combine, grouped_mm, grouped_mm_reference
 
 
 def _rand_case(sizes, d_in=16, d_out=8, seed=0):
@@ -194,6 +194,84 @@ def test_moe_gradients_match_per_token_loop():
     grads = _grads_fast_and_reference(m, x, dy)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- combine without atomics (issue 54)
+
+def _routed_rows(N, k, E, D, dtype, seed):
+    """Rows sorted by expert as MoE.forward makes them: y_sorted (N*k, D) and each row's token (N*k,)."""
+    g = torch.Generator().manual_seed(seed)
+    idx_Nk = torch.rand(N, E, generator=g).argsort(-1)[:, :k]                 # k distinct experts per token
+    token = torch.argsort(idx_Nk.flatten(), stable=True) // k
+    y = torch.randn(N * k, D, generator=g) * torch.logspace(-4, 4, D)         # wide magnitudes: rounding shows
+    return y.to(dtype).requires_grad_(), token
+
+
+def _bits(t):   # the bit pattern: torch.equal alone calls -0.0 and +0.0 equal
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("rows,out", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                      (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("N,k,E,D", [(1, 1, 1, 8), (37, 1, 4, 16), (64, 2, 8, 78), (33, 8, 8, 32),
+                                     (50, 8, 16, 5), (300, 4, 32, 160)])
+def test_combine_is_the_index_add_bit_for_bit(N, k, E, D, rows, out):
+    """moe.combine against the index_add_ it replaced (_combine_reference): the same bits, values and grads."""
+    y, token = _routed_rows(N, k, E, D, rows, seed=N + k)
+    dy = torch.randn(N, D).to(out)
+    res = []
+    for fn in (_combine_reference, combine):
+        y.grad = None
+        o = fn(y, token, N, out)
+        o.backward(dy)
+        res.append((o.detach(), y.grad))
+    (a, ga), (b, gb) = res
+    assert a.dtype == b.dtype == out and a.shape == (N, D)
+    assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(ga), _bits(gb))
+
+
+def test_combine_order_is_what_makes_the_bits_agree():
+    """The test above has teeth: each token's rows added in reverse order differ from index_add_'s bits."""
+    N, k = 300, 8
+    y, token = _routed_rows(N, k, 16, 160, torch.float32, seed=1)
+    rows_Nk = torch.argsort(token, stable=True).view(N, k)
+    reversed_ND = torch.zeros(N, 160)
+    for y_j in y[rows_Nk.flip(1)].unbind(1):
+        reversed_ND = reversed_ND + y_j
+    ref = _combine_reference(y, token, N, torch.float32)
+    eps = torch.finfo(torch.float32).eps
+    assert 0 < (reversed_ND - ref).abs().max() <= 8 * eps * y.abs().max()   # rounding only, but other bits
+
+
+@pytest.mark.parametrize("k,E,impl,equal,autocast", [(1, 4, "loop", False, False), (2, 8, "loop", False, False),
+                                                     (8, 8, "loop", False, False), (8, 16, "padded", False, False),
+                                                     (2, 8, "loop", True, False), (8, 8, "loop", True, False),
+                                                     (4, 8, "loop", False, True)])
+def test_moe_with_combine_is_the_index_add_layer_bit_for_bit(monkeypatch, k, E, impl, equal, autocast):
+    """The whole layer with combine and with index_add_: same output and every gradient, bit for bit.
+    equal: a zero router, so every token's k experts weigh 1/k; autocast: bf16 rows, fp32 output."""
+    import moe as moe_lib
+    fast, ref = moe_lib.combine, moe_lib._combine_reference
+    m = _moe(E=E, k=k)
+    m.impl = impl
+    if equal:
+        with torch.no_grad():
+            m.router.weight.zero_()
+    x = torch.randn(3, 11, 32, requires_grad=True)
+    dy = torch.randn(3, 11, 32)
+    outs = []
+    for fn in (ref, fast):
+        monkeypatch.setattr(moe_lib, "combine", fn)
+        m.zero_grad()
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y, st = m(x)
+        y.backward(dy)
+        outs.append([y.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    if equal:
+        assert torch.equal(st.topk_weight, torch.full_like(st.topk_weight, 1 / k))
+    for a, b in zip(*outs):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 # ---------------------------------------------------------------- static fallback, autocast, host reads
