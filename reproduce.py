@@ -59,12 +59,15 @@ def fmt_time(seconds: float) -> str:
 
 # ---- Stages --------------------------------------------------------------------------------------
 
-def stage_data(plan: configs.Plan):   # --data-dir reaches it as the cache root (corpus.use_pack, in main)
-    from lab import corpus
-    corpus.prepare(plan.data)
-    d = data_mod.TokenData(data_mod.default_data_dir(plan.data))
-    log(f"data: {plan.data} preset ({d.dir}), vocab {d.vocab_size}, {len(d.sources)} sources, "
-        f"domains {sorted(set(d.domains.values()))}")
+def stage_data(plan: configs.Plan, allow_missing: bool = False):   # --data-dir: a pack (cache root) or nanoGPT's
+    preset = plan.data in configs.DATA_PRESETS
+    if preset:
+        from lab import corpus
+        corpus.prepare(plan.data, allow_missing=allow_missing)
+    d = data_mod.TokenData(data_mod.default_data_dir(plan.data) if preset else plan.data)
+    what = f"{plan.data} preset ({d.dir})" if preset else f"{d.dir} ({d.manifest['format']}, " + ", ".join(
+        f"{f} sha256 {v['sha256'][:12]}" for f, v in d.manifest["files"].items()) + ")"
+    log(f"data: {what}, vocab {d.vocab_size}, {len(d.sources)} sources, domains {sorted(set(d.domains.values()))}")
     return d, d.manifest
 
 
@@ -436,10 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "from the plan's, e.g. runs/reproduce_tiny_r3_last)")
     ap.add_argument("--data-dir", default=None, metavar="DIR",
                     help="read the data from a pack made by `python -m lab.corpus --preset PRESET --pack DIR` "
-                         "(for a machine without network: nothing is downloaded; default: prepare the preset's)")
+                         "(for a machine without network: nothing is downloaded; default: prepare the preset's), "
+                         "or nanoGPT's train.bin, val.bin and optional meta.json (docs/data.md)")
     ap.add_argument("--jobs", type=checks.positive_int, default=None,
                     help="runs trained at once (default: one per CPU core, one thread each; on CUDA min(4, cores // 4) "
                          "sharing the GPU; both capped by memory: reproduce.default_jobs)")
+    ap.add_argument("--allow-missing-sources", action="store_true",
+                    help="build the corpus without the sources that cannot be fetched (recorded in its manifest and "
+                         "REPORT.md's corpus fingerprint; default: such a source stops the run)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["eval", "scaling", "probes"],
                     help="stages to leave out")
     add_loop_args(ap)   # how every looped model loops, matched again to the same Baselines (default: the plan's)
@@ -455,7 +462,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.plan_only and (args.skip or args.jobs):
         ap.error(f"--plan-only trains nothing: {'--skip' if args.skip else '--jobs'} has no effect with it")
     if args.data_dir and not Path(args.data_dir).is_dir():
-        ap.error(f"--data-dir {args.data_dir}: no such directory (make a pack with `python -m lab.corpus --pack DIR`)")
+        ap.error(f"--data-dir {args.data_dir}: no such directory (make a pack with `python -m lab.corpus --pack DIR`, "
+                 f"or give nanoGPT's train.bin and val.bin)")
     if args.jobs and args.jobs > (os.cpu_count() or 1):
         log(f"warning: --jobs {args.jobs} is more than the {os.cpu_count()} CPU cores: the runs will share cores")
     return args
@@ -465,9 +473,16 @@ def main(argv=None) -> Path:
     args = parse_args(argv)
     plan = configs.PLANS[args.preset]
     plan = replace(plan, arms={a: loop_spec(args, s) for a, s in plan.arms.items()})   # the loop options: every arm
+    if args.data_dir and data_mod.is_bin_dir(args.data_dir):   # nanoGPT's layout: read in place (plan.json names it)
+        plan, meta = replace(plan, data=str(Path(args.data_dir).resolve())), data_mod.bin_meta(args.data_dir)
+        own = data_mod.project_tokenizer(meta["vocab_size"])
+        if meta["tokenizer"] != own and (left := [s for s in ("eval", "probes") if s not in args.skip]):
+            log(f"data: {args.data_dir}'s tokenizer {meta['tokenizer']!r} is not this project's {own!r}: the few-shot "
+                f"tasks and the Dyck probe cannot encode their text, so stages {', '.join(left)} are skipped")
+            args.skip = [*args.skip, *left]
     out = checks.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{plan.loop.tag()}")   # before any work
     with checks.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
-        if args.data_dir:   # the pack becomes this process's cache root (spawned workers inherit it)
+        if args.data_dir and plan.data in configs.DATA_PRESETS:   # the pack: this process's cache root (and workers')
             from lab import corpus
             corpus.use_pack(args.data_dir, plan.data)
         return _pipeline(args, plan, out)
@@ -485,7 +500,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
         stage_s[name] = stage_s.get(name, 0.0) + time.time() - t
         return r
 
-    data, _ = timed("data", stage_data, plan)
+    data, _ = timed("data", stage_data, plan, args.allow_missing_sources)
     ladder = timed("ladder", stage_ladder, plan, data, out)
     cost = plan_cost(plan, ladder, len(data.train))
     log_plan_cost(cost)
@@ -525,7 +540,7 @@ def _pipeline(args: argparse.Namespace, plan: configs.Plan, out: Path) -> Path:
                 else {"error": "skipped"})
         prb = timed("probes", stage_probes, plan, ladder, data, out, arm) if "probes" not in args.skip else {}
         compared[arm] = reporting.Compared(ts, ev_sum, scal, prb, probe_verdicts(prb))
-    summary = {**reporting.run_summary(args.preset, stage_s, time.time() - t0), "runtime": runtime}
+    summary = {**reporting.run_summary(args.preset, stage_s, time.time() - t0, data.manifest), "runtime": runtime}
     checks.write_json(out / "summary.json", summary)
     report = reporting.write_report(args.preset, plan, out, ladder, rows, compared, summary, cost)
     log(f"done in {(time.time() - t0) / 60:.1f} min: {report}")

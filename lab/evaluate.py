@@ -23,6 +23,7 @@ import data as data_mod
 from checks import JSONFileError, check_out_dir, endpoint_id
 from eval import load_model, long_short_ratio, normalised_shape, stored_report, val_loss_report
 from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
+from lab.corpus import corpus_warning
 from lab.eval_plots import plot_calibration, plot_shot_sweep
 from lab.tasks import GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, get_task, resolve_tasks
 
@@ -253,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     stem = out / ("eval" if src.is_dir() else src.stem)
     if other:
         res["compare"] = {"against": args.compare, **compare(other, res)}
+    if note := corpus_warning(res["run"], *(r["run"] for r in [other, *(base or [])] if r and r.get("run"))):
+        print(note)   # a comparison across corpora: recorded beside it
+        res["corpus_warning"] = note
     if base:
         try:
             res["calibration"] = calibration_report(base, [res])

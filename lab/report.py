@@ -558,8 +558,10 @@ def budget_machine() -> str:
     return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
-def run_summary(preset: str, stage_s: dict, wall: float) -> dict:
-    """Where and when this report was made: the block the README quotes."""
+def run_summary(preset: str, stage_s: dict, wall: float, manifest: dict) -> dict:
+    """Where and when this report was made, and on which corpus (the data manifest's fingerprint): the block
+    the README quotes."""
+    from lab.corpus import fingerprint
     root = Path(__file__).resolve().parents[1]
 
     def git(*a):
@@ -572,7 +574,8 @@ def run_summary(preset: str, stage_s: dict, wall: float) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         cpu = ""
-    return {"preset": preset, "commit": git("rev-parse", "--short=12", "HEAD") or "unknown",
+    return {"preset": preset, "corpus": fingerprint(manifest),
+            "commit": git("rev-parse", "--short=12", "HEAD") or "unknown",
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": budget_machine(),
             "cpu": cpu or platform.processor(), "python": sys.version.split()[0], "torch": torch.__version__,

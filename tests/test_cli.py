@@ -19,7 +19,7 @@ import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("scripts_importable")   # scripts/ on sys.path for this module only
-MODULES = ["reproduce", "train", "lab.evaluate", "lab.scaling_analysis", "budget", "lab.bench", "lab.probe_pairs", "lab.corpus"]
+MODULES = ["reproduce", "train", "lab.evaluate", "lab.scaling_analysis", "budget", "lab.bench", "lab.probe_pairs", "lab.corpus", "lab.hub"]
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem != "common")
 ENTRY_POINTS = MODULES + SCRIPTS
 RUN_PRESETS = {"smoke", "tiny", "fits", "small", "medium", "paper"}

