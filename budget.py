@@ -565,9 +565,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not args.ladder and not args.config:
         ap.error("give --ladder PRESET or --config FILE")
+    if args.ladder and args.ctx_len and args.ctx_len > _ladder(args.ladder)["block"]:
+        ap.error(f"--ctx-len {args.ctx_len:g} exceeds preset {args.ladder}'s block size "
+                 f"{_ladder(args.ladder)['block']}")
     if args.config:
         cfg = checks.read_config(args.config, ModelConfig, "--config", key="model")
         ctx = args.ctx_len or cfg.block_size
+        if ctx > cfg.block_size:
+            ap.error(f"--ctx-len {ctx:g} exceeds the config's block size {cfg.block_size}: no token attends that far")
         print(json.dumps({**count_params(cfg), "flops_per_token": flops_per_token(cfg, ctx),
                           "flops_per_token_with_head": flops_per_token(cfg, ctx, include_head=True), "ctx_len": ctx,
                           "kv_bytes_per_token_bf16": kv_bytes_per_token(cfg, 2, ctx)}, indent=2))

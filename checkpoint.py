@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from checks import (CheckpointError, RunLockedError, atomic_copy, atomic_save, atomic_write_text, file_digest,
-                    jsonl_line, load_file, read_json, read_jsonl, remove_stale_tmp, repair_torn_tail, run_lock)
+                    jsonl_line, load_file, naming, read_json, read_jsonl, remove_stale_tmp, repair_torn_tail, run_lock)
 from model import ModelConfig
 
 if TYPE_CHECKING:   # train.py imports this module
@@ -185,7 +185,8 @@ def quarantine_damaged_rows(path: str | Path) -> list[int]:
         if rows and not data.endswith(b"\n"):   # an intact last row that lost only its newline
             atomic_write_text(path, "".join(raw.decode() + "\n" for _, raw in rows))
         return []
-    with open(path.with_name(path.name + ".damaged"), "ab") as f:
+    damaged = path.with_name(path.name + ".damaged")
+    with naming(damaged), open(damaged, "ab") as f:   # why: a failed write() names no file
         f.write(b"".join(raw + b"\n" for _, raw in bad))
     atomic_write_text(path, "".join(raw.decode() + "\n" for n, raw in rows if (n, raw) not in bad))
     print(f"{path}: {len(bad)} damaged row(s) at line(s) {[n for n, _ in bad]} moved to {path.name}.damaged; "
@@ -292,7 +293,7 @@ class Checkpoints:
     def _append(self, name: str, row: dict, sync: bool = False) -> None:
         """Append one hashed row (a single write of a whole line; results rows are fsynced)."""
         if self.d.rank == 0:
-            with open(self.run_dir / name, "a") as f:
+            with naming(self.run_dir / name), open(self.run_dir / name, "a") as f:   # why: write() names no file
                 f.write(jsonl_line(row))
                 if sync:
                     f.flush()

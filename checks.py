@@ -26,6 +26,7 @@ import numbers
 import os
 import re
 import shutil
+import stat
 import sys
 import traceback
 from dataclasses import fields
@@ -197,6 +198,43 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+# errno -> what to do; {where} is ": PATH" (empty if unnamed), {path} the path or "a file" (issue 55)
+_OS_FIXES = {
+    errno.ENOSPC: "no space left on the device{where}: free some space, or pass --out-dir on a disk with room",
+    errno.EFBIG: "the file size limit (ulimit -f) stopped writing {path}: raise it (ulimit -f unlimited) and run "
+                 "the same command again (finished work is kept)",
+    errno.EISDIR: "{path} is a folder where a regular file must be: move it away (or pass another --out-dir) and "
+                  "run the same command again",
+    errno.ENOTDIR: "{path}: a part of this path is a file where a folder must be: move it away or pass another "
+                   "--out-dir",
+    errno.EINVAL: "{path} is not a regular file (a FIFO, device or special file system?): replace it with a "
+                  "regular file or folder, or pass another --out-dir",
+    errno.EACCES: "permission denied{where}: fix its permissions (or its folder's) or pass another --out-dir",
+    errno.EPERM: "operation not permitted{where}: fix its permissions (or its folder's) or pass another --out-dir",
+    errno.EROFS: "read-only file system{where}: pass --out-dir on a writable disk",
+}
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: the file it names and what to do (by errno), else its text and the path."""
+    path = e.filename
+    fix = _OS_FIXES.get(e.errno)
+    if fix is None:
+        return f"{e.strerror or e}{f': {path}' if path else ''}: check the path and its permissions"
+    return fix.format(where=f": {path}" if path else "", path=path or "a file")
+
+
+@contextlib.contextmanager
+def naming(path: str | Path):
+    """Give an OSError that names no file (a write() or fsync on an open file) the path being written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:   # only the caller knows which file a write() was for
+            e.filename = str(path)
+        raise
+
+
 def run_main(main, argv=None, prog: str | None = None):
     """main(argv), as every `__main__` runs it: a UserError or an OSError ends the command with one line on
     stderr, exit status 2; any other exception is a bug: its traceback and exit status 1."""
@@ -206,9 +244,7 @@ def run_main(main, argv=None, prog: str | None = None):
     except UserError as e:
         msg = str(e)
     except OSError as e:
-        where = f": {e.filename}" if e.filename else ""
-        msg = (f"no space left on the device{where}: free some space, or pass --out-dir on a disk with room"
-               if e.errno == errno.ENOSPC else f"{e.strerror or e}{where}: check the path and its permissions")
+        msg = os_error_line(e)
     except ModuleNotFoundError as e:
         msg = f"the package {e.name!r} is not installed: pip install -r requirements.txt"
     except Exception:
@@ -275,10 +311,24 @@ def device(text: str) -> str:
     return text
 
 
-def resolve_device(name: str | None) -> str:
-    """auto (or None) -> "cuda" when torch sees a GPU, else "cpu"; anything else unchanged."""
+class DeviceError(UserError, ValueError):
+    """A --device this machine does not have (no CUDA, or cuda:N past the last GPU)."""
+
+
+def resolve_device(name: str | None, flag: str = "--device") -> str:
+    """auto (or None) -> "cuda" when torch sees a GPU, else "cpu"; a CUDA device this machine lacks is a
+    DeviceError naming `flag`; anything else unchanged. The one device check every entry point uses."""
     if name in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(name).startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}: no driver or GPU"
+            raise DeviceError(f"{flag} {name}: torch sees no CUDA device here (torch {torch.__version__}, {why}): "
+                              f"use {flag} cpu or auto")
+        index, count = torch.device(name).index or 0, torch.cuda.device_count()
+        if index >= count:
+            raise DeviceError(f"{flag} {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}: "
+                              f"pick one of those, or use {flag} auto")
     return name
 
 
@@ -338,7 +388,7 @@ def _atomic_write(path: str | Path, write) -> None:
     remove_stale_tmp(path.parent)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with naming(path), open(tmp, "wb") as f:   # why: a failed write() names no file
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -557,8 +607,11 @@ def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
     """Hold an exclusive OS lock on RUN_DIR/.lock (fcntl.flock; msvcrt on Windows) for the block; the OS
     drops it however the process exits. A second writer gets RunLockedError naming the holder's pid."""
     path = Path(run_dir) / ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    # why O_NONBLOCK: a FIFO left at .lock must not hang the open; it is refused below instead
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         try:
             if os.name == "nt":
                 import msvcrt
@@ -566,7 +619,9 @@ def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
             else:
                 import fcntl
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if os.name != "nt" and e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise OSError(e.errno, e.strerror, str(path)) from None   # why: no other writer (e.g. no locks here)
             try:
                 holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             except OSError:
@@ -574,8 +629,9 @@ def run_lock(run_dir: str | Path, holder_kind: str = "trainer"):
             raise RunLockedError(f"run directory {Path(run_dir)} is in use by another {holder_kind} (pid {holder} "
                                  f"holds {path}); wait for it to finish or use another directory") from None
         if os.name != "nt":   # record the holder for the other writer's message
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            with naming(path):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
         yield path
     finally:
         os.close(fd)   # releases the lock

@@ -77,6 +77,11 @@ class ModelConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "n_experts", "n_shared_experts"):
             if getattr(self, name) < 0:
                 bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.rope_theta <= 1e30:   # float32 angles: below 1 they spin > 1 rad/token, far below overflow
+            bad(f"rope_theta={self.rope_theta} makes the rotary angles non-finite or meaningless: use [1, 1e30]")
+        for name, most in (("aux_loss_coef", 1e3), ("z_loss_coef", 1e3), ("init_std", 10.0), ("norm_eps", 1.0)):
+            if getattr(self, name) > most:   # finite but absurd: the loss or the weights overflow float32
+                bad(f"{name}={getattr(self, name)} overflows or swamps the float32 loss or weights: use <= {most:g}")
         for name, choices in (("attn_backend", ("auto", "sdpa", "flex", "math")), ("moe_impl", MOE_IMPLS)):
             if getattr(self, name) not in choices:
                 bad(f"{name} must be {'|'.join(choices)}, got {getattr(self, name)!r}")

@@ -167,6 +167,10 @@ def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor, impl: str = "auto") ->
         raise ValueError(f"grouped_mm: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, "
                          f"group_sizes {tuple(group_sizes.shape)} do not fit (N,d_in), (G,d_in,d_out), (G,)")
     impl = resolve_impl(impl, x.device, x.dtype if w.dtype == x.dtype else None, x.shape[1], w.shape[2])
+    if impl in ("loop", "reference") and group_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool((group_sizes < 0).any()) or int(group_sizes.sum()) != x.shape[0]:   # these read the sizes anyway
+            raise ValueError(f"grouped_mm: group_sizes must be >= 0 and sum to x's {x.shape[0]} rows, "
+                             f"got {group_sizes.tolist()}")
     if impl == "loop":
         if torch.compiler.is_compiling():
             return _grouped_mm_op(x, w, group_sizes)
@@ -304,6 +308,8 @@ class MoE(nn.Module):
         return tuple(resolve_impl(self.impl, x_BTD.device, dt, w.shape[1], w.shape[2]) for w in (self.w_in, self.w_out))
 
     def forward(self, x_BTD: Tensor) -> tuple[Tensor, RouterStats]:
+        if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.w_in.shape[1]:
+            raise ValueError(f"MoE: x must be (B, T, d_model={self.w_in.shape[1]}), got {tuple(x_BTD.shape)}")
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(-1, D)                                       # (N, D)
         w, idx, counts, aux, z = self.router(x)

@@ -131,10 +131,32 @@ def cpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
     return bytes_per_run(plan, ladder, CPU_WORKER_OVERHEAD_BYTES)
 
 
+class WorkerDiedError(checks.UserError, RuntimeError):
+    """A pool_run worker died (killed from outside, out of memory): a re-run resumes, so one line, exit status 2."""
+
+
+def _death(procs) -> str:
+    """How the pool's worker died: pid and signal (a negative exitcode) or exit status; the pool SIGTERMs the
+    others once one dies, so another ending is taken first."""
+    import signal
+    ended = [p for p in procs if p.exitcode not in (None, 0)]
+    ended.sort(key=lambda p: p.exitcode == -signal.SIGTERM)
+    if not ended:
+        return ""
+    p = ended[0]
+    if p.exitcode > 0:
+        return f"pid {p.pid}, exit status {p.exitcode}"
+    try:
+        sig = signal.Signals(-p.exitcode).name
+    except ValueError:
+        sig = str(-p.exitcode)
+    return f"pid {p.pid}, signal {sig}" + (": killed, or out of memory" if sig == "SIGKILL" else "")
+
+
 def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str, threads: int = 1) -> list:
     """[fn(j) for j in jobs_list], `jobs` at a time in spawned workers with `threads` intra-op threads each,
     largest `cost` first (so they finish together), calling on_done(k, job, result) as each finishes.
-    A worker that dies is a RuntimeError naming the unfinished jobs (`name(job)`)."""
+    A worker that dies is a WorkerDiedError (a UserError) naming its signal and the unfinished jobs (`name(job)`)."""
     order = sorted(range(len(jobs_list)), key=lambda i: -cost(jobs_list[i]) if cost else 0)
     done: dict[int, object] = {}
     if jobs <= 1:
@@ -146,8 +168,10 @@ def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str, 
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
+    left = None
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                              initargs=(os.getpid(), threads)) as pool:
+        procs = pool._processes   # pid -> Process, kept: the exit codes are read once the pool is shut down
         futures = {pool.submit(fn, jobs_list[i]): i for i in order}
         for k, f in enumerate(as_completed(futures), 1):
             i = futures[f]
@@ -155,10 +179,13 @@ def pool_run(fn, jobs_list: list, jobs: int, cost=None, on_done=None, name=str, 
                 done[i] = f.result()
             except BrokenProcessPool:
                 left = [name(jobs_list[j]) for j in order if j not in done]
-                raise RuntimeError(f"a worker process died (killed, or out of memory) while running one of "
-                                   f"{', '.join(left)}; re-run the same command: finished work is kept") from None
+                break
             if on_done:
                 on_done(k, jobs_list[i], done[i])
+    if left is not None:   # the `with` has joined the workers: their exit codes are known
+        running = left[0] if len(left) == 1 else "one of " + ", ".join(left)
+        raise WorkerDiedError(f"a worker process died ({_death(list(procs.values())) or 'killed, or out of memory'}) "
+                              f"while running {running}; run the same command again to resume (finished work is kept)")
     return [done[i] for i in range(len(jobs_list))]
 
 

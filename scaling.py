@@ -284,6 +284,9 @@ def fit_result(F, S, D, L, *, fixed: Mapping[str, float] | None = None, delta: f
     fixed = dict(fixed or {})
     if not set(fixed) <= {"E", *EXPONENTS}:
         raise ValueError(f"`fixed` may pin E, a, b, c only; got {sorted(fixed)}")
+    bad = {k: v for k, v in fixed.items() if not (0 < v < math.inf if k == "E" else BOUNDS[k][0] <= v <= BOUNDS[k][1])}
+    if bad:
+        raise ValueError(f"`fixed` values out of their domain (E finite > 0, exponents within {BOUNDS}): {bad}")
     if "b" not in fixed and np.ptp(np.log1p(-S)) == 0:
         warnings.warn("all points share one sparsity S: b is unidentifiable, fixing b = 0", stacklevel=2)
         fixed["b"] = 0.0

@@ -231,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
+    device = checks.resolve_device(args.device)   # a GPU this machine lacks: one line, before any work
     if args.baselines and args.val_tokens == 0:
         ap.error("--baselines calibrates against validation loss: it needs --val-tokens > 0")
     src = Path(args.run)
@@ -249,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     res = evaluate_endpoint(args.run, tasks=args.tasks, shots=args.shots, seeds=args.seeds,
                             max_items=args.max_items or None, val=args.val_tokens > 0,
                             val_tokens_per_source=args.val_tokens or None, batch_size=args.batch_size,
-                            device=checks.resolve_device(args.device))
+                            device=device)
     out_json = out / "eval.json" if src.is_dir() else out / src.with_suffix(".eval.json").name
     stem = out / ("eval" if src.is_dir() else src.stem)
     if other:

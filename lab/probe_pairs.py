@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not data_dir:
             raise ValueError("--data-dir is needed: the SMELT run's config.json names no data_dir")
         block = args.block_size or (meta.get("train") or {}).get("block_size") or meta["model"]["block_size"]
+        check_fit(pairs, metas, None, block)   # the block against the models' context first, then --tokens against it
         if args.tokens < block:
             raise ValueError(f"--tokens {args.tokens} is less than one {block}-token context")
         out = args.out_dir or os.path.join(os.path.dirname(os.path.normpath(args.pair[0][2])) or ".", "probes")

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import warnings
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -91,8 +92,8 @@ def cell_bootstrap(target: Points, ref: Points | None, C, S, *, tpp_C: float = 1
                    names: tuple[str, str] = ("target", "reference"), **fit_opts) -> Bootstrap:
     """SMELT 4.3 brackets: resample grid cells (the same for both surfaces), refit from `init` (default the
     full-data fits), record the CE gain at every (C, S) and the TPP at (tpp_C, S); ref=None: TPP only."""
-    if n_draws < 1:
-        raise ValueError(f"n_draws must be >= 1; got {n_draws}")
+    if isinstance(n_draws, bool) or not isinstance(n_draws, (int, np.integer)) or n_draws < 1:
+        raise ValueError(f"n_draws must be an integer >= 1; got {n_draws!r}")
     surfaces = [target] if ref is None else [target, ref]
     cells = sorted(set(target.cell))
     if ref is not None and set(ref.cell) != set(cells):
@@ -617,6 +618,8 @@ def analyse(rows: Sequence[dict], out: str, *, n_boot: int = 2000, n_jobs: int =
     """Fit every architecture in `rows` (train.py's results rows) and, only from identified fits, derive CE
     gains (target over ref), TPP, bootstrap intervals, per-subset gains and quartiles.  Writes coeffs.json,
     tables.json, tables.md and the plots to `out`; returns the report (its keys: docs/scaling.md)."""
+    if isinstance(n_boot, bool) or not isinstance(n_boot, (int, np.integer)) or n_boot < 0:
+        raise ValueError(f"n_boot must be an integer >= 0 (0 skips the bootstrap), got {n_boot!r}")
     check_rows(rows)
     if target == ref:
         raise ValueError(f"target and ref must differ; both are {target!r}")
@@ -670,6 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--include-dense", action="store_true",
                     help=f"also fit the {CONTROL_LABEL.replace('%', '%%')} control cells (the paper excludes them)")
     ap.add_argument("--paper", action="store_true", help="print SMELT's CE-gain and TPP tables from Table 4.3")
+    ap._negative_number_matcher = re.compile(r"^-\.?\d")   # "--budgets -1e20" is a value, refused by its own check
     return ap
 
 

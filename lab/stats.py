@@ -121,8 +121,8 @@ def bootstrap_interval(x: Sequence[float], stat: Callable[[np.ndarray], float] =
     """Percentile bootstrap of stat(x) over units resampled with replacement (x: one value per unit)."""
     _check_level(level)
     a = _vector(x, "x")
-    if n_draws < 1:
-        raise ValueError(f"n_draws must be >= 1, got {n_draws}")
+    if isinstance(n_draws, bool) or not isinstance(n_draws, (int, np.integer)) or n_draws < 1:
+        raise ValueError(f"n_draws must be an integer >= 1, got {n_draws!r}")
     point = float(stat(a))
     if a.size < 2:
         return Interval(point, math.nan, math.nan, a.size, level, "bootstrap")
@@ -179,6 +179,8 @@ def permutation_test(a: Sequence[float], b: Sequence[float], n: int = 10000, see
     d = _vector(np.asarray(a, dtype=float) - np.asarray(b, dtype=float), "permutation_test's a - b")
     if alternative not in ("two-sided", "greater", "less"):
         raise ValueError(f"alternative must be 'two-sided', 'greater' or 'less', got {alternative!r}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n (random sign patterns) must be an integer >= 1, got {n!r}")
     stat = {"two-sided": lambda m: np.abs(m), "greater": lambda m: m, "less": lambda m: -m}[alternative]
     obs = stat(d.mean())
     if len(d) <= 16:

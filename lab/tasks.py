@@ -489,6 +489,8 @@ def centred_accuracy(acc: float, rho: float) -> float:
     """DCLM Core / SMELT Eq. 11: (a - rho) / (1 - rho); 0 at the random baseline, 1 at perfect."""
     if not 0 <= rho < 1:
         raise ValueError(f"random baseline rho must be in [0, 1), got {rho}")
+    if not ((np.asarray(acc, dtype=float) >= 0) & (np.asarray(acc, dtype=float) <= 1)).all():
+        raise ValueError(f"accuracy must be in [0, 1] (not nan), got {acc}")
     return (acc - rho) / (1 - rho)
 
 
