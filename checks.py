@@ -185,6 +185,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose refusal is one line on stderr (exit status 2) that points at --help."""
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")   # "-1e20" is a value its range check refuses, not a flag
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")

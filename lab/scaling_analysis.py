@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import re
 import warnings
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -673,7 +672,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--include-dense", action="store_true",
                     help=f"also fit the {CONTROL_LABEL.replace('%', '%%')} control cells (the paper excludes them)")
     ap.add_argument("--paper", action="store_true", help="print SMELT's CE-gain and TPP tables from Table 4.3")
-    ap._negative_number_matcher = re.compile(r"^-\.?\d")   # "--budgets -1e20" is a value, refused by its own check
     return ap
 
 
