@@ -237,6 +237,63 @@ def kv_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2, ctx_len: float
     return 2 * cfg.n_kv_head * cfg.hd * bytes_per_elem * _kv_slots(p, ctx_len)
 
 
+def step_memory(cfg: ModelConfig, rows: int, T: int, train: bool = True, grad_accum: int = 1, shards: int = 1,
+                weight_bytes: int = 4) -> dict[str, int]:
+    """A lower bound on one step's bytes on one device, by term, for `rows` sequences of T tokens. train: fp32
+    weights, gradients and AdamW's two moments (/ shards under FSDP), the batch's three int64 tensors, one
+    micro-batch's fp32 logits and their gradient, and the residual stream (bf16) saved at every layer visit;
+    else the weights, the tokens, fp32 logits and one layer's residual stream."""
+    _check_cfg(cfg)
+    c, p = count_params(cfg), plan_of(cfg)
+    n, micro = c["blocks"] + c["embedding"] + c["head"], max(1, rows // grad_accum)
+    if train:
+        return {"parameters": 16 * n // shards, "batch": 24 * rows * T, "logits": 8 * micro * T * cfg.vocab_size,
+                "activations": 2 * micro * T * cfg.d_model * (p.attn_visits + p.mlp_visits)}
+    return {"parameters": weight_bytes * n, "batch": 8 * rows * T, "logits": 4 * rows * T * cfg.vocab_size,
+            "activations": 4 * rows * T * cfg.d_model}
+
+
+_SIZE_FIELDS = ("vocab_size", "d_model", "d_ff", "n_experts", "n_layer", "n_head", "head_dim")
+
+
+def _dominant(cfg: ModelConfig, rows: int, T: int, need, rows_name: str) -> tuple[str, int]:
+    """The setting `need(cfg, rows, T)` grows fastest with (its doubling's log2 ratio); near-ties go to the one
+    furthest above its default (ModelConfig's, 8 rows), so a vocabulary of 2e9 is named, not the batch."""
+    base, out = need(cfg, rows, T), []
+    for name, value, default in ((rows_name, rows, 8), ("block_size", T, ModelConfig.block_size),
+                                 *((f, getattr(cfg, f), getattr(ModelConfig, f)) for f in _SIZE_FIELDS)):
+        if not value:
+            continue
+        try:
+            doubled = (need(cfg, 2 * rows, T) if name == rows_name else need(cfg, rows, 2 * T) if name == "block_size"
+                       else need(replace(cfg, **{name: 2 * value}), rows, T))
+        except ValueError:   # a doubling the config refuses (e.g. heads the KV heads no longer divide)
+            continue
+        out.append((round(math.log2(doubled / base), 1), math.log(value / (default or 1)), name, value))
+    _, _, name, value = max(out)
+    return name, value
+
+
+def refuse_oversized(cfg: ModelConfig, device, rows: int, T: int, what: str, rows_name: str = "batch_size",
+                     train: bool = False, grad_accum: int = 1, shards: int = 1, weight_bytes: int = 4,
+                     rows_hint: str = "") -> None:
+    """checks.TooLargeError naming the setting that dominates when step_memory exceeds `device`'s free memory
+    (rows_hint: another way out when it is the rows); every entry point that builds a model or a batch calls it
+    first (train, lab.bench, eval.load_model for lab.evaluate, lab.probe_pairs)."""
+    def need(c, r, t):
+        return sum(step_memory(c, r, t, train, grad_accum, shards, weight_bytes).values())
+    have = checks.available_memory(device)
+    if have is None or need(cfg, rows, T) <= have:
+        return
+    terms = step_memory(cfg, rows, T, train, grad_accum, shards, weight_bytes)
+    name, value = _dominant(cfg, rows, T, need, rows_name)
+    parts = ", ".join(f"{k} {checks.format_bytes(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v)
+    more = f" or {rows_hint}" if rows_hint and name == rows_name else ""
+    raise checks.TooLargeError(f"{name}={value}: {what} needs at least {checks.format_bytes(need(cfg, rows, T))} on "
+                               f"{device} ({parts}), more than the {checks.format_bytes(have)} free there: lower "
+                               f"{name}{more}")
+
+
 def sparsity(F: float, N: float, F0: float, N0: float) -> float:
     """SMELT Eq. 1: N_act^eq = (F/F0) N0, S = 1 - N_act^eq / N."""
     if bad := [f"{k}={v!r}" for k, v in (("F", F), ("N", N), ("F0", F0), ("N0", N0)) if not v > 0]:

@@ -500,33 +500,10 @@ class Checkpoints:
         return list({r["branch_step"]: r for r in rows if r["branch_step"] in self.tc.branches}.values())
 
 
-def memory_floor(model_cfg: ModelConfig, tc: TrainConfig, world: int = 1) -> int:
-    """A lower bound on the bytes of one training step per rank: its batch (three int64 (B, T) tensors) and one
-    micro-batch's fp32 logits with their gradient (B/grad_accum, T, V)."""
-    B, T = tc.batch_size // world, tc.block_size or model_cfg.block_size
-    return 3 * 8 * B * T + 2 * 4 * (B // tc.grad_accum) * T * model_cfg.vocab_size
-
-
-def available_memory(device: torch.device) -> int | None:
-    """CUDA's free bytes on `device`, else the OS's MemAvailable (None if unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def refuse_unrunnable(model_cfg: ModelConfig, tc: TrainConfig, world: int, device: torch.device) -> None:
-    """ValueError naming the field when a valid-looking config cannot train (a batch beyond memory, rope_theta
-    too small for finite angles, a loss coefficient overflowing float32); warns of a coefficient > 1."""
+def refuse_unrunnable(model_cfg: ModelConfig) -> None:
+    """ValueError naming the field when a valid-looking config cannot train (rope_theta too small for finite
+    angles, a loss coefficient overflowing float32); warns of a coefficient > 1. Memory: budget.refuse_oversized."""
     from attention import rope_table
-    need, have = memory_floor(model_cfg, tc, world), available_memory(device)
-    if have is not None and need > have:
-        raise ValueError(f"TrainConfig: batch_size={tc.batch_size} needs at least {format_bytes(need)} per step "
-                         f"on {device} (the batch and one micro-batch's fp32 logits and gradient), more than the "
-                         f"{format_bytes(have)} available; lower batch_size or raise grad_accum")
     if not all(bool(torch.isfinite(t).all()) for t in rope_table(model_cfg.block_size, model_cfg.hd,
                                                                  model_cfg.rope_theta)):
         raise ValueError(f"ModelConfig: rope_theta={model_cfg.rope_theta} makes the rotary angles non-finite in "
@@ -539,10 +516,3 @@ def refuse_unrunnable(model_cfg: ModelConfig, tc: TrainConfig, world: int, devic
         if coef > 1:
             print(f"warning: ModelConfig {name}={coef} > 1: the router loss outweighs the language-model loss",
                   flush=True)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000

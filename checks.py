@@ -250,13 +250,22 @@ def run_main(main, argv=None, prog: str | None = None):
         msg = os_error_line(e)
     except ModuleNotFoundError as e:
         msg = f"the package {e.name!r} is not installed: pip install -r requirements.txt"
+    except RuntimeError as e:   # torch.OutOfMemoryError included
+        msg = allocator_line(e)
+        if msg is None:
+            traceback.print_exc()
+            _bug(prog)
     except Exception:
         traceback.print_exc()
-        print(f"{prog}: this is a bug in looped-moe, not in your input: please report it with the command line "
-              f"and the traceback above", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        _bug(prog)
     print(f"{prog}: error: {one_line(msg)}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def _bug(prog: str):
+    print(f"{prog}: this is a bug in looped-moe, not in your input: please report it with the command line "
+          f"and the traceback above", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
 
 def read_config(path: str, cls, flag: str, key: str | None = None):
@@ -333,6 +342,44 @@ def resolve_device(name: str | None, flag: str = "--device") -> str:
             raise DeviceError(f"{flag} {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}: "
                               f"pick one of those, or use {flag} auto")
     return name
+
+
+class TooLargeError(UserError, ValueError):
+    """A model or batch that cannot fit the device's free memory (budget.refuse_oversized)."""
+
+
+def available_memory(device: str | torch.device) -> int | None:
+    """CUDA's free bytes on `device`, else the OS's MemAvailable (None if unknown)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+_ALLOC = re.compile(r"(?:tried to allocate|Tried to allocate) ([\d.]+) ?(bytes|[KMGT]iB)")
+
+
+def allocator_line(e: BaseException) -> str | None:
+    """One line for the allocator's out-of-memory error (CUDA's OutOfMemoryError or the CPU allocator's), else
+    None: the backstop for a size budget.refuse_oversized's lower bound did not catch."""
+    text = str(e)
+    if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text):
+        return None
+    m = _ALLOC.search(text)
+    size = f" {m.group(1)} {m.group(2)}" if m else ""
+    return (f"out of memory: the allocator could not find{size} more (a model, batch or sequence larger than this "
+            f"machine holds): lower the batch size (or raise grad_accum), or use a smaller model")
 
 
 def add_out_dir(ap: argparse.ArgumentParser, help: str, default: str | None = None) -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 import budget
-import checkpoint
 import checks
 import configs
 import data as data_mod
@@ -117,10 +116,23 @@ def default_jobs(device: str, cpus: int, mem_free: int | None = None, mem_per_ru
 
 
 def bytes_per_run(plan: configs.Plan, ladder: list[dict], overhead: int) -> int:
-    """A lower bound on one worker's memory: the largest run's checkpoint.memory_floor + `overhead`."""
+    """A lower bound on one worker's memory: the largest run's budget.step_memory + `overhead`."""
     tc = train.train_config(plan)
-    return overhead + max(checkpoint.memory_floor(ModelConfig.from_dict(r.cell[r.arch]), tc)
-                          for r in configs.plan_runs(Path("."), ladder, plan))
+    cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(Path("."), ladder, plan)]
+    return overhead + max(sum(budget.step_memory(c, tc.batch_size, tc.block_size or c.block_size,
+                                                 grad_accum=tc.grad_accum).values()) for c in cfgs)
+
+
+def refuse_oversized_runs(plan: configs.Plan, ladder: list[dict], device: str, per_run: int, free: int | None):
+    """checks.TooLargeError naming the run and the setting when one run's step alone cannot fit `device`
+    (looked for only when per_run, the worker's overhead included, exceeds the `free` bytes)."""
+    if free is None or per_run <= free:
+        return
+    tc = train.train_config(plan)
+    for r in configs.plan_runs(Path("."), ladder, plan):
+        c = ModelConfig.from_dict(r.cell[r.arch])
+        budget.refuse_oversized(c, device, tc.batch_size, tc.block_size or c.block_size,
+                                f"run {r.name}'s training step", train=True, grad_accum=tc.grad_accum)
 
 
 def gpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
@@ -278,7 +290,7 @@ def check_disk(plan: configs.Plan, ladder: list[dict], out: Path, jobs: int, ref
     cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(out, ladder, plan)]
     est = costs.plan_disk_estimate(cfgs, train.train_config(plan), jobs)
     done = sum(f.stat().st_size for f in (out / "runs").rglob("*") if f.is_file()) if (out / "runs").exists() else 0
-    free, fmt = shutil.disk_usage(out).free, checkpoint.format_bytes
+    free, fmt = shutil.disk_usage(out).free, checks.format_bytes
     need = max(0, est["peak"] - done)
     log(f"disk: the {est['runs']} runs keep {fmt(est['final'])} when finished and up to {fmt(est['peak'])} while "
         f"training ({fmt(done)} already written); {fmt(free)} free at {out}")
@@ -427,11 +439,11 @@ def probe_verdicts(prb: dict) -> list[dict]:
 # ---- Command line --------------------------------------------------------------------------------
 
 def free_gpu_bytes() -> int:
-    return checkpoint.available_memory(torch.device("cuda"))
+    return checks.available_memory("cuda")
 
 
 def free_cpu_bytes() -> int | None:
-    return checkpoint.available_memory(torch.device("cpu"))   # MemAvailable; None where the OS does not say
+    return checks.available_memory("cpu")   # MemAvailable; None where the OS does not say
 
 
 def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tuple[int, dict]:
@@ -443,11 +455,13 @@ def choose_jobs(asked: int | None, plan: configs.Plan, ladder: list[dict]) -> tu
     source = "--jobs" if asked else "default_jobs"
     if not torch.cuda.is_available():
         per_run, free = cpu_bytes_per_run(plan, ladder), free_cpu_bytes()
+        refuse_oversized_runs(plan, ladder, "cpu", per_run, free)   # before any training
         jobs = asked or default_jobs("cpu", cpus, free, per_run)
         have = "memory unknown" if free is None else f"{fmt(free)} available"
         return jobs, {"jobs": jobs, "jobs_from": f"{source}: {cpus} cores, {have}, >= {fmt(per_run)} per run",
                       "threads_per_worker": 1 if jobs > 1 else torch.get_num_threads(), "device": "cpu"}
     per_run, free = gpu_bytes_per_run(plan, ladder), free_gpu_bytes()
+    refuse_oversized_runs(plan, ladder, "cuda", per_run, free)
     jobs = asked or default_jobs("cuda", cpus, free, per_run)
     if jobs > 1 and jobs * per_run > free:
         raise checks.UserError(f"--jobs {jobs} on one GPU needs at least {fmt(jobs * per_run)} "

@@ -279,22 +279,9 @@ def init_distributed(tc: TrainConfig) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def check_device(device: str) -> None:
-    """Refuse a CUDA device that this machine / torch build does not have, before anything is allocated."""
-    if not device.startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        build = " (this torch is a CPU-only build)" if torch.version.cuda is None else ""
-        raise ValueError(f"TrainConfig: device={device!r} but no CUDA GPU is available{build}; "
-                         f"use device='cpu' or 'auto'")
-    index = int(device.split(":")[1]) if ":" in device else 0
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"TrainConfig: device={device!r} but this machine has {torch.cuda.device_count()} GPU(s)")
-
-
 def select_device(tc: TrainConfig, d: Dist) -> tuple[torch.device, object]:
     """(device, autocast context factory) of tc.device and tc.dtype; TF32 matmuls on CUDA."""
-    dev = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = checks.resolve_device(tc.device, "TrainConfig.device")
     if dev == "cuda" and d.world > 1:
         dev = f"cuda:{d.local_rank}"
     device = torch.device(dev)
@@ -327,7 +314,7 @@ class Trainer(Checkpoints):
         if not isinstance(model_cfg, ModelConfig) or not isinstance(tc, TrainConfig):
             raise ValueError(f"Trainer needs a ModelConfig and a TrainConfig, got {type(model_cfg).__name__} and "
                              f"{type(tc).__name__}")
-        check_device(tc.device)
+        checks.resolve_device(tc.device, "TrainConfig.device")   # before anything is allocated
         self.d = init_distributed(tc)
         if self.d.world == 1 and (tc.fsdp or tc.dist_backend != "auto"):   # would be silently ignored
             raise ValueError(f"TrainConfig: {'fsdp=True' if tc.fsdp else f'dist_backend={tc.dist_backend!r}'} needs "
@@ -342,13 +329,16 @@ class Trainer(Checkpoints):
                              f"{data.vocab_size}")
         self.model_cfg, self.tc, self.data = model_cfg, tc, data
         self.meta = dict(meta or {})
+        self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
+        self.device, self.autocast = select_device(tc, self.d)
+        refuse_unrunnable(model_cfg)
+        budget.refuse_oversized(model_cfg, self.device, tc.batch_size // self.d.world, tc.block_size,
+                                "one training step", train=True, grad_accum=tc.grad_accum,
+                                shards=self.d.world if tc.fsdp else 1, rows_hint="raise grad_accum")
         if model_cfg.loop.active and "control" not in self.meta and self.d.rank == 0:
             print("train: S of this looped model is measured against its own dense control; SMELT Eq. 1 measures "
                   "a matched looped model at its Baseline's scale: pass meta['control'] (reproduce.py does)",
                   file=sys.stderr, flush=True)
-        self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
-        self.device, self.autocast = select_device(tc, self.d)
-        refuse_unrunnable(model_cfg, tc, self.d.world, self.device)
         torch.manual_seed(tc.seed)
         random.seed(tc.seed)
         np.random.seed(tc.seed)
@@ -618,6 +608,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tc = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
     except ValueError as e:
         p.error(str(e))
+    checks.resolve_device(a.device)   # named as the flag, before the corpus is built
     model_json = checks.read_config(a.model_json, ModelConfig, "--model-json") if a.model_json else None
     if a.data == "synthetic" and not a.data_dir:
         data = SyntheticData(a.vocab_size)

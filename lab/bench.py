@@ -276,16 +276,26 @@ def packed_doc_ids(batch_size: int, T: int, mean_len: int, seed: int = 0) -> tor
     return starts.long().cumsum(1) - 1
 
 
+def train_pair(preset: str, device, batch_size: int) -> tuple:
+    """(scale, label, Baseline, SMELT, match report) the train benchmark runs: the preset's (upper) middle scale,
+    S~85 %; refused (checks.TooLargeError) when either with batch_size rows cannot fit `device`."""
+    cells = budget.preset_baselines(preset)
+    scales = list(dict.fromkeys(sc for sc, _, _ in cells))
+    scale, label, base_cfg = next(c for c in cells if c[0] == scales[len(scales) // 2] and c[1] == "S~85%")
+    smelt_cfg, report = budget.match(base_cfg, SMELT.at(base_cfg.n_layer), base_cfg.block_size,
+                                     **configs.LADDERS[preset].get("search", {}))
+    for cfg in (base_cfg, smelt_cfg):   # both models and their batch, before either is built
+        budget.refuse_oversized(cfg, device, batch_size, cfg.block_size, f"the {preset} train benchmark",
+                                "--train-batch", train=True)
+    return scale, label, base_cfg, smelt_cfg, report
+
+
 def bench_train(device, preset="tiny", steps=10, batch_size=8, mean_doc=256, save=None) -> dict:
     """Training tokens/s of a matched Baseline / SMELT pair at the preset's (upper) middle scale, S~85 %, as
     train.py runs it (on CUDA compiled, on rows with document ids): each first step alone (compile_s: it minus
     the median step), then the two in turns. save(res), when given, gets the pair, then each first step."""
-    cells = budget.preset_baselines(preset)
-    scales = list(dict.fromkeys(sc for sc, _, _ in cells))
-    scale, label, base_cfg = next(c for c in cells if c[0] == scales[len(scales) // 2] and c[1] == "S~85%")
+    scale, label, base_cfg, smelt_cfg, report = train_pair(preset, device, batch_size)
     ctx = base_cfg.block_size
-    smelt_cfg, report = budget.match(base_cfg, SMELT.at(base_cfg.n_layer), ctx,
-                                     **configs.LADDERS[preset].get("search", {}))
     cuda = device.type == "cuda"
     doc = packed_doc_ids(batch_size, ctx, mean_doc).to(device) if cuda else None
     flops_ctx = min(data_mod.effective_doc_length(doc.cpu()), ctx) if cuda else ctx
@@ -489,6 +499,10 @@ def main(argv=None) -> int:
     which = args.which or ([*BENCHMARKS] if cuda else ["moe", "decode", "train"])
     if set(which) - set(BENCHMARKS):
         ap.error(f"unknown benchmark(s) {sorted(set(which) - set(BENCHMARKS))}: choose from {', '.join(BENCHMARKS)}")
+    train_preset = args.train_preset or ("small" if cuda else "tiny")
+    train_batch = args.train_batch or (32 if cuda else 8)
+    if "train" in which:
+        train_pair(train_preset, device, train_batch)   # a batch or preset this device cannot hold: one line, first
     json_path = os.path.join(args.out_dir, "bench.json") if args.out_dir else None
     info = {"machine": machine(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "capability": list(torch.cuda.get_device_capability(device)) if cuda else None}
@@ -500,9 +514,7 @@ def main(argv=None) -> int:
             "moe": lambda save, deadline: bench_moe_shapes(device),
             "cells": lambda save, deadline: bench_cells(device),
             "decode": lambda save, deadline: bench_decode(device, torch.bfloat16 if cuda else torch.float32),
-            "train": lambda save, deadline: bench_train(device, args.train_preset or ("small" if cuda else "tiny"),
-                                                        batch_size=args.train_batch or (32 if cuda else 8),
-                                                        save=save)}
+            "train": lambda save, deadline: bench_train(device, train_preset, batch_size=train_batch, save=save)}
     failed = run_benchmarks(runs, which, json_path, LIMITS, args.budget_s)
     if failed:
         print(f"bench: failed: {' '.join(failed)}")

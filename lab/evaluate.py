@@ -81,7 +81,7 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
         check_int("evaluate_endpoint", "shots", k, 0)
     names = resolve_tasks([tasks] if isinstance(tasks, str) else tasks)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, meta = load_model(path, device)
+    model, meta = load_model(path, device, rows=batch_size)
     block = model.cfg.block_size
     run_meta = meta.get("meta") or {}
     run = meta["run_dir"] or str(path)

@@ -16,8 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
+import budget
 import checks
 from lab import dyck_probe, probe_claims, probe_plots, stats
 from model import ModelConfig
@@ -148,10 +147,14 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
     "pair_intervals", "seconds"; figures: `probe_plots.plot_pairs`."""
     checks.positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
                          dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
-    check_fit(pairs, check_pairs(pairs), data, block_size)   # before any model runs
+    metas = check_pairs(pairs)
+    check_fit(pairs, metas, data, block_size)   # before any model runs
+    device = checks.resolve_device(device)
+    for m in (m for pair in metas for m in pair):   # every model's weights and one batch, before the first loads
+        budget.refuse_oversized(ModelConfig.from_dict(m["model"]), device, batch_size, block_size, "probing",
+                                train=False)
     from eval import load_model   # one loader for run directories and endpoint files
     log, t0 = log or (lambda m: None), time.time()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     sample = held_out_sample(data, tokens, block_size)
     desc = sample.describe()
     log(f"probes: {len(pairs)} pairs on {desc['tokens']} held-out tokens ({desc['contexts']} contexts, "

@@ -165,3 +165,15 @@ def test_plan_cost_rates_the_longest_endpoint(smoke_plan):
     for r in cost["runs"]:
         assert r["tokens_per_param_final"] == pytest.approx(final / budget.count_params(runs[r["run"]])["blocks"])
         assert r["tpp_final"] == pytest.approx(final / (r["F"] / 6))
+
+
+@pytest.mark.fault("api")
+def test_choose_jobs_refuses_a_plan_whose_run_cannot_fit(smoke_plan):
+    """A run whose step alone exceeds the free memory is named before any training (budget.refuse_oversized)."""
+    plan, ladder, *_ = smoke_plan
+    with mock.patch.object(torch.cuda, "is_available", return_value=False), \
+            mock.patch.object(reproduce, "free_cpu_bytes", return_value=10**6), \
+            mock.patch.object(checks, "available_memory", return_value=10**6):
+        with pytest.raises(checks.TooLargeError, match=r"^\w+=\d+: run m48_\w+'s training step needs at least .* "
+                                                       r"more than the 1.0 MB free there"):
+            reproduce.choose_jobs(None, plan, ladder)
