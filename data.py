@@ -202,6 +202,15 @@ def project_tokenizer(vocab_size: int) -> str:
     return "gpt2" if vocab_size == GPT2_VOCAB else f"gpt2_{vocab_size}"
 
 
+def foreign_tokenizer(data_dir: str | Path | None) -> str | None:
+    """The name of the tokenizer data_dir's tokens are in when it is not this project's (nanoGPT's layout whose
+    meta.json names another), else None: no text (few-shot tasks, the Dyck probe) can be encoded for such a run."""
+    if not data_dir or not is_bin_dir(data_dir):
+        return None
+    m = bin_meta(data_dir)
+    return None if m["tokenizer"] == project_tokenizer(m["vocab_size"]) else m["tokenizer"]
+
+
 def is_bin_dir(data_dir: str | Path) -> bool:
     """nanoGPT's layout (train.bin or val.bin and no manifest.json) rather than a prepared dataset."""
     d = Path(data_dir)

@@ -421,7 +421,8 @@ def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path, arm: s
     pairs = [(key + (f"_seed{seed}" if seed else ""), str(b.dir), str(runs[key, seed, arm].dir))
              for (key, seed, a), b in runs.items() if a == configs.BASELINE]   # by cell, seed and arm name
     log(f"probes: {len(pairs)} {configs.arm_label(arm)} pairs, {plan.probe_tokens} held-out tokens over every domain")
-    res = probe_pairs.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log)
+    res = probe_pairs.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log,
+                                  dyck=data_mod.foreign_tokenizer(data.dir) is None)   # Dyck prompts are text
     largest = configs.cell_key(ladder[-1]["scale"], ladder[-1]["sparsity_label"])   # the per-pair figures: largest cell
     res["figures"] = probe_plots.plot_pairs(res, str(where / "figures" / "probes"), detail=[largest])
     probe_pairs.save_result(path, res)                                 # hashed, figure paths relative to out
@@ -515,12 +516,12 @@ def main(argv=None) -> Path:
     plan = configs.PLANS[args.preset]
     plan = replace(plan, arms={a: loop_spec(args, s) for a, s in plan.arms.items()})   # the loop options: every arm
     if args.data_dir and data_mod.is_bin_dir(args.data_dir):   # nanoGPT's layout: read in place (plan.json names it)
-        plan, meta = replace(plan, data=str(Path(args.data_dir).resolve())), data_mod.bin_meta(args.data_dir)
-        own = data_mod.project_tokenizer(meta["vocab_size"])
-        if meta["tokenizer"] != own and (left := [s for s in ("eval", "probes") if s not in args.skip]):
-            log(f"data: {args.data_dir}'s tokenizer {meta['tokenizer']!r} is not this project's {own!r}: the few-shot "
-                f"tasks and the Dyck probe cannot encode their text, so stages {', '.join(left)} are skipped")
-            args.skip = [*args.skip, *left]
+        plan = replace(plan, data=str(Path(args.data_dir).resolve()))
+        if (name := data_mod.foreign_tokenizer(args.data_dir)) and "eval" not in args.skip:
+            own = data_mod.project_tokenizer(data_mod.bin_meta(args.data_dir)["vocab_size"])
+            log(f"data: {args.data_dir}'s tokenizer {name!r} is not this project's {own!r}: the few-shot tasks "
+                f"cannot encode their text, so stage eval is skipped (the probes run without the Dyck case study)")
+            args.skip = [*args.skip, "eval"]
     out = checks.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{plan.loop.tag()}")   # before any work
     with checks.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)
         if args.data_dir and plan.data in configs.DATA_PRESETS:   # the pack: this process's cache root (and workers')

@@ -110,6 +110,11 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     if result["val"] and given is None:
         log(f"{label}: val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens "
             f"({time.perf_counter() - t0:.1f} s)")
+    if enc is None and (foreign := data_mod.foreign_tokenizer(meta.get("data_dir"))):
+        result["tasks_skipped"] = (f"trained on {foreign!r} tokens (its data_dir's meta.json), which the tasks' text "
+                                   f"cannot be encoded in")
+        log(f"{label}: the few-shot tasks are skipped: {result['tasks_skipped']}")
+        names = []
     enc = data_mod.get_tokenizer(model.cfg.vocab_size) if enc is None else enc
     result["tasks"], counts = {}, Counter()
     for i, name in enumerate(names, 1):

@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> dict:
         checks.check_out_dir(out, what="output directory")
         data = data_mod.TokenData(data_dir)
         check_fit(pairs, metas, data, block)
+        if not args.no_dyck and (foreign := data_mod.foreign_tokenizer(data_dir)):
+            print(f"probes: the Dyck case study is skipped: {data_dir}'s tokens are in {foreign!r}, which its "
+                  f"prompts cannot be encoded in")
+            args.no_dyck = True
     except (ValueError, OSError, checks.UserError) as e:
         ap.error(str(e))
     res = probe_pairs(pairs, data, args.tokens, block, args.batch_size, dyck=not args.no_dyck,

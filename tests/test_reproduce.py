@@ -149,8 +149,9 @@ def test_loop_knobs_flow_from_the_plan(tmp_path, monkeypatch):
 
 def test_a_nanogpt_data_dir_trains_end_to_end_and_is_recorded(tmp_path, monkeypatch, capsys):
     """--data-dir with nanoGPT's train.bin / val.bin (uint32, one separator id, a foreign tokenizer) trains the plan
-    where the files are: the eval and probes stages are skipped with one line saying why; plan.json names the
-    directory and every run's config.json the sha256 of its files."""
+    where the files are: the eval stage is skipped with one line saying why and the probes run without the Dyck case
+    study (its prompts are text); plan.json names the directory and every run's config.json the sha256 of its
+    files; lab.evaluate on one of its runs reports the validation loss and skips the tasks, saying why."""
     from dataclasses import replace
 
     import numpy as np
@@ -172,10 +173,19 @@ def test_a_nanogpt_data_dir_trains_end_to_end_and_is_recorded(tmp_path, monkeypa
     reproduce.main(["--preset", "smoke", "--data-dir", str(d), "--out-dir", str(out), "--skip", "scaling"])
     logged = capsys.readouterr().out
     assert "tokenizer 'someone-elses-bpe' is not this project's 'gpt2_512'" in logged
-    assert "stages eval, probes are skipped" in logged and "(nanogpt-bin, train.bin sha256" in logged
+    assert "stage eval is skipped (the probes run without the Dyck case study)" in logged
+    assert "(nanogpt-bin, train.bin sha256" in logged
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["arch"] for r in rows} == {"baseline", "smelt"} and all(math.isfinite(r["val_loss"]) for r in rows)
-    assert not (out / "eval_summary.json").exists() and not (out / "probes.json").exists()
+    assert not (out / "eval_summary.json").exists()
+    probes = json.loads((out / "probes.json").read_text())
+    assert list(probes["pairs"]) == ["m48_S85"] and "dyck" not in probes["pairs"]["m48_S85"]
+    from lab import evaluate
+    evaluate.main(["--run", str(out / "runs" / "m48_S85_smelt"), "--val-tokens", "256", "--out-dir", str(tmp_path)])
+    assert "the few-shot tasks are skipped: trained on 'someone-elses-bpe' tokens" in capsys.readouterr().out
+    res = evaluate.read_eval(tmp_path / "eval.json")
+    assert res["tasks"] == {} and "'someone-elses-bpe' tokens" in res["tasks_skipped"]
+    assert math.isfinite(res["val"]["loss"])
     assert json.loads((out / "plan.json").read_text())["data"] == str(d.resolve())
     assert json.loads((out / "summary.json").read_text())["corpus"]["preset"] == "nanogpt-bin"   # and REPORT.md
     sha = checkpoint.data_fingerprint(data.TokenData(d))
