@@ -124,15 +124,18 @@ def config_from(cls, d, where, fix: str = "fix the file"):
         raise BadFileError(f"{where}: {e}: {fix}") from None
 
 
-def positive_ints(where: str, **values) -> None:
-    """ValueError naming the first value that is not a positive integer (a sequence: every element)."""
+def need_ints(where: str, lo: int = 1, none_ok: bool = False, **values) -> None:
+    """ValueError naming the first value that is not an integer >= lo (None passes where none_ok; a list or tuple:
+    every element, and not empty). The one check of integer arguments in library functions."""
     for name, v in values.items():
-        for x in (v if isinstance(v, (tuple, list)) else [v]):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
-                raise ValueError(f"{where}: {name} must be a positive integer (or a non-empty list of them), "
-                                 f"got {v!r}")
+        if v is None and none_ok:
+            continue
         if isinstance(v, (tuple, list)) and not v:
             raise ValueError(f"{where}: {name} must not be empty")
+        for x in (v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < lo:
+                raise ValueError(f"{where}: {name} must be an integer >= {lo}{' or None' if none_ok else ''}"
+                                 f"{' (each of a list)' if isinstance(v, (tuple, list)) else ''}, got {v!r}")
 
 
 def parse_json(text: str, path: str | Path, line: int | None = None):

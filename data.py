@@ -28,8 +28,8 @@ import tiktoken
 import torch
 
 import configs
-from checks import (BadFileError, JSONFileError, UserError, atomic_write_bytes, read_hashed_json, read_json,
-                    require_keys, sha256_of)
+from checks import (BadFileError, JSONFileError, UserError, atomic_write_bytes, need_ints, read_hashed_json,
+                    read_json, require_keys, sha256_of)
 
 FORMAT_VERSION = 2  # bump when extraction, split or layout change: old caches rebuild (2: whole-document hold-out)
 
@@ -319,8 +319,8 @@ class TokenData:
     def train_offsets(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
                       world_size: int = 1) -> np.ndarray:
         """Start positions in the train stream of this rank's rows of batch `step` (see train_batch)."""
-        _need_int("train_batch", 0, step=step, seed=seed)
-        _need_int("train_batch", 1, batch_size=batch_size, block_size=block_size, world_size=world_size)
+        need_ints("train_batch", 0, step=step, seed=seed)
+        need_ints("train_batch", batch_size=batch_size, block_size=block_size, world_size=world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         n_ctx = self.contexts_per_epoch(block_size)
@@ -349,7 +349,8 @@ class TokenData:
         """Which contexts val_batches reads: slot k covers tokens [k*T, (k+1)*T] of the held-out stream."""
         if source not in self._val:
             raise KeyError(f"unknown source {source!r}; present: {self.sources}")
-        _need_int("val_batches", 1, block_size=block_size, max_tokens=max_tokens)
+        need_ints("val_batches", block_size=block_size)
+        need_ints("val_batches", 1, True, max_tokens=max_tokens)
         total = (len(self._val[source]) - 1) // block_size
         n_ctx = total if max_tokens is None else min(total, max(1, max_tokens // block_size))
         return (np.unique(np.linspace(0, total - 1, n_ctx).round().astype(np.int64)) if n_ctx < total
@@ -360,7 +361,7 @@ class TokenData:
         """The source's fixed validation contexts (non-overlapping, in stream order): idx, targets, doc_ids;
         max_tokens' worth spread evenly over the stream (docs/data.md); doc_lengths=True adds each position's
         document length (B, T). A trailing partial context is dropped."""
-        _need_int("val_batches", 1, batch_size=batch_size)
+        need_ints("val_batches", batch_size=batch_size)
         slots = self.val_slots(source, block_size, max_tokens)   # checks the source and sizes
         stream, T = self._val[source], block_size
         lengths = self.val_doc_lengths(source)
@@ -371,13 +372,6 @@ class TokenData:
                 doc = np.searchsorted(self._val_starts[source], starts[:, None] + np.arange(T), side="right") - 1
                 batch = (*batch, torch.from_numpy(lengths[doc].astype(np.int64)))
             yield batch
-
-
-def _need_int(where: str, lo: int, **named) -> None:
-    """ValueError naming the first argument that is not an integer >= lo (steps >= 0, sizes >= 1)."""
-    for name, v in named.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
-            raise ValueError(f"{where}: {name} must be {'>= 0' if lo == 0 else '> 0'} (an integer), got {v!r}")
 
 
 class SyntheticData:
@@ -400,8 +394,8 @@ class SyntheticData:
 
     def train_batch(self, step: int, batch_size: int, block_size: int, seed: int = 0, rank: int = 0,
                     world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        _need_int("SyntheticData.train_batch", 0, step=step, seed=seed)
-        _need_int("SyntheticData.train_batch", 1, batch_size=batch_size, block_size=block_size, world_size=world_size)
+        need_ints("SyntheticData.train_batch", 0, step=step, seed=seed)
+        need_ints("SyntheticData.train_batch", batch_size=batch_size, block_size=block_size, world_size=world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -411,7 +405,8 @@ class SyntheticData:
     def val_batches(self, source: str, batch_size: int, block_size: int,
                     max_tokens: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         i = self.sources.index(source)
-        _need_int("SyntheticData.val_batches", 1, batch_size=batch_size, block_size=block_size, max_tokens=max_tokens)
+        need_ints("SyntheticData.val_batches", batch_size=batch_size, block_size=block_size)
+        need_ints("SyntheticData.val_batches", 1, True, max_tokens=max_tokens)
         gen = torch.Generator().manual_seed(10**9 + i)
         n_ctx = max(1, (max_tokens or 4096) // block_size)
         idx, tgt, doc = self._rows(gen, n_ctx, block_size, 0.9 + 0.4 * i)

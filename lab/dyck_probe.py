@@ -58,7 +58,7 @@ def dyck_prompts(enc, block_size: int, ks: Sequence[int] = DYCK_KS, n_items: int
     """Few-shot prompts (tasks.build_prompt) at every k that fits block_size, nested across k: {"prompts": [{"k",
     "item", "tokens", "targets" (positions whose next token is a closing bracket of the gold answer), "answer"
     (those brackets' tokens), "demo" (positions of demonstration-answer tokens)}], "ks", "skipped_k", ...}."""
-    checks.positive_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
+    checks.need_ints("dyck_prompts", block_size=block_size, ks=list(ks), n_items=n_items, n_targets=n_targets)
     from lab import tasks as ev   # build_prompt, load_bigbench
     encode = getattr(enc, "encode_ordinary", None) or enc.encode
     items = ev.load_bigbench("dyck_languages").items

@@ -25,7 +25,7 @@ from eval import load_model, long_short_ratio, normalised_shape, stored_report, 
 from lab.calibration import CALIBRATION_MIN_POINTS, calibration_report
 from lab.corpus import corpus_warning
 from lab.eval_plots import plot_calibration, plot_shot_sweep
-from lab.tasks import GENERATED_TASKS, REAL_TASKS, check_int, demos_available, evaluate_task, get_task, resolve_tasks
+from lab.tasks import GENERATED_TASKS, REAL_TASKS, demos_available, evaluate_task, get_task, resolve_tasks
 
 
 SHOTS = (0, 1, 2, 4, 8, 16, 32)
@@ -71,14 +71,11 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     is readable), then the shot sweep. val: True, False, or a val_loss_report dict made elsewhere for this endpoint
     (docs/eval.md); enc / data replace the run's tokenizer / TokenData; log gets a line per stage and task."""
     t0 = time.perf_counter()
-    for name, v, lo, none_ok in (("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
-                                 ("batch_size", batch_size, 1, False),
-                                 ("val_tokens_per_source", val_tokens_per_source, 1, True)):
-        check_int("evaluate_endpoint", name, v, lo, none_ok)
+    checks.need_ints("evaluate_endpoint", seeds=seeds, batch_size=batch_size)
+    checks.need_ints("evaluate_endpoint", 1, True, max_items=max_items, val_tokens_per_source=val_tokens_per_source)
     if isinstance(shots, (str, bytes)) or not shots:
         raise ValueError(f"evaluate_endpoint: shots must be a non-empty list of ints >= 0, got {shots!r}")
-    for k in shots:
-        check_int("evaluate_endpoint", "shots", k, 0)
+    checks.need_ints("evaluate_endpoint", 0, shots=list(shots))
     names = resolve_tasks([tasks] if isinstance(tasks, str) else tasks)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, meta = load_model(path, device, rows=batch_size)

@@ -145,7 +145,7 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
     dyck_block_size (default block_size; a k whose prompts do not fit is in "skipped_k", never truncated).
     JSON-able: "sample", "pairs" {name: {"baseline", "smelt", "dyck", "seconds"}}, "aggregate", "claims",
     "pair_intervals", "seconds"; figures: `probe_plots.plot_pairs`."""
-    checks.positive_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
+    checks.need_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
                          dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
     metas = check_pairs(pairs)
     check_fit(pairs, metas, data, block_size)   # before any model runs

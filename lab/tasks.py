@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import JSONFileError, read_json
+from checks import JSONFileError, need_ints, read_json
 from eval import forward_logits, model_device
 
 TASK_DIR = Path(__file__).resolve().parents[1] / "tasks" / "bigbench"
@@ -361,14 +361,6 @@ def score_options(model: nn.Module, head: list[int], tails: Sequence[list[int]],
 BATCH_TOKENS = {"cpu": 1 << 15, "cuda": 1 << 18}
 
 
-def check_int(owner: str, name: str, v, lo: int, none_ok: bool = False) -> None:
-    """Refuse v unless it is an int >= lo (or None where none_ok), naming owner and field."""
-    if v is None and none_ok:
-        return
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{owner}: {name} must be an int >= {lo}{' or None' if none_ok else ''}, got {v!r}")
-
-
 def demos_available(task: Task) -> int:
     """The most demonstrations every item can draw from its own group (its items other than the item and its
     duplicates): a k above this is skipped by eval.evaluate_endpoint (and so by costs.scoring_counts)."""
@@ -427,9 +419,10 @@ def evaluate_task(model: nn.Module, enc, task: Task, k: int, seeds: int = 10, ma
 
     enc: a tokenizer with encode (or encode_ordinary) and eot_token (BOS and padding). counts: adds
     score_continuations' counters. batch_tokens: padded tokens per scoring batch (BATCH_TOKENS by device)."""
-    for name, v, lo, none_ok in (("k", k, 0, False), ("seeds", seeds, 1, False), ("max_items", max_items, 1, True),
-                                 ("block_size", block_size, 3, True), ("batch_tokens", batch_tokens, 1, True)):
-        check_int("evaluate_task", name, v, lo, none_ok)
+    need_ints("evaluate_task", 0, k=k)
+    need_ints("evaluate_task", seeds=seeds)
+    need_ints("evaluate_task", 1, True, max_items=max_items, batch_tokens=batch_tokens)
+    need_ints("evaluate_task", 3, True, block_size=block_size)
     if task.kind not in ("mc", "gen") or (task.kind == "mc" and task.norm not in ("token", "char", "none")):
         raise ValueError(f"evaluate_task: {task.name}: kind must be 'mc' or 'gen' and norm 'token', 'char' or "
                          f"'none', got kind={task.kind!r} norm={task.norm!r}")

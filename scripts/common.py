@@ -336,7 +336,7 @@ def howto_flops(cfg: ModelConfig, ctx: float) -> float:
 
 def compute_share_steps(stable_steps: int, decay_steps: int, flops_ref: float, flops_run: float) -> int:
     """Stable steps at flops_run per token that spend the compute of stable + decay steps at flops_ref."""
-    checks.positive_ints("compute_share_steps", stable_steps=stable_steps, decay_steps=decay_steps)
+    checks.need_ints("compute_share_steps", stable_steps=stable_steps, decay_steps=decay_steps)
     for name, v in (("flops_ref", flops_ref), ("flops_run", flops_run)):
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"compute_share_steps: {name} must be a positive number, got {v!r}")

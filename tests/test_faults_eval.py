@@ -141,7 +141,7 @@ def test_an_unknown_generated_task_is_named_even_with_no_items():
                                        (dict(k=0, batch_tokens=0), "batch_tokens")])
 def test_evaluate_task_refuses_bad_values_by_name(kw, field):
     t = tasks.generate_task("gen_copy", 10)
-    with pytest.raises(ValueError, match=f"evaluate_task: {field} must be an int >= "):
+    with pytest.raises(ValueError, match=f"evaluate_task: {field} must be an integer >= "):
         tasks.evaluate_task(Successor(), CharTok(), t, block_size=kw.pop("block_size", 64), **kw)
     t.kind = "qa"
     with pytest.raises(ValueError, match="kind must be 'mc' or 'gen'"):
@@ -149,7 +149,7 @@ def test_evaluate_task_refuses_bad_values_by_name(kw, field):
 
 
 @pytest.mark.fault("api")
-@pytest.mark.parametrize("kw, words", [(dict(shots=[0, -1]), "shots must be an int >= 0"),
+@pytest.mark.parametrize("kw, words", [(dict(shots=[0, -1]), "shots must be an integer >= 0"),
                                        (dict(shots=[]), "shots must be a non-empty list"),
                                        (dict(seeds=0), "seeds must be"), (dict(max_items=0), "max_items must be"),
                                        (dict(batch_size=0), "batch_size must be"),

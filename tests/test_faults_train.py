@@ -197,7 +197,7 @@ def test_api_values_refused_before_training(model_kw, msg, tmp_path):
 def test_api_seed_and_block_size_refused():
     with pytest.raises(ValueError, match="seed must lie in"):
         tiny_train(seed=2**32)
-    with pytest.raises(ValueError, match="block_size must be > 0"):
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         T.SyntheticData(64).train_batch(0, 4, 0)
 
 

@@ -54,12 +54,12 @@ def _token_data():
 
 
 BATCH_BAD = [
-    (dict(step=-1), "step must be >= 0"),
-    (dict(batch_size=0), "batch_size must be > 0"),
-    (dict(batch_size=-3), "batch_size must be > 0"),
-    (dict(block_size=0), "block_size must be > 0"),
-    (dict(block_size=2.5), "block_size must be > 0"),
-    (dict(world_size=0), "world_size must be > 0"),
+    (dict(step=-1), "step must be an integer >= 0"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(batch_size=-3), "batch_size must be an integer >= 1"),
+    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(block_size=2.5), "block_size must be an integer >= 1"),
+    (dict(world_size=0), "world_size must be an integer >= 1"),
 ]
 
 
@@ -76,11 +76,11 @@ def test_train_batch_refuses_sizes(make, kw, msg):
 @pytest.mark.parametrize("make,source", [(_token_data, "s"), (lambda: data.SyntheticData(64), "synthetic0")],
                          ids=["token", "synthetic"])
 @pytest.mark.parametrize("kw,msg", [
-    (dict(batch_size=0), "batch_size must be > 0"),
-    (dict(block_size=0), "block_size must be > 0"),
-    (dict(block_size=-8), "block_size must be > 0"),
-    (dict(max_tokens=0), "max_tokens must be > 0"),
-    (dict(max_tokens=-64), "max_tokens must be > 0"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(block_size=-8), "block_size must be an integer >= 1"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=-64), "max_tokens must be an integer >= 1"),
 ])
 def test_val_batches_refuse_sizes(make, source, kw, msg):
     args = {"batch_size": 2, "block_size": 8, **kw}
