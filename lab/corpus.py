@@ -348,8 +348,7 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
             report[src.name] = {"domain": src.domain, "status": "skipped", "reason": "too few documents"}
             continue
         remaining[src.domain] -= n_tokens
-        atomic_write_bytes(out / "val" / f"{src.name}.bin", np.concatenate(val).tobytes())
-        atomic_write_bytes(out / "val" / f"{src.name}.docs.npy", _npy(np.cumsum([0] + [len(p) for p in val[:-1]])))
+        write_val(out, src.name, val)
         n_val_tokens, n_train = sum(len(v) for v in val), len(kept)
         report[src.name] = {"domain": src.domain, "status": "ok", **info, "documents_available": len(docs),
                             "train_docs": n_train, "val_docs": len(val), "train_tokens": n_tokens - n_val_tokens,
@@ -359,7 +358,7 @@ def prepare(preset: str, out_dir: str | None = None, vocab_size: int | None = No
               f"{n_tokens:,} tokens, {report[src.name]['bytes_per_token']} B/tok ({time.time() - t1:.1f}s)", flush=True)
     if not train:
         raise RuntimeError("no source could be read: see the skip messages above")
-    return _write_dataset(out, preset, vocab, enc.eot_token, dtype, sources, report, train, spec, t0)
+    return write_dataset(out, preset, vocab, enc.eot_token, dtype, sources, report, train, spec, t0)
 
 
 def _cached(out: Path, spec: dict, allow_missing: bool) -> dict | None:
@@ -459,9 +458,16 @@ def _split_source(name: str, docs: list[Doc], budget: int, enc: tiktoken.Encodin
     return val, train, n_tokens, n_bytes
 
 
-def _write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources: list[Source],
-                   report: dict[str, dict], train: list[tuple[int, np.ndarray]], spec: dict, t0: float) -> dict:
-    """Write the interleaved train stream, its document index and (last) manifest.json; returns the manifest."""
+def write_val(out: Path, name: str, val: list[np.ndarray]) -> None:
+    """One source's held-out documents: OUT/val/NAME.bin and the index of their starts, NAME.docs.npy."""
+    atomic_write_bytes(out / "val" / f"{name}.bin", np.concatenate(val).tobytes())
+    atomic_write_bytes(out / "val" / f"{name}.docs.npy", _npy(np.cumsum([0] + [len(p) for p in val[:-1]])))
+
+
+def write_dataset(out: Path, preset: str, vocab: int, eot: int, dtype, sources: list[Source],
+                  report: dict[str, dict], train: list[tuple[int, np.ndarray]], spec: dict, t0: float) -> dict:
+    """Write the interleaved train stream, its document index and (last) manifest.json; returns the manifest.
+    After write_val for every source (lab/hub.py writes through both)."""
     order = np.random.default_rng(_seed(preset)).permutation(len(train))  # interleave documents of all sources
     stream = np.concatenate([train[i][1] for i in order])
     starts = np.cumsum([0] + [len(train[i][1]) for i in order[:-1]])

@@ -272,8 +272,7 @@ def build(out: str | Path, datasets: list[str], tokens: int = 20_000_000, vocab_
         if not val or not kept:
             raise HubError(f"dataset {name!r} gave {n['val_docs']} validation and {n['train_docs']} training "
                            f"documents: it needs at least one of each (more files, or another PATTERN)")
-        atomic_write_bytes(out / "val" / f"{name}.bin", np.concatenate(val).tobytes())
-        atomic_write_bytes(out / "val" / f"{name}.docs.npy", corpus._npy(np.cumsum([0] + [len(p) for p in val[:-1]])))
+        corpus.write_val(out, name, val)
         train += [(k, doc) for doc in kept]
         fs = n["files"]
         report[name] = {"domain": ds.domain, "status": "ok", "origin": f"huggingface:{ds.repo} {ds.pattern}",
@@ -282,8 +281,8 @@ def build(out: str | Path, datasets: list[str], tokens: int = 20_000_000, vocab_
                         "val_docs": n["val_docs"], "train_tokens": n["tokens"] - n["val_tokens"],
                         "val_tokens": n["val_tokens"], "text_bytes": n["bytes"],
                         "bytes_per_token": round(n["bytes"] / max(n["tokens"] - len(val) - len(kept), 1), 3)}
-    manifest = corpus._write_dataset(out, preset, vocab_size, enc.eot_token, dtype, list(named.values()), report,
-                                     train, spec, t0)
+    manifest = corpus.write_dataset(out, preset, vocab_size, enc.eot_token, dtype, list(named.values()), report,
+                                    train, spec, t0)
     shutil.rmtree(out / "parts", ignore_errors=True)   # the dataset is whole: the resume cache goes
     return manifest
 
