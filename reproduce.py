@@ -276,6 +276,7 @@ def plan_design(plan: configs.Plan, ladder: list[dict]) -> dict:
     power = scaling_analysis.design_power(shape)
     by = ", ".join(f"{a} {n}" for a, n in power["identified_by_arch"].items())
     verdict = (f"no fit can be identified ({'; '.join(power['why'])})" if power["why"] else
+               f"not forecast: {power['unforecast']}" if power["unforecast"] else
                f"the surfaces {power['prior']}, drawn at this plan's F, S and D with their measured noise, refit "
                f"identified in {by} of {power['datasets']} draws, both in {power['identified']} (scripts/grid_power.py)")
     log(f"plan: design {shape['n_cells']} fitted cells x {len(shape['horizons'])} endpoints = {shape['points']} points "

@@ -129,6 +129,8 @@ def main(argv=None) -> dict:
         p = scaling_analysis.design_power(shape, noise, args.seeds, args.prior)
         if p["why"]:
             raise checks.UserError(f"no fit can be identified on this grid: {'; '.join(p['why'])}")
+        if p["unforecast"]:
+            raise checks.UserError(f"no forecast: {p['unforecast']}")
         common.log(f"prior: {p['prior']}")
         measured = ", ".join(f"{a} {v:.4f}" for a, v in p["noise"].items()) if isinstance(p["noise"], dict) else None
         row = {"noise": noise if noise is not None else f"measured ({measured})", "identified": p["identified"],
