@@ -274,24 +274,33 @@ def _dominant(cfg: ModelConfig, rows: int, T: int, need, rows_name: str) -> tupl
     return name, value
 
 
-def refuse_oversized(cfg: ModelConfig, device, rows: int, T: int, what: str, rows_name: str = "batch_size",
-                     train: bool = False, grad_accum: int = 1, shards: int = 1, weight_bytes: int = 4,
-                     rows_hint: str = "") -> None:
-    """checks.TooLargeError naming the setting that dominates when step_memory exceeds `device`'s free memory
-    (rows_hint: another way out when it is the rows); every entry point that builds a model or a batch calls it
-    first (train, lab.bench, eval.load_model for lab.evaluate, lab.probe_pairs)."""
+def oversized(cfg: ModelConfig, device, rows: int, T: int, what: str, rows_name: str = "batch_size",
+              train: bool = False, grad_accum: int = 1, shards: int = 1, weight_bytes: int = 4, rows_hint: str = "",
+              model_hint: str = "", rows_shown: int | None = None) -> str | None:
+    """One line naming the setting that dominates when step_memory exceeds what `device` can give (None: it fits).
+    The way out: "lower NAME" (and rows_hint when the rows dominate; model_hint instead when a model size does
+    and the caller cannot change it); rows_shown: the rows as the user set them (all ranks' batch)."""
     def need(c, r, t):
         return sum(step_memory(c, r, t, train, grad_accum, shards, weight_bytes).values())
     have = checks.available_memory(device)
     if have is None or need(cfg, rows, T) <= have:
-        return
+        return None
     terms = step_memory(cfg, rows, T, train, grad_accum, shards, weight_bytes)
     name, value = _dominant(cfg, rows, T, need, rows_name)
     parts = ", ".join(f"{k} {checks.format_bytes(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v)
-    more = f" or {rows_hint}" if rows_hint and name == rows_name else ""
-    raise checks.TooLargeError(f"{name}={value}: {what} needs at least {checks.format_bytes(need(cfg, rows, T))} on "
-                               f"{device} ({parts}), more than the {checks.format_bytes(have)} free there: lower "
-                               f"{name}{more}")
+    if name == rows_name:
+        value, fix = rows if rows_shown is None else rows_shown, f"lower {name}" + (f" or {rows_hint}" * bool(rows_hint))
+    else:
+        fix = model_hint or f"lower {name}"
+    return (f"{name}={value}: {what} needs at least {checks.format_bytes(need(cfg, rows, T))} on {device} ({parts}), "
+            f"more than the {checks.format_bytes(have)} available there: {fix}")
+
+
+def refuse_oversized(*args, **kw) -> None:
+    """checks.TooLargeError with `oversized`'s line, if any. Every entry point that builds a model or a batch calls
+    it first: train.py, reproduce.py, lab.bench, eval.load_model (lab.evaluate), lab.probe_pairs, profile_step."""
+    if msg := oversized(*args, **kw):
+        raise checks.TooLargeError(msg)
 
 
 def sparsity(F: float, N: float, F0: float, N0: float) -> float:

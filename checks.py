@@ -352,10 +352,12 @@ class TooLargeError(UserError, ValueError):
 
 
 def available_memory(device: str | torch.device) -> int | None:
-    """CUDA's free bytes on `device`, else the OS's MemAvailable (None if unknown)."""
+    """What this process can still allocate on `device`: CUDA's free bytes plus its own cache's unused ones (a
+    finished run's blocks, reused by the next), else the OS's MemAvailable (None if unknown)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
     try:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

@@ -192,7 +192,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", rows: int =
                                   f"{run / 'config.json' if run else 'a config.json beside it'} has a 'model' key "
                                   f"(expected ModelConfig.to_dict())")
     mc = checks.config_from(ModelConfig, cfg, run / "config.json" if cfg is config.get("model") else file)
-    budget.refuse_oversized(mc, device, rows, mc.block_size, f"{file} with a batch of {rows}", train=False)
+    budget.refuse_oversized(mc, device, rows, mc.block_size, f"{file}" + f" with a batch of {rows}" * bool(rows),
+                            train=False)
     model = GPT(mc)
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     try:

@@ -99,7 +99,7 @@ def stage_ladder(plan: configs.Plan, data, out: Path) -> list[dict]:
 
 
 CUDA_WORKER_OVERHEAD_BYTES = 2 << 30   # a worker's GPU memory beyond its step's floor (CUDA context, slack)
-CPU_WORKER_OVERHEAD_BYTES = 1 << 30    # a worker's RAM beyond its step's floor (torch itself, weights, Adam, slack)
+CPU_WORKER_OVERHEAD_BYTES = 1 << 30    # a worker's RAM beyond its step's floor (torch itself, slack)
 CUDA_MAX_JOBS = 4        # runs sharing one GPU by default: their compiles overlap, their kernels take turns
 
 
@@ -132,7 +132,9 @@ def refuse_oversized_runs(plan: configs.Plan, ladder: list[dict], device: str, p
     for r in configs.plan_runs(Path("."), ladder, plan):
         c = ModelConfig.from_dict(r.cell[r.arch])
         budget.refuse_oversized(c, device, tc.batch_size, tc.block_size or c.block_size,
-                                f"run {r.name}'s training step", train=True, grad_accum=tc.grad_accum)
+                                f"run {r.name}'s training step", train=True, grad_accum=tc.grad_accum,
+                                model_hint="use a smaller --preset, or a machine with more memory",
+                                rows_hint="use a smaller --preset")
 
 
 def gpu_bytes_per_run(plan: configs.Plan, ladder: list[dict]) -> int:
@@ -423,7 +425,7 @@ def stage_probes(plan: configs.Plan, ladder: list[dict], data, out: Path, arm: s
              for (key, seed, a), b in runs.items() if a == configs.BASELINE]   # by cell, seed and arm name
     log(f"probes: {len(pairs)} {configs.arm_label(arm)} pairs, {plan.probe_tokens} held-out tokens over every domain")
     res = probe_pairs.probe_pairs(pairs, data, plan.probe_tokens, plan.block_size, log=log,
-                                  dyck=data_mod.foreign_tokenizer(data.dir) is None)   # Dyck prompts are text
+                                  dyck=data_mod.foreign_tokenizer(getattr(data, "dir", None)) is None)   # text prompts
     largest = configs.cell_key(ladder[-1]["scale"], ladder[-1]["sparsity_label"])   # the per-pair figures: largest cell
     res["figures"] = probe_plots.plot_pairs(res, str(where / "figures" / "probes"), detail=[largest])
     probe_pairs.save_result(path, res)                                 # hashed, figure paths relative to out
@@ -521,7 +523,8 @@ def main(argv=None) -> Path:
         if (name := data_mod.foreign_tokenizer(args.data_dir)) and "eval" not in args.skip:
             own = data_mod.project_tokenizer(data_mod.bin_meta(args.data_dir)["vocab_size"])
             log(f"data: {args.data_dir}'s tokenizer {name!r} is not this project's {own!r}: the few-shot tasks "
-                f"cannot encode their text, so stage eval is skipped (the probes run without the Dyck case study)")
+                f"cannot encode their text, so stage eval is skipped"
+                + (" (the probes run without the Dyck case study)" if "probes" not in args.skip else ""))
             args.skip = [*args.skip, "eval"]
     out = checks.check_out_dir(args.out_dir or f"runs/reproduce_{args.preset}{plan.loop.tag()}")   # before any work
     with checks.run_lock(out, "reproduce.py"):   # one invocation per out dir (runs inside have their own lock)

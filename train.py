@@ -332,9 +332,17 @@ class Trainer(Checkpoints):
         self.run_dir, self.ckpt_dir = Path(run_dir), Path(run_dir) / "ckpt"
         self.device, self.autocast = select_device(tc, self.d)
         refuse_unrunnable(model_cfg)
-        budget.refuse_oversized(model_cfg, self.device, tc.batch_size // self.d.world, tc.block_size,
-                                "one training step", train=True, grad_accum=tc.grad_accum,
-                                shards=self.d.world if tc.fsdp else 1, rows_hint="raise grad_accum")
+        too_large = budget.oversized(model_cfg, self.device, tc.batch_size // self.d.world, tc.block_size,
+                                     "one training step", train=True, grad_accum=tc.grad_accum,
+                                     shards=self.d.world if tc.fsdp else 1, rows_hint="raise grad_accum",
+                                     rows_shown=tc.batch_size)
+        if self.d.world > 1:   # every rank refuses together: the others would wait in the model's setup
+            flag = torch.tensor([float(too_large is not None)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            too_large = too_large or ("another rank cannot hold one training step (its own error names the setting)"
+                                      if flag.item() else None)
+        if too_large:
+            raise checks.TooLargeError(too_large)
         if model_cfg.loop.active and "control" not in self.meta and self.d.rank == 0:
             print("train: S of this looped model is measured against its own dense control; SMELT Eq. 1 measures "
                   "a matched looped model at its Baseline's scale: pass meta['control'] (reproduce.py does)",

@@ -286,7 +286,7 @@ def train_pair(preset: str, device, batch_size: int) -> tuple:
                                      **configs.LADDERS[preset].get("search", {}))
     for cfg in (base_cfg, smelt_cfg):   # both models and their batch, before either is built
         budget.refuse_oversized(cfg, device, batch_size, cfg.block_size, f"the {preset} train benchmark",
-                                "--train-batch", train=True)
+                                "--train-batch", train=True, model_hint="use a smaller --train-preset")
     return scale, label, base_cfg, smelt_cfg, report
 
 

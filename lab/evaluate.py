@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+import budget
 import checks
 import data as data_mod
 from checks import JSONFileError, check_out_dir, endpoint_id
@@ -78,7 +79,7 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
     checks.need_ints("evaluate_endpoint", 0, shots=list(shots))
     names = resolve_tasks([tasks] if isinstance(tasks, str) else tasks)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, meta = load_model(path, device, rows=batch_size)
+    model, meta = load_model(path, device)
     block = model.cfg.block_size
     run_meta = meta.get("meta") or {}
     run = meta["run_dir"] or str(path)
@@ -102,12 +103,15 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
         except Exception as e:  # a moved or unbuilt dataset should not stop the task evaluation
             log(f"{label}: validation skipped: cannot open data_dir {meta['data_dir']!r}: {e}")
     stored = stored_report(meta["run_dir"], meta["branch_step"], data, block, val_tokens_per_source) if val else None
+    if val and data and not stored:   # a validation batch will run: it must fit beside the weights
+        budget.refuse_oversized(model.cfg, device, batch_size, block, "validation", train=False,
+                                weight_bytes=0)   # the weights are loaded: free memory already excludes them
     result["val"] = given or stored or (val_loss_report(model, data, block, batch_size, val_tokens_per_source)
                                         if (val and data) else None)
     if result["val"] and given is None:
         log(f"{label}: val loss {result['val']['loss']:.4f} over {result['val']['tokens']} tokens "
             f"({time.perf_counter() - t0:.1f} s)")
-    if enc is None and (foreign := data_mod.foreign_tokenizer(meta.get("data_dir"))):
+    if enc is None and (foreign := data_mod.foreign_tokenizer(getattr(data, "dir", None) or meta.get("data_dir"))):
         result["tasks_skipped"] = (f"trained on {foreign!r} tokens (its data_dir's meta.json), which the tasks' text "
                                    f"cannot be encoded in")
         log(f"{label}: the few-shot tasks are skipped: {result['tasks_skipped']}")

@@ -146,13 +146,15 @@ def probe_pairs(pairs: Sequence[tuple], data, tokens: int, block_size: int, batc
     JSON-able: "sample", "pairs" {name: {"baseline", "smelt", "dyck", "seconds"}}, "aggregate", "claims",
     "pair_intervals", "seconds"; figures: `probe_plots.plot_pairs`."""
     checks.need_ints("probe_pairs", tokens=tokens, block_size=block_size, batch_size=batch_size,
-                         dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
+                     dyck_items=dyck_items, dyck_ks=list(dyck_ks), n_draws=n_draws, attn_topk=list(attn_topk))
     metas = check_pairs(pairs)
     check_fit(pairs, metas, data, block_size)   # before any model runs
     device = checks.resolve_device(device)
-    for m in (m for pair in metas for m in pair):   # every model's weights and one batch, before the first loads
-        budget.refuse_oversized(ModelConfig.from_dict(m["model"]), device, batch_size, block_size, "probing",
-                                train=False)
+    rows = min(batch_size, max(1, tokens // block_size))   # the sample's contexts bound a batch's rows
+    for (_, *runs), ms in zip(pairs, metas):   # each model still to load, with its batch, before any model runs
+        for m in (m for run, m in zip(runs, ms) if _is_path(run)):
+            budget.refuse_oversized(ModelConfig.from_dict(m["model"]), device, rows, block_size, "probing",
+                                    train=False)
     from eval import load_model   # one loader for run directories and endpoint files
     log, t0 = log or (lambda m: None), time.time()
     sample = held_out_sample(data, tokens, block_size)

@@ -57,10 +57,12 @@ def main(argv=None) -> dict:
     cfg = ModelConfig.from_dict(cells[cell][args.arch])
     tc = train.TrainConfig(device="cpu", dtype=args.dtype)
     _, autocast = train.select_device(tc, train.Dist())
+    B, T = plan.batch_size, plan.block_size
+    budget.refuse_oversized(cfg, "cpu", B, T, f"a {args.preset} training step", train=True,
+                            model_hint="profile a smaller --scale", rows_hint="profile a smaller --preset")
     torch.manual_seed(0)
     gpt = GPT(cfg)
     obj, opt = train.Objective(gpt), train.make_optimizer(gpt, tc)
-    B, T = plan.batch_size, plan.block_size
 
     def step(i):   # train.py's step: forward, backward, clip, AdamW
         idx, tgt, doc = d.train_batch(i, B, T, seed=0)

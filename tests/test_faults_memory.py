@@ -84,8 +84,16 @@ print(sum(budget.step_memory(cfg, rows, T).values()) / grown)
 def test_the_setting_that_dominates_is_named(one_gb, change, rows, name):
     cfg = tiny_model(**change)
     with pytest.raises(checks.TooLargeError, match=rf"^{name}: one training step needs at least .* on cpu "
-                                                   rf"\(.*\), more than the 1.0 GB free there: lower {name.split('=')[0]}"):
+                                                   rf"\(.*\), more than the 1.0 GB available there: lower {name.split('=')[0]}"):
         budget.refuse_oversized(cfg, "cpu", rows, cfg.block_size, "one training step", train=True)
+
+
+def test_the_rows_are_named_as_the_user_set_them(one_gb):
+    """Under DDP a rank holds batch_size / world rows; the line names the batch_size the user set."""
+    line = budget.oversized(tiny_model(), "cpu", 10**7, 32, "one training step", train=True, rows_shown=2 * 10**7,
+                            rows_hint="raise grad_accum")
+    assert line.startswith("batch_size=20000000: one training step") and line.endswith("lower batch_size or raise "
+                                                                                         "grad_accum")
 
 
 def test_what_fits_is_not_refused(one_gb):
@@ -122,14 +130,24 @@ def test_evaluate_refuses_an_endpoint_too_large_to_load(tmp_path, capsys, one_gb
     endpoint = tmp_path / "branch_0000006.pt"
     checks.atomic_save({"model": {}, "meta": {"model": tiny_model(vocab_size=2 * 10**9).to_dict()}}, endpoint)
     refused(evaluate.main, ["--run", str(endpoint), "--device", "cpu"], "evaluate.py", capsys,
-            "vocab_size=2000000000", f"{endpoint} with a batch of 8 needs at least", "lower vocab_size")
+            "vocab_size=2000000000", f"{endpoint} needs at least", "lower vocab_size")
 
 
 @pytest.mark.fault("api")
-def test_probes_refuse_a_batch_before_any_model_loads(tmp_path, one_gb):
-    pairs = [("cell", _probe_run(tmp_path, "b", looped=False), _probe_run(tmp_path, "s"))]   # ckpt.pt is empty
-    with pytest.raises(checks.TooLargeError, match="^batch_size=100000000: probing needs at least .* lower batch_size"):
+def test_probes_refuse_a_model_before_any_loads(tmp_path, one_gb):
+    pairs = [("cell", _probe_run(tmp_path, "b", looped=False, vocab=2 * 10**9),
+              _probe_run(tmp_path, "s", vocab=2 * 10**9))]   # their ckpt.pt are empty: never read
+    with pytest.raises(checks.TooLargeError, match="^vocab_size=2000000000: probing needs at least .* lower vocab_size"):
         probe_pairs.probe_pairs(pairs, None, tokens=64, block_size=32, batch_size=10**8, device="cpu")
+
+
+@pytest.mark.fault("api")
+def test_evaluate_refuses_a_validation_batch_beside_loaded_weights(tmp_path, one_gb, monkeypatch):
+    monkeypatch.setattr(evaluate, "load_model", lambda path, device: (GPT(tiny_model()), {
+        "run_dir": None, "branch_step": None, "step": 6, "tokens": 0, "endpoint": None, "model": {},
+        "checkpoint": {}, "meta": {}, "data_dir": None}))
+    with pytest.raises(checks.TooLargeError, match=r"^batch_size=10000000: validation needs at least .* \(logits"):
+        evaluate.evaluate_endpoint("run", batch_size=10**7, data=T.SyntheticData(64), device="cpu")
 
 
 @pytest.mark.fault("cli")

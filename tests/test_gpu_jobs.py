@@ -175,5 +175,5 @@ def test_choose_jobs_refuses_a_plan_whose_run_cannot_fit(smoke_plan):
             mock.patch.object(reproduce, "free_cpu_bytes", return_value=10**6), \
             mock.patch.object(checks, "available_memory", return_value=10**6):
         with pytest.raises(checks.TooLargeError, match=r"^\w+=\d+: run m48_\w+'s training step needs at least .* "
-                                                       r"more than the 1.0 MB free there"):
+                                                       r"more than the 1.0 MB available there"):
             reproduce.choose_jobs(None, plan, ladder)
