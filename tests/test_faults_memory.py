@@ -3,6 +3,7 @@ the setting it grows fastest with (budget.refuse_oversized over the one estimate
 anything is allocated, at every entry point that builds a model or a batch; the allocator's own out-of-memory
 error is one line too (checks.run_main)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,30 @@ def test_another_runtime_error_is_still_a_bug(capsys):
     with pytest.raises(SystemExit) as e:
         checks.run_main(main, [], prog="x.py")
     assert e.value.code == 1 and "this is a bug" in capsys.readouterr().err
+
+
+RANK1_SHORT = """
+import os, sys
+sys.path.insert(0, {root!r})
+import checks
+if os.environ["RANK"] == "1":   # only this rank's device is short of memory
+    checks.available_memory = lambda device: 1000
+import train
+checks.run_main(train.main, sys.argv[1:], prog="train.py")
+"""
+
+
+@pytest.mark.fault("cli")
+def test_under_torchrun_every_rank_refuses_together(tmp_path):
+    """One rank cannot hold its step: both stop at once (rank 0 would otherwise wait in DDP's setup)."""
+    script = tmp_path / "rank1_short.py"
+    script.write_text(RANK1_SHORT.format(root=str(ROOT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "--preset", "smoke-dense", "--data", "synthetic", "--stable-steps", "2", "--batch-size", "4",
+           "--device", "cpu", "--out-dir", str(tmp_path / "r")]
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=240)
+    log = p.stdout + p.stderr
+    assert p.returncode != 0 and log.count(": error: ") == 2 and "this is a bug" not in log, log[-3000:]   # a line each
+    assert "available there" in log and "another rank cannot hold one training step" in log, log[-3000:]
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
