@@ -253,22 +253,15 @@ def run_main(main, argv=None, prog: str | None = None):
         msg = os_error_line(e)
     except ModuleNotFoundError as e:
         msg = f"the package {e.name!r} is not installed: pip install -r requirements.txt"
-    except RuntimeError as e:   # torch.OutOfMemoryError included
-        msg = allocator_line(e)
+    except Exception as e:
+        msg = allocator_line(e)   # the allocator's out-of-memory error is a size, not a bug
         if msg is None:
             traceback.print_exc()
-            _bug(prog)
-    except Exception:
-        traceback.print_exc()
-        _bug(prog)
+            print(f"{prog}: this is a bug in looped-moe, not in your input: please report it with the command line "
+                  f"and the traceback above", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
     print(f"{prog}: error: {one_line(msg)}", file=sys.stderr, flush=True)
     raise SystemExit(2)
-
-
-def _bug(prog: str):
-    print(f"{prog}: this is a bug in looped-moe, not in your input: please report it with the command line "
-          f"and the traceback above", file=sys.stderr, flush=True)
-    raise SystemExit(1) from None
 
 
 def read_config(path: str, cls, flag: str, key: str | None = None):

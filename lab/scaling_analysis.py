@@ -246,14 +246,12 @@ MEASURED_PRIOR = Path(__file__).with_name("measured_surfaces.json")   # the fits
 
 
 def load_prior(path: str | Path = MEASURED_PRIOR) -> dict:
-    """{"source": str, "surfaces": {arch: (Coeffs, log-noise)}, "why": {arch: [...]}, "pinned": {arch: [...]}}
-    from a prior file (save_prior); a surface with reasons in "why" is a best fit that `identify` did not accept,
-    one with "b" pinned was fitted on one sparsity (its b is the pin, 0, not a measurement)."""
-    d = checks.read_hashed_json(Path(path), ("source", "surfaces"))
-    return {"source": d["source"], "why": {a: v["why"] for a, v in d["surfaces"].items()},
-            "pinned": {a: v.get("pinned", []) for a, v in d["surfaces"].items()},
-            "surfaces": {a: (Coeffs(**{k: v[k] for k in "EAKabc"}), float(v["log_noise"]))
-                         for a, v in d["surfaces"].items()}}
+    """{"source", "surfaces": {arch: (Coeffs, log-noise)}, "why": {arch: [...]}, "pinned": {arch: [...]}} from a
+    prior file (save_prior); "why": a best fit `identify` did not accept; "pinned": coefficients fit_result fixed."""
+    s = (d := checks.read_hashed_json(Path(path), ("source", "surfaces")))["surfaces"]
+    return {"source": d["source"], "why": {a: v["why"] for a, v in s.items()},
+            "pinned": {a: v.get("pinned", []) for a, v in s.items()},
+            "surfaces": {a: (Coeffs(**{k: v[k] for k in "EAKabc"}), float(v["log_noise"])) for a, v in s.items()}}
 
 
 def save_prior(path: str | Path, rows: Sequence[dict], source: str) -> dict:
@@ -268,8 +266,7 @@ def save_prior(path: str | Path, rows: Sequence[dict], source: str) -> dict:
     for a, res in sorted(g.results.items()):
         p, co = g.pts[a], res.coeffs
         noise = float(np.sqrt(np.mean((np.log(loss(co, p.F, p.S, p.D)) - np.log(p.L)) ** 2)))
-        surfaces[a] = {**asdict(co), "log_noise": noise, "why": list(g.why[a]),
-                       "pinned": ["b"] if _one_sparsity(g, a) else []}
+        surfaces[a] = {**asdict(co), "log_noise": noise, "why": list(g.why[a]), "pinned": sorted(res.fixed)}
     checks.write_json(Path(path), {"source": source, "surfaces": surfaces})
     return surfaces
 
@@ -278,13 +275,12 @@ def design_power(shape: Mapping, noise: float | None = None, seeds: int = 8, pri
     """How often each surface refits identified when drawn on `shape` with log-normal noise. prior "measured" (or a
     prior file): surfaces measured at our scale (load_prior), drawn at the plan's own F, S and D with each one's
     measured noise (`noise` overrides it): a forecast of what a run will identify. "paper": Table 4.3's surfaces at
-    the paper's F and D (scaling.calibrate_rules, noise 0.005): a geometric proxy only. "unforecast" says why a
-    measured prior cannot forecast this grid (a b it pinned, on a grid whose S varies), else None."""
+    the paper's F and D (scaling.calibrate_rules, noise 0.005): a geometric proxy only. "unforecast": why a
+    measured prior cannot forecast this grid (it pinned b, the grid varies S), else None."""
     from scaling import calibrate_rules, data_checks
     S = shape["sparsities"]
     b_free = len(S) > 1                                   # one sparsity: b is pinned to 0 (_fit_all)
-    spans = {"C": shape["C_span"], "F": shape["F_span"], "D": shape["D_span"],
-             "one_minus_S": (1 - min(S)) / (1 - max(S))}
+    spans = {"C": shape["C_span"], "F": shape["F_span"], "D": shape["D_span"], "one_minus_S": (1 - min(S)) / (1 - max(S))}
     why = data_checks(shape["points"], 6 - (not b_free), spans, b_free)
     out = {"prior": "Table 4.3 at the paper's F and D" if prior == "paper" else None, "noise": noise,
            "datasets": 0, "identified": 0, "identified_by_arch": {}, "why": why, "unforecast": None}
@@ -298,20 +294,18 @@ def design_power(shape: Mapping, noise: float | None = None, seeds: int = 8, pri
         return dict(out, noise=noise, datasets=len(res), identified=sum(r["identified"] for r in res),
                     gain_err_pp=[r["gain_err_pp"] for r in res if r["identified"]])   # CE gain at S = 0.95 vs truth
     pr = load_prior(MEASURED_PRIOR if prior == "measured" else prior)
-    if b_free and (blind := sorted(a for a, p in pr["pinned"].items() if "b" in p and a in shape["F"])):
-        return dict(out, prior=f"measured: {pr['source']}", unforecast=(
-            f"the measured {' and '.join(blind)} surface{'s' * (len(blind) > 1)} pinned b (fitted on one sparsity), "
-            f"so {'they say' if len(blind) > 1 else 'it says'} nothing of how the loss moves with S, which this "
-            f"grid varies ({len(S)} sparsities) (the geometric proxy instead: scripts/grid_power.py --prior paper)"))
+    weak = [a for a, w in pr["why"].items() if w]
+    src = f"measured: {pr['source']}" + (f" ({', '.join(weak)}: a best fit that is not identified)" if weak else "")
+    if b_free and (blind := [a for a, p in sorted(pr["pinned"].items()) if "b" in p and a in shape["F"]]):
+        return dict(out, prior=src, unforecast=f"the measured {' and '.join(blind)} pinned b (fitted on one "
+                    f"sparsity): no measure of how the loss moves with S, which this grid varies ({len(S)} "
+                    f"sparsities); the geometric proxy instead: scripts/grid_power.py --prior paper")
     hits = {a: [] for a in pr["surfaces"]}
     for seed in range(seeds):
         for a, p in prior_points(shape, pr, noise, seed).items():
             with warnings.catch_warnings(action="ignore"):
                 hits[a].append(fit_result(p.F, p.S, p.D, p.L, fixed={} if b_free else {"b": 0.0}, n_starts=8).identified)
-    weak = [a for a, w in pr["why"].items() if w]
-    src = f"measured: {pr['source']}" + (f" ({', '.join(weak)}: a best fit that is not identified)" if weak else "")
-    return dict(out, prior=src, noise={a: sd if noise is None else noise
-                                                               for a, (_, sd) in pr["surfaces"].items()},
+    return dict(out, prior=src, noise={a: sd if noise is None else noise for a, (_, sd) in pr["surfaces"].items()},
                 datasets=seeds, identified=int(sum(all(h) for h in zip(*hits.values()))),
                 identified_by_arch={a: int(sum(h)) for a, h in hits.items()})
 
@@ -386,11 +380,6 @@ def _group(rows: Sequence[dict], include_dense: bool, target: str, ref: str) -> 
                  {r["arch"] for r in fit_rows}, unmatched, pair, (target, ref))
 
 
-def _one_sparsity(g: _Grid, a: str) -> bool:
-    """One sparsity label among a's rows: its fit cannot see b, which is pinned to 0."""
-    return len({r["sparsity_label"] for r in g.by_arch[a]}) == 1
-
-
 def _fit_all(g: _Grid, rules: Rules) -> None:
     """Fit each architecture (b pinned to 0 when it has one sparsity label) into g.results, g.why and g.fits."""
     g.rules = rules
@@ -401,7 +390,7 @@ def _fit_all(g: _Grid, rules: Rules) -> None:
             g.why[a] = [f"no rows to fit: no cell shared with {other}" if a in g.had_rows else
                         f"no rows to fit: only {CONTROL_LABEL} control cells" if a in g.control else "no rows to fit"]
             continue
-        fixed = {"b": 0.0} if _one_sparsity(g, a) else {}
+        fixed = {"b": 0.0} if len({r["sparsity_label"] for r in g.by_arch[a]}) == 1 else {}
         try:
             with warnings.catch_warnings(action="ignore"):
                 g.results[a] = fit_result(p.F, p.S, p.D, p.L, fixed=fixed, rules=rules)

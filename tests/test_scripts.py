@@ -360,7 +360,7 @@ def test_design_power_draws_a_measured_prior_at_the_plans_own_points(tmp_path):
     assert p["unforecast"] is None
     varied = scaling_analysis.design_power(dict(shape, sparsities=[0.85, 0.95, 0.97]), seeds=3, prior=path)
     assert varied["identified_by_arch"] == {} and varied["datasets"] == 0   # a b it never measured: no forecast
-    assert "baseline and smelt surfaces pinned b" in varied["unforecast"] and "3 sparsities" in varied["unforecast"]
+    assert "the measured baseline and smelt pinned b" in varied["unforecast"] and "3 sparsities" in varied["unforecast"]
     narrow = dict(shape, F={a: [f[0], f[0] * 1.0001] * 3 for a, f in shape["F"].items()})
     assert scaling_analysis.design_power(narrow, noise=0.002, seeds=2, prior=path)["identified"] == 0
     same_F = [dict(r, F=1e6 * (1 + 1e-4 * (i % 2))) for i, r in enumerate(rows)]   # F cannot be separated
