@@ -282,17 +282,16 @@ def oversized(cfg: ModelConfig, device, rows: int, T: int, what: str, rows_name:
     and the caller cannot change it); rows_shown: the rows as the user set them (all ranks' batch)."""
     def need(c, r, t):
         return sum(step_memory(c, r, t, train, grad_accum, shards, weight_bytes).values())
-    have = checks.available_memory(device)
-    if have is None or need(cfg, rows, T) <= have:
+    terms, have = step_memory(cfg, rows, T, train, grad_accum, shards, weight_bytes), checks.available_memory(device)
+    if have is None or sum(terms.values()) <= have:
         return None
-    terms = step_memory(cfg, rows, T, train, grad_accum, shards, weight_bytes)
     name, value = _dominant(cfg, rows, T, need, rows_name)
     parts = ", ".join(f"{k} {checks.format_bytes(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]) if v)
     if name == rows_name:
         value, fix = rows if rows_shown is None else rows_shown, f"lower {name}" + (f" or {rows_hint}" * bool(rows_hint))
     else:
         fix = model_hint or f"lower {name}"
-    return (f"{name}={value}: {what} needs at least {checks.format_bytes(need(cfg, rows, T))} on {device} ({parts}), "
+    return (f"{name}={value}: {what} needs at least {checks.format_bytes(sum(terms.values()))} on {device} ({parts}), "
             f"more than the {checks.format_bytes(have)} available there: {fix}")
 
 

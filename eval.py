@@ -152,11 +152,11 @@ def val_loss_report(model: nn.Module, data, block_size: int, batch_size: int, ma
                        max_tokens_per_source, n_buckets, device=model_device(model))
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", rows: int = 0):
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(GPT, meta) from a run directory (RUN_DIR/ckpt.pt, the longest branch, with config.json), an endpoint file
     (RUN_DIR/endpoints/branch_BBBBBBB.pt) or a training checkpoint (RUN_DIR/ckpt/*.pt). The ModelConfig comes
     from the file's own "meta", else from the run's config.json; meta: config.json's keys plus those below.
-    Weights that, with `rows` sequences of a full context, cannot fit `device` are refused before it is built."""
+    Weights that cannot fit `device` are refused before the model is built (budget.refuse_oversized)."""
     import budget
     from model import GPT, ModelConfig
     p = Path(path)
@@ -192,8 +192,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", rows: int =
                                   f"{run / 'config.json' if run else 'a config.json beside it'} has a 'model' key "
                                   f"(expected ModelConfig.to_dict())")
     mc = checks.config_from(ModelConfig, cfg, run / "config.json" if cfg is config.get("model") else file)
-    budget.refuse_oversized(mc, device, rows, mc.block_size, f"{file}" + f" with a batch of {rows}" * bool(rows),
-                            train=False)
+    budget.refuse_oversized(mc, device, 0, mc.block_size, str(file), train=False)
     model = GPT(mc)
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
     try:

@@ -115,12 +115,16 @@ def default_jobs(device: str, cpus: int, mem_free: int | None = None, mem_per_ru
     return max(1, jobs)
 
 
+def run_steps(plan: configs.Plan, ladder: list[dict]) -> list[tuple[str, ModelConfig, dict]]:
+    """(run name, model, its training step's budget.step_memory sizes: the plan's batch and block) of every run."""
+    tc = train.train_config(plan)
+    return [(r.name, c, dict(rows=tc.batch_size, T=tc.block_size or c.block_size, grad_accum=tc.grad_accum))
+            for r in configs.plan_runs(Path("."), ladder, plan) for c in [ModelConfig.from_dict(r.cell[r.arch])]]
+
+
 def bytes_per_run(plan: configs.Plan, ladder: list[dict], overhead: int) -> int:
     """A lower bound on one worker's memory: the largest run's budget.step_memory + `overhead`."""
-    tc = train.train_config(plan)
-    cfgs = [ModelConfig.from_dict(r.cell[r.arch]) for r in configs.plan_runs(Path("."), ladder, plan)]
-    return overhead + max(sum(budget.step_memory(c, tc.batch_size, tc.block_size or c.block_size,
-                                                 grad_accum=tc.grad_accum).values()) for c in cfgs)
+    return overhead + max(sum(budget.step_memory(c, **sizes).values()) for _, c, sizes in run_steps(plan, ladder))
 
 
 def refuse_oversized_runs(plan: configs.Plan, ladder: list[dict], device: str, per_run: int, free: int | None):
@@ -128,11 +132,8 @@ def refuse_oversized_runs(plan: configs.Plan, ladder: list[dict], device: str, p
     (looked for only when per_run, the worker's overhead included, exceeds the `free` bytes)."""
     if free is None or per_run <= free:
         return
-    tc = train.train_config(plan)
-    for r in configs.plan_runs(Path("."), ladder, plan):
-        c = ModelConfig.from_dict(r.cell[r.arch])
-        budget.refuse_oversized(c, device, tc.batch_size, tc.block_size or c.block_size,
-                                f"run {r.name}'s training step", train=True, grad_accum=tc.grad_accum,
+    for name, c, sizes in run_steps(plan, ladder):
+        budget.refuse_oversized(c, device, what=f"run {name}'s training step", train=True, **sizes,
                                 model_hint="use a smaller --preset, or a machine with more memory",
                                 rows_hint="use a smaller --preset")
 

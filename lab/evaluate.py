@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 
 import budget
 import checks
@@ -78,7 +77,7 @@ def evaluate_endpoint(path: str | Path, tasks: Sequence[str] = ("all",), shots: 
         raise ValueError(f"evaluate_endpoint: shots must be a non-empty list of ints >= 0, got {shots!r}")
     checks.need_ints("evaluate_endpoint", 0, shots=list(shots))
     names = resolve_tasks([tasks] if isinstance(tasks, str) else tasks)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = checks.resolve_device(device)
     model, meta = load_model(path, device)
     block = model.cfg.block_size
     run_meta = meta.get("meta") or {}

@@ -273,7 +273,7 @@ def plot_bars(path: Path, labels: list[str], values: list[float], ylabel: str, t
 def load_trained(run_dir: str | Path, device: str | None = None):
     """(GPT, meta) of a finished run: eval.load_model on the RUN_DIR/ckpt.pt that train.py exports."""
     import eval as ev
-    return ev.load_model(run_dir, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return ev.load_model(run_dir, checks.resolve_device(device))
 
 
 def add_pair_args(ap: argparse.ArgumentParser) -> None:
